@@ -1,0 +1,206 @@
+"""Run configuration: one dataclass per TOML section, `--set section.key=value` overrides, validation.
+
+Every message raised here is one line that names the key and how to fix it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli_w
+
+from .errors import ConfigError
+from .model.spec import ModelSpec
+
+SHIPPED = Path(__file__).parent / "configs"
+DTYPES = ("bfloat16", "float32")
+SCHEDULES = ("constant", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # token file (.npy or .bin); empty: the built-in corpus
+    shuffle: bool = True
+
+    def validate(self) -> None:
+        pass  # the file itself is checked when it is opened
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 16  # sequences per optimizer step
+    micro_batch_size: int = 8
+    seq_len: int = 256
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+    device: str = "auto"
+    log_every: int = 10
+    loss_chunk_tokens: int = 0  # tokens per cross-entropy chunk; 0: sized so a chunk's logits stay near 64 MiB
+
+    def validate(self) -> None:
+        for key in ("steps", "batch_size", "micro_batch_size", "seq_len", "log_every"):
+            _need(getattr(self, key) > 0, "train", key, self, "must be a positive integer")
+        _need(self.loss_chunk_tokens >= 0, "train", "loss_chunk_tokens", self, "must be 0 (auto) or positive")
+        _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
+        _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
+        _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
+        _need(self.batch_size % self.micro_batch_size == 0, "train", "batch_size", self,
+              f"must be a multiple of train.micro_batch_size ({self.micro_batch_size})")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # decoupled, on tensors of 2 or more dimensions only
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+
+    def validate(self) -> None:
+        _need(self.lr > 0, "optim", "lr", self, "must be positive")
+        _need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim", "betas", self,
+              "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+        _need(self.eps > 0, "optim", "eps", self, "must be positive")
+        _need(self.weight_decay >= 0, "optim", "weight_decay", self, "must be 0 or positive")
+        _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
+        _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")
+        _need(self.warmup_steps >= 0, "optim", "warmup_steps", self, "must be 0 or positive")
+        _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")
+
+
+SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig}
+
+
+@dataclass
+class Config:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def validate(self) -> "Config":
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        self.optim.validate()
+        _need(self.train.seq_len <= self.model.max_position_embeddings, "train", "seq_len", self.train,
+              f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
+              "lower train.seq_len or raise model.max_position_embeddings")
+        return self
+
+    def to_dict(self) -> dict:
+        out = {}
+        for name in SECTIONS:
+            sec = getattr(self, name)
+            out[name] = {f.name: getattr(sec, f.name) for f in dataclasses.fields(sec)
+                         if not f.name.startswith("_") and getattr(sec, f.name) is not None}
+        return out
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _q(options: tuple[str, ...]) -> str:
+    return ", ".join(f'"{o}"' for o in options)
+
+
+def _need(ok: bool, section: str, key: str, obj: object, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{section}.{key} = {_show(getattr(obj, key))} is not allowed: {why}; "
+                          f"change it in the config file or with --set {section}.{key}=...")
+
+
+def _show(v: object) -> str:
+    return tomli_w.dumps({"v": v})[4:].strip() if v is not None else "unset"
+
+
+def _coerce(section: str, key: str, value: object, hint: object) -> object:
+    """Checks a TOML value against a field's type; ints are accepted where floats are expected."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, type(int | None)) and len(args) == 1:
+        hint = args[0]
+    base = typing.get_origin(hint) or hint
+    ok = False
+    if base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif base is str:
+        ok = isinstance(value, str)
+    elif base is list:
+        ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        value = [float(v) for v in value] if ok else value
+    elif base is dict:
+        ok = isinstance(value, dict)
+    if not ok:
+        want = {bool: "true or false", int: "an integer", float: "a number", str: "a quoted string",
+                list: "a list of numbers", dict: "a table like {key = value}"}[base]
+        raise ConfigError(f"{section}.{key} must be {want} (got {_show(value)}); "
+                          f"fix it in the config file or with --set {section}.{key}=...")
+    return value
+
+
+def _apply(cfg: Config, data: dict, origin: str) -> None:
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}] in {origin}; known sections: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section}] in {origin} must be a table of keys, e.g. {section}.key = value")
+        obj = getattr(cfg, section)
+        hints = typing.get_type_hints(type(obj))
+        known = [f.name for f in dataclasses.fields(obj) if not f.name.startswith("_")]
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown key {section}.{key} in {origin}; known keys of [{section}]: "
+                                  f"{', '.join(known)}")
+            setattr(obj, key, _coerce(section, key, value, hints[key]))
+
+
+def parse_override(text: str) -> dict:
+    """'section.key=value' with the value read as a TOML literal (a bare word is taken as a string)."""
+    key, eq, raw = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not eq or not dot or not section or not name:
+        raise ConfigError(f"--set {text!r} is not of the form section.key=value, e.g. --set train.steps=50")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return {section: {name: value}}
+
+
+def resolve_path(path: str | None) -> Path:
+    if path is None:
+        return SHIPPED / "debug.toml"
+    p = Path(path)
+    if p.is_file():
+        return p
+    shipped = SHIPPED / (p.name if p.suffix == ".toml" else p.name + ".toml")
+    if p.parent == Path(".") and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(f.stem for f in SHIPPED.glob("*.toml")))
+    raise ConfigError(f"config file {path!r} not found; pass --config an existing TOML file or a shipped name ({names})")
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    src = resolve_path(path)
+    try:
+        data = tomllib.loads(src.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{src} is not valid TOML: {e}") from None
+    cfg = Config()
+    _apply(cfg, data, str(src))
+    for o in overrides:
+        _apply(cfg, parse_override(o), "--set")
+    return cfg.validate()

@@ -1,0 +1,167 @@
+"""Token files, the deterministic resumable loader, and `prepare`.
+
+Token files are 1-D integer arrays: NumPy `.npy`, or tiertrain's `.bin`:
+    bytes 0-7    magic b"TTOKENS\\0"
+    bytes 8-11   version, uint32 little-endian (1)
+    bytes 12-15  bytes per token, uint32 (2: uint16 tokens, 4: uint32 tokens)
+    bytes 16-23  token count, uint64
+    bytes 24-31  reserved, zero
+    bytes 32-    the tokens, little-endian
+Row r of a file is tokens[r*S : r*S+S+1] (S = train.seq_len): inputs are its first S, targets its last S.
+Sample j of optimizer step k is global sample s = k*B + j (B = train.batch_size); the file is read in
+epochs of R rows, sample s is row s mod R of epoch s // R, through a permutation seeded by
+(train.seed, epoch) when data.shuffle is on. A batch is a pure function of the step: resumable.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DataError
+
+MAGIC = b"TTOKENS\0"
+HEADER = struct.Struct("<8sIIQ8x")
+BYTE_EOS = 256  # the byte-level tokenizer: ids 0-255 are bytes, 256 ends a document
+BYTE_VOCAB = 257
+
+
+def read_tokens(path: str | os.PathLike) -> np.ndarray:
+    """The file's tokens as a read-only memory map."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data file {str(p)!r} not found; set data.path to an existing .npy or .bin token "
+                        "file (make one with `tiertrain prepare`), or leave it empty for the built-in corpus")
+    if p.suffix == ".npy":
+        try:
+            arr = np.load(p, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise DataError(f"{p} is not a readable .npy array ({e}); rewrite it with numpy.save") from None
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise DataError(f"{p} holds a {arr.ndim}-D {arr.dtype} array; it must be 1-D integer token ids")
+        return arr
+    if p.suffix != ".bin":
+        raise DataError(f"{p}: unknown token file type {p.suffix!r}; use .npy or .bin (see `tiertrain prepare`)")
+    with open(p, "rb") as f:
+        head = f.read(HEADER.size)
+    if len(head) < HEADER.size or head[:8] != MAGIC:
+        raise DataError(f"{p} is not a tiertrain token file (bad magic); make one with `tiertrain prepare`")
+    _, version, itemsize, count = HEADER.unpack(head)
+    if version != 1 or itemsize not in (2, 4):
+        raise DataError(f"{p}: unsupported token file version {version} / token size {itemsize}; re-run prepare")
+    if p.stat().st_size != HEADER.size + count * itemsize:
+        raise DataError(f"{p} is truncated or padded: header says {count} tokens, file has "
+                        f"{(p.stat().st_size - HEADER.size) // itemsize}; re-run `tiertrain prepare`")
+    return np.memmap(p, dtype="<u2" if itemsize == 2 else "<u4", mode="r", offset=HEADER.size, shape=(count,))
+
+
+def write_bin(path: str | os.PathLike, chunks, vocab_size: int) -> int:
+    """Writes token chunks (iterables of ints or arrays) as a .bin file, atomically. Returns the count."""
+    itemsize = 2 if vocab_size <= 1 << 16 else 4
+    dtype = "<u2" if itemsize == 2 else "<u4"
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    count = 0
+    with open(tmp, "wb") as f:
+        f.write(HEADER.pack(MAGIC, 1, itemsize, 0))
+        for chunk in chunks:
+            arr = np.asarray(chunk, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                raise DataError(f"token id {int(arr.max())} does not fit the vocabulary of {vocab_size}")
+            f.write(arr.astype(dtype).tobytes())
+            count += arr.size
+        f.seek(0)
+        f.write(HEADER.pack(MAGIC, 1, itemsize, count))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return count
+
+
+def byte_encode(text: str) -> np.ndarray:
+    return np.append(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64), BYTE_EOS)
+
+
+def builtin_tokens() -> np.ndarray:
+    """The built-in corpus: CPython's own reference documentation (pydoc_data), byte-tokenized."""
+    from pydoc_data.topics import topics
+
+    return np.concatenate([byte_encode(topics[k]) for k in sorted(topics)])
+
+
+class Loader:
+    """Batches of (inputs, targets) as int64 arrays of shape (B, S), a pure function of the step."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, vocab_size: int,
+                 shuffle: bool, seed: int, name: str = "the built-in corpus"):
+        self.tokens, self.S, self.B, self.V = tokens, seq_len, batch_size, vocab_size
+        self.shuffle, self.seed, self.name = shuffle, seed, name
+        self.rows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
+        if self.rows < batch_size:
+            raise DataError(f"{name} holds {len(tokens)} tokens, {self.rows} rows of train.seq_len+1 = "
+                            f"{seq_len + 1}, fewer than one batch of train.batch_size = {batch_size} rows "
+                            f"({batch_size * seq_len + 1} tokens); use a longer file or lower those settings")
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _row(self, sample: int) -> int:
+        epoch, r = divmod(sample, self.rows)
+        if not self.shuffle:
+            return r
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+            self._perm = (epoch, rng.permutation(self.rows))
+        return int(self._perm[1][r])
+
+    def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        S = self.S
+        rows = [self._row(step * self.B + j) for j in range(self.B)]
+        block = np.stack([np.asarray(self.tokens[r * S:r * S + S + 1], dtype=np.int64) for r in rows])
+        top = int(block.max())
+        if top >= self.V or int(block.min()) < 0:
+            raise DataError(f"{self.name} holds token id {top}, not below model.vocab_size = {self.V}; "
+                            "raise model.vocab_size or tokenize with a matching tokenizer")
+        return block[:, :-1], block[:, 1:]
+
+
+def _text_blocks(path: Path, block_bytes: int = 1 << 26):
+    """A text file in blocks of whole lines, so huge inputs never sit in memory at once."""
+    with open(path, "r", encoding="utf-8", errors="replace") as f:
+        while True:
+            block = f.read(block_bytes)
+            if not block:
+                return
+            block += f.readline()
+            yield block
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> tuple[int, int]:
+    """Tokenizes text files into a .bin token file; each input file is one document. Returns (tokens, vocab)."""
+    paths = [Path(p) for p in inputs]
+    for p in paths:
+        if not p.is_file():
+            raise DataError(f"input text file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
+    if tokenizer is None:
+        vocab = BYTE_VOCAB
+
+        def chunks():
+            for p in paths:
+                for block in _text_blocks(p):
+                    yield np.frombuffer(block.encode("utf-8"), dtype=np.uint8)
+                yield [BYTE_EOS]
+    else:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from None
+        if not Path(tokenizer).is_file():
+            raise DataError(f"tokenizer file {tokenizer!r} not found; pass a Hugging Face tokenizer.json")
+        tok = Tokenizer.from_file(tokenizer)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+
+        def chunks():
+            for p in paths:
+                for block in _text_blocks(p):
+                    yield tok.encode(block, add_special_tokens=False).ids
+    return write_bin(out, chunks(), vocab), vocab

@@ -1,0 +1,53 @@
+"""Per-step records: metrics.jsonl and the progress line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def human_count(n: float) -> str:
+    for unit, k in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= k:
+            return f"{n / k:.2f}{unit}"
+    return str(int(n))
+
+
+def format_duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def progress_line(rec: dict, total_steps: int, eta_s: float) -> str:
+    return (f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+            f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
+            f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s)}")
+
+
+class MetricsLog:
+    """Appends one JSON object per step; flushed per line so a killed run keeps what it logged."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, rec: dict) -> None:
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,154 @@
+"""Model shape: Hugging Face-compatible fields, streaming units, tensor tables, counts. No torch here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # name inside its unit, the key a template reads
+    shape: tuple[int, ...]
+    hf_name: str  # name in a Hugging Face checkpoint
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    index: int
+    kind: str  # "embed" | "block" | "head"
+    name: str
+    tensors: tuple[TensorSpec, ...]
+    # tied weights: (name in this unit's template, owner unit index, owner's tensor name)
+    borrows: tuple[tuple[str, int, str], ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def template(self) -> str:
+        return self.kind
+
+
+@dataclass
+class ModelSpec:
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int | None = None  # None: same as num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    vocab_size: int = 384
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...} or None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    model_type: str = "llama"
+    _units: tuple[UnitSpec, ...] | None = field(default=None, init=False, repr=False, compare=False)
+
+    # ---- derived shape ------------------------------------------------------------------------
+    @property
+    def n_kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        def need(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"model.{key} = {getattr(self, key)!r} is not allowed: {why}")
+
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "vocab_size", "max_position_embeddings"):
+            v = getattr(self, key)
+            need(isinstance(v, int) and v > 0, key, "must be a positive integer")
+        need(self.num_key_value_heads is None or self.num_key_value_heads > 0, "num_key_value_heads",
+             "must be a positive integer")
+        need(self.num_attention_heads % self.n_kv_heads == 0, "num_key_value_heads",
+             f"must divide model.num_attention_heads ({self.num_attention_heads})")
+        if self.head_dim is None:
+            need(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+                 f"must be a multiple of model.num_attention_heads ({self.num_attention_heads}), "
+                 "or set model.head_dim")
+        need(self.hd > 0 and self.hd % 2 == 0, "head_dim", "must be a positive even number (RoPE)")
+        need(self.rope_theta > 0, "rope_theta", "must be positive")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+        need(self.initializer_range > 0, "initializer_range", "must be positive")
+        need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
+        rs = self.rope_scaling
+        if rs is not None:
+            kind = rs.get("rope_type", rs.get("type", "default"))
+            need(kind in ROPE_TYPES, "rope_scaling", f"rope_type must be one of {', '.join(ROPE_TYPES)}")
+            if kind == "llama3":
+                missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                       "original_max_position_embeddings") if k not in rs]
+                need(not missing, "rope_scaling", f"llama3 scaling needs {', '.join(missing)}")
+
+    # ---- units and tensor tables --------------------------------------------------------------
+    def units(self) -> tuple[UnitSpec, ...]:
+        if self._units is None:
+            self._units = self._build_units()
+        return self._units
+
+    def _build_units(self) -> tuple[UnitSpec, ...]:
+        h, v, ff = self.hidden_size, self.vocab_size, self.intermediate_size
+        q_out, kv_out = self.num_attention_heads * self.hd, self.n_kv_heads * self.hd
+        embed = UnitSpec(0, "embed", "embed", (TensorSpec("embed_tokens.weight", (v, h), "model.embed_tokens.weight"),))
+        units = [embed]
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            local = [("self_attn.q_proj.weight", (q_out, h)), ("self_attn.k_proj.weight", (kv_out, h)),
+                     ("self_attn.v_proj.weight", (kv_out, h)), ("self_attn.o_proj.weight", (h, q_out)),
+                     ("mlp.gate_proj.weight", (ff, h)), ("mlp.up_proj.weight", (ff, h)),
+                     ("mlp.down_proj.weight", (h, ff)),
+                     ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+            if self.attention_bias:
+                local += [("self_attn.q_proj.bias", (q_out,)), ("self_attn.k_proj.bias", (kv_out,)),
+                          ("self_attn.v_proj.bias", (kv_out,))]
+            if self.qk_norm:
+                local += [("self_attn.q_norm.weight", (self.hd,)), ("self_attn.k_norm.weight", (self.hd,))]
+            units.append(UnitSpec(i + 1, "block", f"layers.{i}",
+                                  tuple(TensorSpec(n, s, p + n) for n, s in local)))
+        norm = TensorSpec("norm.weight", (h,), "model.norm.weight")
+        if self.tie_word_embeddings:
+            head = UnitSpec(len(units), "head", "head", (norm,), (("lm_head.weight", 0, "embed_tokens.weight"),))
+        else:
+            head = UnitSpec(len(units), "head", "head", (TensorSpec("lm_head.weight", (v, h), "lm_head.weight"), norm))
+        units.append(head)
+        return tuple(units)
+
+    # ---- counts -------------------------------------------------------------------------------
+    @property
+    def n_params(self) -> int:
+        """Trainable parameters; a tied embedding counts once."""
+        return sum(u.numel for u in self.units())
+
+    @property
+    def n_matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token: all but the embedding lookup."""
+        n = sum(u.numel for u in self.units() if u.kind != "embed")
+        return n + (self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls with weights, plus causal attention
+        (QK^T and AV, 2 FLOPs per multiply-add, forward + 2x backward, average context (S+1)/2).
+        Recomputation is not counted: this is the model's FLOPs, the figure MFU is quoted on."""
+        attn = 3 * 2 * 2 * self.num_hidden_layers * self.num_attention_heads * self.hd * (seq_len + 1) / 2
+        return 6.0 * self.n_matmul_params + attn

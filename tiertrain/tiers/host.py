@@ -1,0 +1,49 @@
+"""Host tier: pinned DRAM slabs, one per (unit, kind)."""
+from __future__ import annotations
+
+import torch
+
+from .slab import SlabLayout, alloc_slab
+
+FP32_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+class HostStore:
+    """Holds every kind of every unit in host memory.
+
+    `weights` (the compute-dtype copy streamed to the GPU) exists only when the compute dtype is not
+    fp32; otherwise the fp32 master is what streams.
+    """
+
+    def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool):
+        self.layouts = layouts
+        self.compute_dtype = compute_dtype
+        self.pin = pin
+        self.kinds = FP32_KINDS + (("weights",) if compute_dtype != torch.float32 else ())
+        self.slabs: list[dict[str, torch.Tensor]] = []
+        for lay in layouts:
+            slabs = {k: alloc_slab(lay.numel, torch.float32, pin) for k in FP32_KINDS}
+            if "weights" in self.kinds:
+                slabs["weights"] = alloc_slab(lay.numel, compute_dtype, pin)
+            self.slabs.append(slabs)
+
+    def slab(self, unit: int, kind: str) -> torch.Tensor:
+        return self.slabs[unit][kind]
+
+    def streamed(self, unit: int) -> torch.Tensor:
+        """The slab that carries the unit's weights to the GPU."""
+        s = self.slabs[unit]
+        return s["weights"] if "weights" in s else s["master"]
+
+    def refresh_weights(self, unit: int) -> None:
+        """Rounds the fp32 master into the compute-dtype copy after an update."""
+        s = self.slabs[unit]
+        if "weights" in s:
+            s["weights"].copy_(s["master"])
+
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for slabs in self.slabs:
+            for k, t in slabs.items():
+                out[k] = out.get(k, 0) + t.numel() * t.element_size()
+        return out

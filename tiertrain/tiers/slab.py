@@ -1,0 +1,72 @@
+"""Slabs: one flat, 4 KiB-aligned buffer per unit and kind, and the table that names views into it.
+
+The layout is shared by every kind of a unit (weights, master, exp_avg, exp_avg_sq, grad), so one
+table turns any of them into named tensors. Tensors with weight decay come first and those without
+after, so the optimizer updates each group as one contiguous range. Padding stays zero through AdamW
+(zero grad, zero moments, zero weight), so ranges may include it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAGE = 4096
+TENSOR_ALIGN = 64  # elements: every tensor starts on a 128-byte (bf16) / 256-byte (fp32) boundary
+SLAB_ALIGN = 2048  # elements: slab sizes are whole 4 KiB pages in bf16 and in fp32
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # in elements
+    numel: int
+
+
+@dataclass(frozen=True)
+class SlabLayout:
+    entries: tuple[Entry, ...]
+    numel: int  # padded size in elements
+    decay_numel: int  # entries[:k] with ndim >= 2 live in [0, decay_numel); the rest after
+
+    @classmethod
+    def build(cls, tensors: list[tuple[str, tuple[int, ...]]]) -> "SlabLayout":
+        ordered = [t for t in tensors if len(t[1]) >= 2] + [t for t in tensors if len(t[1]) < 2]
+        entries, off, decay_end = [], 0, 0
+        for name, shape in ordered:
+            n = 1
+            for d in shape:
+                n *= d
+            entries.append(Entry(name, tuple(shape), off, n))
+            off = _round_up(off + n, TENSOR_ALIGN)
+            if len(shape) >= 2:
+                decay_end = off
+        return cls(tuple(entries), max(_round_up(off, SLAB_ALIGN), SLAB_ALIGN), decay_end)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries}
+
+    def ranges(self) -> list[tuple[int, int, bool]]:
+        """(start, end, decay) ranges that cover every entry: the optimizer's groups."""
+        out = []
+        if self.decay_numel:
+            out.append((0, self.decay_numel, True))
+        if self.decay_numel < self.numel:
+            out.append((self.decay_numel, self.numel, False))
+        return out
+
+
+def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed flat tensor whose first byte is page-aligned (direct I/O and fast DMA need it)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % PAGE
+    flat = raw[skip:skip + nbytes].view(dtype)
+    assert flat.data_ptr() % PAGE == 0
+    return flat

@@ -1,0 +1,143 @@
+"""Wiring: config -> data -> slabs on the host tier -> device buffers -> step engine -> loop."""
+from __future__ import annotations
+
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .config import Config
+from .data import Loader, builtin_tokens, read_tokens
+from .engine.schedule import StepEngine
+from .engine.streams import DeviceBuffers
+from .errors import ConfigError
+from .metrics import MetricsLog, format_duration, human_bytes, human_count, progress_line
+from .model.llama import Context
+from .optim.adamw import HostAdamW, clip_coefficient, lr_at
+from .tiers.host import HostStore
+from .tiers.slab import SlabLayout
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError('train.device = "cuda" but no CUDA GPU is visible; use --set train.device="cpu" or "auto"')
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        spec, tc = cfg.model, cfg.train
+        self.device = resolve_device(tc.device)
+        self.dtype = DTYPES[tc.compute_dtype]
+        if cfg.data.path:
+            tokens, name = read_tokens(cfg.data.path), cfg.data.path
+        else:
+            tokens, name = builtin_tokens(), "the built-in corpus"
+        self.loader = Loader(tokens, tc.seq_len, tc.batch_size, spec.vocab_size, cfg.data.shuffle, tc.seed, name)
+        self.loader.batch(0)  # bad data stops the run here, before any large allocation
+
+        self.units = spec.units()
+        self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
+        self.host = HostStore(self.layouts, self.dtype, pin=self.device.type == "cuda")
+        self._init_weights()
+        self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype)
+        self.engine = StepEngine(self.units, self.layouts, self.buffers,
+                                 Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
+        self.optim = HostAdamW(self.host, self.layouts, cfg.optim)
+        self.step = 0
+
+    # ---- weights ------------------------------------------------------------------------------
+    def _init_weights(self) -> None:
+        """Hugging Face's Llama init: normal(0, initializer_range) matrices, unit norms, zero biases.
+        Each tensor draws from its own generator, seeded by (train.seed, its name): the init does not
+        depend on placement, order or device."""
+        std = self.cfg.model.initializer_range
+        for unit, lay in zip(self.units, self.layouts):
+            views = lay.views(self.host.slab(unit.index, "master"))
+            for t in unit.tensors:
+                v = views[t.name]
+                if len(t.shape) >= 2:
+                    g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + zlib.crc32(t.hf_name.encode()))
+                    v.normal_(0.0, std, generator=g)
+                elif t.name.endswith(".bias"):
+                    v.zero_()
+                else:
+                    v.fill_(1.0)
+            self.host.refresh_weights(unit.index)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights under Hugging Face names (copies)."""
+        out = {}
+        for unit, lay in zip(self.units, self.layouts):
+            views = lay.views(self.host.slab(unit.index, "master"))
+            out.update({t.hf_name: views[t.name].clone() for t in unit.tensors})
+        return out
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        for unit, lay in zip(self.units, self.layouts):
+            views = lay.views(self.host.slab(unit.index, "master"))
+            for t in unit.tensors:
+                views[t.name].copy_(sd[t.hf_name])
+            self.host.refresh_weights(unit.index)
+
+    # ---- training -----------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        tc = self.cfg.train
+        t0 = time.perf_counter()
+        inp, tgt = self.loader.batch(self.step)
+        inputs = torch.from_numpy(inp).to(self.device).split(tc.micro_batch_size)
+        targets = torch.from_numpy(tgt).to(self.device).split(tc.micro_batch_size)
+        loss, norms = self.engine.run(list(inputs), list(targets))
+        grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
+        lr = lr_at(self.step, self.cfg.optim, tc.steps)
+        self.optim.update(lr, clip)
+        loss = float(loss)
+        dt = time.perf_counter() - t0
+        self.step += 1
+        tokens = tc.batch_size * tc.seq_len
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens": self.step * tokens, "step_s": dt, "tokens_per_s": tokens / dt,
+                "model_tflops": self.cfg.model.flops_per_token(tc.seq_len) * tokens / dt / 1e12}
+
+    def describe(self) -> list[str]:
+        spec, tc = self.cfg.model, self.cfg.train
+        host = self.host.nbytes()
+        return [
+            f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
+            f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
+            f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {tc.micro_batch_size}, "
+            f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
+            f"host tier: {human_bytes(sum(host.values()))} ("
+            + ", ".join(f"{k} {human_bytes(v)}" for k, v in host.items()) + ")",
+            f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
+            "plus activations",
+        ]
+
+    def fit(self, out: Path, echo: Callable[[str], None] = print) -> list[dict]:
+        tc = self.cfg.train
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(self.cfg.to_toml())
+        for line in self.describe():
+            echo(line)
+        log = MetricsLog(out / "metrics.jsonl")
+        history, t_start = [], time.perf_counter()
+        try:
+            while self.step < tc.steps:
+                rec = self.train_step()
+                log.write(rec)
+                history.append(rec)
+                if rec["step"] % tc.log_every == 0 or rec["step"] in (1, tc.steps):
+                    elapsed = time.perf_counter() - t_start
+                    echo(progress_line(rec, tc.steps, elapsed / rec["step"] * (tc.steps - rec["step"])))
+        finally:
+            log.close()
+        echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}, "
+             f"final loss {history[-1]['loss']:.4f}; metrics in {out / 'metrics.jsonl'}")
+        return history
