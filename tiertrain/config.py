@@ -5,6 +5,7 @@ Every message raised here is one line that names the key and how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -119,7 +120,8 @@ def _need(ok: bool, section: str, key: str, obj: object, why: str) -> None:
 
 
 def _show(v: object) -> str:
-    return tomli_w.dumps({"v": v})[4:].strip() if v is not None else "unset"
+    """A value as one line (JSON is close to TOML's literals for what a config holds)."""
+    return json.dumps(v) if v is not None else "unset"
 
 
 def _coerce(section: str, key: str, value: object, hint: object) -> object:

@@ -1,0 +1,78 @@
+"""Shared helpers: tiny configs and the plain-PyTorch reference training loop."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+from tiertrain.config import Config, load_config
+from tiertrain.model.reference import ReferenceLM
+from tiertrain.optim.adamw import lr_at
+
+TINY = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_hidden_layers=3",
+        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=97",
+        "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=2", "train.steps=12",
+        'train.compute_dtype="float32"', "optim.grad_clip=0.3", "optim.warmup_steps=3", "optim.lr=3e-3",
+        "optim.min_lr=3e-4", "optim.weight_decay=0.1"]
+VARIANTS = {
+    "llama": [],  # GQA 4/2, untied, no biases
+    "qwen2": ["model.attention_bias=true", "model.tie_word_embeddings=true", 'model.model_type="qwen2"'],
+    "qwen3": ["model.qk_norm=true", "model.head_dim=32", 'model.model_type="qwen3"'],
+}
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    """A learnable sequence: each token follows from the last by a fixed rule, a quarter of them noise."""
+    rng = np.random.default_rng(0)
+    toks = np.empty(40_000, dtype=np.int64)
+    toks[0] = 1
+    noise = rng.integers(0, 97, toks.size)
+    keep = rng.random(toks.size) < 0.75
+    for i in range(1, toks.size):
+        toks[i] = (toks[i - 1] * 7 + 3) % 97 if keep[i] else noise[i]
+    path = tmp_path / "tokens.npy"
+    np.save(path, toks)
+    return path
+
+
+def tiny_config(token_file, *sets: str) -> Config:
+    return load_config(None, TINY + [f'data.path="{token_file}"', *sets])
+
+
+def reference_train(cfg: Config, init: dict[str, torch.Tensor], device: str, autocast: bool):
+    """The same training in plain PyTorch: nn.Module, micro-batch accumulation, clip_grad_norm_,
+    torch.optim.AdamW with decay on >=2-D tensors only, the same rows. Returns (losses, grad norms, model)."""
+    from tiertrain.data import Loader, read_tokens
+
+    tc = cfg.train
+    ref = ReferenceLM(cfg.model).to(device)
+    missing, unexpected = ref.load_state_dict({k: v.to(device) for k, v in init.items()}, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing)  # tied: shared with the embedding
+    params = list(ref.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    loader = Loader(read_tokens(cfg.data.path), tc.seq_len, tc.batch_size, cfg.model.vocab_size,
+                    cfg.data.shuffle, tc.seed)
+    losses, norms = [], []
+    for k in range(tc.steps):
+        inp, tgt = (torch.from_numpy(a).to(device) for a in loader.batch(k))
+        opt.zero_grad()
+        total = 0.0
+        for a in range(0, tc.batch_size, tc.micro_batch_size):
+            b = a + tc.micro_batch_size
+            ctx = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with ctx:
+                loss = ref(inp[a:b], tgt[a:b]) / tgt.numel()
+            loss.backward()
+            total += loss.item()
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k, cfg.optim, tc.steps)
+        opt.step()
+        losses.append(total)
+    return losses, norms, ref

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import glob
+
+import pytest
+
+from tiertrain.config import Config, load_config, parse_override
+from tiertrain.errors import ConfigError
+
+
+def test_default_is_the_shipped_debug_config():
+    cfg = load_config()
+    assert cfg.model.hidden_size == 128 and cfg.train.steps == 150 and cfg.data.path == ""
+    assert load_config("debug").to_dict() == cfg.to_dict() == load_config("configs/debug.toml").to_dict()
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.toml")))
+def test_shipped_configs_load_and_round_trip(path, tmp_path):
+    cfg = load_config(path)
+    again = tmp_path / "again.toml"
+    again.write_text(cfg.to_toml())
+    assert load_config(str(again)).to_dict() == cfg.to_dict()
+
+
+def test_llama3b_is_the_benchmark_shape():
+    m = load_config("configs/llama-3b.toml").model
+    assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.n_kv_heads, m.intermediate_size,
+            m.vocab_size) == (3072, 26, 24, 24, 8192, 32000)
+
+
+def test_published_parameter_counts():
+    # Llama 2 7B / 13B, Llama 3 70B, Qwen2.5 32B, Llama 3.2 1B, as their model cards state
+    expect = {"llama-7b": 6.738e9, "llama-13b": 13.016e9, "llama-70b": 70.554e9, "qwen2.5-32b": 32.764e9,
+              "llama-1b": 1.236e9}
+    for name, n in expect.items():
+        assert abs(load_config(name).model.n_params - n) / n < 1e-3, name
+
+
+def test_overrides_are_toml_literals():
+    cfg = load_config(None, ["train.steps=7", "optim.betas=[0.8, 0.9]", 'train.compute_dtype="float32"',
+                             "data.path=/tmp/x.bin", "model.rope_scaling={rope_type=\"default\"}", "optim.lr=1"])
+    assert cfg.train.steps == 7 and cfg.optim.betas == [0.8, 0.9] and cfg.train.compute_dtype == "float32"
+    assert cfg.data.path == "/tmp/x.bin" and cfg.model.rope_scaling == {"rope_type": "default"}
+    assert isinstance(cfg.optim.lr, float)
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["train.stpes=5"], ["unknown key train.stpes", "steps"]),
+    (["trian.steps=5"], ["unknown section [trian]"]),
+    (["train.batch_size=-4"], ["train.batch_size", "positive"]),
+    (["train.batch_size=12", "train.micro_batch_size=8"], ["train.batch_size", "multiple of train.micro_batch_size"]),
+    (["train.steps=1.5"], ["train.steps must be an integer"]),
+    (['train.steps="ten"'], ["train.steps must be an integer"]),
+    (["data.shuffle=1"], ["data.shuffle must be true or false"]),
+    (['train.compute_dtype="fp16"'], ["train.compute_dtype", "bfloat16"]),
+    (["train.seq_len=4096"], ["train.seq_len", "max_position_embeddings (1024)"]),
+    (["model.num_key_value_heads=3"], ["model.num_key_value_heads", "divide"]),
+    (["optim.betas=[0.9]"], ["optim.betas", "two numbers"]),
+    (["optim.min_lr=1.0"], ["optim.min_lr", "between 0 and optim.lr"]),
+    (['optim.schedule="linear"'], ["optim.schedule", "cosine"]),
+    (["model.rope_scaling={rope_type=\"llama3\"}"], ["model.rope_scaling", "factor"]),
+    (["steps=5"], ["section.key=value"]),
+])
+def test_bad_values_name_the_key_and_fix(sets, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found.*shipped name.*llama-3b"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(bad))
+
+
+def test_config_toml_has_every_section():
+    text = Config().validate().to_toml()
+    for section in ("[model]", "[data]", "[train]", "[optim]"):
+        assert section in text
+    assert parse_override("a.b=3") == {"a": {"b": 3}}

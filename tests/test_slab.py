@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import torch
+
+from tiertrain.config import load_config
+from tiertrain.tiers.slab import PAGE, SlabLayout, alloc_slab
+
+
+def test_layout_views_are_disjoint_aligned_and_grouped():
+    lay = SlabLayout.build([("norm", (5,)), ("w1", (7, 3)), ("b", (3,)), ("w2", (2, 2))])
+    names = [e.name for e in lay.entries]
+    assert names == ["w1", "w2", "norm", "b"]  # decayed (>= 2-D) first
+    assert all(e.offset % 64 == 0 for e in lay.entries)
+    assert lay.numel % 2048 == 0 and lay.decay_numel <= lay.entries[2].offset
+    spans = sorted((e.offset, e.offset + e.numel) for e in lay.entries)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    (a, b, d1), (c, e, d2) = lay.ranges()
+    assert (a, d1, d2, b, c, e) == (0, True, False, lay.decay_numel, lay.decay_numel, lay.numel)
+    flat = alloc_slab(lay.numel, torch.float32, pin=False)
+    assert flat.data_ptr() % PAGE == 0 and flat.numel() == lay.numel and not flat.any()
+    views = lay.views(flat)
+    views["w2"].fill_(3.0)
+    assert views["w2"].shape == (2, 2) and flat.sum() == 12.0  # views write into the slab
+
+
+def test_every_model_tensor_has_a_slot():
+    spec = load_config("qwen2.5-32b").model
+    for u in spec.units()[:3] + spec.units()[-1:]:
+        lay = SlabLayout.build([(t.name, t.shape) for t in u.tensors])
+        assert {e.name for e in lay.entries} == {t.name for t in u.tensors}
+        assert lay.numel >= u.numel
