@@ -14,7 +14,7 @@ from tiertrain.optim.adamw import lr_at
 TINY = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_hidden_layers=3",
         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=97",
         "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=2", "train.steps=12",
-        'train.compute_dtype="float32"', "optim.grad_clip=0.3", "optim.warmup_steps=3", "optim.lr=3e-3",
+        'train.compute_dtype="float32"', 'train.device="cpu"', "optim.grad_clip=0.3", "optim.warmup_steps=3", "optim.lr=3e-3",
         "optim.min_lr=3e-4", "optim.weight_decay=0.1"]
 VARIANTS = {
     "llama": [],  # GQA 4/2, untied, no biases

@@ -6,7 +6,7 @@ head      per micro-batch: final norm, then logits and cross-entropy a chunk of 
           with gradients: the full logits of the batch never exist
 backward  unit L-2..1: recompute each micro-batch from its checkpoint with autograd on leaf views
           of the loaded weights, backprop, add the weight gradients into the fp32 accumulator;
-          the embedding's gradient is an fp32 index_add of the incoming gradients
+          the embedding's gradient is an fp32 scatter-add of the incoming gradients
 then      each unit's accumulator goes to its host grad slab, with its norm for clipping
 """
 from __future__ import annotations
@@ -88,8 +88,8 @@ class StepEngine:
             norms[i] = self.buf.drain(i)
 
         emb = self._views(0, self.buf.acc(0))["embed_tokens.weight"]
-        for tok, g in zip(inputs, grads):
-            emb.index_add_(0, tok.reshape(-1), g.reshape(-1, g.shape[-1]))
+        for tok, g in zip(inputs, grads):  # index_put_ sorts: deterministic on CUDA, unlike index_add_
+            emb.index_put_((tok.reshape(-1),), g.reshape(-1, g.shape[-1]), accumulate=True)
         norms[0] = self.buf.drain(0)
         return loss, norms
 
