@@ -20,6 +20,8 @@ SHIPPED = Path(__file__).parent / "configs"
 DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
+STREAMS = ("compute", "master")
+PLACES = ("gpu", "host")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class TrainConfig:
     device: str = "auto"
     log_every: int = 10
     loss_chunk_tokens: int = 0  # tokens per cross-entropy chunk; 0: sized so a chunk's logits stay near 64 MiB
+    overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "micro_batch_size", "seq_len", "log_every"):
@@ -77,7 +80,18 @@ class OptimConfig:
         _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")
 
 
-SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig}
+@dataclass
+class TiersConfig:
+    stream: str = "compute"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
+    activations: str = "gpu"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
+
+    def validate(self) -> None:
+        _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
+        _need(self.activations in PLACES, "tiers", "activations", self, f"must be one of {_q(PLACES)}")
+
+
+SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
+            "tiers": TiersConfig}
 
 
 @dataclass
@@ -86,12 +100,11 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
 
     def validate(self) -> "Config":
-        self.model.validate()
-        self.data.validate()
-        self.train.validate()
-        self.optim.validate()
+        for name in SECTIONS:
+            getattr(self, name).validate()
         _need(self.train.seq_len <= self.model.max_position_embeddings, "train", "seq_len", self.train,
               f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
               "lower train.seq_len or raise model.max_position_embeddings")

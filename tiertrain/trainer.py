@@ -6,20 +6,33 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 
 from .config import Config
 from .data import Loader, builtin_tokens, read_tokens
+from .engine.activations import Checkpoints
+from .engine.buffers import DeviceBuffers
 from .engine.schedule import StepEngine
-from .engine.streams import DeviceBuffers
+from .engine.streams import StallClock, Streams
 from .errors import ConfigError
 from .metrics import MetricsLog, format_duration, human_bytes, human_count, progress_line
 from .model.llama import Context
-from .optim.adamw import HostAdamW, clip_coefficient, lr_at
+from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
 from .tiers.host import HostStore
 from .tiers.slab import SlabLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
+BF16_PEAK = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0,
+             "A100": 312.0, "L40S": 362.1, "GH200": 989.4, "B200": 2250.0}
+
+
+def bf16_peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in BF16_PEAK.items() if k in name), None)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,12 +58,18 @@ class Trainer:
 
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
-        self.host = HostStore(self.layouts, self.dtype, pin=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute")
         self._init_weights()
-        self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype)
-        self.engine = StepEngine(self.units, self.layouts, self.buffers,
+        self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim), len(self.units), tc.overlap)
+        self.streams = Streams(self.device)
+        self.clock = StallClock(self.streams)
+        self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
+                                     host_ready=self.optim.wait)
+        self.checkpoints = Checkpoints(cfg.tiers.activations, self.streams, self.clock, self.device, pin)
+        self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
-        self.optim = HostAdamW(self.host, self.layouts, cfg.optim)
+        self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
         self.step = 0
 
     # ---- weights ------------------------------------------------------------------------------
@@ -70,10 +89,11 @@ class Trainer:
                     v.zero_()
                 else:
                     v.fill_(1.0)
-            self.host.refresh_weights(unit.index)
+            self.host.updated(unit.index)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under Hugging Face names (copies)."""
+        self.optim.wait_all()
         out = {}
         for unit, lay in zip(self.units, self.layouts):
             views = lay.views(self.host.slab(unit.index, "master"))
@@ -81,30 +101,54 @@ class Trainer:
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.optim.wait_all()
         for unit, lay in zip(self.units, self.layouts):
             views = lay.views(self.host.slab(unit.index, "master"))
             for t in unit.tensors:
                 views[t.name].copy_(sd[t.hf_name])
-            self.host.refresh_weights(unit.index)
+            self.host.updated(unit.index)
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self) -> dict:
+        inp, tgt = self.loader.batch(self.step)
+        return self.train_on(torch.from_numpy(inp), torch.from_numpy(tgt))
+
+    def train_on(self, inp: torch.Tensor, tgt: torch.Tensor) -> dict:
+        """One optimizer step on a (B, S) batch; the update itself finishes during the next step."""
         tc = self.cfg.train
         t0 = time.perf_counter()
-        inp, tgt = self.loader.batch(self.step)
-        inputs = torch.from_numpy(inp).to(self.device).split(tc.micro_batch_size)
-        targets = torch.from_numpy(tgt).to(self.device).split(tc.micro_batch_size)
+        buf, ck, opt = self.buffers, self.checkpoints, self.optim
+        moved = (buf.h2d_bytes + ck.h2d_bytes, buf.d2h_bytes + ck.d2h_bytes)
+        opt.wait_s = 0.0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        inputs = inp.to(self.device).split(tc.micro_batch_size)
+        targets = tgt.to(self.device).split(tc.micro_batch_size)
         loss, norms = self.engine.run(list(inputs), list(targets))
-        grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
+        grad_norm, clip = clip_coefficient([torch.linalg.vector_norm(torch.stack(norms))], self.cfg.optim.grad_clip)
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
-        self.optim.update(lr, clip)
+        opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
         loss = float(loss)
         dt = time.perf_counter() - t0
         self.step += 1
-        tokens = tc.batch_size * tc.seq_len
-        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": self.step * tokens, "step_s": dt, "tokens_per_s": tokens / dt,
-                "model_tflops": self.cfg.model.flops_per_token(tc.seq_len) * tokens / dt / 1e12}
+        tokens = tgt.numel()
+        tflops = self.cfg.model.flops_per_token(tgt.shape[1]) * tokens / dt / 1e12
+        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.step * tokens,
+               "step_s": dt, "tokens_per_s": tokens / dt, "model_tflops": tflops}
+        times = self.clock.read() if self.streams.cuda else {}
+        rec.update({f"{k}_s": v for k, v in times.items()})
+        rec["opt_wait_s"] = opt.wait_s
+        rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9
+        rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9
+        if self.peak_tflops:
+            rec["mfu"] = tflops / self.peak_tflops
+        if self.device.type == "cuda":
+            rec["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
+        return rec
+
+    def close(self) -> None:
+        self.optim.close()
 
     def describe(self) -> list[str]:
         spec, tc = self.cfg.model, self.cfg.train
@@ -117,7 +161,8 @@ class Trainer:
             f"host tier: {human_bytes(sum(host.values()))} ("
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in host.items()) + ")",
             f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
-            "plus activations",
+            f"plus activations (checkpoints on the {self.cfg.tiers.activations}); weights stream as "
+            f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}",
         ]
 
     def fit(self, out: Path, echo: Callable[[str], None] = print) -> list[dict]:
@@ -138,6 +183,7 @@ class Trainer:
                     echo(progress_line(rec, tc.steps, elapsed / rec["step"] * (tc.steps - rec["step"])))
         finally:
             log.close()
+            self.close()
         echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}, "
              f"final loss {history[-1]['loss']:.4f}; metrics in {out / 'metrics.jsonl'}")
         return history

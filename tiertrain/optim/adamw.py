@@ -3,11 +3,15 @@
 Semantics are torch.optim.AdamW's (decoupled weight decay, bias correction) applied with torch's fused
 CPU kernel, one call per contiguous range of a unit's slabs: the decayed tensors (2 or more dims) and
 the rest. Clipping follows torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6),
-applied when below 1.
+applied when below 1. A unit is updated a chunk at a time (clip, AdamW, rounding into the compute-dtype
+copy) so that each chunk is still in cache for the next pass over it.
 """
 from __future__ import annotations
 
 import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -15,6 +19,8 @@ from ..config import OptimConfig
 from ..errors import UserError
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
+
+CHUNK = 1 << 22  # elements: 16 MiB per fp32 array
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -44,20 +50,62 @@ class HostAdamW:
         self.host, self.layouts, self.cfg = host, layouts, cfg
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
-    def update(self, lr: float, clip: float) -> None:
-        self.step_count += 1
-        for unit in range(len(self.layouts)):
-            self.update_unit(unit, lr, clip)
-
-    def update_unit(self, unit: int, lr: float, clip: float) -> None:
+    def update_unit(self, unit: int, step: int, lr: float, clip: float) -> None:
         s = self.host.slabs[unit]
-        if clip < 1.0:
-            s["grad"].mul_(clip)
+        master, grad, m, v, w = s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights")
         b1, b2 = self.cfg.betas
-        step = torch.tensor(float(self.step_count))
+        st = torch.tensor(float(step))
         for a, b, decay in self.layouts[unit].ranges():
-            torch._fused_adamw_([s["master"][a:b]], [s["grad"][a:b]], [s["exp_avg"][a:b]],
-                                [s["exp_avg_sq"][a:b]], [], [step], lr=lr, beta1=b1, beta2=b2,
-                                weight_decay=self.cfg.weight_decay if decay else 0.0, eps=self.cfg.eps,
-                                amsgrad=False, maximize=False)
-        self.host.refresh_weights(unit)
+            wd = self.cfg.weight_decay if decay else 0.0
+            for c0 in range(a, b, CHUNK):
+                c = slice(c0, min(c0 + CHUNK, b))
+                if clip < 1.0:
+                    grad[c].mul_(clip)
+                torch._fused_adamw_([master[c]], [grad[c]], [m[c]], [v[c]], [], [st], lr=lr, beta1=b1, beta2=b2,
+                                    weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False)
+                if w is not None:
+                    w[c].copy_(master[c])
+        self.host.version[unit] += 1
+
+
+class OptimizerThread:
+    """Runs the host AdamW of a step on a worker thread, unit by unit in forward order.
+
+    `wait(u)` blocks until unit u is updated: the next step's H2D of unit u calls it, so the update
+    overlaps the next forward pass. With `overlap` off every step waits for its whole update (the
+    synchronous reference: the numbers are the same either way)."""
+
+    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool):
+        self.opt, self.overlap = opt, overlap
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-adamw")
+        self.futures: list[Future | None] = [None] * n_units
+        self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
+
+    def start(self, lr: float, clip: float, grad_ready: Callable[[int], object]) -> None:
+        self.opt.step_count += 1
+        step = self.opt.step_count
+        for u in range(len(self.futures)):
+            self.futures[u] = self.pool.submit(self._job, u, step, lr, clip, grad_ready(u))
+        if not self.overlap:
+            self.wait_all()
+
+    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event) -> None:
+        if grad_event is not None:
+            grad_event.synchronize()  # the gradient's D2H copy has landed in the host slab
+        self.opt.update_unit(unit, step, lr, clip)
+
+    def wait(self, unit: int) -> None:
+        f = self.futures[unit]
+        if f is not None:
+            t0 = time.perf_counter()
+            f.result()
+            self.wait_s += time.perf_counter() - t0
+            self.futures[unit] = None
+
+    def wait_all(self) -> None:
+        for u in range(len(self.futures)):
+            self.wait(u)
+
+    def close(self) -> None:
+        self.wait_all()
+        self.pool.shutdown()

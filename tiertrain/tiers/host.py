@@ -11,15 +11,18 @@ FP32_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 class HostStore:
     """Holds every kind of every unit in host memory.
 
-    `weights` (the compute-dtype copy streamed to the GPU) exists only when the compute dtype is not
-    fp32; otherwise the fp32 master is what streams.
+    `weights`, the compute-dtype copy streamed to the GPU, exists when `compute_copy` is set and the
+    compute dtype is not fp32; otherwise the fp32 master streams (and is cast on the GPU). `version[u]`
+    counts the updates of unit u's weights, so device buffers know when their copy is stale.
     """
 
-    def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool):
+    def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool, compute_copy: bool = True):
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.pin = pin
-        self.kinds = FP32_KINDS + (("weights",) if compute_dtype != torch.float32 else ())
+        self.version = [0] * len(layouts)
+        copy = compute_copy and compute_dtype != torch.float32
+        self.kinds = FP32_KINDS + (("weights",) if copy else ())
         self.slabs: list[dict[str, torch.Tensor]] = []
         for lay in layouts:
             slabs = {k: alloc_slab(lay.numel, torch.float32, pin) for k in FP32_KINDS}
@@ -35,11 +38,12 @@ class HostStore:
         s = self.slabs[unit]
         return s["weights"] if "weights" in s else s["master"]
 
-    def refresh_weights(self, unit: int) -> None:
-        """Rounds the fp32 master into the compute-dtype copy after an update."""
+    def updated(self, unit: int) -> None:
+        """The unit's master changed: round it into the compute-dtype copy, and bump its version."""
         s = self.slabs[unit]
         if "weights" in s:
             s["weights"].copy_(s["master"])
+        self.version[unit] += 1
 
     def nbytes(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -1,0 +1,74 @@
+"""The pipeline's options change where bytes live and when work runs, never the numbers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VARIANTS, tiny_config
+from tiertrain.trainer import Trainer
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _run(token_file, device, *sets, steps=4):
+    tr = Trainer(tiny_config(token_file, *VARIANTS["qwen2"], f'train.device="{device}"', f"train.steps={steps}", *sets))
+    recs = [tr.train_step() for _ in range(steps)]
+    sd = tr.state_dict()
+    tr.close()
+    return [r["loss"] for r in recs], sd, recs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [
+    ["train.overlap=false"],
+    ['tiers.activations="host"'],
+    ['tiers.stream="master"'],
+    ["train.overlap=false", 'tiers.activations="host"', 'tiers.stream="master"'],
+])
+def test_modes_are_bit_identical(token_file, device, variant):
+    """Overlapped optimizer vs synchronous, checkpoints on host vs GPU, fp32-master streaming (cast on
+    the device) vs a host bf16 copy: the same bits."""
+    dtype = 'train.compute_dtype="bfloat16"'
+    base_losses, base_sd, _ = _run(token_file, device, dtype)
+    losses, sd, _ = _run(token_file, device, dtype, *variant)
+    assert losses == base_losses
+    for k in base_sd:
+        assert torch.equal(sd[k], base_sd[k]), k
+
+
+def test_bytes_moved_per_step(token_file):
+    """H2D: every unit once forward, and every block but the last two once more backward (the last two
+    are still in the two slots when backward starts; the embedding is resident); D2H: every unit's fp32
+    gradient once. The host bf16 copy streams 2 bytes per parameter, fp32-master streaming 4."""
+    for stream, wbytes in (("compute", 2), ("master", 4)):
+        _, _, recs = _run(token_file, "cpu", 'train.compute_dtype="bfloat16"', f'tiers.stream="{stream}"', steps=2)
+        tr = Trainer(tiny_config(token_file, *VARIANTS["qwen2"], 'train.device="cpu"'))
+        sizes = [lay.numel for lay in tr.layouts]
+        tr.close()
+        h2d = (sum(sizes) + sum(sizes[1:-3])) * wbytes
+        assert recs[-1]["h2d_gb"] * 1e9 == pytest.approx(h2d, rel=1e-12)
+        assert recs[-1]["d2h_gb"] * 1e9 == pytest.approx(sum(sizes) * 4, rel=1e-12)
+
+
+def test_host_checkpoints_move_the_activations(token_file):
+    _, _, recs = _run(token_file, "cpu", 'tiers.activations="host"', steps=1)
+    _, _, base = _run(token_file, "cpu", steps=1)
+    """Every block's fp32 input goes down once in forward and comes back once in backward."""
+    cfg = tiny_config(token_file)
+    act = cfg.train.batch_size * cfg.train.seq_len * cfg.model.hidden_size * 4
+    extra = (recs[0]["d2h_gb"] - base[0]["d2h_gb"]) * 1e9
+    assert extra == pytest.approx(act * cfg.model.num_hidden_layers, rel=1e-12)
+    assert (recs[0]["h2d_gb"] - base[0]["h2d_gb"]) * 1e9 == pytest.approx(extra, rel=1e-12)
+
+
+def test_optimizer_errors_surface(token_file, monkeypatch):
+    """A failure on the optimizer thread stops the run in the main thread, not silently."""
+    tr = Trainer(tiny_config(token_file, 'train.device="cpu"'))
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(tr.optim.opt, "update_unit", boom)
+    tr.train_step()
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        tr.train_step()

@@ -1,0 +1,126 @@
+"""Device buffers: weight slots and fp32 gradient accumulators, filled and drained on their own streams.
+
+Weights: the blocks share two slots (each the size of the largest block): a load goes to the slot
+that was not used last, after the compute stream has released it. The embedding and the head have a
+buffer each, so a tied head reads the embedding while blocks rotate. A buffer remembers which (unit,
+version) it holds: a unit still in place (the last block between forward and backward) is not copied
+again. Before a unit is copied, `host_ready(unit)` waits until the host optimizer has finished it.
+
+Gradients: two block accumulators alternate, so the D2H of one overlaps the next unit's backward; the
+embedding and the head have their own (a tied embedding collects the head's gradient first).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..tiers.host import HostStore
+from ..tiers.slab import SlabLayout
+from .streams import StallClock, Streams
+
+
+class _Buf:
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.t = torch.zeros(numel, dtype=dtype, device=device) if numel else torch.empty(0, device=device)
+        self.holds: tuple[int, int] | None = None  # (unit, version)
+        self.free = None  # event: the compute stream is done with the contents
+
+
+class DeviceBuffers:
+    def __init__(self, layouts: list[SlabLayout], host: HostStore, device: torch.device, dtype: torch.dtype,
+                 streams: Streams, clock: StallClock, host_ready: Callable[[int], None] = lambda u: None):
+        self.layouts, self.host, self.dtype, self.s, self.clock = layouts, host, dtype, streams, clock
+        self.host_ready = host_ready
+        last = len(layouts) - 1
+        self.own = (0, last)
+        blk = max((lay.numel for i, lay in enumerate(layouts) if i not in self.own), default=0)
+        self.slots = [_Buf(blk, dtype, device) for _ in range(2)]
+        self.res = {i: _Buf(layouts[i].numel, dtype, device) for i in self.own}
+        # fp32 master streamed for a bf16 run: copy into an fp32 stage, cast on the H2D stream
+        casts = host.streamed(0).dtype != dtype
+        self.stage = torch.empty(max(lay.numel for lay in layouts) if casts else 0, dtype=torch.float32, device=device)
+        self.accs = [_Buf(blk, torch.float32, device) for _ in range(2)]
+        self.res_acc = {i: _Buf(layouts[i].numel, torch.float32, device) for i in self.own}
+        self._mru = 1
+        self._acc_turn = 0
+        self._at: dict[int, _Buf] = {}
+        self._acc_at: dict[int, _Buf] = {}
+        self.ready: dict[int, object] = {}
+        self.grad_ready: dict[int, object] = {}
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load(self, unit: int) -> None:
+        """Starts the H2D copy of the unit's weights unless its current version is already in place."""
+        self.host_ready(unit)
+        key = (unit, self.host.version[unit])
+        if unit in self.res:
+            buf = self.res[unit]
+        else:
+            hit = [i for i, b in enumerate(self.slots) if b.holds == key]
+            i = hit[0] if hit else 1 - self._mru
+            self._mru, buf = i, self.slots[i]
+        n = self.layouts[unit].numel
+        self._at[unit] = buf
+        if buf.holds == key:
+            return
+        buf.holds = key
+        src = self.host.streamed(unit)
+        with self.s.on(self.s.h2d):
+            self.s.wait(self.s.h2d, buf.free)
+            if len(self.stage):
+                self.stage[:n].copy_(src, non_blocking=True)
+                buf.t[:n].copy_(self.stage[:n])
+            else:
+                buf.t[:n].copy_(src, non_blocking=True)
+            self.ready[unit] = self.s.record(self.s.h2d)
+        self.h2d_bytes += src.numel() * src.element_size()
+
+    def use(self, unit: int) -> torch.Tensor:
+        """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
+        self.clock.wait("h2d_wait", self.ready.pop(unit, None))
+        return self._at[unit].t[:self.layouts[unit].numel]
+
+    def release(self, *units: int) -> None:
+        """The compute stream has enqueued its last use of these units' weights."""
+        ev = self.s.record(self.s.compute)
+        for u in units:
+            self._at[u].free = ev
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def zero_own_grads(self) -> None:
+        for u, b in self.res_acc.items():
+            self.clock.wait("d2h_wait", b.free)
+            b.t.zero_()
+            self._acc_at[u] = b
+
+    def grad_begin(self, unit: int) -> torch.Tensor:
+        """A zeroed fp32 accumulator for a block (the embedding and head use theirs, zeroed per step)."""
+        if unit not in self.res_acc:
+            b = self.accs[self._acc_turn]
+            self._acc_turn ^= 1
+            self.clock.wait("d2h_wait", b.free)
+            b.t[:self.layouts[unit].numel].zero_()
+            self._acc_at[unit] = b
+        return self.acc(unit)
+
+    def acc(self, unit: int) -> torch.Tensor:
+        return self._acc_at[unit].t[:self.layouts[unit].numel]
+
+    def drain(self, unit: int) -> torch.Tensor:
+        """Sends the unit's gradient to its host grad slab on the D2H stream; returns its norm (on device)."""
+        acc = self.acc(unit)
+        norm = torch.linalg.vector_norm(acc)
+        done = self.s.record(self.s.compute)
+        with self.s.on(self.s.d2h):
+            self.s.wait(self.s.d2h, done)
+            self.host.slab(unit, "grad").copy_(acc, non_blocking=True)
+            self._acc_at[unit].free = self.grad_ready[unit] = self.s.record(self.s.d2h)
+        self.d2h_bytes += acc.numel() * 4
+        return norm
+
+    def nbytes(self) -> int:
+        bufs = self.slots + list(self.res.values()) + self.accs + list(self.res_acc.values())
+        return sum(b.t.numel() * b.t.element_size() for b in bufs) + self.stage.numel() * 4
