@@ -135,7 +135,7 @@ class Trainer:
         tflops = self.cfg.model.flops_per_token(tgt.shape[1]) * tokens / dt / 1e12
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.step * tokens,
                "step_s": dt, "tokens_per_s": tokens / dt, "model_tflops": tflops}
-        times = self.clock.read() if self.streams.cuda else {}
+        times = self.clock.read()
         rec.update({f"{k}_s": v for k, v in times.items()})
         rec["opt_wait_s"] = opt.wait_s
         rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9

@@ -61,14 +61,14 @@ class StepEngine:
         with torch.no_grad():
             buf.load(0)
             w = self.bind(0)
-            with clock.computing():
+            with clock.computing("forward"):
                 xs = [llama.embed(w, tok, self.ctx) for tok in inputs]
             self._release(0)
             buf.load(1)
             for i in range(1, L - 1):
                 w = self.bind(i)
                 ck.save(i, xs)
-                with clock.computing():
+                with clock.computing("forward"):
                     xs = [llama.block(w, x, self.ctx) for x in xs]
                 self._release(i)
                 buf.load(i + 1)  # the next block, or the head after the last block
@@ -83,8 +83,9 @@ class StepEngine:
             buf.load(i - 1)
             if i > 1:
                 ck.prefetch(i - 1)
-            with clock.computing():
-                for m, x in enumerate(ck.get(i)):
+            saved = ck.get(i)  # waits for its H2D outside the timed compute
+            with clock.computing("backward"):
+                for m, x in enumerate(saved):
                     x = x.requires_grad_()
                     with torch.enable_grad():
                         y = llama.block(leaves, x, self.ctx)
@@ -96,7 +97,7 @@ class StepEngine:
             ck.drop(i)
             norms[i] = buf.drain(i)
 
-        with clock.computing():
+        with clock.computing("backward"):
             emb = self.layouts[0].views(buf.acc(0))["embed_tokens.weight"]
             for tok, g in zip(inputs, grads):  # index_put_ sorts: deterministic on CUDA, unlike index_add_
                 emb.index_put_((tok.reshape(-1),), g.reshape(-1, g.shape[-1]), accumulate=True)
@@ -113,7 +114,7 @@ class StepEngine:
         wn, wh = leaves["norm.weight"], leaves["lm_head.weight"]
         loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
         grads = []
-        with self.clock.computing():
+        with self.clock.computing("backward"):
             for x, tgt in zip(xs, targets):
                 x = x.requires_grad_()
                 with torch.enable_grad():

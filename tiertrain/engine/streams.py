@@ -6,6 +6,7 @@ device-wide synchronization. On CPU every call runs at once, in order, so the sa
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -44,11 +45,15 @@ class Streams:
 class StallClock:
     """Measures on the GPU how long the compute stream waits on other streams, and how long it computes.
 
-    Pairs of timing events; read once per step after the compute stream has finished."""
+    Pairs of timing events, read once per step after the compute stream has finished. On CPU, where
+    every call runs at once, compute phases are timed by the wall clock and waits are zero."""
+
+    KINDS = ("forward", "backward", "h2d_wait", "d2h_wait")
 
     def __init__(self, streams: Streams):
         self.s = streams
-        self.pairs: dict[str, list] = {"compute": [], "h2d_wait": [], "d2h_wait": []}
+        self.pairs: dict[str, list] = {k: [] for k in self.KINDS}
+        self.cpu: dict[str, float] = {k: 0.0 for k in self.KINDS}
 
     def wait(self, kind: str, event) -> None:
         if not self.s.cuda or event is None:
@@ -58,15 +63,21 @@ class StallClock:
         self.pairs[kind].append((a, self.s.record(self.s.compute, timing=True)))
 
     @contextlib.contextmanager
-    def computing(self):
+    def computing(self, phase: str):
+        """Times the compute work enqueued inside the block as `phase` ("forward" or "backward")."""
+        if not self.s.cuda:
+            t0 = time.perf_counter()
+            yield
+            self.cpu[phase] += time.perf_counter() - t0
+            return
         a = self.s.record(self.s.compute, timing=True)
         yield
-        if a is not None:
-            self.pairs["compute"].append((a, self.s.record(self.s.compute, timing=True)))
+        self.pairs[phase].append((a, self.s.record(self.s.compute, timing=True)))
 
     def read(self) -> dict[str, float]:
         """Seconds per kind since the last read (the events must have completed)."""
-        out = {k: sum(a.elapsed_time(b) for a, b in v) / 1e3 for k, v in self.pairs.items()}
-        for v in self.pairs.values():
-            v.clear()
+        out = {k: sum(a.elapsed_time(b) for a, b in v) / 1e3 + self.cpu[k] for k, v in self.pairs.items()}
+        for k in self.KINDS:
+            self.pairs[k].clear()
+            self.cpu[k] = 0.0
         return out

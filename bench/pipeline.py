@@ -1,0 +1,274 @@
+"""Side-by-side benchmark on one GPU: tiertrain vs all-in-GPU PyTorch vs DeepSpeed ZeRO-3 CPU offload.
+
+    python -m bench.pipeline --config configs/llama-3b.toml --batches 4 8 16 32 --out bench/results
+
+Each system runs in its own process (one after another, same GPU), on random tokens, at every batch
+size: `--warmup` steps, then `--steps` timed steps (median reported). The machine's ceilings are
+measured first in the same run, and tiertrain's step time is set beside its floor. Writes
+<out>/<date>-<gpu>-<model>.md and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+SYSTEMS = ("probe", "tiertrain", "tiertrain-hostact", "gpu", "deepspeed")
+
+
+def _batch(B: int, S: int, V: int, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, V, (B, S + 1), generator=g)
+    return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops_per_token: float, **extra) -> dict:
+    t = median(times)
+    return {"system": system, "batch": B, "tokens": B * S, "step_s": t, "tokens_per_s": B * S / t,
+            "model_tflops": flops_per_token * B * S / t / 1e12, "gpu_peak_gb": gpu_peak,
+            "host_peak_rss_gb": _peak_rss_gb(), **extra}
+
+
+def run_tiertrain(a, activations: str) -> list[dict]:
+    from tiertrain.config import load_config
+    from tiertrain.trainer import Trainer
+
+    cfg = load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={max(a.batches)}",
+                                 'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
+                                 'tiers.stream="compute"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0"])
+    t0 = time.perf_counter()
+    tr = Trainer(cfg)
+    setup_s = time.perf_counter() - t0
+    S, V = cfg.train.seq_len, cfg.model.vocab_size
+    rows = []
+    for B in a.batches:
+        recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
+        med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
+                                                       "opt_wait_s", "h2d_gb", "d2h_gb")}
+        rows.append(_row(f"tiertrain ({activations} ckpt)", B, S, [r["step_s"] for r in recs],
+                         max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
+                         params=cfg.model.n_params, losses=[r["loss"] for r in recs], **med))
+    tr.close()
+    return rows
+
+
+def run_gpu(a) -> list[dict]:
+    import torch
+
+    from tiertrain.config import load_config
+    from tiertrain.model.reference import ReferenceLM
+
+    spec = load_config(a.config).model
+    S = load_config(a.config).train.seq_len
+    with torch.device("cuda"):
+        model = ReferenceLM(spec, checkpoint_layers=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    rows = []
+    for B in a.batches:
+        times, peaks = [], []
+        for k in range(a.warmup + a.steps):
+            inp, tgt = (t.cuda() for t in _batch(B, S, spec.vocab_size, k))
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            for m in range(0, B, a.micro):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(inp[m:m + a.micro], tgt[m:m + a.micro]) / tgt.numel()
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+        rows.append(_row("all-in-GPU PyTorch", B, S, times[a.warmup:], max(peaks[a.warmup:]), spec.flops_per_token(S)))
+    return rows
+
+
+def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
+    opt_off = {"device": "cpu", "pin_memory": True}
+    if nvme_dir:
+        opt_off = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True, "buffer_count": 4}
+    return {
+        "train_batch_size": max(a.batches), "train_micro_batch_size_per_gpu": a.micro,
+        "gradient_accumulation_steps": max(a.batches) // a.micro,
+        "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": opt_off, "overlap_comm": True, "contiguous_gradients": True},
+    }
+
+
+def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                 ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+    import torch
+
+    from tiertrain.config import load_config
+    from tiertrain.model.reference import ReferenceLM
+
+    spec = load_config(a.config).model
+    S = load_config(a.config).train.seq_len
+    deepspeed.init_distributed()
+    model = ReferenceLM(spec, checkpoint_layers=True)
+    t0 = time.perf_counter()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=deepspeed_config(a, nvme_dir))
+    setup_s = time.perf_counter() - t0
+    rows = []
+    for B in a.batches:
+        engine.set_train_batch_size(B)
+        times, peaks = [], []
+        for k in range(a.warmup + a.steps):
+            inp, tgt = (t.cuda() for t in _batch(B, S, spec.vocab_size, k))
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for m in range(0, B, a.micro):
+                loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
+                engine.backward(loss)
+                engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+        name = "DeepSpeed ZeRO-3 offload " + ("optimizer->NVMe" if nvme_dir else "CPU")
+        rows.append(_row(name, B, S, times[a.warmup:], max(peaks[a.warmup:]), spec.flops_per_token(S), setup_s=setup_s))
+    return rows
+
+
+def worker(a) -> None:
+    if a.worker == "probe":
+        from tiertrain.plan.probe import probe
+
+        out = probe()
+    elif a.worker.startswith("tiertrain"):
+        out = run_tiertrain(a, "host" if a.worker.endswith("hostact") else "gpu")
+    elif a.worker == "gpu":
+        out = run_gpu(a)
+    else:
+        out = run_deepspeed(a)
+    Path(a.json).write_text(json.dumps(out))
+
+
+def report(a, probe: dict, rows: list[dict], errors: dict[str, str]) -> str:
+    from tiertrain.config import load_config
+
+    cfg = load_config(a.config)
+    n = cfg.model.n_params
+    lines = [f"# {Path(a.config).stem}: tiertrain vs all-in-GPU vs DeepSpeed ZeRO-3 CPU offload", "",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs",
+             f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
+             f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
+             f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median",
+             f"- ceilings measured in this run: H2D {probe.get('h2d_gbs', 0):.1f} GB/s, D2H {probe.get('d2h_gbs', 0):.1f} "
+             f"GB/s, both {probe.get('bidir_gbs', 0):.1f} GB/s, pageable H2D {probe.get('pageable_h2d_gbs', 0):.1f} GB/s, "
+             f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW (+bf16 copy) "
+             f"{probe.get('host_adam_params_per_s', 0) / 1e9:.2f} G params/s", ""]
+    for name, err in errors.items():
+        lines.append(f"- **{name} failed**: `{err}`")
+    lines += ["| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["system"])):
+        lines.append(f"| {r['system']} | {r['batch']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['model_tflops']:.0f} | {r['gpu_peak_gb']:.1f} | {r['host_peak_rss_gb']:.1f} |")
+    lines += ["", "## tiertrain against baselines and its floor", "",
+              "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate); "
+              "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
+              "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
+              "update can only overlap the next forward pass.", "",
+              "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | fwd s | bwd s | H2D s | D2H s | AdamW s "
+              "| floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s |",
+              "| --- | " + "--- | " * 15]
+    by = {(r["system"], r["batch"]): r for r in rows}
+    adam = n / probe["host_adam_params_per_s"] if probe.get("host_adam_params_per_s") else float("nan")
+    for r in sorted(rows, key=lambda r: (r["system"], r["batch"])):
+        if not r["system"].startswith("tiertrain"):
+            continue
+        B = r["batch"]
+        gpu = by.get(("all-in-GPU PyTorch", B))
+        ds = by.get(("DeepSpeed ZeRO-3 offload CPU", B))
+        h2d = r["h2d_gb"] / probe["h2d_gbs"] if probe.get("h2d_gbs") else float("nan")
+        d2h = r["d2h_gb"] / probe["d2h_gbs"] if probe.get("d2h_gbs") else float("nan")
+        comp = r["forward_s"] + r["backward_s"]
+        floor = max(comp, h2d, d2h, adam)
+        sched = r["backward_s"] + max(r["forward_s"], adam)
+        ratio = lambda o: f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x" if o else "n/a"
+        lines.append(f"| {r['system']} | {B} | {r['step_s']:.3f} | {ratio(gpu)} | {ratio(ds)} | {r['forward_s']:.3f} | "
+                     f"{r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {adam:.3f} | {floor:.3f} | "
+                     f"{r['step_s'] / floor:.2f} | {sched:.3f} | {r['step_s'] / sched:.2f} | "
+                     f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} |")
+    mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
+           f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
+           for r in sorted(rows, key=lambda r: (r["system"], r["batch"]))
+           if r["system"].startswith("tiertrain") and ("all-in-GPU PyTorch", r["batch"]) in by]
+    if mem:
+        lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="configs/llama-3b.toml")
+    p.add_argument("--batches", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, errors, probe = [], {}, {}
+    for system in a.systems.split(","):
+        js = out / f".{system}.json"
+        cmd = [sys.executable, "-m", "bench.pipeline", "--worker", system, "--json", str(js), "--config", a.config,
+               "--batches", *map(str, a.batches), "--micro", str(a.micro), "--warmup", str(a.warmup),
+               "--steps", str(a.steps)]
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            ok = r.returncode == 0 and js.exists()
+            log = r.stdout + r.stderr
+        except subprocess.TimeoutExpired as e:
+            ok, log = False, f"timed out after {a.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        (out / f".{system}.log").write_text(log if isinstance(log, str) else str(log))
+        print(f"{system}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if not ok:
+            errors[system] = (log.strip().splitlines() or ["no output"])[-1][:300]
+            continue
+        data = json.loads(js.read_text())
+        js.unlink()
+        if system == "probe":
+            probe = data
+        else:
+            results += data
+    gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}"
+    text = report(a, probe, results, errors)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
