@@ -19,7 +19,10 @@ import time
 from pathlib import Path
 from statistics import median
 
-SYSTEMS = ("probe", "tiertrain", "tiertrain-hostact", "gpu", "deepspeed")
+# tiertrain's two corners: fp32 master streamed and cast on the GPU with checkpoints on the host (the
+# least host DRAM traffic and GPU memory), and a host bf16 copy with checkpoints on the GPU
+TIERTRAIN = {"tiertrain": ("master", "host"), "tiertrain-copy": ("compute", "gpu")}
+SYSTEMS = ("probe", "tiertrain", "tiertrain-copy", "gpu", "deepspeed")
 
 
 def _batch(B: int, S: int, V: int, seed: int):
@@ -41,13 +44,13 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
             "host_peak_rss_gb": _peak_rss_gb(), **extra}
 
 
-def run_tiertrain(a, activations: str) -> list[dict]:
+def run_tiertrain(a, stream: str, activations: str) -> list[dict]:
     from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
     cfg = load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={max(a.batches)}",
                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
-                                 'tiers.stream="compute"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0"])
+                                 f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0"])
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
@@ -57,7 +60,8 @@ def run_tiertrain(a, activations: str) -> list[dict]:
         recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
         med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
-        rows.append(_row(f"tiertrain ({activations} ckpt)", B, S, [r["step_s"] for r in recs],
+        name = f"tiertrain ({'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt)"
+        rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
                          params=cfg.model.n_params, losses=[r["loss"] for r in recs], **med))
     tr.close()
@@ -107,7 +111,10 @@ def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
         "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
-                              "offload_optimizer": opt_off, "overlap_comm": True, "contiguous_gradients": True},
+                              "offload_optimizer": opt_off, "overlap_comm": True, "contiguous_gradients": True,
+                              # ZeRO-3's own F.linear ignores autocast; the plain one runs the same math
+                              # as the other systems
+                              "memory_efficient_linear": False},
     }
 
 
@@ -139,7 +146,10 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for m in range(0, B, a.micro):
-                loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
+                # DeepSpeed's bf16 holds the weights in bf16 but does not cast activations: autocast does,
+                # so the model runs the same mixed-precision math as the other two systems
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
                 engine.backward(loss)
                 engine.step()
             torch.cuda.synchronize()
@@ -155,8 +165,8 @@ def worker(a) -> None:
         from tiertrain.plan.probe import probe
 
         out = probe()
-    elif a.worker.startswith("tiertrain"):
-        out = run_tiertrain(a, "host" if a.worker.endswith("hostact") else "gpu")
+    elif a.worker in TIERTRAIN:
+        out = run_tiertrain(a, *TIERTRAIN[a.worker])
     elif a.worker == "gpu":
         out = run_gpu(a)
     else:
