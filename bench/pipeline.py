@@ -22,7 +22,7 @@ from statistics import median
 # tiertrain's two corners: fp32 master streamed and cast on the GPU with checkpoints on the host (the
 # least host DRAM traffic and GPU memory), and a host bf16 copy with checkpoints on the GPU
 TIERTRAIN = {"tiertrain": ("master", "host"), "tiertrain-copy": ("compute", "gpu")}
-SYSTEMS = ("probe", "tiertrain", "tiertrain-copy", "gpu", "deepspeed")
+SYSTEMS = ("probe", "deepspeed", "tiertrain", "tiertrain-copy", "gpu")
 
 
 def _batch(B: int, S: int, V: int, seed: int):
@@ -109,6 +109,8 @@ def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
         "train_batch_size": max(a.batches), "train_micro_batch_size_per_gpu": a.micro,
         "gradient_accumulation_steps": max(a.batches) // a.micro,
         "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+        # the engine switches off an outer torch.autocast unless its own section asks for one
+        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                               "offload_optimizer": opt_off, "overlap_comm": True, "contiguous_gradients": True,
@@ -146,8 +148,8 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for m in range(0, B, a.micro):
-                # DeepSpeed's bf16 holds the weights in bf16 but does not cast activations: autocast does,
-                # so the model runs the same mixed-precision math as the other two systems
+                # DeepSpeed's bf16 holds the weights in bf16 but does not cast activations: autocast does
+                # (configured in torch_autocast), so all three systems run the same mixed-precision math
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
                 engine.backward(loss)
