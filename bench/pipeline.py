@@ -176,21 +176,22 @@ def worker(a) -> None:
     Path(a.json).write_text(json.dumps(out))
 
 
-def report(a, probe: dict, rows: list[dict], errors: dict[str, str]) -> str:
+def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) -> str:
     from tiertrain.config import load_config
 
     cfg = load_config(a.config)
     n = cfg.model.n_params
     lines = [f"# {Path(a.config).stem}: tiertrain vs all-in-GPU vs DeepSpeed ZeRO-3 CPU offload", "",
-             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- date: {date}",
              f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs",
              f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
              f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
              f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median",
              f"- ceilings measured in this run: H2D {probe.get('h2d_gbs', 0):.1f} GB/s, D2H {probe.get('d2h_gbs', 0):.1f} "
              f"GB/s, both {probe.get('bidir_gbs', 0):.1f} GB/s, pageable H2D {probe.get('pageable_h2d_gbs', 0):.1f} GB/s, "
-             f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW (+bf16 copy) "
-             f"{probe.get('host_adam_params_per_s', 0) / 1e9:.2f} G params/s", ""]
+             f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW "
+             f"{probe.get('host_adam_fp32_stream_params_per_s', 0) / 1e9:.2f} G params/s (with the rounding into a "
+             f"bf16 copy: {probe.get('host_adam_params_per_s', 0) / 1e9:.2f})", ""]
     for name, err in errors.items():
         lines.append(f"- **{name} failed**: `{err}`")
     lines += ["| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
@@ -199,18 +200,20 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str]) -> str:
         lines.append(f"| {r['system']} | {r['batch']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['model_tflops']:.0f} | {r['gpu_peak_gb']:.1f} | {r['host_peak_rss_gb']:.1f} |")
     lines += ["", "## tiertrain against baselines and its floor", "",
-              "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate); "
+              "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate), with "
+              "the AdamW rate of the variant (fp32 stream: no bf16 rounding); "
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
               "update can only overlap the next forward pass.", "",
               "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | fwd s | bwd s | H2D s | D2H s | AdamW s "
               "| floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s |",
-              "| --- | " + "--- | " * 15]
+              "| --- | " + "--- | " * 14]
     by = {(r["system"], r["batch"]): r for r in rows}
-    adam = n / probe["host_adam_params_per_s"] if probe.get("host_adam_params_per_s") else float("nan")
     for r in sorted(rows, key=lambda r: (r["system"], r["batch"])):
         if not r["system"].startswith("tiertrain"):
             continue
+        rate = probe.get("host_adam_fp32_stream_params_per_s" if "fp32" in r["system"] else "host_adam_params_per_s")
+        adam = n / rate if rate else float("nan")
         B = r["batch"]
         gpu = by.get(("all-in-GPU PyTorch", B))
         ds = by.get(("DeepSpeed ZeRO-3 offload CPU", B))
@@ -245,9 +248,17 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--from-json", default=None, metavar="FILE", help="rewrite the report of a recorded run")
     a = p.parse_args()
     if a.worker:
         return worker(a)
+    if a.from_json:
+        rec = json.loads(Path(a.from_json).read_text())
+        a.batches, a.micro, a.warmup, a.steps = rec["args"]["batches"], rec["args"]["micro"], rec["args"]["warmup"], rec["args"]["steps"]
+        sys.argv = rec["args"]["argv"]
+        text = report(a, rec["probe"], rec["rows"], rec["errors"], rec["date"])
+        Path(a.from_json).with_suffix(".md").write_text(text)
+        return print(text)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results, errors, probe = [], {}, {}
@@ -276,9 +287,12 @@ def main() -> None:
             results += data
     gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}"
-    text = report(a, probe, results, errors)
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = report(a, probe, results, errors, date)
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors}, indent=1))
+    args = {"batches": a.batches, "micro": a.micro, "warmup": a.warmup, "steps": a.steps, "argv": sys.argv}
+    (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors, "date": date,
+                                                  "args": args}, indent=1))
     print(text)
 
 

@@ -26,6 +26,9 @@ class Checkpoints:
         if shape != self._shape:  # a new batch shape: drop the old buffers
             self._host.clear()
             self._shape = shape
+            release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if self.pin and release is not None:
+                release()  # torch caches freed pinned blocks: give them back to the OS
         if unit not in self._host:
             self._host[unit] = torch.empty(shape, dtype=xs[0].dtype, pin_memory=self.pin)
         return self._host[unit]
