@@ -10,6 +10,7 @@ measured first in the same run, and tiertrain's step time is set beside its floo
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -193,7 +194,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
              f"{probe.get('host_adam_fp32_stream_params_per_s', 0) / 1e9:.2f} G params/s (with the rounding into a "
              f"bf16 copy: {probe.get('host_adam_params_per_s', 0) / 1e9:.2f})", ""]
     for name, err in errors.items():
-        lines.append(f"- **{name} failed**: `{err}`")
+        lines.append(f"- **{name}**: {err}" if err.startswith("skipped") else f"- **{name} failed**: `{err}`")
     lines += ["| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in sorted(rows, key=lambda r: (r["batch"], r["system"])):
@@ -263,6 +264,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results, errors, probe = [], {}, {}
     for system in a.systems.split(","):
+        if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            errors[system] = "skipped: DeepSpeed is not installed (pip install deepspeed)"
+            print("deepspeed: skipped, not installed", flush=True)
+            continue
         js = out / f".{system}.json"
         cmd = [sys.executable, "-m", "bench.pipeline", "--worker", system, "--json", str(js), "--config", a.config,
                "--batches", *map(str, a.batches), "--micro", str(a.micro), "--warmup", str(a.warmup),
