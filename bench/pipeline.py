@@ -69,6 +69,23 @@ def run_tiertrain(a, stream: str, activations: str) -> list[dict]:
     return rows
 
 
+def _timed(a, B: int, S: int, V: int, step) -> tuple[list[float], float]:
+    """Runs step(inputs, targets) on the GPU warm-up + timed times; (timed seconds, peak GPU GB of those)."""
+    import torch
+
+    times, peaks = [], []
+    for k in range(a.warmup + a.steps):
+        inp, tgt = (t.cuda() for t in _batch(B, S, V, k))
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(inp, tgt)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+    return times[a.warmup:], max(peaks[a.warmup:])
+
+
 def run_gpu(a) -> list[dict]:
     import torch
 
@@ -80,25 +97,20 @@ def run_gpu(a) -> list[dict]:
     with torch.device("cuda"):
         model = ReferenceLM(spec, checkpoint_layers=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    def step(inp, tgt):
+        opt.zero_grad(set_to_none=True)
+        for m in range(0, inp.shape[0], a.micro):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(inp[m:m + a.micro], tgt[m:m + a.micro]) / tgt.numel()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
     rows = []
     for B in a.batches:
-        times, peaks = [], []
-        for k in range(a.warmup + a.steps):
-            inp, tgt = (t.cuda() for t in _batch(B, S, spec.vocab_size, k))
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            for m in range(0, B, a.micro):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(inp[m:m + a.micro], tgt[m:m + a.micro]) / tgt.numel()
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            peaks.append(torch.cuda.max_memory_allocated() / 1e9)
-        rows.append(_row("all-in-GPU PyTorch", B, S, times[a.warmup:], max(peaks[a.warmup:]), spec.flops_per_token(S)))
+        times, peak = _timed(a, B, S, spec.vocab_size, step)
+        rows.append(_row("all-in-GPU PyTorch", B, S, times, peak, spec.flops_per_token(S)))
     return rows
 
 
@@ -139,27 +151,22 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=deepspeed_config(a, nvme_dir))
     setup_s = time.perf_counter() - t0
+
+    def step(inp, tgt):
+        for m in range(0, inp.shape[0], a.micro):
+            # DeepSpeed's bf16 holds the weights in bf16 but does not cast activations: autocast does
+            # (configured in torch_autocast), so all three systems run the same mixed-precision math
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
+            engine.backward(loss)
+            engine.step()
+
     rows = []
     for B in a.batches:
         engine.set_train_batch_size(B)
-        times, peaks = [], []
-        for k in range(a.warmup + a.steps):
-            inp, tgt = (t.cuda() for t in _batch(B, S, spec.vocab_size, k))
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for m in range(0, B, a.micro):
-                # DeepSpeed's bf16 holds the weights in bf16 but does not cast activations: autocast does
-                # (configured in torch_autocast), so all three systems run the same mixed-precision math
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
-                engine.backward(loss)
-                engine.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            peaks.append(torch.cuda.max_memory_allocated() / 1e9)
+        times, peak = _timed(a, B, S, spec.vocab_size, step)
         name = "DeepSpeed ZeRO-3 offload " + ("optimizer->NVMe" if nvme_dir else "CPU")
-        rows.append(_row(name, B, S, times[a.warmup:], max(peaks[a.warmup:]), spec.flops_per_token(S), setup_s=setup_s))
+        rows.append(_row(name, B, S, times, peak, spec.flops_per_token(S), setup_s=setup_s))
     return rows
 
 
