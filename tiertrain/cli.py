@@ -28,11 +28,19 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one config value (a TOML literal); repeatable.")
 @click.option("--out", default=None, metavar="DIR", help="Run directory. Default: runs/<config>-<time>.")
-def run(config_path: str | None, overrides: tuple[str, ...], out: str | None) -> None:
+@click.option("--host-gb", type=float, default=None, help="Hard budget of host memory (tiers.host_gb).")
+@click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
+@click.option("--nvme-gb", type=float, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
+def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, host_gb: float | None,
+        nvme_dir: str | None, nvme_gb: float | None) -> None:
     """Train a model."""
+    import json
+
     from .config import load_config
     from .trainer import Trainer
 
+    flags = {"host_gb": host_gb, "nvme_dir": nvme_dir, "nvme_gb": nvme_gb}
+    overrides += tuple(f"tiers.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
     try:
         cfg = load_config(config_path, list(overrides))
         stem = Path(config_path).stem if config_path else "debug"
@@ -41,7 +49,7 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None) ->
             raise UserError(f"--out {out_dir} already holds a run (metrics.jsonl); pass a new --out directory")
         if out_dir.exists() and not out_dir.is_dir():
             raise UserError(f"--out {out_dir} is a file; pass a directory")
-        Trainer(cfg).fit(out_dir, echo=click.echo)
+        Trainer(cfg, run_name=out_dir.name).fit(out_dir, echo=click.echo)
     except UserError as e:
         _fail(e)
 

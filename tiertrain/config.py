@@ -22,6 +22,7 @@ SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 STREAMS = ("compute", "master")
 PLACES = ("gpu", "host")
+IO_BACKENDS = ("auto", "posix", "kvikio")
 
 
 @dataclass
@@ -84,10 +85,17 @@ class OptimConfig:
 class TiersConfig:
     stream: str = "compute"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
     activations: str = "gpu"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
+    host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: no budget
+    nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
+    nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
+    io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
 
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
         _need(self.activations in PLACES, "tiers", "activations", self, f"must be one of {_q(PLACES)}")
+        _need(self.host_gb >= 0, "tiers", "host_gb", self, "must be 0 (no budget) or a positive number of GB")
+        _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
+        _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
 
 
 SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,

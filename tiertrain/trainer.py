@@ -20,7 +20,12 @@ from .metrics import MetricsLog, format_duration, human_bytes, human_count, prog
 from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
 from .tiers.host import HostStore
-from .tiers.slab import SlabLayout
+from .tiers.manager import TierManager
+from .tiers.nvme import NvmeStore, make_io
+from .tiers.placement import place, spilled_bytes
+from .tiers.slab import PAGE, SlabLayout, host_cost
+
+RING_SLOTS = 4  # per spilled kind: read 2 units ahead, one in use, one writing back
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
@@ -44,8 +49,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, run_name: str = "run"):
+        self.cfg, self.run_name = cfg, run_name
         spec, tc = cfg.model, cfg.train
         self.device = resolve_device(tc.device)
         self.dtype = DTYPES[tc.compute_dtype]
@@ -59,9 +64,14 @@ class Trainer:
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         pin = self.device.type == "cuda"
-        self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute")
+        self.where, self.tiers = self._place(pin), None
+        self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
+                              where=self.where)
+        if "nvme" in self.where.values():
+            self.tiers = self._nvme_tier(pin)
         self._init_weights()
-        self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim), len(self.units), tc.overlap)
+        self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
+                                     tc.overlap)
         self.streams = Streams(self.device)
         self.clock = StallClock(self.streams)
         self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
@@ -71,6 +81,56 @@ class Trainer:
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
         self.step = 0
+
+    # ---- tiers --------------------------------------------------------------------------------
+    def kind_bytes(self) -> dict[str, int]:
+        copy = self.cfg.tiers.stream == "compute" and self.dtype != torch.float32
+        return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
+
+    def _place(self, pin: bool) -> dict[tuple[int, str], str]:
+        """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run."""
+        t = self.cfg.tiers
+        numels = [lay.numel for lay in self.layouts]
+        kb = self.kind_bytes()
+        cost = host_cost if pin else (lambda n: n + PAGE)
+        if not t.host_gb:
+            return place(numels, kb, None)
+        tc, spec = self.cfg.train, self.cfg.model
+        fixed = RING_SLOTS * 2 * cost(max(numels) * 4) if t.nvme_dir else 0  # the staging ring, both moments
+        if t.activations == "host":
+            fixed += spec.num_hidden_layers * cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4)
+        budget = t.host_gb * 1e9 - fixed
+        total = sum(cost(n * b) for n in numels for b in kb.values())
+        try:
+            where = place(numels, kb, budget, cost)
+        except ValueError:
+            where = None
+        moments_only = where is not None and all(k in ("exp_avg", "exp_avg_sq") for (_, k), tier in where.items()
+                                                  if tier == "nvme")
+        need_min = (total + fixed - sum(cost(n * 4) * 2 for n in numels)) / 1e9  # both moments spilled
+        if where is not None and "nvme" not in where.values():
+            return where
+        if not t.nvme_dir:
+            raise ConfigError(f"the state needs {(total + fixed) / 1e9:.3g} GB of host memory and --host-gb is "
+                              f"{t.host_gb:g}: raise --host-gb to {(total + fixed) / 1e9:.3g}, or pass --nvme-dir "
+                              f"to spill Adam moments to disk (then --host-gb {need_min:.3g} is the least)")
+        if not moments_only:
+            raise ConfigError(f"--host-gb {t.host_gb:g} would put more than the Adam moments on NVMe, which this "
+                              f"version cannot run yet; raise --host-gb to at least {need_min:.3g}")
+        return where
+
+    def _nvme_tier(self, pin: bool) -> TierManager:
+        t = self.cfg.tiers
+        numels = [lay.numel for lay in self.layouts]
+        spilled = spilled_bytes(numels, self.kind_bytes(), self.where)
+        if t.nvme_gb and sum(spilled.values()) > t.nvme_gb * 1e9:
+            raise ConfigError(f"{sum(spilled.values()) / 1e9:.3g} GB must go to NVMe and --nvme-gb is "
+                              f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
+        kinds = sorted({k for (_, k), tier in self.where.items() if tier == "nvme"})
+        meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype}
+        store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels, {k: "float32" for k in kinds}, meta,
+                          make_io(t.io), create=True)
+        return TierManager(store, self.where, {k: torch.float32 for k in kinds}, pin, depth=RING_SLOTS - 2)
 
     # ---- weights ------------------------------------------------------------------------------
     def _init_weights(self) -> None:
@@ -124,7 +184,9 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         inputs = inp.to(self.device).split(tc.micro_batch_size)
         targets = tgt.to(self.device).split(tc.micro_batch_size)
-        loss, norms = self.engine.run(list(inputs), list(targets))
+        tiers = self.tiers
+        loss, norms = self.engine.run(list(inputs), list(targets),
+                                      before_backward=lambda: tiers and tiers.start(list(range(len(self.units)))))
         grad_norm, clip = clip_coefficient([torch.linalg.vector_norm(torch.stack(norms))], self.cfg.optim.grad_clip)
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
         opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
@@ -140,6 +202,8 @@ class Trainer:
         rec["opt_wait_s"] = opt.wait_s
         rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9
         rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9
+        if tiers:  # NVMe bytes of the last whole update (the previous step's, read ahead and written back)
+            rec["nvme_read_gb"], rec["nvme_write_gb"] = (b / 1e9 for b in tiers.last_pass)
         if self.peak_tflops:
             rec["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":
@@ -149,10 +213,13 @@ class Trainer:
 
     def close(self) -> None:
         self.optim.close()
+        if self.tiers:
+            self.tiers.flush()
 
     def describe(self) -> list[str]:
         spec, tc = self.cfg.model, self.cfg.train
         host = self.host.nbytes()
+        nv = spilled_bytes([lay.numel for lay in self.layouts], self.kind_bytes(), self.where)
         return [
             f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
@@ -160,6 +227,10 @@ class Trainer:
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
             f"host tier: {human_bytes(sum(host.values()))} ("
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in host.items()) + ")",
+            *([f"NVMe tier: {human_bytes(sum(nv.values()))} ("
+               + ", ".join(f"{k} {human_bytes(v)}" for k, v in nv.items())
+               + f") in {self.tiers.store.root} via {self.tiers.store.io.name}, staging ring "
+               + human_bytes(self.tiers.ring_nbytes())] if self.tiers else []),
             f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
             f"plus activations (checkpoints on the {self.cfg.tiers.activations}); weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}",

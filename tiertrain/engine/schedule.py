@@ -52,8 +52,11 @@ class StepEngine:
         self.buf.release(unit, *(owner for _, owner, _ in self.units[unit].borrows))
 
     # ---- the step -----------------------------------------------------------------------------
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Forward + backward over the micro-batches; returns (summed loss, per-unit grad norms)."""
+    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
+            before_backward=lambda: None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Forward + backward over the micro-batches; returns (summed loss, per-unit grad norms).
+        `before_backward` runs once the forward pass has waited for every unit's update (the NVMe
+        tier starts reading the next update's slabs then)."""
         L, buf, ck, clock = len(self.units), self.buf, self.ck, self.clock
         n_tokens = sum(t.numel() for t in targets)
         buf.zero_own_grads()
@@ -73,6 +76,7 @@ class StepEngine:
                 self._release(i)
                 buf.load(i + 1)  # the next block, or the head after the last block
 
+        before_backward()
         norms: list[torch.Tensor | None] = [None] * L
         loss, grads = self._head(xs, targets, n_tokens)
         del xs

@@ -47,12 +47,14 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
 
 
 class HostAdamW:
-    def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig):
-        self.host, self.layouts, self.cfg = host, layouts, cfg
+    def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
+        self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
     def update_unit(self, unit: int, step: int, lr: float, clip: float) -> None:
-        s = self.host.slabs[unit]
+        s = dict(self.host.slabs[unit])
+        if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
+            s.update(self.tiers.acquire(unit))
         master, grad, m, v, w = s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights")
         b1, b2 = self.cfg.betas
         st = torch.tensor(float(step))
@@ -68,6 +70,8 @@ class HostAdamW:
                                     grad_scale=scale)
                 if w is not None:
                     w[c].copy_(master[c])
+        if self.tiers is not None:
+            self.tiers.release(unit)
         self.host.version[unit] += 1
 
 

@@ -16,7 +16,8 @@ class HostStore:
     counts the updates of unit u's weights, so device buffers know when their copy is stale.
     """
 
-    def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool, compute_copy: bool = True):
+    def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool, compute_copy: bool = True,
+                 where: dict[tuple[int, str], str] | None = None):
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.pin = pin
@@ -24,11 +25,12 @@ class HostStore:
         copy = compute_copy and compute_dtype != torch.float32
         self.kinds = FP32_KINDS + (("weights",) if copy else ())
         self.slabs: list[dict[str, torch.Tensor]] = []
-        for lay in layouts:
-            slabs = {k: alloc_slab(lay.numel, torch.float32, pin) for k in FP32_KINDS}
-            if "weights" in self.kinds:
-                slabs["weights"] = alloc_slab(lay.numel, compute_dtype, pin)
-            self.slabs.append(slabs)
+        for u, lay in enumerate(layouts):  # slabs placed on another tier get no host memory
+            self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) for k in self.kinds
+                               if (where or {}).get((u, k), "host") == "host"})
+
+    def dtype(self, kind: str) -> torch.dtype:
+        return self.compute_dtype if kind == "weights" else torch.float32
 
     def slab(self, unit: int, kind: str) -> torch.Tensor:
         return self.slabs[unit][kind]
@@ -48,6 +50,6 @@ class HostStore:
     def nbytes(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for slabs in self.slabs:
-            for k, t in slabs.items():
+            for k, t in slabs.items():  # spilled slabs are absent
                 out[k] = out.get(k, 0) + t.numel() * t.element_size()
         return out

@@ -61,6 +61,12 @@ class SlabLayout:
         return out
 
 
+def host_cost(nbytes: int) -> int:
+    """Host bytes a pinned slab of nbytes takes: torch's pinned allocator rounds blocks up to a power
+    of two (alloc_slab asks for one page more, to align)."""
+    return 1 << (nbytes + PAGE - 1).bit_length()
+
+
 def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A zeroed flat tensor whose first byte is page-aligned (direct I/O and fast DMA need it)."""
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,96 @@
+"""TierManager: brings spilled slabs into a staging ring of pinned buffers ahead of their use, and
+writes them back behind it. Knows slabs and the order they are needed in, nothing about models.
+
+The optimizer walks units 0..L-1; `start(order)` reads the first `depth` units' spilled slabs,
+`acquire(u)` waits for unit u's and reads one unit further ahead, `release(u)` writes u's back. A
+ring slot is reused only once its write-back has landed, so at most `slots` buffers per kind exist.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+
+import torch
+
+from .nvme import NvmeStore
+from .slab import alloc_slab
+
+
+class TierManager:
+    def __init__(self, store: NvmeStore, where: dict[tuple[int, str], str], dtypes: dict[str, torch.dtype],
+                 pin: bool, depth: int = 1):
+        self.store, self.depth = store, depth
+        self.spilled = {u: [k for (uu, k), t in sorted(where.items()) if uu == u and t == "nvme"]
+                        for u in range(len(store.numels))}
+        kinds = sorted({k for ks in self.spilled.values() for k in ks})
+        slots = depth + 2  # read ahead, in use, writing back
+        width = store.width
+        self.free = {k: deque(alloc_slab(width, dtypes[k], pin) for _ in range(slots)) for k in kinds}
+        self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
+        self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
+        self.order: list[int] = []
+        self.read_bytes = 0  # totals, and those of the last whole pass (start to start)
+        self.write_bytes = 0
+        self.last_pass = (0, 0)
+        self._pass_start = (0, 0)
+
+    def ring_nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for k in self.free for b in list(self.free[k]) +
+                   [t for _, t in self.busy[k]])
+
+    def _slot(self, kind: str) -> torch.Tensor:
+        if not self.free[kind]:
+            fut, buf = self.busy[kind].popleft()
+            fut.result()
+            self.free[kind].append(buf)
+        return self.free[kind].popleft()
+
+    def _fetch(self, unit: int) -> None:
+        if unit in self.loaded or not self.spilled.get(unit):
+            return
+        n = self.store.numels[unit]
+        got = {}
+        for k in self.spilled[unit]:
+            buf = self._slot(k)
+            got[k] = (self.store.read(unit, k, buf[:n]), buf)
+            self.read_bytes += n * buf.element_size()
+        self.loaded[unit] = got
+
+    def start(self, order: list[int]) -> None:
+        """A new pass in `order`: the last pass's write-backs land first, then reading ahead begins."""
+        self.flush()
+        now = (self.read_bytes, self.write_bytes)
+        self.last_pass = (now[0] - self._pass_start[0], now[1] - self._pass_start[1])
+        self._pass_start = now
+        self.order = [u for u in order if self.spilled.get(u)]
+        for u in self.order[:self.depth]:
+            self._fetch(u)
+
+    def acquire(self, unit: int) -> dict[str, torch.Tensor]:
+        """The unit's spilled slabs, read into ring buffers (views of the slab's size)."""
+        if not self.spilled.get(unit):
+            return {}
+        self._fetch(unit)
+        i = self.order.index(unit) if unit in self.order else len(self.order)
+        for u in self.order[i + 1:i + 1 + self.depth]:
+            self._fetch(u)
+        n = self.store.numels[unit]
+        out = {}
+        for k, (fut, buf) in self.loaded[unit].items():
+            fut.result()
+            out[k] = buf[:n]
+        return out
+
+    def release(self, unit: int) -> None:
+        """Writes the unit's spilled slabs back; their buffers return to the ring once written."""
+        n = self.store.numels[unit]
+        for k, (_, buf) in self.loaded.pop(unit, {}).items():
+            self.busy[k].append((self.store.write(unit, k, buf[:n]), buf))
+            self.write_bytes += n * buf.element_size()
+
+    def flush(self) -> None:
+        for k in self.busy:
+            while self.busy[k]:
+                fut, buf = self.busy[k].popleft()
+                fut.result()
+                self.free[k].append(buf)

@@ -1,0 +1,211 @@
+"""NVMe tier: one Zarr v3 group per run, an array per kind, one uncompressed chunk per unit.
+
+Plain `zarr` opens and reads the store (shape (units, slab elements), a chunk per unit, the model and
+layout in the attributes). Every chunk is written at creation, so the hot path never creates, grows
+or renames a file: it reads and writes the chunk files' bytes in place (`<kind>/c/<unit>/0`, raw
+little-endian), with direct I/O into page-aligned buffers, split into 16 MiB tasks over a thread
+pool. kvikio moves the bytes where it can run (it needs a CUDA driver); elsewhere os.preadv/pwritev.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+TASK_BYTES = 16 << 20
+FORMAT = "tiertrain-nvme/1"
+
+
+class StoreError(UserError):
+    pass
+
+
+def _open(path: Path, write: bool) -> int:
+    flags = os.O_RDWR if write else os.O_RDONLY
+    try:
+        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # the file system refuses direct I/O (tmpfs): buffered I/O then
+            raise
+        return os.open(path, flags)
+
+
+class PosixIO:
+    """pread/pwrite of whole chunk files in TASK_BYTES pieces on a thread pool."""
+
+    name = "posix"
+
+    def __init__(self, threads: int = 8):
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-io")
+
+    def _run(self, path: Path, buf: torch.Tensor, write: bool) -> Future:
+        view = memoryview(buf.view(torch.uint8).numpy())
+        fd = _open(path, write)
+        parts = [self.pool.submit(self._piece, fd, view[o:o + TASK_BYTES], o, write)
+                 for o in range(0, len(view), TASK_BYTES)]
+        done: Future = Future()
+
+        def finish(_):
+            if all(p.done() for p in parts) and not done.done():
+                os.close(fd)
+                errs = [p.exception() for p in parts if p.exception()]
+                done.set_exception(errs[0]) if errs else done.set_result(len(view))
+
+        for p in parts:
+            p.add_done_callback(finish)
+        return done
+
+    @staticmethod
+    def _piece(fd: int, view: memoryview, offset: int, write: bool) -> None:
+        n = (os.pwritev if write else os.preadv)(fd, [view], offset)
+        if n != len(view):
+            raise OSError(errno.EIO, f"short {'write' if write else 'read'}: {n} of {len(view)} bytes")
+
+    def read(self, path: Path, buf: torch.Tensor) -> Future:
+        return self._run(path, buf, write=False)
+
+    def write(self, path: Path, buf: torch.Tensor) -> Future:
+        return self._run(path, buf, write=True)
+
+
+class KvikioIO:
+    """kvikio's thread pool (compatibility mode without GPUDirect Storage); needs a CUDA driver."""
+
+    name = "kvikio"
+
+    def __init__(self, threads: int = 8):
+        import kvikio
+        import kvikio.defaults
+
+        kvikio.defaults.set({"num_threads": threads, "task_size": TASK_BYTES})
+        self.kvikio = kvikio
+
+    def _run(self, path: Path, buf: torch.Tensor, write: bool) -> Future:
+        f = self.kvikio.CuFile(path, "r+" if write else "r")
+        arr = buf.view(torch.uint8).numpy()
+        io = f.pwrite(arr) if write else f.pread(arr)
+        done: Future = Future()
+
+        def wait():  # kvikio's future does not keep the buffer alive: arr is held until here
+            try:
+                done.set_result(io.get())
+            except Exception as e:  # noqa: BLE001 - handed to the waiter
+                done.set_exception(e)
+            finally:
+                f.close()
+
+        _WAITERS.submit(wait)
+        return done
+
+    def read(self, path: Path, buf: torch.Tensor) -> Future:
+        return self._run(path, buf, write=False)
+
+    def write(self, path: Path, buf: torch.Tensor) -> Future:
+        return self._run(path, buf, write=True)
+
+
+_WAITERS = ThreadPoolExecutor(4, thread_name_prefix="tiertrain-io-wait")
+
+
+def make_io(backend: str = "auto", threads: int = 8):
+    """`auto`: kvikio when it imports and can do I/O here, else POSIX."""
+    if backend in ("auto", "kvikio"):
+        try:
+            io = KvikioIO(threads)
+            probe = torch.zeros(4096, dtype=torch.uint8)
+            tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f".tiertrain-kvikio-{os.getpid()}"
+            tmp.write_bytes(bytes(4096))
+            try:
+                io.read(tmp, probe).result()
+            finally:
+                tmp.unlink()
+            return io
+        except Exception as e:  # noqa: BLE001 - kvikio missing, or no CUDA driver (CI)
+            if backend == "kvikio":
+                raise StoreError(f"the kvikio I/O backend cannot run here ({type(e).__name__}: {e}); "
+                                 'use --set tiers.io="posix"') from None
+    return PosixIO(threads)
+
+
+class NvmeStore:
+    """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit))."""
+
+    def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[str, str], meta: dict, io,
+                 create: bool):
+        """`create`: a new store (a store already there is refused, never reused: its contents belong to
+        another run); otherwise open an existing one, checked against `meta` and for whole chunks."""
+        import zarr
+
+        self.root, self.numels, self.kinds, self.io = Path(root), numels, kinds, io
+        self.width = max(numels)
+        meta = {"format": FORMAT, "numels": numels, "kinds": kinds, **meta}
+        exists = (self.root / "zarr.json").exists()
+        if create and exists:
+            raise StoreError(f"{self.root} already holds a store of another run; use a new --out name or "
+                             "--nvme-dir, or delete it")
+        if not create and not exists:
+            raise StoreError(f"{self.root} holds no tiertrain store; check --nvme-dir")
+        if exists:
+            try:
+                found = dict(zarr.open_group(self.root, mode="r").attrs)
+            except Exception as e:  # noqa: BLE001 - any unreadable store
+                raise StoreError(f"{self.root} holds an unreadable Zarr store ({e}); use another "
+                                 "--nvme-dir or delete it") from None
+            if found != json.loads(json.dumps(meta)):
+                raise StoreError(f"{self.root} holds a store made for a different model or config; use another "
+                                 "--nvme-dir or delete it")
+            self._check_chunks()
+            return
+        self._create(meta)
+
+    def _create(self, meta: dict) -> None:
+        import zarr
+
+        need = sum(self.width * np.dtype(dt).itemsize * len(self.numels) for dt in self.kinds.values())
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.root).free
+        except OSError as e:
+            raise StoreError(f"cannot use --nvme-dir {self.root}: {e.strerror}; pass a writable directory") from None
+        if need > free:
+            raise StoreError(f"--nvme-dir {self.root} has {free / 1e9:.1f} GB free, the spilled state needs "
+                             f"{need / 1e9:.1f} GB; free space, or raise --host-gb to spill less")
+        try:
+            g = zarr.open_group(self.root, mode="w", attributes=meta)
+            for kind, dt in self.kinds.items():
+                arr = g.create_array(kind, shape=(len(self.numels), self.width), chunks=(1, self.width), dtype=dt,
+                                     fill_value=0, compressors=None, config={"write_empty_chunks": True})
+                zeros = np.zeros((1, self.width), dtype=dt)
+                for u in range(len(self.numels)):
+                    arr[u:u + 1] = zeros
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StoreError(f"the disk of --nvme-dir {self.root} filled up while creating the store; free "
+                                 "space or raise --host-gb") from None
+            raise StoreError(f"cannot create the store in {self.root}: {e.strerror}") from None
+
+    def _check_chunks(self) -> None:
+        for kind, dt in self.kinds.items():
+            for u in range(len(self.numels)):
+                p = self.path(kind, u)
+                if not p.is_file() or p.stat().st_size != self.width * np.dtype(dt).itemsize:
+                    raise StoreError(f"{self.root}: chunk {kind}/{u} is missing or truncated; the store is "
+                                     "corrupt: use another --nvme-dir or delete it")
+
+    def path(self, kind: str, unit: int) -> Path:
+        return self.root / kind / "c" / str(unit) / "0"
+
+    def read(self, unit: int, kind: str, buf: torch.Tensor) -> Future:
+        """Reads the unit's slab into `buf` (page-aligned, the slab's size)."""
+        return self.io.read(self.path(kind, unit), buf)
+
+    def write(self, unit: int, kind: str, buf: torch.Tensor) -> Future:
+        return self.io.write(self.path(kind, unit), buf)

@@ -1,0 +1,41 @@
+"""Where each (unit, kind) slab lives when the host budget is smaller than the state.
+
+Policy: spill what each step touches least, first. Adam moments (`exp_avg`, then `exp_avg_sq`: read
+and written once per step, by the optimizer only), then the fp32 master (read and written by the
+optimizer, and read twice more when it is what streams), then gradients (written by the D2H, read by
+the optimizer), the compute-dtype copy last (read for the forward and the backward pass). Within a
+kind, units spill from the last to the first: the optimizer reaches them last, which leaves the most
+time to read them ahead. Pure Python: the planner uses it too.
+"""
+from __future__ import annotations
+
+SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
+
+
+def place(numels: list[int], kind_bytes: dict[str, int], host_budget: float | None,
+          cost=None) -> dict[tuple[int, str], str]:
+    """{(unit, kind): "host" | "nvme"}: the fewest slabs spilled, in policy order, so that what stays
+    fits `host_budget` bytes (None: no budget, everything on the host). `cost(nbytes)` is what a slab
+    of nbytes takes from the host (an allocator may round it up); by default its size."""
+    cost = cost or (lambda n: n)
+    where = {(u, k): "host" for u in range(len(numels)) for k in kind_bytes}
+    if host_budget is None:
+        return where
+    left = sum(cost(n * b) for n in numels for b in kind_bytes.values()) - host_budget
+    for kind in (k for k in SPILL_ORDER if k in kind_bytes):
+        for u in reversed(range(len(numels))):
+            if left <= 0:
+                return where
+            where[(u, kind)] = "nvme"
+            left -= cost(numels[u] * kind_bytes[kind])
+    if left > 0:
+        raise ValueError("the state does not fit even with every slab on NVMe")
+    return where
+
+
+def spilled_bytes(numels: list[int], kind_bytes: dict[str, int], where: dict[tuple[int, str], str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (u, k), tier in where.items():
+        if tier == "nvme":
+            out[k] = out.get(k, 0) + numels[u] * kind_bytes[k]
+    return out
