@@ -12,16 +12,17 @@ from conftest import VARIANTS, tiny_config
 from tiertrain.errors import ConfigError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
 from tiertrain.tiers.placement import place
-from tiertrain.tiers.slab import PAGE
+from tiertrain.tiers.slab import PAGE, host_cost
 from tiertrain.trainer import RING_SLOTS, Trainer
 
 
 def _budget_for(cfg, keep=("master", "grad")) -> float:
-    """Host GB that holds exactly the kinds in `keep` and the staging ring (CPU: each buffer costs its
-    size plus a page)."""
+    """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
+    (CPU: a buffer's size plus a page; pinned: rounded up to a power of two)."""
     tr = Trainer(cfg)
+    cost = host_cost if tr.device.type == "cuda" else (lambda n: n + PAGE)
     width = max(lay.numel for lay in tr.layouts)
-    gb = (sum(lay.numel * 4 + PAGE for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * (width * 4 + PAGE)) / 1e9
+    gb = (sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)) / 1e9
     tr.close()
     return gb
 
