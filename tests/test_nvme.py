@@ -16,6 +16,11 @@ from tiertrain.tiers.slab import PAGE, host_cost
 from tiertrain.trainer import RING_SLOTS, Trainer
 
 
+# deep enough that the Adam moments outweigh the staging ring (4 slots x 2 kinds of the widest unit):
+# below that, spilling would cost more host memory than it saves, and the runtime keeps all in RAM
+DEEP = ["model.num_hidden_layers=12"]
+
+
 def _budget_for(cfg, keep=("master", "grad")) -> float:
     """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
     (CPU: a buffer's size plus a page; pinned: rounded up to a power of two)."""
@@ -38,9 +43,9 @@ def _train(cfg, steps=4):
 @pytest.mark.parametrize("io", ["posix", pytest.param("kvikio", marks=pytest.mark.gpu)])
 def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
     dev = "cuda" if io == "kvikio" else "cpu"
-    base = tiny_config(token_file, *VARIANTS["qwen2"], f'train.device="{dev}"')
+    base = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"')
     gb = _budget_for(base)
-    spill = tiny_config(token_file, *VARIANTS["qwen2"], f'train.device="{dev}"', f"tiers.host_gb={gb}",
+    spill = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"', f"tiers.host_gb={gb}",
                         f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill)
@@ -72,6 +77,13 @@ def test_placement_policy_by_hand():
         place(numels, kb, -1)
 
 
+def test_what_fits_in_ram_stays_there(token_file, tmp_path):
+    nvme = tmp_path / "nvme"
+    tr = Trainer(tiny_config(token_file, *DEEP, "tiers.host_gb=1", f'tiers.nvme_dir="{nvme}"'))
+    assert tr.tiers is None and set(tr.where.values()) == {"host"} and not nvme.exists()
+    tr.close()
+
+
 def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001")
     with pytest.raises(ConfigError, match=r"raise --host-gb to [0-9.]+, or pass --nvme-dir .*--host-gb [0-9.]+ is the least"):
@@ -79,8 +91,9 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001", f'tiers.nvme_dir="{tmp_path}"')
     with pytest.raises(ConfigError, match="more than the Adam moments on NVMe.*raise --host-gb to at least"):
         Trainer(cfg)
-    gb = _budget_for(tiny_config(token_file))
-    cfg = tiny_config(token_file, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', "tiers.nvme_gb=0.000001")
+    gb = _budget_for(tiny_config(token_file, *DEEP))
+    cfg = tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"',
+                      "tiers.nvme_gb=0.000001")
     with pytest.raises(ConfigError, match="must go to NVMe and --nvme-gb"):
         Trainer(cfg)
 

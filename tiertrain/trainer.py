@@ -88,36 +88,28 @@ class Trainer:
         return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
 
     def _place(self, pin: bool) -> dict[tuple[int, str], str]:
-        """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run."""
-        t = self.cfg.tiers
-        numels = [lay.numel for lay in self.layouts]
-        kb = self.kind_bytes()
+        """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run.
+        First everything in RAM; failing that, Adam moments on NVMe with the staging ring reserved."""
+        t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
+        numels, kb = [lay.numel for lay in self.layouts], self.kind_bytes()
         cost = host_cost if pin else (lambda n: n + PAGE)
         if not t.host_gb:
             return place(numels, kb, None)
-        tc, spec = self.cfg.train, self.cfg.model
-        fixed = RING_SLOTS * 2 * cost(max(numels) * 4) if t.nvme_dir else 0  # the staging ring, both moments
-        if t.activations == "host":
-            fixed += spec.num_hidden_layers * cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4)
-        budget = t.host_gb * 1e9 - fixed
-        total = sum(cost(n * b) for n in numels for b in kb.values())
-        try:
-            where = place(numels, kb, budget, cost)
-        except ValueError:
-            where = None
-        moments_only = where is not None and all(k in ("exp_avg", "exp_avg_sq") for (_, k), tier in where.items()
-                                                  if tier == "nvme")
-        need_min = (total + fixed - sum(cost(n * 4) * 2 for n in numels)) / 1e9  # both moments spilled
-        if where is not None and "nvme" not in where.values():
-            return where
+        acts = spec.num_hidden_layers * cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4) \
+            if t.activations == "host" else 0
+        total = sum(cost(n * b) for n in numels for b in kb.values()) + acts
+        if total <= t.host_gb * 1e9:
+            return place(numels, kb, None)
+        ring = RING_SLOTS * 2 * cost(max(numels) * 4)  # both moment kinds, the widest unit each
+        least = (total + ring - sum(2 * cost(n * 4) for n in numels)) / 1e9  # every moment on NVMe
         if not t.nvme_dir:
-            raise ConfigError(f"the state needs {(total + fixed) / 1e9:.3g} GB of host memory and --host-gb is "
-                              f"{t.host_gb:g}: raise --host-gb to {(total + fixed) / 1e9:.3g}, or pass --nvme-dir "
-                              f"to spill Adam moments to disk (then --host-gb {need_min:.3g} is the least)")
-        if not moments_only:
+            raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
+                              f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
+                              f"to spill Adam moments to disk (then --host-gb {least:.3g} is the least)")
+        if t.host_gb * 1e9 < least * 1e9:
             raise ConfigError(f"--host-gb {t.host_gb:g} would put more than the Adam moments on NVMe, which this "
-                              f"version cannot run yet; raise --host-gb to at least {need_min:.3g}")
-        return where
+                              f"version cannot run yet; raise --host-gb to at least {least:.3g}")
+        return place(numels, kb, t.host_gb * 1e9 - acts - ring, cost)
 
     def _nvme_tier(self, pin: bool) -> TierManager:
         t = self.cfg.tiers
