@@ -70,3 +70,62 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None) -> None:
     except UserError as e:
         _fail(e)
     click.echo(f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path=\"{out}\"")
+
+
+@main.command()
+@click.option("--config", "config_path", required=True, metavar="FILE", help="TOML config, or a shipped name.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+@click.option("--host-gb", type=float, default=None, help="Host memory budget. Default: the machine's RAM.")
+@click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
+@click.option("--nvme-gb", type=float, default=None, help="NVMe tier size. Default: none.")
+@click.option("--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget.")
+@click.option("--hardware", default=None, metavar="FILE", help="JSON from `tiertrain probe`. Default: reference figures.")
+@click.option("--batch-size", type=int, default=None)
+@click.option("--seq-len", type=int, default=None)
+@click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
+def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, fmt) -> None:
+    """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
+    import shutil
+
+    from .config import load_config
+    from .plan.hardware import REFERENCE, HardwareSpec
+    from .plan.planner import Budgets
+    from .plan.planner import plan as make_plan
+    from .plan.report import to_json, to_markdown
+
+    try:
+        sets = list(overrides) + [f"train.batch_size={batch_size}"] * bool(batch_size) + \
+            [f"train.seq_len={seq_len}"] * bool(seq_len)
+        if batch_size:
+            sets.append(f"train.micro_batch_size={batch_size}")  # the planner chooses the micro-batch
+        cfg = load_config(config_path, sets)
+        hw = HardwareSpec.load(hardware) if hardware else REFERENCE
+        if nvme_dir and nvme_gb is None:
+            nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
+        p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
+                      Budgets(host_gb, gpu_gb, nvme_gb), hw, name=Path(config_path).stem)
+    except UserError as e:
+        _fail(e)
+    except OSError as e:
+        _fail(UserError(f"--nvme-dir {nvme_dir}: {e.strerror}"))
+    click.echo(to_json(p) if fmt == "json" else to_markdown(p))
+    if not p.fits:
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--out", default=None, metavar="FILE", help="Where to save. Default: ~/.cache/tiertrain/hardware.json")
+@click.option("--nvme-dir", default=None, metavar="DIR", help="Measure the disk here (direct I/O, the runtime's backend).")
+def probe(out: str | None, nvme_dir: str | None) -> None:
+    """Measure this machine for the planner, with the runtime's own code paths."""
+    from .plan.probe import probe_spec
+
+    target = Path(out) if out else Path.home() / ".cache" / "tiertrain" / "hardware.json"
+    try:
+        spec, notes = probe_spec(nvme_dir)
+    except UserError as e:
+        _fail(e)
+    spec.save(target)
+    for n in notes:
+        click.echo(n)
+    click.echo(f"saved {target}")

@@ -102,3 +102,55 @@ def probe(gpu: bool = True) -> dict:
         out["bf16_tflops"] = matmul_tflops("bfloat16")
         out["fp32_tflops"] = matmul_tflops("float32")
     return out
+
+
+def disk_rates(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
+    """GB/s (read, write) of whole-file direct I/O in `directory`, through the runtime's backend."""
+    import tempfile
+
+    import torch
+
+    from ..tiers.nvme import make_io
+    from ..tiers.slab import alloc_slab
+
+    io = make_io("auto")
+    buf = alloc_slab(nbytes // 4, torch.float32, pin=torch.cuda.is_available())
+    buf.uniform_()
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as f:
+        f.truncate(nbytes)
+        t0 = time.perf_counter()
+        io.write(f.name, buf).result()
+        os.fsync(f.fileno())
+        w = nbytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        io.read(f.name, buf).result()
+        r = nbytes / (time.perf_counter() - t0) / 1e9
+    return r, w
+
+
+def probe_spec(nvme_dir: str | None = None):
+    """A HardwareSpec of this machine, and notes on what could not be measured (kept at reference)."""
+    import psutil
+    import torch
+
+    from .hardware import REFERENCE, HardwareSpec
+
+    m = probe(gpu=True)
+    spec = HardwareSpec(host_ram_gb=psutil.virtual_memory().total / 1e9, cpu_count=m["cpu_count"],
+                        host_adam_params_per_s=m["host_adam_fp32_stream_params_per_s"],
+                        host_adam_copy_params_per_s=m["host_adam_params_per_s"],
+                        source=f"tiertrain probe, {time.strftime('%Y-%m-%d')}")
+    notes = []
+    if torch.cuda.is_available():
+        spec.gpu, spec.gpu_mem_gb = m["gpu"], m["gpu_mem_gb"]
+        spec.h2d_gbs, spec.d2h_gbs = m["h2d_gbs"], m["d2h_gbs"]
+        spec.bf16_tflops, spec.fp32_tflops = m["bf16_tflops"], m["fp32_tflops"]
+    else:
+        spec.gpu, spec.gpu_mem_gb = REFERENCE.gpu + " (reference: no GPU here)", REFERENCE.gpu_mem_gb
+        notes.append("no CUDA GPU: GPU memory, PCIe and matmul rates are the reference H200's")
+    if nvme_dir:
+        spec.disk_read_gbs, spec.disk_write_gbs = disk_rates(nvme_dir)
+    else:
+        notes.append("no --nvme-dir: disk rates are the reference machine's")
+    notes.append("compute efficiency and AdamW contention are the reference fit (docs/performance.md)")
+    return spec, notes

@@ -8,8 +8,10 @@ after, so the optimizer updates each group as one contiguous range. Padding stay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the layout arithmetic is pure Python: the planner uses it without torch
+    import torch
 
 PAGE = 4096
 TENSOR_ALIGN = 64  # elements: every tensor starts on a 128-byte (bf16) / 256-byte (fp32) boundary
@@ -69,6 +71,8 @@ def host_cost(nbytes: int) -> int:
 
 def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A zeroed flat tensor whose first byte is page-aligned (direct I/O and fast DMA need it)."""
+    import torch
+
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
     raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)

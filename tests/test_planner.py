@@ -1,0 +1,115 @@
+"""The planner: pure Python, its arithmetic by hand, and more of any budget never predicts a slower step."""
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tiertrain.config import load_config
+from tiertrain.plan.hardware import REFERENCE, HardwareSpec
+from tiertrain.plan.planner import Budgets, evaluate, plan
+from tiertrain.tiers.slab import host_cost
+
+
+def test_plan_runs_without_torch():
+    code = ("import sys, tiertrain.cli as c; from click.testing import CliRunner; "
+            "r = CliRunner().invoke(c.main, ['plan', '--config', 'llama-120b', '--host-gb', '1500', '--gpu-gb', '141', "
+            "'--nvme-gb', '8000', '--format', 'json']); assert r.exit_code == 0, r.output; "
+            "assert 'torch' not in sys.modules; print(r.output)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["fits"] and p["params"] > 119e9 and p["nvme_bytes"] and p["bottleneck"]
+    assert abs(p["params"] * 18 / 1e12 - 2.16) < 0.01  # about 2.2 TB of state at 18 B/param
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.toml")))
+def test_every_shipped_config_gets_a_plan(path):
+    cfg = load_config(path)
+    p = plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
+             Budgets(host_gb=1500, gpu_gb=141, nvme_gb=8000), REFERENCE, advise=False)
+    assert p.fits, p.why
+    assert p.step_s > 0 and p.tokens_per_s > 0 and p.gpu_total <= 141e9
+
+
+def test_arithmetic_by_hand():
+    """llama-3b, 8k tokens, fp32 master streamed, checkpoints on the host, reference hardware."""
+    spec = load_config("llama-3b").model
+    hw = HardwareSpec()
+    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw)
+    # slabs by hand: embedding 32000 x 3072 = 98,304,000 (a multiple of 2048); a block's matrices
+    # 4 x 3072^2 + 3 x 8192 x 3072 = 113,246,208, plus two 3072 norms = 113,252,352 (a multiple of 2048);
+    # head 98,304,000 + 3072 = 98,307,072, rounded up to 2048s: 98,308,096
+    sizes = (98_304_000, *[113_252_352] * 26, 98_308_096)
+    n, T = sum(sizes), 8192
+    assert sum(p.host_bytes.values()) == sum(host_cost(x * 4) for x in sizes for _ in range(4))
+    F = spec.flops_per_token(2048)
+    rate = 776e12 * 0.54
+    assert p.times["compute bwd"] == pytest.approx(T * F / rate)
+    assert p.times["compute fwd"] == pytest.approx(T * F / 3 / rate)
+    assert p.times["H2D fwd"] == pytest.approx(4 * n / 55.5e9)
+    assert p.times["host AdamW"] == pytest.approx(n / 3.78e9 * 1.18)
+    assert p.step_s == pytest.approx(p.times["compute bwd"] + p.times["host AdamW"])  # AdamW > forward here
+    assert p.bottleneck == "host AdamW" and p.tokens_per_s == pytest.approx(T / p.step_s)
+
+
+def test_spill_plan_matches_the_runtime_placement():
+    """The run of bench/results/2026-11-22-H200-llama3b-nvme-first.md: --host-gb 36 put exp_avg
+    (11.7 GiB) and 25 of 27 exp_avg_sq slabs (10.5 GiB) on NVMe; the plan places the same."""
+    spec = load_config("llama-3b").model
+    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "gpu", Budgets(host_gb=36, nvme_gb=60), REFERENCE)
+    assert p.fits and p.bottleneck == "NVMe"
+    assert round(p.nvme_bytes["exp_avg"] / 2**30, 1) == 11.7 and round(p.nvme_bytes["exp_avg_sq"] / 2**30, 1) == 10.5
+    assert "master" not in p.nvme_bytes
+
+
+@pytest.mark.parametrize("knob", ["host_gb", "gpu_gb", "nvme_gb"])
+def test_more_budget_never_predicts_a_slower_step(knob):
+    spec = load_config("llama-7b").model
+    steps = []
+    for gb in (40, 60, 90, 140, 400, 2000):
+        b = Budgets(host_gb=60, gpu_gb=80, nvme_gb=500)
+        setattr(b, knob, gb)
+        p = plan(spec, 16, 2048, "bfloat16", b, REFERENCE, advise=False)
+        steps.append(p.step_s)
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
+    assert steps[-1] < float("inf")
+
+
+def test_a_plan_that_does_not_fit_says_which_budget():
+    spec = load_config("llama-7b").model
+    p = plan(spec, 16, 2048, "bfloat16", Budgets(host_gb=40), REFERENCE)
+    assert not p.fits and "raise --host-gb or give an NVMe tier" in p.why
+    p = plan(spec, 16, 2048, "bfloat16", Budgets(host_gb=1000, gpu_gb=2), REFERENCE)
+    assert not p.fits and p.why.startswith("GPU: needs")
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Does not fit" in r.stdout
+
+
+def test_hardware_file_round_trip_and_errors(tmp_path):
+    from tiertrain.errors import ConfigError
+
+    hw = HardwareSpec(h2d_gbs=20.0, source="test")
+    hw.save(tmp_path / "hw.json")
+    assert HardwareSpec.load(tmp_path / "hw.json") == hw
+    with pytest.raises(ConfigError, match="tiertrain probe"):
+        HardwareSpec.load(tmp_path / "missing.json")
+    slow = plan(load_config("llama-3b").model, 16, 2048, "bfloat16", Budgets(), hw, advise=False)
+    fast = plan(load_config("llama-3b").model, 16, 2048, "bfloat16", Budgets(), REFERENCE, advise=False)
+    assert slow.step_s >= fast.step_s
+
+
+def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path):
+    out = tmp_path / "hw.json"
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "probe", "--out", str(out), "--nvme-dir", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    hw = HardwareSpec.load(out)
+    assert hw.source.startswith("tiertrain probe") and hw.disk_read_gbs > 0 and hw.disk_write_gbs > 0
+    assert hw.host_adam_params_per_s > hw.host_adam_copy_params_per_s > 0  # the bf16 rounding costs a pass
+    assert "GPU memory, PCIe and matmul rates are the reference" in r.stdout or hw.gpu_mem_gb != REFERENCE.gpu_mem_gb
+    assert not list(tmp_path.glob(".tiertrain-probe-*"))  # the probe's file is gone

@@ -1,0 +1,56 @@
+"""HardwareSpec: the machine figures the planner reasons with, as JSON. Pure Python (no torch).
+
+`tiertrain probe` measures them with the runtime's own code paths; without a probe file the planner
+uses REFERENCE, measured on one H200 machine (bench/results/2026-11-22-H200-llama3b.*) and says so.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+@dataclass
+class HardwareSpec:
+    gpu: str = "NVIDIA H200"
+    gpu_mem_gb: float = 150.1
+    host_ram_gb: float = 128.0
+    cpu_count: int = 16
+    h2d_gbs: float = 55.5  # pinned host -> GPU
+    d2h_gbs: float = 55.4
+    bf16_tflops: float = 776.0  # large bf16 matmul
+    fp32_tflops: float = 51.1
+    host_adam_params_per_s: float = 3.78e9  # fused AdamW, fp32 master streamed (no bf16 rounding)
+    host_adam_copy_params_per_s: float = 2.81e9  # with the rounding into a host bf16 copy
+    disk_read_gbs: float = 2.2  # through the runtime's I/O backend (kvikio compatibility mode)
+    disk_write_gbs: float = 2.2
+    # Fitted on the llama-3b benchmark run (docs/performance.md): training compute runs at this fraction
+    # of the matmul rate; AdamW overlapped with the next forward pass runs this much slower than alone
+    # (DRAM shared with the H2D copies).
+    compute_efficiency: float = 0.54
+    adam_contention: float = 1.18
+    source: str = "reference: one H200 machine, 2026-11-22 (bench/results/2026-11-22-H200-llama3b.json)"
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareSpec":
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"hardware file {p} not found; make one with `tiertrain probe --out {p}`") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"hardware file {p} is not valid JSON ({e}); re-run `tiertrain probe`") from None
+        known = {f.name for f in fields(cls)}
+        spec = cls(**{k: v for k, v in data.items() if k in known})
+        if "source" not in data:
+            spec.source = f"probe file {p}"
+        return spec
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+
+REFERENCE = HardwareSpec()

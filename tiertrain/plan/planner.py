@@ -1,0 +1,216 @@
+"""The capacity planner: what fits, where every slab lives, how fast a step runs, what limits it.
+
+Pure Python (no torch): a function of (model, batch, budgets, hardware). It uses the runtime's own slab
+layout and spill policy, and the schedule's cost model (docs/performance.md):
+    forward  = max(compute_fwd, H2D of the weights)
+    backward = max(compute_bwd (recompute included), H2D, D2H)
+    update   = max(host AdamW x contention, NVMe reads + writes)   (needs the global norm: after backward)
+    step     = backward + max(forward, update)                     (the update overlaps the next forward)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..model.spec import ModelSpec
+from ..tiers.placement import place
+from ..tiers.slab import SlabLayout, host_cost
+from .hardware import HardwareSpec
+
+PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
+GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
+WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
+RING_SLOTS = 4
+NVME_TRAFFIC = {  # per step, in multiples of the slab: (reads, writes), and reads more when it streams
+    "exp_avg": (1, 1), "exp_avg_sq": (1, 1), "master": (1, 1), "grad": (1, 1), "weights": (2, 1)}
+
+
+@dataclass
+class Budgets:
+    host_gb: float | None = None  # None: the machine's RAM less the process
+    gpu_gb: float | None = None  # None: the GPU's memory
+    nvme_gb: float | None = None  # None: no NVMe tier; 0 is also none
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    batch: int
+    seq_len: int
+    dtype: str
+    micro_batch: int = 0
+    stream: str = ""
+    activations: str = ""
+    fits: bool = False
+    why: str = ""
+    host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
+    nvme_bytes: dict = field(default_factory=dict)
+    placement: dict = field(default_factory=dict)  # kind -> {"host": units, "nvme": units}
+    host_fixed: dict = field(default_factory=dict)  # ring, host checkpoints, process
+    gpu: dict = field(default_factory=dict)  # part -> bytes
+    times: dict = field(default_factory=dict)  # link -> seconds
+    step_s: float = math.inf
+    bottleneck: str = ""
+    tokens_per_s: float = 0.0
+    model_tflops: float = 0.0
+    advice: list = field(default_factory=list)
+    largest_layers: int = 0
+    largest_params: int = 0
+    hardware: str = ""
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host_bytes.values()) + sum(self.host_fixed.values())
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+
+def _layouts(spec: ModelSpec) -> list[int]:
+    return [SlabLayout.build([(t.name, t.shape) for t in u.tensors]).numel for u in spec.units()]
+
+
+def _kind_bytes(dtype: str, stream: str) -> dict[str, int]:
+    copy = stream == "compute" and dtype == "bfloat16"
+    return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
+
+
+def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
+             budgets: Budgets, hw: HardwareSpec, name: str = "model") -> Plan:
+    """The plan of one choice of (micro-batch, streaming, checkpoint placement)."""
+    p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source)
+    numels = _layouts(spec)
+    H, FF = spec.hidden_size, spec.intermediate_size
+    T = batch * seq_len
+    kb = _kind_bytes(dtype, stream)
+
+    # ---- host and NVMe ----
+    ck_bytes = spec.num_hidden_layers * T * H * 4
+    host_ck = spec.num_hidden_layers * host_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
+    host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
+    state = sum(host_cost(n * b) for n in numels for b in kb.values())
+    nvme_on = bool(budgets.nvme_gb)
+    ring = RING_SLOTS * 2 * host_cost(max(numels) * 4)
+    if state + host_ck <= host_budget:
+        where = place(numels, kb, None)
+        ring = 0
+    elif not nvme_on:
+        p.why = (f"host: the state needs {(state + host_ck) / 1e9:.1f} GB and the budget is {host_budget / 1e9:.1f} GB; "
+                 "raise --host-gb or give an NVMe tier (--nvme-gb)")
+        where = None
+    else:
+        try:
+            where = place(numels, kb, host_budget - host_ck - ring, host_cost)
+        except ValueError:
+            where = None
+            p.why = f"host: {host_budget / 1e9:.1f} GB cannot hold even the buffers of a spilled run; raise --host-gb"
+    if where is None:
+        return p
+    for (u, k), tier in where.items():
+        size = numels[u] * kb[k]
+        if tier == "host":
+            p.host_bytes[k] = p.host_bytes.get(k, 0) + host_cost(size)
+        else:
+            p.nvme_bytes[k] = p.nvme_bytes.get(k, 0) + size
+        p.placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
+    p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
+    if nvme_on and sum(p.nvme_bytes.values()) > budgets.nvme_gb * 1e9:
+        p.why = (f"NVMe: {sum(p.nvme_bytes.values()) / 1e9:.1f} GB must spill and --nvme-gb is {budgets.nvme_gb:g}; "
+                 "raise --nvme-gb or --host-gb")
+        return p
+
+    # ---- GPU ----
+    wdt = 2 if dtype == "bfloat16" else 4
+    blk, own = max(numels[1:-1]), numels[0] + numels[-1]
+    p.gpu = {"weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
+             "fp32 staging": max(numels) * 4 if (stream == "master" and wdt == 2) else 0,
+             "grad accumulators": (2 * blk + own) * 4,
+             "checkpoints": ck_bytes if activations == "gpu" else min(2, spec.num_hidden_layers) * T * H * 4,
+             "activation grads": T * H * 4,
+             "working set": WORK_PER_TOKEN * (16 * H + 8 * FF) * micro * seq_len + 3 * (64 << 20)}
+    gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
+    if p.gpu_total > gpu_budget:
+        p.why = f"GPU: needs {p.gpu_total / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
+        return p
+
+    # ---- time ----
+    rate = (hw.bf16_tflops if dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    F = spec.flops_per_token(seq_len)
+    sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
+    host_ck_io = ck_bytes if activations == "host" else 0
+    reads = sum(NVME_TRAFFIC[k][0] * b + (2 * b if k == "master" and sw == 4 else 0) for k, b in p.nvme_bytes.items())
+    writes = sum(NVME_TRAFFIC[k][1] * b for k, b in p.nvme_bytes.items())
+    adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
+    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
+         "H2D fwd": sw * sum(numels) / (hw.h2d_gbs * 1e9),
+         "H2D bwd": (sw * sum(numels[1:-3]) + host_ck_io) / (hw.h2d_gbs * 1e9),
+         "D2H": (4 * sum(numels) + host_ck_io) / (hw.d2h_gbs * 1e9),
+         "host AdamW": sum(numels) / adam_rate * hw.adam_contention,
+         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9)}
+    fwd = max(t["compute fwd"], t["H2D fwd"])
+    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
+    update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
+    t["exposed update"] = max(0.0, update - fwd)
+    p.times, p.step_s = t, bwd + max(fwd, update)
+    phase = {"compute": t["compute bwd"] + (t["compute fwd"] if fwd >= update else 0),
+             "H2D": t["H2D bwd"] if t["H2D bwd"] == bwd else 0, "D2H": t["D2H"] if t["D2H"] == bwd else 0,
+             "host AdamW": t["exposed update"] if t["host AdamW"] >= t["NVMe read"] + t["NVMe write"] else 0,
+             "NVMe": t["exposed update"] if t["host AdamW"] < t["NVMe read"] + t["NVMe write"] else 0}
+    p.bottleneck = max(phase, key=phase.get)
+    p.tokens_per_s = T / p.step_s
+    p.model_tflops = F * T / p.step_s / 1e12
+    p.fits, p.why = True, "fits"
+    return p
+
+
+def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
+         name: str = "model", micro: int | None = None, stream: str | None = None,
+         activations: str | None = None, advise: bool = True) -> Plan:
+    """The fastest choice that fits (ties: less GPU memory); or the closest miss, with its reason."""
+    micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
+    streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
+    places = [activations] if activations else ["gpu", "host"]
+    cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name)
+             for m in micros or [batch] for s in streams for a in places]
+    ok = [c for c in cands if c.fits]
+    # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
+    # and only falls below that; then to less GPU memory
+    best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]
+    if advise and best.fits:
+        best.advice = _advice(spec, best, budgets, hw)
+        best.largest_layers, best.largest_params = _largest(spec, best, budgets, hw)
+    return best
+
+
+def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
+    """Single changes, each with its predicted gain, best first."""
+    tries = []
+    if p.nvme_bytes:
+        need = p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9 - p.host_fixed.get("staging ring", 0) / 1e9
+        tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
+                      "(NVMe traffic gone)", replace(budgets, host_gb=need)))
+    tries.append(("twice the batch (tokens per step)", None))
+    out = []
+    for text, b in tries:
+        q = plan(spec, p.batch * (1 if b else 2), p.seq_len, p.dtype, b or budgets, hw, advise=False)
+        if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
+            out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
+    return [t for _, t in sorted(out, reverse=True)]
+
+
+def _largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
+    """The most decoder layers of this shape that still fit the budgets (binary search)."""
+    def fits(n: int) -> bool:
+        s = replace(spec, num_hidden_layers=n)
+        return plan(s, p.batch, p.seq_len, p.dtype, budgets, hw, micro=p.micro_batch, advise=False).fits
+
+    lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
+    while fits(hi) and hi < 1 << 16:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
+

@@ -1,0 +1,51 @@
+"""The capacity report: markdown for people, JSON for tools. Pure Python."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from .planner import Plan
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def to_json(p: Plan) -> str:
+    d = asdict(p)
+    d.update(host_total_bytes=p.host_total, gpu_total_bytes=p.gpu_total)
+    return json.dumps(d, indent=1, default=float)
+
+
+def to_markdown(p: Plan) -> str:
+    out = [f"# Plan: {p.model}, {p.params / 1e9:.2f} B parameters, batch {p.batch} x {p.seq_len} tokens, {p.dtype}",
+           "", f"hardware: {p.hardware}", ""]
+    if not p.fits:
+        return "\n".join(out + [f"**Does not fit.** {p.why}", ""])
+    out += [f"**Fits.** Predicted step {p.step_s:.2f} s: {p.tokens_per_s:,.0f} tokens/s, "
+            f"{p.model_tflops:.0f} model TFLOP/s; bottleneck: **{p.bottleneck}**.", "",
+            f"Micro-batch {p.micro_batch}; weights stream as "
+            f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
+            f"activation checkpoints on the {p.activations}.", "",
+            "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
+    for k in sorted(p.placement):
+        out.append(f"| {k} | {_gb(p.host_bytes.get(k, 0))} | {_gb(p.nvme_bytes.get(k, 0))} | "
+                   f"{p.placement[k]['nvme']} of {p.placement[k]['host'] + p.placement[k]['nvme']} |")
+    for k, v in p.host_fixed.items():
+        out.append(f"| {k} | {_gb(v)} | | |")
+    out += [f"| **total** | **{_gb(p.host_total)}** | **{_gb(sum(p.nvme_bytes.values()))}** | |", "",
+            "Spill order when the host budget is short: Adam moments (touched once per step), fp32 master, "
+            "gradients, the compute-dtype copy last (touched twice per step). Host slabs are counted as "
+            "pinned blocks are allocated (rounded up to powers of two).", "",
+            "| GPU | bytes |", "| --- | --- |"]
+    out += [f"| {k} | {_gb(v)} |" for k, v in p.gpu.items()] + [f"| **total** | **{_gb(p.gpu_total)}** |", ""]
+    out += ["## Time per step (predicted)", "", "| link | seconds |", "| --- | --- |"]
+    out += [f"| {k} | {v:.3f} |" for k, v in p.times.items()]
+    out += ["", "step = backward + max(forward, update): the update needs the global gradient norm, so it "
+            "overlaps only the next forward pass.", ""]
+    if p.advice:
+        out += ["## What would help most", ""] + [f"- {a}" for a in p.advice] + [""]
+    if p.largest_layers:
+        out += [f"Largest model of this shape that fits these budgets: {p.largest_layers} layers, "
+                f"{p.largest_params / 1e9:.1f} B parameters.", ""]
+    return "\n".join(out)
