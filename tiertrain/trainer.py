@@ -19,6 +19,8 @@ from .errors import ConfigError
 from .metrics import MetricsLog, format_duration, human_bytes, human_count, progress_line
 from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
+from .plan.hardware import REFERENCE, HardwareSpec
+from .plan.planner import Budgets, Plan, evaluate
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, make_io
@@ -26,6 +28,7 @@ from .tiers.placement import place, spilled_bytes
 from .tiers.slab import PAGE, SlabLayout, host_cost
 
 RING_SLOTS = 4  # per spilled kind: read 2 units ahead, one in use, one writing back
+HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
@@ -64,6 +67,7 @@ class Trainer:
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         pin = self.device.type == "cuda"
+        self.plan = self._plan()
         self.where, self.tiers = self._place(pin), None
         self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
                               where=self.where)
@@ -81,6 +85,23 @@ class Trainer:
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
         self.step = 0
+
+    # ---- plan ---------------------------------------------------------------------------------
+    def _plan(self) -> Plan | None:
+        """The planner's view of this exact run (its placement is the one _place makes). On CUDA a run
+        whose GPU memory the plan says will not fit stops here, before any large allocation."""
+        if self.device.type != "cuda":
+            return None  # the cost model is the GPU pipeline's
+        t, tc = self.cfg.tiers, self.cfg.train
+        hw = HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE
+        gpu_gb = torch.cuda.get_device_properties(self.device).total_memory / 1e9
+        hw.gpu_mem_gb = gpu_gb
+        p = evaluate(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, tc.micro_batch_size, t.stream,
+                     t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None)),
+                     hw, name="run")
+        if not p.fits and p.why.startswith("GPU"):
+            raise ConfigError(f"{p.why}: lower train.micro_batch_size, or set tiers.activations=\"host\"")
+        return p if p.fits else None
 
     # ---- tiers --------------------------------------------------------------------------------
     def kind_bytes(self) -> dict[str, int]:
@@ -201,6 +222,10 @@ class Trainer:
         if self.device.type == "cuda":
             rec["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
+        if self.plan and tgt.shape == (tc.batch_size, tc.seq_len):  # what the plan predicted for this step
+            pt = self.plan.times
+            rec.update(pred_step_s=self.plan.step_s, pred_forward_s=pt["compute fwd"],
+                       pred_backward_s=pt["compute bwd"], pred_opt_wait_s=pt["exposed update"])
         return rec
 
     def close(self) -> None:
@@ -223,6 +248,9 @@ class Trainer:
                + ", ".join(f"{k} {human_bytes(v)}" for k, v in nv.items())
                + f") in {self.tiers.store.root} via {self.tiers.store.io.name}, staging ring "
                + human_bytes(self.tiers.ring_nbytes())] if self.tiers else []),
+            *([f"plan: step {self.plan.step_s:.2f} s, {self.plan.tokens_per_s:,.0f} tok/s, bottleneck "
+               f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
+              if self.plan else []),
             f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
             f"plus activations (checkpoints on the {self.cfg.tiers.activations}); weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}",
@@ -244,6 +272,10 @@ class Trainer:
                 if rec["step"] % tc.log_every == 0 or rec["step"] in (1, tc.steps):
                     elapsed = time.perf_counter() - t_start
                     echo(progress_line(rec, tc.steps, elapsed / rec["step"] * (tc.steps - rec["step"])))
+                    if "pred_step_s" in rec and rec["step"] > 1:
+                        echo("  measured / predicted s: " + ", ".join(
+                            f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
+                            for k in ("step", "forward", "backward", "opt_wait")))
         finally:
             log.close()
             self.close()
