@@ -1,6 +1,7 @@
 """Wiring: config -> data -> slabs on the host tier -> device buffers -> step engine -> loop."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from pathlib import Path
@@ -93,9 +94,9 @@ class Trainer:
         if self.device.type != "cuda":
             return None  # the cost model is the GPU pipeline's
         t, tc = self.cfg.tiers, self.cfg.train
-        hw = HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE
         gpu_gb = torch.cuda.get_device_properties(self.device).total_memory / 1e9
-        hw.gpu_mem_gb = gpu_gb
+        hw = dataclasses.replace(HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE,
+                                 gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
         p = evaluate(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, tc.micro_batch_size, t.stream,
                      t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None)),
                      hw, name="run")
