@@ -13,7 +13,8 @@ from tiertrain.errors import ConfigError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
 from tiertrain.tiers.placement import place
 from tiertrain.tiers.slab import PAGE, host_cost
-from tiertrain.trainer import RING_SLOTS, Trainer
+from tiertrain.tiers.placement import RING_SLOTS
+from tiertrain.trainer import Trainer
 
 
 # deep enough that the Adam moments outweigh the staging ring (4 slots x 2 kinds of the widest unit):

@@ -25,10 +25,9 @@ from .plan.planner import Budgets, Plan, evaluate
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, make_io
-from .tiers.placement import place, spilled_bytes
+from .tiers.placement import RING_SLOTS, kind_bytes, place, place_within, spilled_bytes
 from .tiers.slab import PAGE, SlabLayout, host_cost
 
-RING_SLOTS = 4  # per spilled kind: read 2 units ahead, one in use, one writing back
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -106,8 +105,7 @@ class Trainer:
 
     # ---- tiers --------------------------------------------------------------------------------
     def kind_bytes(self) -> dict[str, int]:
-        copy = self.cfg.tiers.stream == "compute" and self.dtype != torch.float32
-        return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
+        return kind_bytes(self.cfg.train.compute_dtype, self.cfg.tiers.stream)
 
     def _place(self, pin: bool) -> dict[tuple[int, str], str]:
         """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run.
@@ -119,19 +117,18 @@ class Trainer:
             return place(numels, kb, None)
         acts = spec.num_hidden_layers * cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4) \
             if t.activations == "host" else 0
-        total = sum(cost(n * b) for n in numels for b in kb.values()) + acts
-        if total <= t.host_gb * 1e9:
-            return place(numels, kb, None)
-        ring = RING_SLOTS * 2 * cost(max(numels) * 4)  # both moment kinds, the widest unit each
+        where, ring, total = place_within(numels, kb, t.host_gb * 1e9, acts, cost)
+        if where is not None and not ring:
+            return where
         least = (total + ring - sum(2 * cost(n * 4) for n in numels)) / 1e9  # every moment on NVMe
         if not t.nvme_dir:
             raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
                               f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
                               f"to spill Adam moments to disk (then --host-gb {least:.3g} is the least)")
-        if t.host_gb * 1e9 < least * 1e9:
+        if where is None or t.host_gb * 1e9 < least * 1e9:
             raise ConfigError(f"--host-gb {t.host_gb:g} would put more than the Adam moments on NVMe, which this "
                               f"version cannot run yet; raise --host-gb to at least {least:.3g}")
-        return place(numels, kb, t.host_gb * 1e9 - acts - ring, cost)
+        return where
 
     def _nvme_tier(self, pin: bool) -> TierManager:
         t = self.cfg.tiers
@@ -140,7 +137,7 @@ class Trainer:
         if t.nvme_gb and sum(spilled.values()) > t.nvme_gb * 1e9:
             raise ConfigError(f"{sum(spilled.values()) / 1e9:.3g} GB must go to NVMe and --nvme-gb is "
                               f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
-        kinds = sorted({k for (_, k), tier in self.where.items() if tier == "nvme"})
+        kinds = sorted(spilled)
         meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype}
         store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels, {k: "float32" for k in kinds}, meta,
                           make_io(t.io), create=True)
@@ -201,7 +198,7 @@ class Trainer:
         tiers = self.tiers
         loss, norms = self.engine.run(list(inputs), list(targets),
                                       before_backward=lambda: tiers and tiers.start(list(range(len(self.units)))))
-        grad_norm, clip = clip_coefficient([torch.linalg.vector_norm(torch.stack(norms))], self.cfg.optim.grad_clip)
+        grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
         opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
         loss = float(loss)

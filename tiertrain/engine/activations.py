@@ -68,6 +68,3 @@ class Checkpoints:
 
     def drop(self, unit: int) -> None:
         self.saved.pop(unit, None)
-
-    def host_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._host.values())

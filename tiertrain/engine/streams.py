@@ -36,11 +36,6 @@ class Streams:
         if self.cuda and event is not None:
             stream.wait_event(event)
 
-    @staticmethod
-    def sync(event) -> None:
-        if event is not None:
-            event.synchronize()
-
 
 class StallClock:
     """Measures on the GPU how long the compute stream waits on other streams, and how long it computes.

@@ -36,8 +36,9 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 
 def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float, float]:
-    """(global grad norm, factor to multiply the gradients by); factor 1.0 when clipping is off."""
-    total = float(torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms])))
+    """(global grad norm, factor to multiply the gradients by); factor 1.0 when clipping is off. The
+    per-unit norms stay where they are (the GPU): one transfer, the step's one synchronization."""
+    total = float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
     if not math.isfinite(total):
         raise UserError(f"the gradient norm is {total}: training diverged; lower optim.lr or "
                         "set optim.grad_clip, and check the data")

@@ -13,14 +13,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import place
+from ..tiers.placement import kind_bytes, place_within
 from ..tiers.slab import SlabLayout, host_cost
 from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
-RING_SLOTS = 4
 NVME_TRAFFIC = {  # per step, in multiples of the slab: (reads, writes), and reads more when it streams
     "exp_avg": (1, 1), "exp_avg_sq": (1, 1), "master": (1, 1), "grad": (1, 1), "weights": (2, 1)}
 
@@ -72,11 +71,6 @@ def _layouts(spec: ModelSpec) -> list[int]:
     return [SlabLayout.build([(t.name, t.shape) for t in u.tensors]).numel for u in spec.units()]
 
 
-def _kind_bytes(dtype: str, stream: str) -> dict[str, int]:
-    copy = stream == "compute" and dtype == "bfloat16"
-    return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
-
-
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model") -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement)."""
@@ -84,28 +78,20 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     numels = _layouts(spec)
     H, FF = spec.hidden_size, spec.intermediate_size
     T = batch * seq_len
-    kb = _kind_bytes(dtype, stream)
+    kb = kind_bytes(dtype, stream)
 
     # ---- host and NVMe ----
     ck_bytes = spec.num_hidden_layers * T * H * 4
     host_ck = spec.num_hidden_layers * host_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
-    state = sum(host_cost(n * b) for n in numels for b in kb.values())
     nvme_on = bool(budgets.nvme_gb)
-    ring = RING_SLOTS * 2 * host_cost(max(numels) * 4)
-    if state + host_ck <= host_budget:
-        where = place(numels, kb, None)
-        ring = 0
-    elif not nvme_on:
-        p.why = (f"host: the state needs {(state + host_ck) / 1e9:.1f} GB and the budget is {host_budget / 1e9:.1f} GB; "
+    where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)
+    if ring and not nvme_on:
+        p.why = (f"host: the state needs {total / 1e9:.1f} GB and the budget is {host_budget / 1e9:.1f} GB; "
                  "raise --host-gb or give an NVMe tier (--nvme-gb)")
         where = None
-    else:
-        try:
-            where = place(numels, kb, host_budget - host_ck - ring, host_cost)
-        except ValueError:
-            where = None
-            p.why = f"host: {host_budget / 1e9:.1f} GB cannot hold even the buffers of a spilled run; raise --host-gb"
+    elif where is None:
+        p.why = f"host: {host_budget / 1e9:.1f} GB cannot hold even the buffers of a spilled run; raise --host-gb"
     if where is None:
         return p
     for (u, k), tier in where.items():

@@ -10,6 +10,29 @@ time to read them ahead. Pure Python: the planner uses it too.
 from __future__ import annotations
 
 SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
+RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back
+
+
+def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
+    """Bytes per parameter of each kind of slab: fp32 master, moments and gradient, and a compute-dtype
+    copy when bf16 weights stream from the host (`stream = "compute"`)."""
+    copy = stream == "compute" and dtype == "bfloat16"
+    return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
+
+
+def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixed: float,
+                 cost) -> tuple[dict[tuple[int, str], str] | None, int, float]:
+    """(placement, staging ring bytes, host bytes of the whole state + `fixed`). Everything stays on the
+    host when it fits beside `fixed` (no ring then); otherwise slabs spill by policy with the ring
+    reserved for both moment kinds; placement None when even that cannot fit."""
+    total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
+    if total <= host_budget:
+        return place(numels, kb, None), 0, total
+    ring = RING_SLOTS * 2 * cost(max(numels) * 4)
+    try:
+        return place(numels, kb, host_budget - fixed - ring, cost), ring, total
+    except ValueError:
+        return None, ring, total
 
 
 def place(numels: list[int], kind_bytes: dict[str, int], host_budget: float | None,
