@@ -1,4 +1,4 @@
-"""Command line: tiertrain run | prepare."""
+"""Command line: tiertrain run | export | prepare | plan | probe."""
 from __future__ import annotations
 
 import sys
@@ -24,34 +24,72 @@ def main() -> None:
 
 @main.command()
 @click.option("--config", "config_path", default=None, metavar="FILE",
-              help="TOML config file, or a shipped name (debug, llama-3b, ...). Default: the debug model.")
+              help="TOML config file, or a shipped name (debug, llama-3b, ...). Default: the debug model, or with "
+                   "--resume the checkpoint's own config.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one config value (a TOML literal); repeatable.")
 @click.option("--out", default=None, metavar="DIR", help="Run directory. Default: runs/<config>-<time>.")
 @click.option("--host-gb", type=float, default=None, help="Hard budget of host memory (tiers.host_gb).")
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
 @click.option("--nvme-gb", type=float, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
+@click.option("--save-every", type=int, default=None, metavar="N", help="Checkpoint every N steps (checkpoint.every).")
+@click.option("--resume", default=None, metavar="latest|PATH",
+              help="Continue a run: `latest` (the newest checkpoint of --out), a checkpoint or a run directory.")
+@click.option("--init-from", default=None, metavar="HF_DIR",
+              help="Start from a local Hugging Face model (config.json + safetensors) instead of a random init.")
 def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, host_gb: float | None,
-        nvme_dir: str | None, nvme_gb: float | None) -> None:
+        nvme_dir: str | None, nvme_gb: float | None, save_every: int | None, resume: str | None,
+        init_from: str | None) -> None:
     """Train a model."""
     import json
 
-    from .config import load_config
+    from . import checkpoint
+    from .config import config_from_dict, load_config
+    from .loop import fit
     from .trainer import Trainer
 
-    flags = {"host_gb": host_gb, "nvme_dir": nvme_dir, "nvme_gb": nvme_gb}
-    overrides += tuple(f"tiers.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
+    flags = {"tiers.host_gb": host_gb, "tiers.nvme_dir": nvme_dir, "tiers.nvme_gb": nvme_gb,
+             "checkpoint.every": save_every, "train.init_from": init_from}
+    overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
     try:
-        cfg = load_config(config_path, list(overrides))
-        stem = Path(config_path).stem if config_path else "debug"
-        out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if (out_dir / "metrics.jsonl").exists():
-            raise UserError(f"--out {out_dir} already holds a run (metrics.jsonl); pass a new --out directory")
+        if resume:
+            if init_from:
+                raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
+            ckpt = checkpoint.resolve(resume, Path(out) if out else None)
+            out_dir = Path(out) if out else ckpt.parent.parent
+            meta = checkpoint.read_meta(ckpt)
+            cfg = load_config(config_path, list(overrides)) if config_path else \
+                config_from_dict(meta["config"], list(overrides), str(ckpt))
+            cfg.train.init_from = ""  # the checkpoint holds the weights
+        else:
+            ckpt = None
+            cfg = load_config(config_path, list(overrides))
+            stem = Path(config_path).stem if config_path else "debug"
+            out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            if (out_dir / "metrics.jsonl").exists():
+                raise UserError(f"--out {out_dir} already holds a run (metrics.jsonl); pass a new --out directory, "
+                                "or continue it with --resume latest")
         if out_dir.exists() and not out_dir.is_dir():
             raise UserError(f"--out {out_dir} is a file; pass a directory")
-        Trainer(cfg, run_name=out_dir.name).fit(out_dir, echo=click.echo)
+        fit(Trainer(cfg, run_name=out_dir.name, resume=ckpt), out_dir, echo=click.echo)
     except UserError as e:
         _fail(e)
+
+
+@main.command()
+@click.argument("source", metavar="RUN_DIR|CHECKPOINT")
+@click.option("--to", "to", required=True, metavar="OUT_DIR", help="New directory for the Hugging Face model.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              help="Dtype of the exported weights (the master weights are fp32).")
+def export(source: str, to: str, dtype: str) -> None:
+    """Write a checkpoint as a Hugging Face model (config.json + safetensors) that transformers loads."""
+    from .export import export_hf
+
+    try:
+        files = export_hf(source, to, dtype)
+    except UserError as e:
+        _fail(e)
+    click.echo(f"wrote {to}: config.json and {len(files)} safetensors file(s) in {dtype}")
 
 
 @main.command()

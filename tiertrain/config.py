@@ -46,6 +46,7 @@ class TrainConfig:
     log_every: int = 10
     loss_chunk_tokens: int = 0  # tokens per cross-entropy chunk; 0: sized so a chunk's logits stay near 64 MiB
     overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
+    init_from: str = ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "micro_batch_size", "seq_len", "log_every"):
@@ -98,8 +99,18 @@ class TiersConfig:
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
 
 
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0: only at the last step (always written)
+    keep: int = 2  # the newest checkpoints kept; older ones are deleted once a new one is whole
+
+    def validate(self) -> None:
+        _need(self.every >= 0, "checkpoint", "every", self, "must be 0 (only at the end) or a positive step count")
+        _need(self.keep >= 1, "checkpoint", "keep", self, "must be at least 1")
+
+
 SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
-            "tiers": TiersConfig}
+            "tiers": TiersConfig, "checkpoint": CheckpointConfig}
 
 
 @dataclass
@@ -109,6 +120,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def validate(self) -> "Config":
         for name in SECTIONS:
@@ -222,8 +234,13 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         data = tomllib.loads(src.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src} is not valid TOML: {e}") from None
+    return config_from_dict(data, overrides, str(src))
+
+
+def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the config") -> Config:
+    """A config from parsed TOML (or a checkpoint's resolved config), then `--set` overrides."""
     cfg = Config()
-    _apply(cfg, data, str(src))
+    _apply(cfg, data, origin)
     for o in overrides:
         _apply(cfg, parse_override(o), "--set")
     return cfg.validate()

@@ -51,3 +51,14 @@ class MetricsLog:
 def read_metrics(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drops the records after `step` (logged by the interrupted run after its last checkpoint)."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)

@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import psutil
 import torch
 
+from . import checkpoint as ckpt
 from .config import Config
 from .data import Loader, builtin_tokens, read_tokens
 from .engine.activations import Checkpoints
@@ -17,14 +19,15 @@ from .engine.buffers import DeviceBuffers
 from .engine.schedule import StepEngine
 from .engine.streams import StallClock, Streams
 from .errors import ConfigError
-from .metrics import MetricsLog, format_duration, human_bytes, human_count, progress_line
+from .metrics import human_bytes, human_count
+from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
 from .plan.hardware import REFERENCE, HardwareSpec
 from .plan.planner import Budgets, Plan, evaluate
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
-from .tiers.nvme import NvmeStore, make_io
+from .tiers.nvme import NvmeStore, discard, make_io
 from .tiers.placement import RING_SLOTS, kind_bytes, place, place_within, spilled_bytes
 from .tiers.slab import PAGE, SlabLayout, host_cost
 
@@ -52,8 +55,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_name: str = "run"):
+    def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None):
+        """`resume`: a checkpoint to continue from (its state replaces the init); else the weights come
+        from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init."""
         self.cfg, self.run_name = cfg, run_name
+        hf_reader = None
+        if cfg.train.init_from and resume is None:  # checked whole before anything large is allocated
+            cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
+            cfg.validate()
+            hf_reader = HFReader(cfg.train.init_from)
+            hf_reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
         spec, tc = cfg.model, cfg.train
         self.device = resolve_device(tc.device)
         self.dtype = DTYPES[tc.compute_dtype]
@@ -72,10 +83,16 @@ class Trainer:
         self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
                               where=self.where)
         if "nvme" in self.where.values():
-            self.tiers = self._nvme_tier(pin)
-        self._init_weights()
+            self.tiers = self._nvme_tier(pin, replace=resume is not None)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
                                      tc.overlap)
+        self.step = 0
+        if resume is not None:
+            self.restore(resume)
+        elif hf_reader is not None:
+            self._import_weights(hf_reader)
+        else:
+            self._init_weights()
         self.streams = Streams(self.device)
         self.clock = StallClock(self.streams)
         self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
@@ -84,7 +101,6 @@ class Trainer:
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
-        self.step = 0
 
     # ---- plan ---------------------------------------------------------------------------------
     def _plan(self) -> Plan | None:
@@ -130,7 +146,8 @@ class Trainer:
                               f"version cannot run yet; raise --host-gb to at least {least:.3g}")
         return where
 
-    def _nvme_tier(self, pin: bool) -> TierManager:
+    def _nvme_tier(self, pin: bool, replace: bool) -> TierManager:
+        """The run's store under nvme_dir; `replace`: a resumed run's leftover store is scratch, replaced."""
         t = self.cfg.tiers
         numels = [lay.numel for lay in self.layouts]
         spilled = spilled_bytes(numels, self.kind_bytes(), self.where)
@@ -139,6 +156,8 @@ class Trainer:
                               f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
         kinds = sorted(spilled)
         meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype}
+        if replace:
+            discard(Path(t.nvme_dir) / self.run_name)
         store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels, {k: "float32" for k in kinds}, meta,
                           make_io(t.io), create=True)
         return TierManager(store, self.where, {k: torch.float32 for k in kinds}, pin, depth=RING_SLOTS - 2)
@@ -162,21 +181,90 @@ class Trainer:
                     v.fill_(1.0)
             self.host.updated(unit.index)
 
+    def _import_weights(self, reader: HFReader) -> None:
+        """A Hugging Face model's weights, streamed tensor by tensor into the master slabs."""
+        for unit, lay in zip(self.units, self.layouts):
+            with self._slab(unit.index, "master", read=False) as flat:
+                views = lay.views(flat)
+                for t in unit.tensors:
+                    views[t.name].copy_(reader.get(t.hf_name, t.shape))
+            self.host.updated(unit.index)
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    @contextmanager
+    def _slab(self, unit: int, kind: str, read: bool) -> Iterator[torch.Tensor]:
+        """A unit's slab wherever it lives: the host's, or an NVMe one through a staging-ring buffer
+        (read from the store first when `read`, written back after when not)."""
+        if self.where[(unit, kind)] == "host":
+            yield self.host.slab(unit, kind)
+        else:
+            with self.tiers.borrowed(unit, kind, read) as buf:
+                yield buf
+
+    def _quiesce(self) -> None:
+        """The update in flight lands, and the NVMe write-backs with it: the state is one step's."""
+        self.optim.wait_all()
+        if self.tiers:
+            self.tiers.flush()
+
+    def save_checkpoint(self, run_dir: Path) -> tuple[Path, float]:
+        """Writes checkpoints/step_<step> (whole or not at all), prunes to checkpoint.keep; (path, GB/s)."""
+        self._quiesce()
+        o, t0 = self.cfg.optim, time.perf_counter()
+        meta = {"step": self.step, "config": self.cfg.to_dict(),
+                "data": {"next_step": self.step, "path": self.cfg.data.path, "shuffle": self.cfg.data.shuffle,
+                         "seed": self.cfg.train.seed, "rows": self.loader.rows},
+                "rng": ckpt.rng_state(self.device),
+                "optimizer": {"type": "AdamW", "step_count": self.optim.opt.step_count, "lr": o.lr,
+                              "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                              "grad_clip": o.grad_clip, "schedule": o.schedule, "warmup_steps": o.warmup_steps,
+                              "min_lr": o.min_lr},
+                "units": [u.name for u in self.units]}
+        path = ckpt.step_path(run_dir, self.step)
+        nbytes = ckpt.save(path, [lay.numel for lay in self.layouts],
+                           lambda u, k: self._slab(u, k, read=True), meta)
+        ckpt.prune(run_dir, self.cfg.checkpoint.keep)
+        return path, nbytes / 1e9 / (time.perf_counter() - t0)
+
+    def restore(self, path: Path) -> float:
+        """The state of a checkpoint (any placement: slabs go to whichever tier this run put them on).
+        Returns the read rate in GB/s."""
+        meta = ckpt.read_meta(path)
+        mine, theirs = self.cfg.to_dict()["model"], meta["config"]["model"]
+        numels = [lay.numel for lay in self.layouts]
+        if mine != theirs or meta["numels"] != numels:
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ckpt.CheckpointError(f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
+                                       "differ); resume with the run's own config, or start a new run")
+        self._quiesce()
+        t0 = time.perf_counter()
+        for u in range(len(self.units)):
+            for kind in ckpt.KINDS:
+                with self._slab(u, kind, read=False) as flat:
+                    ckpt.load(path, kind, u, flat)
+            self.host.updated(u)
+        self.step = meta["step"]
+        self.optim.opt.step_count = meta["optimizer"]["step_count"]
+        ckpt.set_rng_state(meta["rng"], self.device)
+        return sum(numels) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under Hugging Face names (copies)."""
-        self.optim.wait_all()
+        self._quiesce()
         out = {}
         for unit, lay in zip(self.units, self.layouts):
-            views = lay.views(self.host.slab(unit.index, "master"))
-            out.update({t.hf_name: views[t.name].clone() for t in unit.tensors})
+            with self._slab(unit.index, "master", read=True) as flat:
+                views = lay.views(flat)
+                out.update({t.hf_name: views[t.name].clone() for t in unit.tensors})
         return out
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.optim.wait_all()
+        self._quiesce()
         for unit, lay in zip(self.units, self.layouts):
-            views = lay.views(self.host.slab(unit.index, "master"))
-            for t in unit.tensors:
-                views[t.name].copy_(sd[t.hf_name])
+            with self._slab(unit.index, "master", read=False) as flat:
+                views = lay.views(flat)
+                for t in unit.tensors:
+                    views[t.name].copy_(sd[t.hf_name])
             self.host.updated(unit.index)
 
     # ---- training -----------------------------------------------------------------------------
@@ -253,30 +341,3 @@ class Trainer:
             f"plus activations (checkpoints on the {self.cfg.tiers.activations}); weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}",
         ]
-
-    def fit(self, out: Path, echo: Callable[[str], None] = print) -> list[dict]:
-        tc = self.cfg.train
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(self.cfg.to_toml())
-        for line in self.describe():
-            echo(line)
-        log = MetricsLog(out / "metrics.jsonl")
-        history, t_start = [], time.perf_counter()
-        try:
-            while self.step < tc.steps:
-                rec = self.train_step()
-                log.write(rec)
-                history.append(rec)
-                if rec["step"] % tc.log_every == 0 or rec["step"] in (1, tc.steps):
-                    elapsed = time.perf_counter() - t_start
-                    echo(progress_line(rec, tc.steps, elapsed / rec["step"] * (tc.steps - rec["step"])))
-                    if "pred_step_s" in rec and rec["step"] > 1:
-                        echo("  measured / predicted s: " + ", ".join(
-                            f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
-                            for k in ("step", "forward", "backward", "opt_wait")))
-        finally:
-            log.close()
-            self.close()
-        echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}, "
-             f"final loss {history[-1]['loss']:.4f}; metrics in {out / 'metrics.jsonl'}")
-        return history

@@ -7,8 +7,11 @@ ring slot is reused only once its write-back has landed, so at most `slots` buff
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -29,6 +32,7 @@ class TierManager:
         self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
+        self._lock = threading.Lock()
         self.read_bytes = 0  # totals, and those of the last whole pass (start to start)
         self.write_bytes = 0
         self.last_pass = (0, 0)
@@ -87,6 +91,24 @@ class TierManager:
         for k, (_, buf) in self.loaded.pop(unit, {}).items():
             self.busy[k].append((self.store.write(unit, k, buf[:n]), buf))
             self.write_bytes += n * buf.element_size()
+
+    @contextmanager
+    def borrowed(self, unit: int, kind: str, read: bool) -> Iterator[torch.Tensor]:
+        """A ring buffer (the unit's slab size) outside the schedule, for checkpoints and imports: holds
+        the unit's stored slab when `read`; written back to the store on exit when not. Call between
+        passes (after flush), from at most `depth + 2` threads per kind."""
+        with self._lock:
+            whole = self.free[kind].popleft()
+        buf = whole[:self.store.numels[unit]]
+        try:
+            if read:
+                self.store.read(unit, kind, buf).result()
+            yield buf
+            if not read:
+                self.store.write(unit, kind, buf).result()
+        finally:
+            with self._lock:
+                self.free[kind].append(whole)
 
     def flush(self) -> None:
         for k in self.busy:

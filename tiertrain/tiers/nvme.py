@@ -209,3 +209,15 @@ class NvmeStore:
 
     def write(self, unit: int, kind: str, buf: torch.Tensor) -> Future:
         return self.io.write(self.path(kind, unit), buf)
+
+
+def discard(root: str | os.PathLike) -> None:
+    """Deletes a run's store, and only a tiertrain store: a resumed run replaces its scratch state from
+    the checkpoint, and a finished run leaves its state in its last checkpoint."""
+    root = Path(root)
+    try:
+        meta = json.loads((root / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return
+    if meta.get("attributes", {}).get("format") == FORMAT:
+        shutil.rmtree(root)

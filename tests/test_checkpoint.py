@@ -1,0 +1,156 @@
+"""Checkpoints: a resumed run is the run that was never stopped, bit for bit; a killed write loses nothing."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import VARIANTS, tiny_config
+from test_nvme import DEEP, _budget_for
+from tiertrain import checkpoint as ckpt
+from tiertrain.loop import fit
+from tiertrain.metrics import read_metrics
+from tiertrain.trainer import Trainer
+
+STEPS = ["train.steps=8", "checkpoint.every=3", "checkpoint.keep=2"]
+
+
+def _fit(cfg, out, stop_at=None, resume=None):
+    """fit(), with SIGTERM sent to this process during step `stop_at`, as a user's kill would."""
+    tr = Trainer(cfg, run_name=out.name, resume=resume)
+    if stop_at is not None:
+        step = tr.train_step
+
+        def signalled():
+            if tr.step + 1 == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step()
+
+        tr.train_step = signalled
+    lines = []
+    fit(tr, out, echo=lines.append)
+    return lines
+
+
+def _state(path):
+    g = zarr.open_group(path, mode="r")
+    return {f"{k}/{u}": g[k][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))}
+
+
+def _same_run(a, b):
+    ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
+    assert [r["step"] for r in rb] == list(range(1, 9))  # metrics.jsonl goes on where it stopped
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
+    sa, sb = _state(a / "checkpoints" / "step_8"), _state(b / "checkpoints" / "step_8")
+    for k in sa:  # master weights and both Adam moments
+        assert np.array_equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("spill", [False, True])
+def test_resume_is_bit_identical(token_file, tmp_path, spill):
+    sets = [*VARIANTS["qwen2"], *STEPS, "data.shuffle=true"]
+    if spill:  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
+        gb = _budget_for(tiny_config(token_file, *DEEP))
+        sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
+    _fit(tiny_config(token_file, *sets), tmp_path / "whole")
+    lines = _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)
+    assert any("stopped by SIGTERM after step 5" in x for x in lines)
+    assert [p.name for p in ckpt.checkpoints(tmp_path / "cut")] == ["step_3", "step_5"]
+    if spill:
+        assert not (tmp_path / "nvme" / "cut").exists()  # the scratch store went once the state was saved
+    latest = ckpt.resolve("latest", tmp_path / "cut")
+    _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=latest)
+    _same_run(tmp_path / "whole", tmp_path / "cut")
+    assert [p.name for p in ckpt.checkpoints(tmp_path / "cut")] == ["step_6", "step_8"]  # keep = 2
+
+
+KILL_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, "tests")
+from conftest import tiny_config
+import tiertrain.checkpoint as ckpt
+from tiertrain.loop import fit
+from tiertrain.trainer import Trainer
+
+real = ckpt._fsync_tree
+def slow(root):  # the write of step 3: its arrays are on disk, not yet renamed; wait to be killed
+    if "step_3" in str(root):
+        Path(sys.argv[3]).write_text("writing")
+        time.sleep(600)
+    real(root)
+ckpt._fsync_tree = slow
+cfg = tiny_config(sys.argv[1], "train.steps=8", "checkpoint.every=1", "checkpoint.keep=2")
+fit(Trainer(cfg), Path(sys.argv[2]), echo=lambda s: None)
+"""
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous(token_file, tmp_path):
+    out, flag = tmp_path / "run", tmp_path / "flag"
+    child = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(token_file), str(out), str(flag)])
+    deadline = time.time() + 120
+    while not flag.exists() and child.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), "the child never reached its third checkpoint"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert (out / "checkpoints" / ".step_3.tmp").is_dir()  # the torn write is there, and ignored
+    assert [p.name for p in ckpt.checkpoints(out)] == ["step_1", "step_2"]
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "run", "--resume", "latest", "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "resumed at step 2 of 8" in r.stdout
+    assert not (out / "checkpoints" / ".step_3.tmp").exists()
+    _fit(tiny_config(token_file, "train.steps=8", "checkpoint.every=1"), tmp_path / "whole")
+    _same_run(tmp_path / "whole", out)
+
+
+def test_sigint_saves_and_exits_zero(tmp_path):
+    out = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-m", "tiertrain", "run", "--set", "train.steps=100000",
+                              "--set", "train.seq_len=64", "--out", str(out)], stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert time.time() < deadline and child.poll() is None
+        time.sleep(0.05)
+    child.send_signal(signal.SIGINT)
+    stdout, _ = child.communicate(timeout=120)
+    assert child.returncode == 0
+    assert "stopped by SIGINT" in stdout and "--resume latest" in stdout
+    last = read_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert [p.name for p in ckpt.checkpoints(out)] == [f"step_{last}"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True)
+
+
+def test_bad_checkpoints_are_refused_with_one_line(token_file, tmp_path):
+    out = tmp_path / "run"
+    _fit(tiny_config(token_file, "train.steps=2"), out)
+    path = out / "checkpoints" / "step_2"
+    before = (out / "metrics.jsonl").read_text()
+
+    other = _cli("run", "--resume", str(path), "--out", str(tmp_path / "x"), "--set", "model.hidden_size=32")
+    assert other.returncode == 2 and "different model (hidden_size differ)" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1
+
+    chunk = path / "exp_avg" / "1" / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    bad = _cli("run", "--resume", "latest", "--out", str(out))
+    assert bad.returncode == 2 and "corrupt: exp_avg/1 fails its checksum" in bad.stderr
+
+    chunk.unlink()
+    gone = _cli("run", "--resume", "latest", "--out", str(out))
+    assert gone.returncode == 2 and "chunk exp_avg/1 is missing" in gone.stderr
+    assert (out / "metrics.jsonl").read_text() == before  # nothing was overwritten
+    assert _cli("run", "--resume", "latest").returncode == 2  # latest of what: --out is required

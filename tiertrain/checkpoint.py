@@ -1,0 +1,195 @@
+"""Checkpoints: `<run>/checkpoints/step_<N>/`, a Zarr v3 group written whole or not at all.
+
+Layout: arrays `<kind>/<unit>` (kind: master, exp_avg, exp_avg_sq; fp32, one chunk each, the unit's
+slab with its padding) whose chunks carry a CRC32C checksum, and the group's attributes (JSON): the
+format, step, resolved config, data position, RNG states, optimizer hyperparameters and step count,
+the units' sizes and tiertrain's version. Plain `zarr` reads it. Gradients are not saved: a step
+starts from zero gradients. The compute-dtype copy is not saved either: it is the master, rounded.
+
+A checkpoint is written under a hidden temporary name, every file and directory fsynced, then
+renamed: a crash at any point leaves either the whole checkpoint or none (the previous one intact).
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import os
+import re
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import __version__
+from .errors import UserError
+
+FORMAT = "tiertrain-checkpoint/1"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+STEP = re.compile(r"step_(\d+)$")
+
+Source = Callable[[int, str], AbstractContextManager[torch.Tensor]]
+
+
+class CheckpointError(UserError):
+    pass
+
+
+def step_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step}"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's whole checkpoints, oldest first (temporaries of interrupted writes are not listed)."""
+    d = Path(run_dir) / "checkpoints"
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()] \
+        if d.is_dir() else []
+    return [p for _, p in sorted(found)]
+
+
+def resolve(arg: str, out: Path | None) -> Path:
+    """`latest` (the newest checkpoint of --out), a checkpoint directory, or a run directory (its newest)."""
+    if arg == "latest":
+        if out is None:
+            raise CheckpointError("--resume latest needs --out DIR, the run to continue")
+        run = Path(out)
+    else:
+        p = Path(arg)
+        if (p / "zarr.json").is_file():
+            return p
+        run = p
+    if not run.is_dir():
+        raise CheckpointError(f"{run} does not exist; pass the run directory or a checkpoint to --resume")
+    found = checkpoints(run)
+    if not found:
+        raise CheckpointError(f"{run} holds no checkpoint (checkpoints/step_N); nothing to resume")
+    return found[-1]
+
+
+def _fsync_tree(root: Path) -> None:
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(d))
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int = 4) -> int:
+    """Writes the checkpoint at `path` from `source(unit, kind)` (a context manager giving the unit's
+    fp32 slab); returns the bytes written. `threads` slabs are in flight at once."""
+    import zarr
+    from zarr.codecs import Crc32cCodec
+
+    path = Path(path)
+    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed
+    attrs = {"format": FORMAT, "tiertrain_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "kinds": list(KINDS), "numels": list(numels), **meta}
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        g = zarr.open_group(tmp, mode="w-", attributes=attrs)
+        arrays = {}
+        for kind in KINDS:
+            sub = g.create_group(kind)
+            for u, n in enumerate(numels):
+                arrays[(u, kind)] = sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
+                                                     compressors=[Crc32cCodec()])
+
+        def write(key: tuple[int, str]) -> None:
+            with source(*key) as t:
+                arrays[key][:] = t.numpy()
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+            list(pool.map(write, sorted(arrays)))
+        _fsync_tree(tmp)
+        if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+        raise CheckpointError(f"writing checkpoint {path} failed: {why}; the previous checkpoint is intact. "
+                              "Free space in the run directory and resume with --resume latest") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sum(numels) * 4 * len(KINDS)
+
+
+def read_meta(path: Path) -> dict:
+    """The checkpoint's attributes, after checking it is whole: every array and chunk present."""
+    import zarr
+
+    path = Path(path)
+    if not (path / "zarr.json").is_file():
+        raise CheckpointError(f"{path} is not a checkpoint (no zarr.json); pass a checkpoint or run directory")
+    try:
+        meta = dict(zarr.open_group(path, mode="r").attrs)
+    except Exception as e:  # noqa: BLE001 - any unreadable group
+        raise CheckpointError(f"{path} is an unreadable checkpoint ({e}); resume from another one") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a tiertrain checkpoint (format {meta.get('format')!r})")
+    for kind in meta["kinds"]:
+        for u in range(len(meta["numels"])):
+            if not (path / kind / str(u) / "c" / "0").is_file():
+                raise CheckpointError(f"{path} is corrupt: chunk {kind}/{u} is missing; resume from another "
+                                      "checkpoint")
+    return meta
+
+
+def load(path: Path, kind: str, unit: int, out: torch.Tensor) -> None:
+    """Reads one slab into `out`, its checksum verified."""
+    import zarr
+
+    try:
+        data = zarr.open_array(Path(path) / kind / str(unit), mode="r")[:]
+    except ValueError as e:
+        raise CheckpointError(f"{path} is corrupt: {kind}/{unit} fails its checksum ({e}); resume from "
+                              "another checkpoint") from None
+    if data.shape != (out.numel(),):
+        raise CheckpointError(f"{path}: {kind}/{unit} holds {data.size} values, the model needs {out.numel()}")
+    out.copy_(torch.from_numpy(np.ascontiguousarray(data)))
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old)
+
+
+def rng_state(device: torch.device) -> dict:
+    """torch's generator states (base64): nothing in a step draws random numbers today, but a resumed
+    run must continue any that does."""
+    def enc(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    out = {"torch": enc(torch.get_rng_state())}
+    if device.type == "cuda":
+        out["cuda"] = enc(torch.cuda.get_rng_state(device))
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    def dec(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    torch.set_rng_state(dec(state["torch"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(dec(state["cuda"]), device)

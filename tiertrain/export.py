@@ -1,0 +1,31 @@
+"""`tiertrain export`: a checkpoint's fp32 master weights as a Hugging Face model directory."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import config_from_dict
+from .model.hf import write_hf
+from .tiers.slab import SlabLayout
+
+
+def export_hf(source: str, to: str, dtype: str = "float32") -> list[str]:
+    """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time."""
+    path = ckpt.resolve(source, None)
+    meta = ckpt.read_meta(path)
+    spec = config_from_dict(meta["config"], [], str(path)).model
+    units = spec.units()
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for unit in units:
+            lay = SlabLayout.build([(t.name, t.shape) for t in unit.tensors])
+            flat = torch.empty(lay.numel, dtype=torch.float32)
+            ckpt.load(path, "master", unit.index, flat)
+            views = lay.views(flat)
+            for t in unit.tensors:
+                yield t.hf_name, views[t.name]
+
+    return write_hf(Path(to), spec, tensors(), dtype)

@@ -1,0 +1,86 @@
+"""The training loop of `tiertrain run`: steps, metrics, checkpoints, and stopping on a signal."""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import checkpoint as ckpt
+from .metrics import MetricsLog, format_duration, progress_line, truncate_metrics
+from .tiers.nvme import discard
+from .trainer import Trainer
+
+
+def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dict]:
+    """Trains to train.steps, checkpointing every checkpoint.every steps and always at the end.
+    SIGINT / SIGTERM finish the current step, save a checkpoint and return. A resumed trainer
+    (step > 0) continues metrics.jsonl from its step."""
+    tc, every = tr.cfg.train, tr.cfg.checkpoint.every
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(tr.cfg.to_toml())
+    if tr.step:
+        truncate_metrics(out / "metrics.jsonl", tr.step)
+        echo(f"resumed at step {tr.step} of {tc.steps}")
+    for line in tr.describe():
+        echo(line)
+    log = MetricsLog(out / "metrics.jsonl")
+    history, t_start, first = [], time.perf_counter(), tr.step
+    with StopSignals() as stop:
+        try:
+            while tr.step < tc.steps and not stop.signal:
+                rec = tr.train_step()
+                log.write(rec)
+                history.append(rec)
+                if rec["step"] % tc.log_every == 0 or rec["step"] in (first + 1, tc.steps):
+                    elapsed = time.perf_counter() - t_start
+                    echo(progress_line(rec, tc.steps, elapsed / (rec["step"] - first) * (tc.steps - rec["step"])))
+                    if "pred_step_s" in rec and rec["step"] > 1:
+                        echo("  measured / predicted s: " + ", ".join(
+                            f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
+                            for k in ("step", "forward", "backward", "opt_wait")))
+                if every and tr.step % every == 0 and tr.step < tc.steps and not stop.signal:
+                    _checkpoint(tr, out, echo)
+            if history or not ckpt.checkpoints(out):
+                _checkpoint(tr, out, echo)
+        finally:
+            log.close()
+            tr.close()
+    if tr.tiers:  # the state is in the checkpoint now: the scratch store goes
+        discard(tr.tiers.store.root)
+    if stop.signal:
+        echo(f"stopped by {stop.signal} after step {tr.step}; continue with: "
+             f"tiertrain run --resume latest --out {out}")
+    else:
+        echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}"
+             + (f", final loss {history[-1]['loss']:.4f}" if history else "") + f"; metrics in {out / 'metrics.jsonl'}")
+    return history
+
+
+def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None]) -> None:
+    path, rate = tr.save_checkpoint(out)
+    echo(f"checkpoint {path} ({rate:.2f} GB/s)")
+
+
+class StopSignals:
+    """SIGINT and SIGTERM set `signal` (the loop stops after its step); a second one interrupts at once."""
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._old: dict = {}
+
+    def _on(self, signum, frame) -> None:
+        if self.signal:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        try:
+            self._old = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:  # not the main thread: signals stay as they were
+            self._old = {}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)

@@ -1,0 +1,200 @@
+"""Hugging Face model directories: config.json <-> ModelSpec, safetensors in and out.
+
+Import reads a local directory (config.json and one `model.safetensors`, or shards listed by
+`model.safetensors.index.json`) tensor by tensor, so no more than one tensor is ever held beyond its
+slab. Export writes what `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json,
+shards of at most `shard_bytes` and their index, into a temporary directory renamed when whole.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from ..errors import UserError
+from .spec import MODEL_TYPES, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HFError(UserError):
+    pass
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFError(f"{path} not found: {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFError(f"{path} is not valid JSON ({e}); re-download the model") from None
+
+
+def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> ModelSpec:
+    """The ModelSpec of a Hugging Face config.json of the Llama family; anything it cannot train exactly
+    (another architecture, another activation, biases or sliding windows it does not implement) is refused."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise HFError(f"--init-from {d}: not a directory; pass a local Hugging Face model directory")
+    c = _read_json(d / "config.json", "--init-from needs a Hugging Face model directory with config.json")
+    mt = c.get("model_type")
+    if mt not in MODEL_TYPES:
+        raise HFError(f"{d}: model_type {mt!r} is not supported; tiertrain trains {', '.join(MODEL_TYPES)}")
+
+    def refuse(ok: bool, why: str) -> None:
+        if not ok:
+            raise HFError(f"{d}: {why}, which tiertrain does not implement; it cannot train this model exactly")
+
+    refuse(c.get("hidden_act", "silu") == "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)")
+    refuse(not c.get("mlp_bias", False), "mlp_bias")
+    if mt != "qwen2":
+        refuse(not c.get("attention_bias", False), "attention_bias outside Qwen2")
+    window = c.get("sliding_window") if (mt == "mistral" or c.get("use_sliding_window")) else None
+    if window is not None and seq_len is not None:
+        refuse(seq_len <= window, f"sliding_window {window} shorter than train.seq_len {seq_len}")
+    if "rope_parameters" in c:  # transformers >= 5
+        rp = dict(c["rope_parameters"] or {})
+        theta = rp.pop("rope_theta", 10000.0)
+        scaling = rp if rp.get("rope_type", "default") != "default" else None
+    else:
+        theta, scaling = c.get("rope_theta", 10000.0), c.get("rope_scaling")
+    heads = c["num_attention_heads"]
+    spec = ModelSpec(
+        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"], rope_theta=float(theta),
+        rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
+        qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
+        initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt)
+    try:
+        spec.validate()
+    except UserError as e:
+        raise HFError(f"{d}/config.json: {e}") from None
+    return spec
+
+
+def hf_config(spec: ModelSpec, dtype: str) -> dict:
+    """config.json for `spec`, in the keys transformers 4.x and 5.x both read."""
+    c = {"architectures": [ARCHITECTURES[spec.model_type]], "model_type": spec.model_type,
+         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+         "num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
+         "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.hd, "vocab_size": spec.vocab_size,
+         "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.rms_norm_eps,
+         "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
+         "tie_word_embeddings": spec.tie_word_embeddings, "initializer_range": spec.initializer_range,
+         "hidden_act": "silu", "torch_dtype": dtype, "use_cache": True}
+    if spec.model_type == "llama":
+        c.update(attention_bias=False, mlp_bias=False)
+    if spec.model_type in ("qwen2", "qwen3"):
+        c.update(use_sliding_window=False, sliding_window=None)
+    if spec.model_type in ("mistral",):
+        c.update(sliding_window=None)
+    return c
+
+
+class HFReader:
+    """Tensors of a Hugging Face directory by name, from whichever shard holds them."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        if (self.dir / INDEX).is_file():
+            wm = _read_json(self.dir / INDEX, "").get("weight_map")
+            if not isinstance(wm, dict):
+                raise HFError(f"{self.dir / INDEX} has no weight_map; re-download the model")
+            self.where = dict(wm)
+        elif (self.dir / SINGLE).is_file():
+            self.where = None
+        else:
+            raise HFError(f"{self.dir} holds neither {SINGLE} nor {INDEX}; tiertrain reads safetensors weights")
+        files = sorted(set(self.where.values())) if self.where else [SINGLE]
+        missing = [f for f in files if not (self.dir / f).is_file()]
+        if missing:
+            raise HFError(f"{self.dir}: shard {missing[0]} listed in {INDEX} is missing"
+                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download it")
+        self._open: dict[str, object] = {}
+        if self.where is None:
+            self.where = {k: SINGLE for k in self._file(SINGLE).keys()}
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._open:
+            try:
+                self._open[name] = safe_open(self.dir / name, framework="pt")
+            except Exception as e:  # noqa: BLE001 - a truncated or foreign file
+                raise HFError(f"{self.dir / name} is not a readable safetensors file ({e}); re-download it") from None
+        return self._open[name]
+
+    def check(self, names: Iterable[str]) -> None:
+        missing = [n for n in names if n not in self.where]
+        if missing:
+            raise HFError(f"{self.dir} lacks tensor {missing[0]}"
+                          f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; "
+                          "its weights do not match its config.json")
+
+    def get(self, name: str, shape: tuple[int, ...]) -> "torch.Tensor":
+        t = self._file(self.where[name]).get_tensor(name)
+        if tuple(t.shape) != tuple(shape):
+            raise HFError(f"{self.dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
+        return t
+
+
+def write_hf(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Iterator[tuple[str, "torch.Tensor"]], dtype: str,
+             shard_bytes: int = 5 << 30) -> list[str]:
+    """Writes config.json and safetensors shards (+ index) of the (name, tensor) stream; returns the shards.
+    `out_dir` must not exist or be empty; it appears only when whole."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise HFError(f"--to {out} already exists and is not empty; pass a new directory")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    want = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    shard: dict[str, torch.Tensor] = {}
+    names: dict[str, int] = {}  # tensor name -> shard number (from 1)
+    total = count = 0
+
+    def flush() -> None:
+        nonlocal shard, count
+        count += 1
+        save_file(shard, tmp / f"part-{count}", metadata={"format": "pt"})
+        names.update({k: count for k in shard})
+        shard = {}
+
+    try:
+        for name, t in tensors:
+            t = t.to(want).contiguous()
+            n = t.numel() * t.element_size()
+            if shard and sum(x.numel() * x.element_size() for x in shard.values()) + n > shard_bytes:
+                flush()
+            shard[name] = t
+            total += n
+        flush()
+        files = {k: f"model-{k:05d}-of-{count:05d}.safetensors" if count > 1 else SINGLE
+                 for k in range(1, count + 1)}  # the names transformers writes
+        for k, fname in files.items():
+            os.replace(tmp / f"part-{k}", tmp / fname)
+        if count > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": {n: files[k] for n, k in sorted(names.items())}}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return list(files.values())
