@@ -42,15 +42,18 @@ def tiny_config(token_file, *sets: str) -> Config:
     return load_config(None, TINY + [f'data.path="{token_file}"', *sets])
 
 
-def reference_train(cfg: Config, init: dict[str, torch.Tensor], device: str, autocast: bool):
+def reference_train(cfg: Config, init: dict[str, torch.Tensor] | None, device: str, autocast: bool, model=None):
     """The same training in plain PyTorch: nn.Module, micro-batch accumulation, clip_grad_norm_,
-    torch.optim.AdamW with decay on >=2-D tensors only, the same rows. Returns (losses, grad norms, model)."""
+    torch.optim.AdamW with decay on >=2-D tensors only, the same rows. Returns (losses, grad norms, model).
+    `model`: a module whose forward(inputs, targets) is the summed token loss; default ReferenceLM(init)."""
     from tiertrain.data import Loader, read_tokens
 
     tc = cfg.train
-    ref = ReferenceLM(cfg.model).to(device)
-    missing, unexpected = ref.load_state_dict({k: v.to(device) for k, v in init.items()}, strict=False)
-    assert not unexpected and all(k == "lm_head.weight" for k in missing)  # tied: shared with the embedding
+    ref = model
+    if ref is None:
+        ref = ReferenceLM(cfg.model).to(device)
+        missing, unexpected = ref.load_state_dict({k: v.to(device) for k, v in init.items()}, strict=False)
+        assert not unexpected and all(k == "lm_head.weight" for k in missing)  # tied: shared with the embedding
     params = list(ref.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],

@@ -20,6 +20,7 @@ CASES = {
     "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
 }
 
 

@@ -108,7 +108,8 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
             sub = g.create_group(kind)
             for u, n in enumerate(numels):
                 arrays[(u, kind)] = sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
-                                                     compressors=[Crc32cCodec()])
+                                                     compressors=[Crc32cCodec()],
+                                                     config={"write_empty_chunks": True})  # zeros too: whole
 
         def write(key: tuple[int, str]) -> None:
             with source(*key) as t:

@@ -12,7 +12,7 @@ from .model.hf import write_hf
 from .tiers.slab import SlabLayout
 
 
-def export_hf(source: str, to: str, dtype: str = "float32") -> list[str]:
+def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5 << 30) -> list[str]:
     """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time."""
     path = ckpt.resolve(source, None)
     meta = ckpt.read_meta(path)
@@ -28,4 +28,4 @@ def export_hf(source: str, to: str, dtype: str = "float32") -> list[str]:
             for t in unit.tensors:
                 yield t.hf_name, views[t.name]
 
-    return write_hf(Path(to), spec, tensors(), dtype)
+    return write_hf(Path(to), spec, tensors(), dtype, shard_bytes)

@@ -1,0 +1,127 @@
+"""Hugging Face import and export: a transformers model in, trained exactly as transformers would, and out."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import reference_train, tiny_config
+from test_hf_equivalence import CASES, COMMON
+from tiertrain.errors import UserError
+from tiertrain.export import export_hf
+from tiertrain.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+IMPORTED = ["llama3-rope", "mistral", "qwen2", "qwen3"]
+
+
+def _hf_dir(case: str, path, shard: str | None = None):
+    """A random transformers model saved as safetensors (sharded when `shard` is a size)."""
+    cfg_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**COMMON, **extra)).float()
+    with torch.no_grad():  # transformers inits norms to one and biases to zero: randomize so they are tested
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return hf
+
+
+def _load(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+class Loss(torch.nn.Module):
+    """A transformers model as the reference loop wants it: forward(inputs, targets) -> summed token loss."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, inp, tgt):
+        return F.cross_entropy(self.hf(input_ids=inp).logits.float().flatten(0, 1), tgt.flatten(), reduction="sum")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("case", IMPORTED)
+def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path):
+    hf = _hf_dir(case, tmp_path / "hf", shard="20KB" if case == "qwen2" else None)
+    assert (case == "qwen2") == (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    tr = Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "model.hidden_size=32"))
+    assert tr.cfg.model.hidden_size == COMMON["hidden_size"]  # config.json overrides [model]
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    files = export_hf(str(tmp_path / "run"), str(tmp_path / "out"), shard_bytes=30_000)
+    assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
+    back = _load(tmp_path / "out")
+    tokens = torch.randint(0, COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=tokens).logits, hf.eval()(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", IMPORTED)
+def test_imported_training_matches_transformers_and_adamw(case, token_file, tmp_path):
+    _hf_dir(case, tmp_path / "hf")
+    cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=5")
+    tr = Trainer(cfg)
+    got = [tr.train_step() for _ in range(cfg.train.steps)]
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    ours = _load(tmp_path / "out")
+
+    ref = _load(tmp_path / "hf").train()
+    losses, norms, _ = reference_train(cfg, None, "cpu", autocast=False, model=Loss(ref))
+    for a, b in zip([r["loss"] for r in got], losses):
+        assert a == pytest.approx(b, rel=1e-5)
+    for a, b in zip([r["grad_norm"] for r in got], norms):
+        assert a == pytest.approx(b, rel=1e-5)
+    want = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert _rel(p.detach(), want[name].detach()) < 1e-4, name
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True)
+
+
+def test_bad_model_directories_are_refused(token_file, tmp_path):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
+        Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "gpt2"}"'))
+
+    _hf_dir("qwen3", tmp_path / "sharded", shard="20KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    gone = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / "sharded" / gone).unlink()
+    r = _cli("run", "--init-from", str(tmp_path / "sharded"), "--set", "train.seq_len=32", "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and f"shard {gone} listed in model.safetensors.index.json is missing" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+    r = _cli("run", "--config", "debug", "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run"))
+    assert r.returncode == 2 and "not a directory" in r.stderr
+
+
+def test_export_refuses_to_overwrite(token_file, tmp_path):
+    tr = Trainer(tiny_config(token_file))
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "taken"))
+    assert r.returncode == 2 and "already exists and is not empty" in r.stderr
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine" and len(list((tmp_path / "taken").iterdir())) == 1
+    r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert _load(tmp_path / "bf16").model.embed_tokens.weight.abs().sum() > 0
