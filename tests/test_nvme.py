@@ -12,7 +12,7 @@ from conftest import VARIANTS, tiny_config
 from tiertrain.errors import ConfigError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
 from tiertrain.tiers.placement import place
-from tiertrain.tiers.slab import PAGE, host_cost
+from tiertrain.tiers.slab import host_cost
 from tiertrain.tiers.placement import RING_SLOTS
 from tiertrain.trainer import Trainer
 
@@ -24,9 +24,9 @@ DEEP = ["model.num_hidden_layers=12"]
 
 def _budget_for(cfg, keep=("master", "grad")) -> float:
     """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
-    (CPU: a buffer's size plus a page; pinned: rounded up to a power of two)."""
+    (whole pages)."""
     tr = Trainer(cfg)
-    cost = host_cost if tr.device.type == "cuda" else (lambda n: n + PAGE)
+    cost = host_cost
     width = max(lay.numel for lay in tr.layouts)
     gb = (sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)) / 1e9
     tr.close()

@@ -29,7 +29,7 @@ from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
 from .tiers.placement import RING_SLOTS, kind_bytes, place, place_within, spilled_bytes
-from .tiers.slab import PAGE, SlabLayout, host_cost
+from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
@@ -128,11 +128,11 @@ class Trainer:
         First everything in RAM; failing that, Adam moments on NVMe with the staging ring reserved."""
         t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
         numels, kb = [lay.numel for lay in self.layouts], self.kind_bytes()
-        cost = host_cost if pin else (lambda n: n + PAGE)
+        cost = host_cost
         if not t.host_gb:
             return place(numels, kb, None)
-        acts = spec.num_hidden_layers * cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4) \
-            if t.activations == "host" else 0
+        acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
+            tc.batch_size * tc.seq_len * spec.hidden_size * 4) if t.activations == "host" else 0
         where, ring, total = place_within(numels, kb, t.host_gb * 1e9, acts, cost)
         if where is not None and not ring:
             return where

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
 from ..tiers.placement import kind_bytes, place_within
-from ..tiers.slab import SlabLayout, host_cost
+from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
@@ -82,7 +82,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
 
     # ---- host and NVMe ----
     ck_bytes = spec.num_hidden_layers * T * H * 4
-    host_ck = spec.num_hidden_layers * host_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
+    host_ck = spec.num_hidden_layers * torch_pinned_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
     nvme_on = bool(budgets.nvme_gb)
     where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)

@@ -64,19 +64,37 @@ class SlabLayout:
 
 
 def host_cost(nbytes: int) -> int:
-    """Host bytes a pinned slab of nbytes takes: torch's pinned allocator rounds blocks up to a power
-    of two (alloc_slab asks for one page more, to align)."""
-    return 1 << (nbytes + PAGE - 1).bit_length()
+    """Host bytes a slab of nbytes takes: whole pages (alloc_slab maps exactly that)."""
+    return _round_up(max(nbytes, 1), PAGE)
+
+
+def torch_pinned_cost(nbytes: int) -> int:
+    """Host bytes of a tensor from torch's pinned allocator, which rounds blocks up to a power of two
+    (host activation checkpoints use it)."""
+    return 1 << (nbytes - 1).bit_length()
 
 
 def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed flat tensor whose first byte is page-aligned (direct I/O and fast DMA need it)."""
+    """A zeroed flat tensor on its own anonymous mapping: page-aligned (direct I/O and fast DMA need it),
+    exactly the pages it needs. `pin` page-locks it with cudaHostRegister: torch's pinned allocator would
+    round every slab up to a power of two, up to twice the host memory for the same state."""
+    import mmap
+    import weakref
+
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = numel * itemsize
-    raw = torch.zeros(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
-    skip = (-raw.data_ptr()) % PAGE
-    flat = raw[skip:skip + nbytes].view(dtype)
+    size = host_cost(nbytes)
+    mm = mmap.mmap(-1, size)  # anonymous memory is zero-filled
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm` until the last view of it is gone
+    if pin:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(raw.data_ptr(), size, 0)
+        if int(err) != 0:
+            raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(err)}): host memory "
+                              "cannot be page-locked; lower --host-gb or raise the memlock limit (ulimit -l)")
+        weakref.finalize(mm, cudart.cudaHostUnregister, raw.data_ptr())
+    flat = raw[:nbytes].view(dtype)
     assert flat.data_ptr() % PAGE == 0
     return flat
