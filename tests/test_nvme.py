@@ -65,6 +65,27 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
     assert arr.shape[0] == len(sizes) and float(abs(arr[u, :sizes[u]]).max()) > 0
 
 
+def test_spilled_master_is_bit_identical(token_file, tmp_path):
+    """With a bf16 copy streaming, the fp32 master is only the optimizer's: it goes to NVMe after the
+    moments, and the run is still bit-identical (bf16 compute on the CPU)."""
+    sets = [*DEEP, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"', "train.steps=3"]
+    base = tiny_config(token_file, *sets)
+    tr = Trainer(base)
+    width = max(lay.numel for lay in tr.layouts)
+    # grads and the bf16 copy, a third of the masters, and a ring for three kinds
+    gb = (sum(lay.numel * 6 + 2 * 4096 for lay in tr.layouts) + sum(lay.numel * 4 for lay in tr.layouts) / 3
+          + RING_SLOTS * 3 * width * 4) / 1e9
+    tr.close()
+    spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', 'tiers.io="posix"')
+    _, want, want_sd = _train(base, steps=3)
+    tr, got, sd = _train(spill, steps=3)
+    spilled = {k for (_, k), t in tr.where.items() if t == "nvme"}
+    assert spilled == {"exp_avg", "exp_avg_sq", "master"} and tr.where[(0, "master")] == "host"
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    for k in want_sd:
+        assert torch.equal(sd[k], want_sd[k]), k
+
+
 def test_placement_policy_by_hand():
     numels, kb = [10, 20, 30], {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, "weights": 2}
     assert set(place(numels, kb, None).values()) == {"host"}
@@ -90,7 +111,8 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     with pytest.raises(ConfigError, match=r"raise --host-gb to [0-9.]+, or pass --nvme-dir .*--host-gb [0-9.]+ is the least"):
         Trainer(cfg)
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001", f'tiers.nvme_dir="{tmp_path}"')
-    with pytest.raises(ConfigError, match="more than the Adam moments on NVMe.*raise --host-gb to at least"):
+    with pytest.raises(ConfigError, match="below what this version can run with the Adam moments on NVMe: raise "
+                                          '--host-gb to at least [0-9.]+, or set tiers.stream="compute"'):
         Trainer(cfg)
     gb = _budget_for(tiny_config(token_file, *DEEP))
     cfg = tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"',

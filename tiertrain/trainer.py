@@ -28,7 +28,7 @@ from .plan.planner import Budgets, Plan, evaluate
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import RING_SLOTS, kind_bytes, place, place_within, spilled_bytes
+from .tiers.placement import RING_SLOTS, kind_bytes, least_host, place, place_within, spillable, spilled_bytes
 from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
@@ -125,25 +125,27 @@ class Trainer:
 
     def _place(self, pin: bool) -> dict[tuple[int, str], str]:
         """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run.
-        First everything in RAM; failing that, Adam moments on NVMe with the staging ring reserved."""
+        First everything in RAM; failing that, the spillable kinds on NVMe with the staging ring reserved."""
         t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
         numels, kb = [lay.numel for lay in self.layouts], self.kind_bytes()
-        cost = host_cost
         if not t.host_gb:
             return place(numels, kb, None)
         acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
             tc.batch_size * tc.seq_len * spec.hidden_size * 4) if t.activations == "host" else 0
-        where, ring, total = place_within(numels, kb, t.host_gb * 1e9, acts, cost)
+        where, ring, total = place_within(numels, kb, t.host_gb * 1e9, acts, host_cost)
         if where is not None and not ring:
             return where
-        least = (total + ring - sum(2 * cost(n * 4) for n in numels)) / 1e9  # every moment on NVMe
+        least = least_host(numels, kb, acts, host_cost) / 1e9
+        what = "the Adam moments" + (" and the fp32 master" if "master" in spillable(kb) else "")
         if not t.nvme_dir:
             raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
                               f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
-                              f"to spill Adam moments to disk (then --host-gb {least:.3g} is the least)")
-        if where is None or t.host_gb * 1e9 < least * 1e9:
-            raise ConfigError(f"--host-gb {t.host_gb:g} would put more than the Adam moments on NVMe, which this "
-                              f"version cannot run yet; raise --host-gb to at least {least:.3g}")
+                              f"to spill {what} to disk (then --host-gb {least:.3g} is the least)")
+        if where is None:
+            more = "" if "master" in spillable(kb) else \
+                ', or set tiers.stream="compute" (a bf16 copy streams and the fp32 master can go to NVMe too)'
+            raise ConfigError(f"--host-gb {t.host_gb:g} is below what this version can run with {what} on "
+                              f"NVMe: raise --host-gb to at least {least:.3g}{more}")
         return where
 
     def _nvme_tier(self, pin: bool, replace: bool) -> TierManager:
@@ -169,17 +171,18 @@ class Trainer:
         depend on placement, order or device."""
         std = self.cfg.model.initializer_range
         for unit, lay in zip(self.units, self.layouts):
-            views = lay.views(self.host.slab(unit.index, "master"))
-            for t in unit.tensors:
-                v = views[t.name]
-                if len(t.shape) >= 2:
-                    g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + zlib.crc32(t.hf_name.encode()))
-                    v.normal_(0.0, std, generator=g)
-                elif t.name.endswith(".bias"):
-                    v.zero_()
-                else:
-                    v.fill_(1.0)
-            self.host.updated(unit.index)
+            with self._slab(unit.index, "master", read=False) as flat:
+                views = lay.views(flat)
+                for t in unit.tensors:
+                    v = views[t.name]
+                    if len(t.shape) >= 2:
+                        g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + zlib.crc32(t.hf_name.encode()))
+                        v.normal_(0.0, std, generator=g)
+                    elif t.name.endswith(".bias"):
+                        v.zero_()
+                    else:
+                        v.fill_(1.0)
+                self.host.updated(unit.index, flat)
 
     def _import_weights(self, reader: HFReader) -> None:
         """A Hugging Face model's weights, streamed tensor by tensor into the master slabs."""
@@ -188,7 +191,7 @@ class Trainer:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(reader.get(t.hf_name, t.shape))
-            self.host.updated(unit.index)
+                self.host.updated(unit.index, flat)
 
     # ---- checkpoints --------------------------------------------------------------------------
     @contextmanager
@@ -242,7 +245,8 @@ class Trainer:
             for kind in ckpt.KINDS:
                 with self._slab(u, kind, read=False) as flat:
                     ckpt.load(path, kind, u, flat)
-            self.host.updated(u)
+                    if kind == "master":
+                        self.host.updated(u, flat)
         self.step = meta["step"]
         self.optim.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
@@ -265,7 +269,7 @@ class Trainer:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(sd[t.hf_name])
-            self.host.updated(unit.index)
+                self.host.updated(unit.index, flat)
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self) -> dict:

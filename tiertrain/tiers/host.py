@@ -40,11 +40,12 @@ class HostStore:
         s = self.slabs[unit]
         return s["weights"] if "weights" in s else s["master"]
 
-    def updated(self, unit: int) -> None:
-        """The unit's master changed: round it into the compute-dtype copy, and bump its version."""
+    def updated(self, unit: int, master: torch.Tensor | None = None) -> None:
+        """The unit's master changed: round it into the compute-dtype copy, and bump its version.
+        `master`: the slab where it is now, when it does not live here (on NVMe, in a ring buffer)."""
         s = self.slabs[unit]
         if "weights" in s:
-            s["weights"].copy_(s["master"])
+            s["weights"].copy_(s["master"] if master is None else master)
         self.version[unit] += 1
 
     def nbytes(self) -> dict[str, int]:

@@ -5,7 +5,9 @@ and written once per step, by the optimizer only), then the fp32 master (read an
 optimizer, and read twice more when it is what streams), then gradients (written by the D2H, read by
 the optimizer), the compute-dtype copy last (read for the forward and the backward pass). Within a
 kind, units spill from the last to the first: the optimizer reaches them last, which leaves the most
-time to read them ahead. Pure Python: the planner uses it too.
+time to read them ahead. This runtime spills what only the optimizer touches (`spillable`): the
+moments, and the master when a compute-dtype copy streams; gradients and streamed weights stay in RAM.
+Pure Python: the planner uses it too.
 """
 from __future__ import annotations
 
@@ -20,39 +22,61 @@ def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
     return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
 
 
+def spillable(kb: dict[str, int]) -> tuple[str, ...]:
+    """The kinds this runtime keeps on NVMe, in policy order: those only the optimizer touches. That is
+    the Adam moments, and the fp32 master when a compute-dtype copy is what streams to the GPU (it is
+    then read and written once per step, like a moment). Gradients and the streamed weights stay in RAM."""
+    return tuple(k for k in SPILL_ORDER if k in ("exp_avg", "exp_avg_sq") or (k == "master" and "weights" in kb))
+
+
+def ring_bytes(numels: list[int], n_kinds: int, cost) -> int:
+    return RING_SLOTS * n_kinds * cost(max(numels) * 4)
+
+
 def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixed: float,
                  cost) -> tuple[dict[tuple[int, str], str] | None, int, float]:
     """(placement, staging ring bytes, host bytes of the whole state + `fixed`). Everything stays on the
-    host when it fits beside `fixed` (no ring then); otherwise slabs spill by policy with the ring
-    reserved for both moment kinds; placement None when even that cannot fit."""
+    host when it fits beside `fixed` (no ring then); otherwise slabs spill by policy, the moments first
+    (a ring for two kinds), then the master if it may (a ring for three); placement None when even
+    that cannot fit."""
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
     if total <= host_budget:
         return place(numels, kb, None), 0, total
-    ring = RING_SLOTS * 2 * cost(max(numels) * 4)
-    try:
-        return place(numels, kb, host_budget - fixed - ring, cost), ring, total
-    except ValueError:
-        return None, ring, total
+    kinds = spillable(kb)
+    for n in sorted({2, len(kinds)}):
+        ring = ring_bytes(numels, n, cost)
+        try:
+            return place(numels, kb, host_budget - fixed - ring, cost, kinds[:n]), ring, total
+        except ValueError:
+            continue
+    return None, ring, total
+
+
+def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
+    """The smallest host budget place_within can meet: every spillable slab on NVMe."""
+    kinds = spillable(kb)
+    kept = sum(cost(n * b) for n in numels for k, b in kb.items() if k not in kinds)
+    return kept + fixed + ring_bytes(numels, len(kinds), cost)
 
 
 def place(numels: list[int], kind_bytes: dict[str, int], host_budget: float | None,
-          cost=None) -> dict[tuple[int, str], str]:
-    """{(unit, kind): "host" | "nvme"}: the fewest slabs spilled, in policy order, so that what stays
-    fits `host_budget` bytes (None: no budget, everything on the host). `cost(nbytes)` is what a slab
-    of nbytes takes from the host (an allocator may round it up); by default its size."""
+          cost=None, kinds: tuple[str, ...] = SPILL_ORDER) -> dict[tuple[int, str], str]:
+    """{(unit, kind): "host" | "nvme"}: the fewest slabs of `kinds` spilled, in policy order, so that what
+    stays fits `host_budget` bytes (None: no budget, everything on the host). `cost(nbytes)` is what a
+    slab of nbytes takes from the host (an allocator may round it up); by default its size."""
     cost = cost or (lambda n: n)
     where = {(u, k): "host" for u in range(len(numels)) for k in kind_bytes}
     if host_budget is None:
         return where
     left = sum(cost(n * b) for n in numels for b in kind_bytes.values()) - host_budget
-    for kind in (k for k in SPILL_ORDER if k in kind_bytes):
+    for kind in (k for k in SPILL_ORDER if k in kind_bytes and k in kinds):
         for u in reversed(range(len(numels))):
             if left <= 0:
                 return where
             where[(u, kind)] = "nvme"
             left -= cost(numels[u] * kind_bytes[kind])
     if left > 0:
-        raise ValueError("the state does not fit even with every slab on NVMe")
+        raise ValueError("the state does not fit even with every spillable slab on NVMe")
     return where
 
 
