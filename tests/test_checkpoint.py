@@ -53,17 +53,19 @@ def _same_run(a, b):
         assert np.array_equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("spill", [False, True])
+@pytest.mark.parametrize("spill", ["none", "posix", pytest.param("kvikio", marks=pytest.mark.gpu)])
 def test_resume_is_bit_identical(token_file, tmp_path, spill):
     sets = [*VARIANTS["qwen2"], *STEPS, "data.shuffle=true"]
-    if spill:  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
-        gb = _budget_for(tiny_config(token_file, *DEEP))
-        sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
+    if spill == "kvikio":
+        sets.append('train.device="cuda"')
+    if spill != "none":  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
+        gb = _budget_for(tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []))
+        sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', f'tiers.io="{spill}"']
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")
     lines = _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)
     assert any("stopped by SIGTERM after step 5" in x for x in lines)
     assert [p.name for p in ckpt.checkpoints(tmp_path / "cut")] == ["step_3", "step_5"]
-    if spill:
+    if spill != "none":
         assert not (tmp_path / "nvme" / "cut").exists()  # the scratch store went once the state was saved
     latest = ckpt.resolve("latest", tmp_path / "cut")
     _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=latest)

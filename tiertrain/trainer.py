@@ -109,15 +109,21 @@ class Trainer:
         if self.device.type != "cuda":
             return None  # the cost model is the GPU pipeline's
         t, tc = self.cfg.tiers, self.cfg.train
-        gpu_gb = torch.cuda.get_device_properties(self.device).total_memory / 1e9
-        hw = dataclasses.replace(HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE,
-                                 gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
+        hw = self.hardware()
+        gpu_gb = hw.gpu_mem_gb
         p = evaluate(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, tc.micro_batch_size, t.stream,
                      t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None)),
                      hw, name="run")
         if not p.fits and p.why.startswith("GPU"):
             raise ConfigError(f"{p.why}: lower train.micro_batch_size, or set tiers.activations=\"host\"")
         return p if p.fits else None
+
+    def hardware(self) -> HardwareSpec:
+        """The figures the plan uses: `tiertrain probe`'s file if there is one, else the reference; the
+        GPU memory is this GPU's."""
+        gpu_gb = torch.cuda.get_device_properties(self.device).total_memory / 1e9
+        return dataclasses.replace(HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE,
+                                   gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
 
     # ---- tiers --------------------------------------------------------------------------------
     def kind_bytes(self) -> dict[str, int]:
@@ -160,8 +166,9 @@ class Trainer:
         meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype}
         if replace:
             discard(Path(t.nvme_dir) / self.run_name)
+        units = {k: [u for (u, kk), tier in self.where.items() if kk == k and tier == "nvme"] for k in kinds}
         store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels, {k: "float32" for k in kinds}, meta,
-                          make_io(t.io), create=True)
+                          make_io(t.io), create=True, units=units)
         return TierManager(store, self.where, {k: torch.float32 for k in kinds}, pin, depth=RING_SLOTS - 2)
 
     # ---- weights ------------------------------------------------------------------------------
@@ -250,7 +257,8 @@ class Trainer:
         self.step = meta["step"]
         self.optim.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
-        return sum(numels) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
+        self.restore_gbs = sum(numels) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
+        return self.restore_gbs
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under Hugging Face names (copies)."""
@@ -307,6 +315,7 @@ class Trainer:
         rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9
         if tiers:  # NVMe bytes of the last whole update (the previous step's, read ahead and written back)
             rec["nvme_read_gb"], rec["nvme_write_gb"] = (b / 1e9 for b in tiers.last_pass)
+            rec["nvme_io_s"] = tiers.last_window_s
         if self.peak_tflops:
             rec["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":

@@ -104,7 +104,7 @@ def probe(gpu: bool = True) -> dict:
     return out
 
 
-def disk_rates(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
+def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto") -> tuple[float, float]:
     """GB/s (read, write) of whole-file direct I/O in `directory`, through the runtime's backend."""
     import tempfile
 
@@ -113,7 +113,7 @@ def disk_rates(directory: str, nbytes: int = 1 << 30) -> tuple[float, float]:
     from ..tiers.nvme import make_io
     from ..tiers.slab import alloc_slab
 
-    io = make_io("auto")
+    io = make_io(backend)
     buf = alloc_slab(nbytes // 4, torch.float32, pin=torch.cuda.is_available())
     buf.uniform_()
     with tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as f:

@@ -8,6 +8,7 @@ ring slot is reused only once its write-back has landed, so at most `slots` buff
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -37,10 +38,24 @@ class TierManager:
         self.write_bytes = 0
         self.last_pass = (0, 0)
         self._pass_start = (0, 0)
+        self.last_window_s = 0.0  # first read issued to last write landed, of the last whole pass
+        self._t_first: float | None = None
+        self._t_last = 0.0
 
     def ring_nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for k in self.free for b in list(self.free[k]) +
                    [t for _, t in self.busy[k]])
+
+    def _timed(self, fut: Future) -> Future:
+        """Marks the I/O window of the pass: its first request, its last completion."""
+        if self._t_first is None:
+            self._t_first = time.perf_counter()
+
+        def landed(_):
+            self._t_last = time.perf_counter()
+
+        fut.add_done_callback(landed)
+        return fut
 
     def _slot(self, kind: str) -> torch.Tensor:
         if not self.free[kind]:
@@ -56,7 +71,7 @@ class TierManager:
         got = {}
         for k in self.spilled[unit]:
             buf = self._slot(k)
-            got[k] = (self.store.read(unit, k, buf[:n]), buf)
+            got[k] = (self._timed(self.store.read(unit, k, buf[:n])), buf)
             self.read_bytes += n * buf.element_size()
         self.loaded[unit] = got
 
@@ -66,6 +81,8 @@ class TierManager:
         now = (self.read_bytes, self.write_bytes)
         self.last_pass = (now[0] - self._pass_start[0], now[1] - self._pass_start[1])
         self._pass_start = now
+        self.last_window_s = self._t_last - self._t_first if self._t_first is not None else 0.0
+        self._t_first = None
         self.order = [u for u in order if self.spilled.get(u)]
         for u in self.order[:self.depth]:
             self._fetch(u)
@@ -89,7 +106,7 @@ class TierManager:
         """Writes the unit's spilled slabs back; their buffers return to the ring once written."""
         n = self.store.numels[unit]
         for k, (_, buf) in self.loaded.pop(unit, {}).items():
-            self.busy[k].append((self.store.write(unit, k, buf[:n]), buf))
+            self.busy[k].append((self._timed(self.store.write(unit, k, buf[:n])), buf))
             self.write_bytes += n * buf.element_size()
 
     @contextmanager

@@ -1,7 +1,8 @@
 """NVMe tier: one Zarr v3 group per run, an array per kind, one uncompressed chunk per unit.
 
 Plain `zarr` opens and reads the store (shape (units, slab elements), a chunk per unit, the model and
-layout in the attributes). Every chunk is written at creation, so the hot path never creates, grows
+layout in the attributes). Only the chunks of spilled units exist (the others read as zeros, and
+are never used); every one of them is written at creation, so the hot path never creates, grows
 or renames a file: it reads and writes the chunk files' bytes in place (`<kind>/c/<unit>/0`, raw
 little-endian), with direct I/O into page-aligned buffers, split into 16 MiB tasks over a thread
 pool. kvikio moves the bytes where it can run (it needs a CUDA driver); elsewhere os.preadv/pwritev.
@@ -139,14 +140,16 @@ class NvmeStore:
     """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit))."""
 
     def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[str, str], meta: dict, io,
-                 create: bool):
+                 create: bool, units: dict[str, list[int]] | None = None):
         """`create`: a new store (a store already there is refused, never reused: its contents belong to
-        another run); otherwise open an existing one, checked against `meta` and for whole chunks."""
+        another run); otherwise open an existing one, checked against `meta` and for whole chunks.
+        `units`: the rows of each kind that are spilled (default all); only their chunks exist on disk."""
         import zarr
 
         self.root, self.numels, self.kinds, self.io = Path(root), numels, kinds, io
         self.width = max(numels)
-        meta = {"format": FORMAT, "numels": numels, "kinds": kinds, **meta}
+        self.units = {k: sorted(units[k]) if units else list(range(len(numels))) for k in kinds}
+        meta = {"format": FORMAT, "numels": numels, "kinds": kinds, "units": self.units, **meta}
         exists = (self.root / "zarr.json").exists()
         if create and exists:
             raise StoreError(f"{self.root} already holds a store of another run; use a new --out name or "
@@ -169,7 +172,7 @@ class NvmeStore:
     def _create(self, meta: dict) -> None:
         import zarr
 
-        need = sum(self.width * np.dtype(dt).itemsize * len(self.numels) for dt in self.kinds.values())
+        need = sum(self.width * np.dtype(dt).itemsize * len(self.units[k]) for k, dt in self.kinds.items())
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.root).free
@@ -184,7 +187,7 @@ class NvmeStore:
                 arr = g.create_array(kind, shape=(len(self.numels), self.width), chunks=(1, self.width), dtype=dt,
                                      fill_value=0, compressors=None, config={"write_empty_chunks": True})
                 zeros = np.zeros((1, self.width), dtype=dt)
-                for u in range(len(self.numels)):
+                for u in self.units[kind]:
                     arr[u:u + 1] = zeros
         except OSError as e:
             if e.errno == errno.ENOSPC:
@@ -194,7 +197,7 @@ class NvmeStore:
 
     def _check_chunks(self) -> None:
         for kind, dt in self.kinds.items():
-            for u in range(len(self.numels)):
+            for u in self.units[kind]:
                 p = self.path(kind, u)
                 if not p.is_file() or p.stat().st_size != self.width * np.dtype(dt).itemsize:
                     raise StoreError(f"{self.root}: chunk {kind}/{u} is missing or truncated; the store is "

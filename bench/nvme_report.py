@@ -1,0 +1,83 @@
+"""The markdown report of bench/nvme.py, from its JSON record (`python -m bench.nvme_report FILE.json`)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _placement(pl: dict) -> str:
+    nv = ", ".join(f"{k} {v:.1f} GB ({pl['nvme_units'][k]}/{pl['units']} units)" for k, v in pl["nvme_gb"].items())
+    host = ", ".join(f"{k} {v:.1f}" for k, v in pl["host_gb"].items())
+    return f"NVMe: {nv or 'nothing'}; host GB: {host}; staging ring {pl['ring_gb']:.1f} GB"
+
+
+def report(rec: dict) -> str:
+    res, errors = rec["results"], rec["errors"]
+    probe = res.get("probe") or {}
+    spec = probe.get("spec", {})
+    disk = probe.get("disk", {})
+    rr, rw = spec.get("disk_read_gbs", float("nan")), spec.get("disk_write_gbs", float("nan"))
+    lines = ["# NVMe tier: tiertrain vs DeepSpeed ZeRO-3 with its optimizer on NVMe", "",
+             f"- date: {rec['date']}",
+             f"- hardware: {spec.get('gpu')}, {spec.get('cpu_count')} CPUs, {spec.get('host_ram_gb', 0):.0f} GB RAM",
+             f"- command: `python -m bench.nvme {' '.join(rec['argv'][1:])}`",
+             "- disk measured in this run (4 GiB, direct I/O): "
+             + ", ".join(f"{io} read {r:.2f} / write {w:.2f} GB/s" for io, (r, w) in disk.items())
+             + f"; the runs use {probe.get('io', '?')}", ""]
+    for stage, err in errors.items():
+        lines.append(f"- **{stage} failed**: `{err}`")
+    ds = {r["batch"]: r for r in res.get("deepspeed") or []}
+    tt = res.get("tiertrain") or []
+    lines += ["## Side by side (same batch, same GPU, one after another)", "",
+              "| system | batch | tokens/step | tokens/s | vs DeepSpeed | host peak RSS GB |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(list(ds.values()) + tt, key=lambda r: (r["batch"], r["system"])):
+        d = ds.get(r["batch"])
+        ratio = f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x" if d and r is not d else ""
+        lines.append(f"| {r['system']} | {r['batch']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | {ratio} | "
+                     f"{r['host_peak_rss_gb']:.1f} |")
+    if tt:
+        lines += ["", f"tiertrain placement: {_placement(tt[0]['placement'])}", "",
+                  "## tiertrain's disk", "",
+                  "I/O floor = NVMe read / read rate + NVMe write / write rate (one disk, the rates measured "
+                  "above). Disk use = that floor / the I/O window (first read issued to last write landed, per "
+                  "update). Bytes are those of one whole update.", "",
+                  "| batch | step s | read GB | write GB | I/O window s | disk GB/s in window | disk use | "
+                  "I/O floor s | step / floor | predicted step s | predicted / measured |",
+                  "|" + " --- |" * 11]
+        for r in tt:
+            floor = r["nvme_read_gb"] / rr + r["nvme_write_gb"] / rw
+            window = r["nvme_io_s"] or float("nan")
+            gbs = (r["nvme_read_gb"] + r["nvme_write_gb"]) / window
+            pred = r.get("pred_step_s", float("nan"))
+            lines.append(f"| {r['batch']} | {r['step_s']:.2f} | {r['nvme_read_gb']:.1f} | {r['nvme_write_gb']:.1f} | "
+                         f"{r['nvme_io_s']:.2f} | {gbs:.2f} | {floor / window:.0%} | {floor:.2f} | "
+                         f"{r['step_s'] / floor if floor else float('nan'):.2f} | {pred:.2f} | {pred / r['step_s']:.2f} |")
+    ck = res.get("checkpoint")
+    if ck:
+        lines += ["", "## Checkpoint with part of the state on NVMe", "",
+                  f"- --host-gb {ck['host_gb']:.1f}: {_placement(ck['placement'])}",
+                  f"- checkpoint: {ck['checkpoint_gb']:.1f} GB (master, exp_avg, exp_avg_sq; CRC32C per chunk), "
+                  f"written at {ck['write_gbs']:.2f} GB/s (fsynced, renamed), read back at {ck['read_gbs']:.2f} GB/s "
+                  f"(trainer rebuilt and resumed in {ck['resume_s']:.0f} s)",
+                  f"- the step after the save, taken before and after the resume: loss {ck['loss_after_save']!r} "
+                  f"vs {ck['loss_after_resume']!r}: {'bit-identical' if ck['identical'] else 'DIFFERENT'}"]
+    big = res.get("big")
+    if big:
+        b = big[0]
+        lines += ["", f"## State larger than RAM: {b['params'] / 1e9:.2f} B parameters", "",
+                  f"- {_placement(b['placement'])}; trainer built in {b['setup_s']:.0f} s; host peak RSS "
+                  f"{max(r['host_peak_rss_gb'] for r in big):.1f} GB", "",
+                  "| step | step s | tokens/s | NVMe read GB | NVMe write GB | exposed update s | predicted step s |",
+                  "|" + " --- |" * 7]
+        for r in big:
+            lines.append(f"| {r['step']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {r.get('nvme_read_gb', 0):.1f} | "
+                         f"{r.get('nvme_write_gb', 0):.1f} | {r['opt_wait_s']:.2f} | {r.get('pred_step_s', float('nan')):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1])
+    text = report(json.loads(path.read_text()))
+    path.with_suffix(".md").write_text(text)
+    print(text)
