@@ -65,3 +65,24 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_report_summarizes_and_plots(tmp_path):
+    """Medians skip step 1 (no overlap yet): by hand, steps 2-4 have step_s 2, 3, 2 -> 2.0 s; predicted 1.6."""
+    import json
+
+    recs = [{"step": k, "loss": 5.0 - k, "tokens": 1000 * k, "step_s": s, "tokens_per_s": 1000 / s,
+             "model_tflops": 1.0, "forward_s": 0.5, "backward_s": 1.0, "opt_wait_s": s - 1.5, "pred_step_s": 1.6,
+             "nvme_read_gb": 3.0, "nvme_write_gb": 2.0, "host_rss_gb": 10.0 + k}
+            for k, s in ((1, 9.0), (2, 2.0), (3, 3.0), (4, 2.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    r = cli("report", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "4 steps (up to step 4), 4,000 tokens; loss 4.0000 -> 1.0000" in r.stdout
+    assert "median step 2.000 s: 500 tokens/s" in r.stdout
+    assert "measured / predicted step: 2.000 / 1.600 s (+25%)" in r.stdout
+    assert "read 3.0 GB, write 2.0 GB" in r.stdout and "host RSS 14.0 GB" in r.stdout
+    png = (tmp_path / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    bad = cli("report", str(tmp_path / "nothing"))
+    assert bad.returncode == 2 and "holds no metrics.jsonl" in bad.stderr

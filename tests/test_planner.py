@@ -14,13 +14,15 @@ from tiertrain.plan.planner import Budgets, evaluate, plan
 from tiertrain.tiers.slab import host_cost
 
 
-def test_plan_runs_without_torch():
+def test_plan_runs_without_torch(tmp_path):
+    chart = tmp_path / "plan.png"
     code = ("import sys, tiertrain.cli as c; from click.testing import CliRunner; "
             "r = CliRunner().invoke(c.main, ['plan', '--config', 'llama-120b', '--host-gb', '1500', '--gpu-gb', '141', "
-            "'--nvme-gb', '8000', '--format', 'json']); assert r.exit_code == 0, r.output; "
+            f"'--nvme-gb', '8000', '--format', 'json', '--chart', '{chart}']); assert r.exit_code == 0, r.output; "
             "assert 'torch' not in sys.modules; print(r.output)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
     p = json.loads(r.stdout)
     assert p["fits"] and p["params"] > 119e9 and p["nvme_bytes"] and p["bottleneck"]
     assert abs(p["params"] * 18 / 1e12 - 2.16) < 0.01  # about 2.2 TB of state at 18 B/param

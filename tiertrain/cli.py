@@ -121,7 +121,9 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None) -> None:
 @click.option("--batch-size", type=int, default=None)
 @click.option("--seq-len", type=int, default=None)
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
-def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, fmt) -> None:
+@click.option("--chart", default=None, metavar="FILE.png", help="Also draw the time split and memory per tier.")
+def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, fmt,
+         chart) -> None:
     """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
     import shutil
 
@@ -147,8 +149,42 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
     except OSError as e:
         _fail(UserError(f"--nvme-dir {nvme_dir}: {e.strerror}"))
     click.echo(to_json(p) if fmt == "json" else to_markdown(p))
+    if chart and p.fits:
+        from .charts import plan_chart
+
+        try:
+            plan_chart(p, chart)
+        except UserError as e:
+            _fail(e)
     if not p.fits:
         sys.exit(1)
+
+
+@main.command()
+@click.argument("run_dir", metavar="RUN_DIR")
+@click.option("--out", default=None, metavar="FILE.png", help="Where to draw. Default: RUN_DIR/report.png")
+def report(run_dir: str, out: str | None) -> None:
+    """Summarize a run from its metrics.jsonl, and plot loss, tokens/s and the measured time split."""
+    from .metrics import read_metrics, run_summary
+
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        if not path.is_file():
+            raise UserError(f"{run_dir} holds no metrics.jsonl; pass the --out directory of a run")
+        try:
+            records = read_metrics(path)
+        except ValueError as e:
+            raise UserError(f"{path} has a line that is not JSON ({e}); was it edited?") from None
+        for line in run_summary(records):
+            click.echo(line)
+        if records:
+            from .charts import run_chart
+
+            target = Path(out) if out else Path(run_dir) / "report.png"
+            run_chart(records, target, f"{Path(run_dir).resolve().name}")
+            click.echo(f"chart: {target}")
+    except UserError as e:
+        _fail(e)
 
 
 @main.command()

@@ -62,3 +62,34 @@ def truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)
+
+
+def run_summary(records: list[dict]) -> list[str]:
+    """A few lines on a run: loss, throughput (medians past the first step, which has no overlap to
+    lean on), where the step's time went, measured against predicted, bytes on disk, peaks."""
+    from statistics import median
+
+    if not records:
+        return ["no steps logged yet"]
+    steady = records[1:] or records
+
+    def med(key: str) -> float:
+        return median(r[key] for r in steady if key in r)
+
+    out = [f"{len(records)} steps (up to step {records[-1]['step']}), {records[-1]['tokens']:,} tokens; loss "
+           f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
+           f"median step {med('step_s'):.3f} s: {med('tokens_per_s'):,.0f} tokens/s, {med('model_tflops'):.1f} "
+           "model TFLOP/s" + (f", MFU {med('mfu'):.1%}" if any("mfu" in r for r in steady) else "")]
+    split = [k for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s", "opt_wait_s") if k in steady[0]]
+    if split:
+        out.append("time split (median s): " + ", ".join(f"{k[:-2]} {med(k):.3f}" for k in split))
+    if any("pred_step_s" in r for r in steady):
+        out.append(f"measured / predicted step: {med('step_s'):.3f} / {med('pred_step_s'):.3f} s "
+                   f"({med('step_s') / med('pred_step_s') - 1:+.0%})")
+    if any("nvme_read_gb" in r for r in steady):
+        out.append(f"NVMe per update (median): read {med('nvme_read_gb'):.1f} GB, write {med('nvme_write_gb'):.1f} GB")
+    peaks = [f"{name} {max(r[k] for r in records if k in r):.1f} GB" for k, name in
+             (("gpu_peak_gb", "GPU"), ("host_rss_gb", "host RSS")) if any(k in r for r in records)]
+    if peaks:
+        out.append("peaks: " + ", ".join(peaks))
+    return out

@@ -1,0 +1,79 @@
+"""PNG charts (matplotlib, the optional `chart` extra): a plan's time split and memory per tier, and a
+run's loss, tokens/s and measured time split. Imports no torch: `tiertrain plan --chart` runs anywhere."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import UserError
+
+# a run's measured time split (metrics.jsonl keys); what is left of the step is launch and host overhead
+SPLIT = ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s", "opt_wait_s")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("charts need matplotlib: pip install 'tiertrain[chart]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plan_chart(p, path: str | Path) -> None:
+    """Left: predicted seconds per link, the step and its bottleneck. Right: GB per tier, by kind."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = list(p.times)
+    a.barh(names, [p.times[k] for k in names], color="tab:blue")
+    a.axvline(p.step_s, color="tab:red", linestyle="--", label=f"step {p.step_s:.2f} s")
+    a.invert_yaxis()
+    a.set_xlabel("seconds per step")
+    a.set_title(f"{p.model}: predicted time per link (bottleneck: {p.bottleneck})")
+    a.legend(loc="lower right")
+    tiers = {"host": {**p.host_bytes, **p.host_fixed}, "NVMe": dict(p.nvme_bytes), "GPU": dict(p.gpu)}
+    kinds = sorted({k for parts in tiers.values() for k in parts})
+    cmap = plt.get_cmap("tab20")
+    left = [0.0] * len(tiers)
+    for i, k in enumerate(kinds):
+        vals = [tiers[t].get(k, 0) / 1e9 for t in tiers]
+        b.barh(list(tiers), vals, left=left, label=k, color=cmap(i % 20))
+        left = [x + v for x, v in zip(left, vals)]
+    b.invert_yaxis()
+    b.set_xlabel("GB")
+    b.set_title("memory per tier")
+    b.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_chart(records: list[dict], path: str | Path, title: str) -> None:
+    """Loss and tokens/s per step, and the measured time split of each step (stacked)."""
+    plt = _pyplot()
+    steps = [r["step"] for r in records]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
+    a.plot(steps, [r["loss"] for r in records], color="tab:blue")
+    a.set_xlabel("step")
+    a.set_title("loss")
+    b.plot(steps, [r["tokens_per_s"] for r in records], color="tab:green")
+    b.set_xlabel("step")
+    b.set_title("tokens/s")
+    bottom = [0.0] * len(records)
+    for key in SPLIT:
+        if any(key in r for r in records):
+            vals = [r.get(key, 0.0) for r in records]
+            c.bar(steps, vals, bottom=bottom, label=key[:-2], width=1.0)
+            bottom = [x + v for x, v in zip(bottom, vals)]
+    rest = [max(0.0, r["step_s"] - s) for r, s in zip(records, bottom)]
+    c.bar(steps, rest, bottom=bottom, label="other", width=1.0, color="lightgray")
+    if any("pred_step_s" in r for r in records):
+        c.plot(steps, [r.get("pred_step_s", float("nan")) for r in records], "k--", label="predicted step")
+    c.set_xlabel("step")
+    c.set_title("time split (s)")
+    c.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
