@@ -156,3 +156,27 @@ def test_bad_checkpoints_are_refused_with_one_line(token_file, tmp_path):
     assert gone.returncode == 2 and "chunk exp_avg/1 is missing" in gone.stderr
     assert (out / "metrics.jsonl").read_text() == before  # nothing was overwritten
     assert _cli("run", "--resume", "latest").returncode == 2  # latest of what: --out is required
+
+
+def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp_path, monkeypatch):
+    import errno
+
+    real = ckpt._fsync_tree
+
+    def full(root):  # the disk fills up while step 4's checkpoint is written
+        if "step_4" in str(root):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(root)
+
+    monkeypatch.setattr(ckpt, "_fsync_tree", full)
+    out = tmp_path / "run"
+    cfg = tiny_config(token_file, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3")
+    with pytest.raises(ckpt.CheckpointError, match="the disk is full; the previous checkpoint is intact"):
+        _fit(cfg, out)
+    assert [p.name for p in ckpt.checkpoints(out)] == ["step_2"]
+    assert not list((out / "checkpoints").glob(".*"))  # the partial write is gone
+    ckpt.read_meta(out / "checkpoints" / "step_2")
+    monkeypatch.setattr(ckpt, "_fsync_tree", real)
+    _fit(tiny_config(token_file, "train.steps=6", "checkpoint.every=2"), out,
+         resume=ckpt.resolve("latest", out))
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 7))
