@@ -22,7 +22,10 @@ from statistics import median
 
 # tiertrain's two corners: fp32 master streamed and cast on the GPU with checkpoints on the host (the
 # least host DRAM traffic and GPU memory), and a host bf16 copy with checkpoints on the GPU
-TIERTRAIN = {"tiertrain": ("master", "host"), "tiertrain-copy": ("compute", "gpu")}
+TIERTRAIN = {"tiertrain": ("master", "host", 0.0), "tiertrain-copy": ("compute", "gpu", 0.0),
+             # the first units' whole state on the GPU (tiers.gpu_resident_gb): 11 GB keeps the GPU peak
+             # under a third of the all-in-GPU run's at 8k; 24 GB is half the model's state
+             "tiertrain-res11": ("master", "host", 11.0), "tiertrain-res24": ("master", "host", 24.0)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain", "tiertrain-copy", "gpu")
 
 
@@ -45,26 +48,30 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
             "host_peak_rss_gb": _peak_rss_gb(), **extra}
 
 
-def run_tiertrain(a, stream: str, activations: str) -> list[dict]:
+def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0) -> list[dict]:
     from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
     cfg = load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={max(a.batches)}",
                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
-                                 f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0"])
+                                 f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
+                                 f"tiers.gpu_resident_gb={resident_gb}"])
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
     S, V = cfg.train.seq_len, cfg.model.vocab_size
+    host_params = sum(lay.numel for u, lay in enumerate(tr.layouts) if tr.where[(u, "master")] != "gpu")
     rows = []
     for B in a.batches:
         recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
         med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
-        name = f"tiertrain ({'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt)"
+        name = f"tiertrain ({'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
+            (f", {resident_gb:g} GB resident)" if resident_gb else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
-                         params=cfg.model.n_params, losses=[r["loss"] for r in recs], **med))
+                         params=cfg.model.n_params, host_adam_params=host_params, losses=[r["loss"] for r in recs],
+                         **med))
     tr.close()
     return rows
 
@@ -221,7 +228,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
         if not r["system"].startswith("tiertrain"):
             continue
         rate = probe.get("host_adam_fp32_stream_params_per_s" if "fp32" in r["system"] else "host_adam_params_per_s")
-        adam = n / rate if rate else float("nan")
+        adam = r.get("host_adam_params", n) / rate if rate else float("nan")
         B = r["batch"]
         gpu = by.get(("all-in-GPU PyTorch", B))
         ds = by.get(("DeepSpeed ZeRO-3 offload CPU", B))

@@ -39,9 +39,12 @@ def _train(cfg):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["llama-resident"])
 def test_fp32_matches_pytorch(token_file, variant, device):
-    cfg = tiny_config(token_file, *VARIANTS[variant], f'train.device="{device}"')
+    """`llama-resident`: the first units' whole state on the device (tiers.gpu_resident_gb), updated
+    there (on a GPU, by the CUDA fused AdamW), the rest streamed: the same training."""
+    sets = VARIANTS.get(variant, ["tiers.gpu_resident_gb=0.004"])
+    cfg = tiny_config(token_file, *sets, f'train.device="{device}"')
     tr, init, recs = _train(cfg)
     losses, norms, ref = reference_train(cfg, init, device, autocast=False)
     assert len(recs) >= 10

@@ -28,7 +28,8 @@ from .plan.planner import Budgets, Plan, evaluate
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import RING_SLOTS, kind_bytes, least_host, place, place_within, spillable, spilled_bytes
+from .tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, resident_units, spillable,
+                              spilled_bytes)
 from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
@@ -81,7 +82,7 @@ class Trainer:
         self.plan = self._plan()
         self.where, self.tiers = self._place(pin), None
         self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
-                              where=self.where)
+                              where=self.where, device=self.device)
         if "nvme" in self.where.values():
             self.tiers = self._nvme_tier(pin, replace=resume is not None)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
@@ -112,7 +113,8 @@ class Trainer:
         hw = self.hardware()
         gpu_gb = hw.gpu_mem_gb
         p = evaluate(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, tc.micro_batch_size, t.stream,
-                     t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None)),
+                     t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
+                                            t.gpu_resident_gb),
                      hw, name="run")
         if not p.fits and p.why.startswith("GPU"):
             raise ConfigError(f"{p.why}: lower train.micro_batch_size, or set tiers.activations=\"host\"")
@@ -130,10 +132,19 @@ class Trainer:
         return kind_bytes(self.cfg.train.compute_dtype, self.cfg.tiers.stream)
 
     def _place(self, pin: bool) -> dict[tuple[int, str], str]:
+        """Resident units' slabs on the GPU; the rest under tiers.host_gb (_place_host)."""
+        t = self.cfg.tiers
+        numels, kb = [lay.numel for lay in self.layouts], self.kind_bytes()
+        resident = resident_units(numels, kb, t.gpu_resident_gb * 1e9)
+        where = self._place_host([0 if u in resident else n for u, n in enumerate(numels)], pin)
+        where.update({(u, k): "gpu" for u in resident for k in kb})
+        return where
+
+    def _place_host(self, numels: list[int], pin: bool) -> dict[tuple[int, str], str]:
         """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run.
         First everything in RAM; failing that, the spillable kinds on NVMe with the staging ring reserved."""
         t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
-        numels, kb = [lay.numel for lay in self.layouts], self.kind_bytes()
+        kb = self.kind_bytes()
         if not t.host_gb:
             return place(numels, kb, None)
         acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
@@ -205,8 +216,15 @@ class Trainer:
     def _slab(self, unit: int, kind: str, read: bool) -> Iterator[torch.Tensor]:
         """A unit's slab wherever it lives: the host's, or an NVMe one through a staging-ring buffer
         (read from the store first when `read`, written back after when not)."""
-        if self.where[(unit, kind)] == "host":
+        tier = self.where[(unit, kind)]
+        if tier == "host":
             yield self.host.slab(unit, kind)
+        elif tier == "gpu":  # a resident unit's: through a host copy
+            dev = self.host.slab(unit, kind)
+            flat = dev.cpu()  # its current contents: writers may fill only the tensors, not the padding
+            yield flat
+            if not read:
+                dev.copy_(flat)
         else:
             with self.tiers.borrowed(unit, kind, read) as buf:
                 yield buf

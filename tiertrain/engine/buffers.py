@@ -76,7 +76,8 @@ class DeviceBuffers:
             else:
                 buf.t[:n].copy_(src, non_blocking=True)
             self.ready[unit] = self.s.record(self.s.h2d)
-        self.h2d_bytes += src.numel() * src.element_size()
+        if not src.is_cuda:  # a resident unit's copy is device to device
+            self.h2d_bytes += src.numel() * src.element_size()
 
     def use(self, unit: int) -> torch.Tensor:
         """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
@@ -116,9 +117,11 @@ class DeviceBuffers:
         done = self.s.record(self.s.compute)
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
-            self.host.slab(unit, "grad").copy_(acc, non_blocking=True)
+            dst = self.host.slab(unit, "grad")
+            dst.copy_(acc, non_blocking=True)
             self._acc_at[unit].free = self.grad_ready[unit] = self.s.record(self.s.d2h)
-        self.d2h_bytes += acc.numel() * 4
+        if not dst.is_cuda:
+            self.d2h_bytes += acc.numel() * 4
         return norm
 
     def nbytes(self) -> int:

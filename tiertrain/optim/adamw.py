@@ -50,6 +50,7 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
 class HostAdamW:
     def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
+        self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
     def update_unit(self, unit: int, step: int, lr: float, clip: float) -> None:
@@ -57,6 +58,8 @@ class HostAdamW:
         if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.tiers.acquire(unit))
         master, grad, m, v, w = s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights")
+        if master.is_cuda:  # a resident unit: the same fused AdamW, on the GPU
+            return self._update_on_gpu(unit, step, lr, clip, s)
         b1, b2 = self.cfg.betas
         st = torch.tensor(float(step))
         # clipping inside the kernel (grad / (1/clip)) saves a pass over the gradient: host AdamW is
@@ -73,6 +76,26 @@ class HostAdamW:
                     w[c].copy_(master[c])
         if self.tiers is not None:
             self.tiers.release(unit)
+        self.host.version[unit] += 1
+
+    def _update_on_gpu(self, unit: int, step: int, lr: float, clip: float, s: dict) -> None:
+        """On a stream of the optimizer thread's own; it is synchronized before the unit counts as updated,
+        so the next load of its weights (another stream) reads the new values."""
+        dev = s["master"].device
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(dev)
+        b1, b2 = self.cfg.betas
+        with torch.cuda.stream(self.stream):
+            st = torch.tensor(float(step), device=dev)
+            scale = torch.tensor(1.0 / clip, device=dev) if clip < 1.0 else None
+            for a, b, decay in self.layouts[unit].ranges():
+                c = slice(a, b)
+                torch._fused_adamw_([s["master"][c]], [s["grad"][c]], [s["exp_avg"][c]], [s["exp_avg_sq"][c]], [],
+                                    [st], lr=lr, beta1=b1, beta2=b2, weight_decay=self.cfg.weight_decay if decay else 0.0,
+                                    eps=self.cfg.eps, amsgrad=False, maximize=False, grad_scale=scale)
+            if "weights" in s:
+                s["weights"].copy_(s["master"])
+        self.stream.synchronize()
         self.host.version[unit] += 1
 
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import kind_bytes, place_within
+from ..tiers.placement import kind_bytes, place_within, resident_units
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -29,6 +29,7 @@ class Budgets:
     host_gb: float | None = None  # None: the machine's RAM less the process
     gpu_gb: float | None = None  # None: the GPU's memory
     nvme_gb: float | None = None  # None: no NVMe tier; 0 is also none
+    resident_gb: float = 0.0  # GPU memory for the whole state of the first units (tiers.gpu_resident_gb)
 
 
 @dataclass
@@ -75,10 +76,13 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              budgets: Budgets, hw: HardwareSpec, name: str = "model") -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement)."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source)
-    numels = _layouts(spec)
+    all_numels = _layouts(spec)
     H, FF = spec.hidden_size, spec.intermediate_size
     T = batch * seq_len
     kb = kind_bytes(dtype, stream)
+    resident = resident_units(all_numels, kb, budgets.resident_gb * 1e9)
+    numels = [0 if u in resident else n for u, n in enumerate(all_numels)]  # what the host and its links carry
+    resident_bytes = sum(all_numels[u] for u in resident) * sum(kb.values())
 
     # ---- host and NVMe ----
     ck_bytes = spec.num_hidden_layers * T * H * 4
@@ -95,6 +99,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     if where is None:
         return p
     for (u, k), tier in where.items():
+        if u in resident:
+            continue
         size = numels[u] * kb[k]
         if tier == "host":
             p.host_bytes[k] = p.host_bytes.get(k, 0) + host_cost(size)
@@ -109,9 +115,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
 
     # ---- GPU ----
     wdt = 2 if dtype == "bfloat16" else 4
-    blk, own = max(numels[1:-1]), numels[0] + numels[-1]
-    p.gpu = {"weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
-             "fp32 staging": max(numels) * 4 if (stream == "master" and wdt == 2) else 0,
+    blk, own = max(all_numels[1:-1]), all_numels[0] + all_numels[-1]
+    p.gpu = {"resident units' state": resident_bytes, "weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
+             "fp32 staging": max(all_numels) * 4 if (stream == "master" and wdt == 2) else 0,
              "grad accumulators": (2 * blk + own) * 4,
              "checkpoints": ck_bytes if activations == "gpu" else min(2, spec.num_hidden_layers) * T * H * 4,
              "activation grads": T * H * 4,

@@ -9,7 +9,7 @@ FP32_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
 class HostStore:
-    """Holds every kind of every unit in host memory.
+    """Holds every kind of every unit in host memory (or, for resident units, in GPU memory).
 
     `weights`, the compute-dtype copy streamed to the GPU, exists when `compute_copy` is set and the
     compute dtype is not fp32; otherwise the fp32 master streams (and is cast on the GPU). `version[u]`
@@ -17,7 +17,7 @@ class HostStore:
     """
 
     def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool, compute_copy: bool = True,
-                 where: dict[tuple[int, str], str] | None = None):
+                 where: dict[tuple[int, str], str] | None = None, device: torch.device | None = None):
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.pin = pin
@@ -25,9 +25,11 @@ class HostStore:
         copy = compute_copy and compute_dtype != torch.float32
         self.kinds = FP32_KINDS + (("weights",) if copy else ())
         self.slabs: list[dict[str, torch.Tensor]] = []
-        for u, lay in enumerate(layouts):  # slabs placed on another tier get no host memory
-            self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) for k in self.kinds
-                               if (where or {}).get((u, k), "host") == "host"})
+        for u, lay in enumerate(layouts):  # slabs placed on NVMe get no memory here; "gpu" ones live there
+            tiers = {k: (where or {}).get((u, k), "host") for k in self.kinds}
+            self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) if t == "host" else
+                               torch.zeros(lay.numel, dtype=self.dtype(k), device=device)
+                               for k, t in tiers.items() if t in ("host", "gpu")})
 
     def dtype(self, kind: str) -> torch.dtype:
         return self.compute_dtype if kind == "weights" else torch.float32
@@ -51,6 +53,7 @@ class HostStore:
     def nbytes(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for slabs in self.slabs:
-            for k, t in slabs.items():  # spilled slabs are absent
-                out[k] = out.get(k, 0) + t.numel() * t.element_size()
+            for k, t in slabs.items():  # spilled slabs are absent, resident ones are the GPU's
+                if not t.is_cuda:
+                    out[k] = out.get(k, 0) + t.numel() * t.element_size()
         return out

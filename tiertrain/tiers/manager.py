@@ -28,7 +28,7 @@ class TierManager:
                         for u in range(len(store.numels))}
         kinds = sorted({k for ks in self.spilled.values() for k in ks})
         slots = depth + 2  # read ahead, in use, writing back
-        width = store.width
+        width = max(store.numels[u] for u, ks in self.spilled.items() if ks)  # the widest spilled slab
         self.free = {k: deque(alloc_slab(width, dtypes[k], pin) for _ in range(slots)) for k in kinds}
         self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}

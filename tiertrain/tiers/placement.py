@@ -22,6 +22,19 @@ def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
     return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
 
 
+def resident_units(numels: list[int], kb: dict[str, int], gpu_bytes: float) -> list[int]:
+    """Units whose whole state lives on the GPU (`tiers.gpu_resident_gb`): the first units, in forward
+    order, whose slabs of every kind fit `gpu_bytes`. Their update runs on the GPU; the host optimizer
+    starts with the first streamed unit, which leaves it the most of the next forward pass to hide in."""
+    out, used = [], 0
+    for u, n in enumerate(numels):
+        used += n * sum(kb.values())
+        if used > gpu_bytes:
+            break
+        out.append(u)
+    return out
+
+
 def spillable(kb: dict[str, int]) -> tuple[str, ...]:
     """The kinds this runtime keeps on NVMe, in policy order: those only the optimizer touches. That is
     the Adam moments, and the fp32 master when a compute-dtype copy is what streams to the GPU (it is
