@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine (after the setup lines of ../shared/device/README.md): `start` launches the GPU tests
-# and the NVMe benchmark detached (a device command lasts at most 10 minutes, the job longer);
+# and a benchmark (BENCH_CMD, default the NVMe one) detached (a device command lasts at most 10 minutes, the job longer);
 # `wait N` follows it for up to N seconds, then copies what it wrote into $OUT.
 dest=/tmp/tt
 case "$1" in
 start)
   mkdir -p "$dest"
   setsid nohup bash -c "python3 -m pytest -m gpu -q -p no:cacheprovider > $dest/gpu-tests.log 2>&1;
-    python3 -m bench.nvme --nvme-dir /tmp/nvme --out $dest/bench ${BENCH_ARGS:-} > $dest/bench.log 2>&1;
+    ${BENCH_CMD:-python3 -m bench.nvme --nvme-dir /tmp/nvme} --out $dest/bench > $dest/bench.log 2>&1;
     echo done > $dest/done" > /dev/null 2>&1 < /dev/null &
   ;;
 wait)
