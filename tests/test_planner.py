@@ -117,3 +117,23 @@ def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path):
     assert hw.host_adam_params_per_s > 0 and hw.host_adam_copy_params_per_s > 0
     assert "GPU memory, PCIe and matmul rates are the reference" in r.stdout or hw.gpu_mem_gb != REFERENCE.gpu_mem_gb
     assert not list(tmp_path.glob(".tiertrain-probe-*"))  # the probe's file is gone
+
+
+def test_resident_units_move_their_update_to_the_gpu():
+    """24 GB of resident state at 16 B/param (fp32 streaming: master, two moments, grad) is the first
+    units of llama-3b up to 1.5 G params: their bytes leave the host's AdamW and the PCIe links and
+    join the GPU's memory, and the runtime's placement picks the same units."""
+    from tiertrain.plan.planner import _layouts
+    from tiertrain.tiers.placement import kind_bytes, resident_units
+
+    spec = load_config("llama-3b").model
+    numels = _layouts(spec)
+    res = resident_units(numels, kind_bytes("bfloat16", "master"), 24e9)
+    r = sum(numels[u] for u in res)
+    assert res == list(range(len(res))) and r * 16 <= 24e9 < (r + numels[len(res)]) * 16
+    a = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), REFERENCE)
+    b = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(resident_gb=24), REFERENCE)
+    assert b.gpu["resident units' state"] == r * 16 and a.gpu["resident units' state"] == 0
+    assert b.times["host AdamW"] == pytest.approx(a.times["host AdamW"] * (sum(numels) - r) / sum(numels))
+    assert b.times["D2H"] < a.times["D2H"] and b.step_s < a.step_s
+    assert sum(b.host_bytes.values()) < sum(a.host_bytes.values())
