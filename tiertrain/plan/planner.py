@@ -183,6 +183,12 @@ def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> lis
         need = p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9 - p.host_fixed.get("staging ring", 0) / 1e9
         tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
                       "(NVMe traffic gone)", replace(budgets, host_gb=need)))
+    gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE
+    spare = gpu_budget - p.gpu_total / 1e9
+    if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
+        gb = int(budgets.resident_gb + spare * 0.9)
+        tries.append((f"tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free)",
+                      replace(budgets, resident_gb=gb)))
     tries.append(("twice the batch (tokens per step)", None))
     out = []
     for text, b in tries:
