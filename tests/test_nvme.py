@@ -86,6 +86,29 @@ def test_spilled_master_is_bit_identical(token_file, tmp_path):
         assert torch.equal(sd[k], want_sd[k]), k
 
 
+@pytest.mark.parametrize("io", ["posix", pytest.param("kvikio", marks=pytest.mark.gpu)])
+def test_spilled_gradients_are_bit_identical(token_file, tmp_path, io):
+    """Moments and gradients on NVMe, the master in RAM: the backward pass drains each spilled
+    gradient through the staging ring to disk, and the optimizer reads it back after that write."""
+    dev = "cuda" if io == "kvikio" else "cpu"
+    sets = [*DEEP, "train.steps=3", f'train.device="{dev}"']
+    base = tiny_config(token_file, *sets)
+    tr = Trainer(base)
+    sizes = [lay.numel for lay in tr.layouts]
+    tr.close()
+    gb = (sum(host_cost(n * 4) for n in sizes) + RING_SLOTS * 3 * max(sizes) * 4 + 1000) / 1e9  # master + ring
+    spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
+    _, want, want_sd = _train(base, steps=3)
+    tr, got, sd = _train(spill, steps=3)
+    grads = [u for (u, k), t in tr.where.items() if k == "grad" and t == "nvme"]
+    assert {k for (_, k), t in tr.where.items() if t == "nvme"} == {"exp_avg", "exp_avg_sq", "grad"}
+    assert len(grads) == len(sizes)  # unit 0's too: the optimizer's first read must wait for the backward pass
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
+    for k in want_sd:
+        assert torch.equal(sd[k], want_sd[k]), k
+
+
 def test_placement_policy_by_hand():
     numels, kb = [10, 20, 30], {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, "weights": 2}
     assert set(place(numels, kb, None).values()) == {"host"}
@@ -111,7 +134,7 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     with pytest.raises(ConfigError, match=r"raise --host-gb to [0-9.]+, or pass --nvme-dir .*--host-gb [0-9.]+ is the least"):
         Trainer(cfg)
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001", f'tiers.nvme_dir="{tmp_path}"')
-    with pytest.raises(ConfigError, match="below what this version can run with the Adam moments on NVMe: raise "
+    with pytest.raises(ConfigError, match="below what this version can run with the Adam moments, and the gradients on NVMe: raise "
                                           '--host-gb to at least [0-9.]+, or set tiers.stream="compute"'):
         Trainer(cfg)
     gb = _budget_for(tiny_config(token_file, *DEEP))

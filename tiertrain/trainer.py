@@ -97,7 +97,7 @@ class Trainer:
         self.streams = Streams(self.device)
         self.clock = StallClock(self.streams)
         self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
-                                     host_ready=self.optim.wait)
+                                     host_ready=self.optim.wait, grad_sink=self._grad_sink)
         self.checkpoints = Checkpoints(cfg.tiers.activations, self.streams, self.clock, self.device, pin)
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
@@ -153,7 +153,7 @@ class Trainer:
         if where is not None and not ring:
             return where
         least = least_host(numels, kb, acts, host_cost) / 1e9
-        what = "the Adam moments" + (" and the fp32 master" if "master" in spillable(kb) else "")
+        what = "the Adam moments, " + ("the fp32 master " if "master" in spillable(kb) else "") + "and the gradients"
         if not t.nvme_dir:
             raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
                               f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
@@ -228,6 +228,11 @@ class Trainer:
         else:
             with self.tiers.borrowed(unit, kind, read) as buf:
                 yield buf
+
+    def _grad_sink(self, unit: int):
+        if self.where[(unit, "grad")] == "nvme":
+            return self.tiers.sink(unit, "grad")
+        return self.host.slab(unit, "grad"), None
 
     def _quiesce(self) -> None:
         """The update in flight lands, and the NVMe write-backs with it: the state is one step's."""

@@ -29,9 +29,13 @@ class _Buf:
 
 class DeviceBuffers:
     def __init__(self, layouts: list[SlabLayout], host: HostStore, device: torch.device, dtype: torch.dtype,
-                 streams: Streams, clock: StallClock, host_ready: Callable[[int], None] = lambda u: None):
+                 streams: Streams, clock: StallClock, host_ready: Callable[[int], None] = lambda u: None,
+                 grad_sink: Callable[[int], tuple[torch.Tensor, Callable | None]] | None = None):
+        """`grad_sink(unit)`: where a unit's gradient goes and what to call with the copy's event (a
+        spilled gradient: a staging buffer, then the disk); default its host slab."""
         self.layouts, self.host, self.dtype, self.s, self.clock = layouts, host, dtype, streams, clock
         self.host_ready = host_ready
+        self.grad_sink = grad_sink or (lambda u: (host.slab(u, "grad"), None))
         last = len(layouts) - 1
         self.own = (0, last)
         blk = max((lay.numel for i, lay in enumerate(layouts) if i not in self.own), default=0)
@@ -115,11 +119,13 @@ class DeviceBuffers:
         acc = self.acc(unit)
         norm = torch.linalg.vector_norm(acc)
         done = self.s.record(self.s.compute)
+        dst, landed = self.grad_sink(unit)
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
-            dst = self.host.slab(unit, "grad")
             dst.copy_(acc, non_blocking=True)
             self._acc_at[unit].free = self.grad_ready[unit] = self.s.record(self.s.d2h)
+        if landed is not None:
+            landed(self.grad_ready[unit])
         if not dst.is_cuda:
             self.d2h_bytes += acc.numel() * 4
         return norm

@@ -4,13 +4,17 @@ writes them back behind it. Knows slabs and the order they are needed in, nothin
 The optimizer walks units 0..L-1; `start(order)` reads the first `depth` units' spilled slabs,
 `acquire(u)` waits for unit u's and reads one unit further ahead, `release(u)` writes u's back. A
 ring slot is reused only once its write-back has landed, so at most `slots` buffers per kind exist.
+
+Spilled gradients go the other way first: the backward pass drains unit u's gradient into a ring
+buffer (`sink`), which is written to the store once its copy has landed; the optimizer reads it back
+after that write, and nothing writes it back after the update (the next backward pass overwrites it).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -34,6 +38,8 @@ class TierManager:
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
         self._lock = threading.Lock()
+        self.written: dict[int, Future] = {}  # unit -> the write of its gradient drained this pass
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-grad-out")
         self.read_bytes = 0  # totals, and those of the last whole pass (start to start)
         self.write_bytes = 0
         self.last_pass = (0, 0)
@@ -65,15 +71,39 @@ class TierManager:
         return self.free[kind].popleft()
 
     def _fetch(self, unit: int) -> None:
-        if unit in self.loaded or not self.spilled.get(unit):
-            return
+        """Reads the unit's spilled slabs not yet read; a gradient only once this pass has written it."""
+        got = self.loaded.setdefault(unit, {})
         n = self.store.numels[unit]
-        got = {}
-        for k in self.spilled[unit]:
+        for k in self.spilled.get(unit, []):
+            if k in got:
+                continue
+            if k == "grad":
+                w = self.written.pop(unit, None)
+                if w is None:  # not drained yet: the optimizer's acquire reads it
+                    continue
+                w.result()
             buf = self._slot(k)
             got[k] = (self._timed(self.store.read(unit, k, buf[:n])), buf)
             self.read_bytes += n * buf.element_size()
-        self.loaded[unit] = got
+
+    def sink(self, unit: int, kind: str):
+        """(buffer, done): a ring buffer for the unit's slab to be filled on a device stream; `done(event)`
+        writes it to the store once the event has happened (None: already)."""
+        whole = self._slot(kind)
+        view = whole[:self.store.numels[unit]]
+
+        def done(event) -> None:
+            def job() -> None:
+                if event is not None:
+                    event.synchronize()
+                self.store.write(unit, kind, view).result()
+
+            fut = self._timed(self._writer.submit(job))
+            self.busy[kind].append((fut, whole))
+            self.written[unit] = fut
+            self.write_bytes += view.numel() * view.element_size()
+
+        return view, done
 
     def start(self, order: list[int]) -> None:
         """A new pass in `order`: the last pass's write-backs land first, then reading ahead begins."""
@@ -106,6 +136,9 @@ class TierManager:
         """Writes the unit's spilled slabs back; their buffers return to the ring once written."""
         n = self.store.numels[unit]
         for k, (_, buf) in self.loaded.pop(unit, {}).items():
+            if k == "grad":  # consumed: the next backward pass writes a new one
+                self.free[k].append(buf)
+                continue
             self.busy[k].append((self._timed(self.store.write(unit, k, buf[:n])), buf))
             self.write_bytes += n * buf.element_size()
 

@@ -5,8 +5,8 @@ and written once per step, by the optimizer only), then the fp32 master (read an
 optimizer, and read twice more when it is what streams), then gradients (written by the D2H, read by
 the optimizer), the compute-dtype copy last (read for the forward and the backward pass). Within a
 kind, units spill from the last to the first: the optimizer reaches them last, which leaves the most
-time to read them ahead. This runtime spills what only the optimizer touches (`spillable`): the
-moments, and the master when a compute-dtype copy streams; gradients and streamed weights stay in RAM.
+time to read them ahead. This runtime spills all but the weights that stream (`spillable`): the
+moments, the master when a compute-dtype copy streams, then the gradients.
 Pure Python: the planner uses it too.
 """
 from __future__ import annotations
@@ -36,10 +36,11 @@ def resident_units(numels: list[int], kb: dict[str, int], gpu_bytes: float) -> l
 
 
 def spillable(kb: dict[str, int]) -> tuple[str, ...]:
-    """The kinds this runtime keeps on NVMe, in policy order: those only the optimizer touches. That is
-    the Adam moments, and the fp32 master when a compute-dtype copy is what streams to the GPU (it is
-    then read and written once per step, like a moment). Gradients and the streamed weights stay in RAM."""
-    return tuple(k for k in SPILL_ORDER if k in ("exp_avg", "exp_avg_sq") or (k == "master" and "weights" in kb))
+    """The kinds this runtime keeps on NVMe, in policy order: the Adam moments; the fp32 master when a
+    compute-dtype copy is what streams to the GPU (then only the optimizer reads and writes it); the
+    gradients (written once by the backward pass, read once by the optimizer: the disk joins the
+    backward pass). The weights that stream stay in RAM: both passes read them."""
+    return tuple(k for k in SPILL_ORDER if k in ("exp_avg", "exp_avg_sq", "grad") or (k == "master" and "weights" in kb))
 
 
 def ring_bytes(numels: list[int], n_kinds: int, cost) -> int:
@@ -56,7 +57,7 @@ def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixe
     if total <= host_budget:
         return place(numels, kb, None), 0, total
     kinds = spillable(kb)
-    for n in sorted({2, len(kinds)}):
+    for n in sorted({2, len(kinds) - 1, len(kinds)}):
         ring = ring_bytes(numels, n, cost)
         try:
             return place(numels, kb, host_budget - fixed - ring, cost, kinds[:n]), ring, total
