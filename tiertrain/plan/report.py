@@ -36,7 +36,8 @@ def to_markdown(p: Plan) -> str:
     out += [f"| **total** | **{_gb(p.host_total)}** | **{_gb(sum(p.nvme_bytes.values()))}** | |", "",
             "Spill order when the host budget is short: Adam moments (touched once per step, by the "
             "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
-            "optimizer's only); gradients and the streamed weights stay in RAM. Host slabs take whole pages.", "",
+            "optimizer's only), then gradients (written during the backward pass); the weights that stream "
+            "stay in RAM. Host slabs take whole pages.", "",
             "| GPU | bytes |", "| --- | --- |"]
     out += [f"| {k} | {_gb(v)} |" for k, v in p.gpu.items()] + [f"| **total** | **{_gb(p.gpu_total)}** |", ""]
     out += ["## Time per step (predicted)", "", "| link | seconds |", "| --- | --- |"]
