@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -271,12 +272,15 @@ class Trainer:
                                        "differ); resume with the run's own config, or start a new run")
         self._quiesce()
         t0 = time.perf_counter()
-        for u in range(len(self.units)):
-            for kind in ckpt.KINDS:
-                with self._slab(u, kind, read=False) as flat:
-                    ckpt.load(path, kind, u, flat)
-                    if kind == "master":
-                        self.host.updated(u, flat)
+        def load(key: tuple[int, str]) -> None:
+            u, kind = key
+            with self._slab(u, kind, read=False) as flat:
+                ckpt.load(path, kind, u, flat)
+                if kind == "master":
+                    self.host.updated(u, flat)
+
+        with ThreadPoolExecutor(4, thread_name_prefix="tiertrain-restore") as pool:  # as many as save writes
+            list(pool.map(load, [(u, k) for u in range(len(self.units)) for k in ckpt.KINDS]))
         self.step = meta["step"]
         self.optim.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
