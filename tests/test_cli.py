@@ -86,3 +86,9 @@ def test_report_summarizes_and_plots(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     bad = cli("report", str(tmp_path / "nothing"))
     assert bad.returncode == 2 and "holds no metrics.jsonl" in bad.stderr
+
+
+def test_probe_refuses_a_missing_disk_directory(tmp_path):
+    r = cli("probe", "--nvme-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "hw.json"))
+    assert r.returncode == 2 and "is not a writable directory" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "hw.json").exists()

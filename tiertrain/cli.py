@@ -194,8 +194,13 @@ def probe(out: str | None, nvme_dir: str | None) -> None:
     """Measure this machine for the planner, with the runtime's own code paths."""
     from .plan.probe import probe_spec
 
+    import os
+
     target = Path(out) if out else Path.home() / ".cache" / "tiertrain" / "hardware.json"
     try:
+        if nvme_dir and not (Path(nvme_dir).is_dir() and os.access(nvme_dir, os.W_OK)):
+            raise UserError(f"--nvme-dir {nvme_dir} is not a writable directory; create it, or pass the "
+                            "directory the NVMe tier will use")
         spec, notes = probe_spec(nvme_dir)
     except UserError as e:
         _fail(e)
