@@ -8,6 +8,7 @@ copy) so that each chunk is still in cache for the next pass over it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -54,48 +55,37 @@ class HostAdamW:
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
     def update_unit(self, unit: int, step: int, lr: float, clip: float) -> None:
+        """One unit's update, where its slabs are: the host (a chunk at a time, so each chunk is still in
+        cache for the rounding into the bf16 copy) or, for a resident unit, the GPU (whole ranges, on a
+        stream of this thread's own, synchronized before the unit counts as updated: the next load of its
+        weights runs on another stream)."""
         s = dict(self.host.slabs[unit])
         if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.tiers.acquire(unit))
         master, grad, m, v, w = s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights")
-        if master.is_cuda:  # a resident unit: the same fused AdamW, on the GPU
-            return self._update_on_gpu(unit, step, lr, clip, s)
-        b1, b2 = self.cfg.betas
-        st = torch.tensor(float(step))
-        # clipping inside the kernel (grad / (1/clip)) saves a pass over the gradient: host AdamW is
-        # bound by DRAM bandwidth. It differs from clip_grad_norm_'s multiply by at most an ulp.
-        scale = torch.tensor(1.0 / clip) if clip < 1.0 else None
-        for a, b, decay in self.layouts[unit].ranges():
-            wd = self.cfg.weight_decay if decay else 0.0
-            for c0 in range(a, b, CHUNK):
-                c = slice(c0, min(c0 + CHUNK, b))
-                torch._fused_adamw_([master[c]], [grad[c]], [m[c]], [v[c]], [], [st], lr=lr, beta1=b1, beta2=b2,
-                                    weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
-                                    grad_scale=scale)
-                if w is not None:
-                    w[c].copy_(master[c])
-        if self.tiers is not None:
-            self.tiers.release(unit)
-        self.host.version[unit] += 1
-
-    def _update_on_gpu(self, unit: int, step: int, lr: float, clip: float, s: dict) -> None:
-        """On a stream of the optimizer thread's own; it is synchronized before the unit counts as updated,
-        so the next load of its weights (another stream) reads the new values."""
-        dev = s["master"].device
-        if self.stream is None:
+        dev, on_gpu = master.device, master.is_cuda
+        if on_gpu and self.stream is None:
             self.stream = torch.cuda.Stream(dev)
         b1, b2 = self.cfg.betas
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream) if on_gpu else contextlib.nullcontext():
             st = torch.tensor(float(step), device=dev)
+            # clipping inside the kernel (grad / (1/clip)) saves a pass over the gradient: host AdamW is
+            # bound by DRAM bandwidth. It differs from clip_grad_norm_'s multiply by at most an ulp.
             scale = torch.tensor(1.0 / clip, device=dev) if clip < 1.0 else None
             for a, b, decay in self.layouts[unit].ranges():
-                c = slice(a, b)
-                torch._fused_adamw_([s["master"][c]], [s["grad"][c]], [s["exp_avg"][c]], [s["exp_avg_sq"][c]], [],
-                                    [st], lr=lr, beta1=b1, beta2=b2, weight_decay=self.cfg.weight_decay if decay else 0.0,
-                                    eps=self.cfg.eps, amsgrad=False, maximize=False, grad_scale=scale)
-            if "weights" in s:
-                s["weights"].copy_(s["master"])
-        self.stream.synchronize()
+                wd = self.cfg.weight_decay if decay else 0.0
+                step_by = b - a if on_gpu else CHUNK
+                for c0 in range(a, b, step_by):
+                    c = slice(c0, min(c0 + step_by, b))
+                    torch._fused_adamw_([master[c]], [grad[c]], [m[c]], [v[c]], [], [st], lr=lr, beta1=b1,
+                                        beta2=b2, weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
+                                        grad_scale=scale)
+                    if w is not None:
+                        w[c].copy_(master[c])
+        if on_gpu:
+            self.stream.synchronize()
+        if self.tiers is not None:
+            self.tiers.release(unit)
         self.host.version[unit] += 1
 
 
