@@ -59,16 +59,29 @@ def _direct(t: torch.Tensor) -> bool:
     return t.data_ptr() % PAGE == 0 and (t.numel() * t.element_size()) % PAGE == 0
 
 
+def _chunk(root: Path, kind: str, unit: int) -> Path:
+    return Path(root) / kind / str(unit) / "c" / "0"
+
+
+def _body(file: Path, t: torch.Tensor, write: bool) -> None:
+    """Moves the slab's bytes to or from the start of the chunk file: direct I/O when `t` is page-aligned."""
+    if _direct(t):
+        (_io().write if write else _io().read)(file, t).result()
+        return
+    with open(file, "r+b" if write else "rb") as f:
+        data = t.view(torch.uint8).numpy().data
+        if write:
+            f.write(data)
+        else:
+            f.readinto(data)
+
+
 def _write_chunk(file: Path, t: torch.Tensor) -> None:
     n = t.numel() * t.element_size()
     file.parent.mkdir(parents=True, exist_ok=True)
     with open(file, "wb") as f:
         f.truncate(n + 4)
-    if _direct(t):
-        _io().write(file, t).result()
-    else:
-        with open(file, "r+b") as f:
-            f.write(t.view(torch.uint8).numpy().data)
+    _body(file, t, write=True)
     with open(file, "r+b") as f:
         f.seek(n)
         f.write(np.array([_crc(t)], dtype="<u4").tobytes())
@@ -152,7 +165,7 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
 
         def write(key: tuple[int, str]) -> None:
             with source(*key) as t:
-                _write_chunk(tmp / key[1] / str(key[0]) / "c" / "0", t)
+                _write_chunk(_chunk(tmp, key[1], key[0]), t)
 
         with ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
             list(pool.map(write, sorted(arrays)))
@@ -189,7 +202,7 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a tiertrain checkpoint (format {meta.get('format')!r})")
     for kind in meta["kinds"]:
         for u in range(len(meta["numels"])):
-            if not (path / kind / str(u) / "c" / "0").is_file():
+            if not _chunk(path, kind, u).is_file():
                 raise CheckpointError(f"{path} is corrupt: chunk {kind}/{u} is missing; resume from another "
                                       "checkpoint")
     return meta
@@ -197,22 +210,30 @@ def read_meta(path: Path) -> dict:
 
 def load(path: Path, kind: str, unit: int, out: torch.Tensor) -> None:
     """Reads one slab into `out` (contiguous, fp32), its checksum verified."""
-    file = Path(path) / kind / str(unit) / "c" / "0"
+    file = _chunk(path, kind, unit)
     n = out.numel() * out.element_size()
     if file.stat().st_size != n + 4:
         raise CheckpointError(f"{path} is corrupt: {kind}/{unit} holds {file.stat().st_size - 4} bytes, the model "
                               f"needs {n}; resume from another checkpoint")
-    if _direct(out):
-        _io().read(file, out).result()
-    else:
-        with open(file, "rb") as f:
-            f.readinto(out.view(torch.uint8).numpy().data)
+    _body(file, out, write=False)
     with open(file, "rb") as f:
         f.seek(n)
         stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
-    if stored != _crc(out):
+    computed = _crc(out)
+    if stored != computed:
         raise CheckpointError(f"{path} is corrupt: {kind}/{unit} fails its checksum (stored {stored:#010x}, "
-                              f"computed {_crc(out):#010x}); resume from another checkpoint")
+                              f"computed {computed:#010x}); resume from another checkpoint")
+
+
+def load_all(path: Path, numels: list[int], target: Source, threads: int = 4) -> None:
+    """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving the slab to
+    fill), `threads` at a time, as save writes them."""
+    def one(key: tuple[int, str]) -> None:
+        with target(*key) as flat:
+            load(path, key[1], key[0], flat)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+        list(pool.map(one, [(u, k) for u in range(len(numels)) for k in KINDS]))
 
 
 def prune(run_dir: Path, keep: int) -> None:

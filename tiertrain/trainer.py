@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -272,15 +271,14 @@ class Trainer:
                                        "differ); resume with the run's own config, or start a new run")
         self._quiesce()
         t0 = time.perf_counter()
-        def load(key: tuple[int, str]) -> None:
-            u, kind = key
+        @contextmanager
+        def fill(u: int, kind: str) -> Iterator[torch.Tensor]:
             with self._slab(u, kind, read=False) as flat:
-                ckpt.load(path, kind, u, flat)
+                yield flat
                 if kind == "master":
                     self.host.updated(u, flat)
 
-        with ThreadPoolExecutor(4, thread_name_prefix="tiertrain-restore") as pool:  # as many as save writes
-            list(pool.map(load, [(u, k) for u in range(len(self.units)) for k in ckpt.KINDS]))
+        ckpt.load_all(path, numels, fill)
         self.step = meta["step"]
         self.optim.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
