@@ -117,8 +117,7 @@ def run_checkpoint(a) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    tr = Trainer(_cfg(a.config, 4, a.micro, host_gb, str(Path(a.nvme_dir) / "ck"), "master"),
-                 run_name="ck", resume=path)
+    tr = Trainer(cfg, run_name="ck", resume=path)
     resume_s = time.perf_counter() - t0
     got = _steps(tr, 4, 1, seed0=2)[0]["loss"]
     tr.close()
