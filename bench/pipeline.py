@@ -20,13 +20,16 @@ import time
 from pathlib import Path
 from statistics import median
 
-# tiertrain's two corners: fp32 master streamed and cast on the GPU with checkpoints on the host (the
-# least host DRAM traffic and GPU memory), and a host bf16 copy with checkpoints on the GPU
-TIERTRAIN = {"tiertrain": ("master", "host", 0.0), "tiertrain-copy": ("compute", "gpu", 0.0),
-             # the first units' whole state on the GPU (tiers.gpu_resident_gb): 11 GB keeps the GPU peak
-             # under a third of the all-in-GPU run's at 8k; 24 GB is half the model's state
-             "tiertrain-res11": ("master", "host", 11.0), "tiertrain-res24": ("master", "host", 24.0)}
-SYSTEMS = ("probe", "deepspeed", "tiertrain", "tiertrain-copy", "gpu")
+# (stream, activation checkpoints, tiers.gpu_resident_gb, tiers.gpu_update_units). tiertrain: fp32 master
+# streamed and cast on the GPU, checkpoints on the host (the least host DRAM traffic and GPU memory),
+# as many units updated on the GPU as the plan finds best for the batch (-1: a process per batch size,
+# each planned for its own). tiertrain-host-adam: every update by the host AdamW. tiertrain-copy: a host
+# bf16 copy streamed, checkpoints on the GPU. res11 / res24: the first units' whole state on the GPU
+# (11 GB keeps the GPU peak under a third of the all-in-GPU run's at 8k; 24 GB is half the state).
+TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1), "tiertrain-host-adam": ("master", "host", 0.0, 0),
+             "tiertrain-copy": ("compute", "gpu", 0.0, 0),
+             "tiertrain-res11": ("master", "host", 11.0, 0), "tiertrain-res24": ("master", "host", 24.0, 0)}
+SYSTEMS = ("probe", "deepspeed", "tiertrain", "tiertrain-host-adam", "gpu")
 
 
 def _batch(B: int, S: int, V: int, seed: int):
@@ -48,29 +51,32 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
             "host_peak_rss_gb": _peak_rss_gb(), **extra}
 
 
-def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0) -> list[dict]:
+def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0) -> list[dict]:
     from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
     cfg = load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={max(a.batches)}",
                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
                                  f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
-                                 f"tiers.gpu_resident_gb={resident_gb}"])
+                                 f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}"])
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
     S, V = cfg.train.seq_len, cfg.model.vocab_size
-    host_params = sum(lay.numel for u, lay in enumerate(tr.layouts) if tr.where[(u, "master")] != "gpu")
+    host_params = sum(lay.numel for u, lay in enumerate(tr.layouts)
+                      if tr.where[(u, "master")] != "gpu" and u not in tr.deferred)
     rows = []
     for B in a.batches:
         recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
         med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
         name = f"tiertrain ({'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
-            (f", {resident_gb:g} GB resident)" if resident_gb else ")")
+            (f", {resident_gb:g} GB resident" if resident_gb else "") + \
+            (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
                          params=cfg.model.n_params, host_adam_params=host_params, losses=[r["loss"] for r in recs],
+                         gpu_updates=len(tr.deferred), pred_step_s=tr.plan.step_s if tr.plan else None,
                          **med))
     tr.close()
     return rows
@@ -220,9 +226,11 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
               "update can only overlap the next forward pass.", "",
-              "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | fwd s | bwd s | H2D s | D2H s | AdamW s "
-              "| floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s |",
-              "| --- | " + "--- | " * 14]
+              "AdamW s counts the parameters the host updates (not those of units updated on the GPU, "
+              "'GPU upd.'); their state's bytes are in H2D and D2H.", "",
+              "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | GPU upd. | fwd s | bwd s | H2D s | D2H s "
+              "| AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s |",
+              "| --- | " + "--- | " * 16]
     by = {(r["system"], r["batch"]): r for r in rows}
     for r in sorted(rows, key=lambda r: (r["system"], r["batch"])):
         if not r["system"].startswith("tiertrain"):
@@ -238,10 +246,11 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
         floor = max(comp, h2d, d2h, adam)
         sched = r["backward_s"] + max(r["forward_s"], adam)
         ratio = lambda o: f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x" if o else "n/a"
-        lines.append(f"| {r['system']} | {B} | {r['step_s']:.3f} | {ratio(gpu)} | {ratio(ds)} | {r['forward_s']:.3f} | "
-                     f"{r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {adam:.3f} | {floor:.3f} | "
+        pred = f"{r['pred_step_s']:.3f}" if r.get("pred_step_s") else "n/a"
+        lines.append(f"| {r['system']} | {B} | {r['step_s']:.3f} | {ratio(gpu)} | {ratio(ds)} | {r.get('gpu_updates', 0)} | "
+                     f"{r['forward_s']:.3f} | {r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {adam:.3f} | {floor:.3f} | "
                      f"{r['step_s'] / floor:.2f} | {sched:.3f} | {r['step_s'] / sched:.2f} | "
-                     f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} |")
+                     f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} | {pred} |")
     mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
            f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
            for r in sorted(rows, key=lambda r: (r["system"], r["batch"]))
@@ -249,6 +258,30 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
     if mem:
         lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
     return "\n".join(lines) + "\n"
+
+
+def _run_worker(a, system: str, batches: list[int], out: Path, errors: dict[str, str]):
+    """One worker process; its JSON output, or None (the reason in `errors`)."""
+    tag = system + ("" if batches == a.batches else f"-{batches[0]}")
+    js = out / f".{tag}.json"
+    cmd = [sys.executable, "-m", "bench.pipeline", "--worker", system, "--json", str(js), "--config", a.config,
+           "--batches", *map(str, batches), "--micro", str(a.micro), "--warmup", str(a.warmup),
+           "--steps", str(a.steps)]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+        ok = r.returncode == 0 and js.exists()
+        log = r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        ok, log = False, f"timed out after {a.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    (out / f".{tag}.log").write_text(log if isinstance(log, str) else str(log))
+    print(f"{tag}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if not ok:
+        errors[tag] = (log.strip().splitlines() or ["no output"])[-1][:300]
+        return None
+    data = json.loads(js.read_text())
+    js.unlink()
+    return data
 
 
 def main() -> None:
@@ -282,28 +315,13 @@ def main() -> None:
             errors[system] = "skipped: DeepSpeed is not installed (pip install deepspeed)"
             print("deepspeed: skipped, not installed", flush=True)
             continue
-        js = out / f".{system}.json"
-        cmd = [sys.executable, "-m", "bench.pipeline", "--worker", system, "--json", str(js), "--config", a.config,
-               "--batches", *map(str, a.batches), "--micro", str(a.micro), "--warmup", str(a.warmup),
-               "--steps", str(a.steps)]
-        t0 = time.perf_counter()
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            ok = r.returncode == 0 and js.exists()
-            log = r.stdout + r.stderr
-        except subprocess.TimeoutExpired as e:
-            ok, log = False, f"timed out after {a.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-        (out / f".{system}.log").write_text(log if isinstance(log, str) else str(log))
-        print(f"{system}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
-        if not ok:
-            errors[system] = (log.strip().splitlines() or ["no output"])[-1][:300]
-            continue
-        data = json.loads(js.read_text())
-        js.unlink()
-        if system == "probe":
-            probe = data
-        else:
-            results += data
+        per_batch = system in TIERTRAIN and TIERTRAIN[system][3] < 0  # planned for each batch size
+        for batches in [[b] for b in a.batches] if per_batch else [a.batches]:
+            data = _run_worker(a, system, batches, out, errors)
+            if system == "probe":
+                probe = data or {}
+            else:
+                results += data or []
     gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}"
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -53,13 +53,20 @@ def _same_run(a, b):
         assert np.array_equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("spill", ["none", "posix", "resident", pytest.param("kvikio", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update",
+                                   pytest.param("kvikio", marks=pytest.mark.gpu)])
 def test_resume_is_bit_identical(token_file, tmp_path, spill):
-    """`resident`: the first units' state in device memory, the last units' moments on NVMe."""
+    """`resident`: the first units' state in device memory, the last units' moments on NVMe.
+    `gpu-update`: the first two units updated on the device as they load (a checkpoint runs the
+    update still pending)."""
     sets = [*VARIANTS["qwen2"], *STEPS, "data.shuffle=true"]
     if spill == "resident":
         sets.append("tiers.gpu_resident_gb=0.002")
         spill = "posix"
+    if spill == "gpu-update":
+        sets.append("tiers.gpu_update_units=2")
+        assert Trainer(tiny_config(token_file, *sets)).deferred == {0, 1}
+        spill = "none"
     if spill == "kvikio":
         sets.append('train.device="cuda"')
     if spill != "none":  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back

@@ -38,12 +38,19 @@ def _train(cfg):
     return tr, init, recs
 
 
+ON_DEVICE = {"llama-resident": ["tiers.gpu_resident_gb=0.004"],
+             "llama-gpu-update": ['tiers.stream="master"', "tiers.gpu_update_units=3"],
+             "qwen2-both": [*VARIANTS["qwen2"], "tiers.gpu_resident_gb=0.0005", "tiers.gpu_update_units=2"]}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["llama-resident"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + sorted(ON_DEVICE))
 def test_fp32_matches_pytorch(token_file, variant, device):
     """`llama-resident`: the first units' whole state on the device (tiers.gpu_resident_gb), updated
-    there (on a GPU, by the CUDA fused AdamW), the rest streamed: the same training."""
-    sets = VARIANTS.get(variant, ["tiers.gpu_resident_gb=0.004"])
+    there (on a GPU, by the CUDA fused AdamW), the rest streamed. `llama-gpu-update`: the first three
+    units' state stays on the host and is updated on the device as each unit's weights load.
+    `qwen2-both`: the resident embedding, then two units updated on the device. The same training."""
+    sets = VARIANTS[variant] if variant in VARIANTS else ON_DEVICE[variant]
     cfg = tiny_config(token_file, *sets, f'train.device="{device}"')
     tr, init, recs = _train(cfg)
     losses, norms, ref = reference_train(cfg, init, device, autocast=False)
@@ -78,6 +85,39 @@ def test_bf16_matches_autocast(token_file, variant, device):
         if name in ours:
             inherent = _rel(auto.state_dict()[name], p)
             assert _rel(ours[name], p) <= 3 * inherent + 1e-6, (name, _rel(ours[name], p), inherent)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpu_updates_change_no_bit(token_file, device):
+    """Units updated on the device as they load give the same bits as the host AdamW on CPU (one
+    kernel, elementwise), and bf16 weights cast from the same master; the bytes moved say where each
+    update ran: 16 bytes per parameter in and 12 out more for each unit updated on the device."""
+    base = ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', f'train.device="{device}"', "train.steps=4"]
+    runs = []
+    for n in (0, 2, 5):
+        tr, _, recs = _train(tiny_config(token_file, *base, f"tiers.gpu_update_units={n}"))
+        assert tr.deferred == frozenset(range(n))
+        runs.append((tr, recs, tr.state_dict()))
+    (_, r0, s0), (t2, r2, s2), (t5, r5, s5) = runs
+    if device == "cpu":
+        assert [r["loss"] for r in r2] == [r["loss"] for r in r0] == [r["loss"] for r in r5]
+        assert all(torch.equal(s0[k], s2[k]) and torch.equal(s0[k], s5[k]) for k in s0)
+    else:  # the CUDA kernel may fuse differently from the CPU one: the parity test bounds it
+        np.testing.assert_allclose([r["loss"] for r in r5], [r["loss"] for r in r0], rtol=1e-4)
+    numels = [lay.numel for lay in t2.layouts]
+    for tr, recs, n in ((t2, r2, 2), (t5, r5, 5)):
+        extra = sum(numels[:n]) * 4 / 1e9
+        assert recs[-1]["h2d_gb"] == pytest.approx(r0[-1]["h2d_gb"] + 3 * extra, rel=1e-6)
+        assert recs[-1]["d2h_gb"] == pytest.approx(r0[-1]["d2h_gb"] + 3 * extra, rel=1e-6)
+        assert recs[0]["h2d_gb"] == pytest.approx(r0[0]["h2d_gb"])  # no update before the first step
+
+
+def test_gpu_updates_need_the_master_streamed(token_file):
+    from tiertrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match='tiers.stream=\\"master\\"'):
+        Trainer(tiny_config(token_file, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"',
+                            "tiers.gpu_update_units=1"))
 
 
 def test_micro_batching_does_not_change_the_step(token_file):

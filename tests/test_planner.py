@@ -41,7 +41,7 @@ def test_arithmetic_by_hand():
     """llama-3b, 8k tokens, fp32 master streamed, checkpoints on the host, reference hardware."""
     spec = load_config("llama-3b").model
     hw = HardwareSpec()
-    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw)
+    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw, gpu_updates=0)
     # slabs by hand: embedding 32000 x 3072 = 98,304,000 (a multiple of 2048); a block's matrices
     # 4 x 3072^2 + 3 x 8192 x 3072 = 113,246,208, plus two 3072 norms = 113,252,352 (a multiple of 2048);
     # head 98,304,000 + 3072 = 98,307,072, rounded up to 2048s: 98,308,096
@@ -56,6 +56,22 @@ def test_arithmetic_by_hand():
     assert p.times["host AdamW"] == pytest.approx(n / 3.78e9 * 1.18)
     assert p.step_s == pytest.approx(p.times["compute bwd"] + p.times["host AdamW"])  # AdamW > forward here
     assert p.bottleneck == "host AdamW" and p.tokens_per_s == pytest.approx(T / p.step_s)
+
+    # the same with k units updated on the GPU: 12 more bytes per parameter each way in the forward pass,
+    # fewer parameters for the host AdamW; the plan takes the k with the shortest step
+    def step_with(k):
+        d = sum(sizes[:k])
+        fwd = max(T * F / 3 / rate, (4 * n + 12 * d) / 55.5e9, 12 * d / 55.4e9, (n - d) / 3.78e9 * 1.18)
+        return p.times["compute bwd"] + fwd
+
+    best = min(range(len(sizes) + 1), key=step_with)
+    q = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw)
+    assert 0 < q.gpu_updates == best < len(sizes)
+    assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.8 * p.step_s
+    assert q.gpu["GPU update sets"] == 2 * 16 * 113_252_352
+    assert q.bottleneck in ("H2D", "host AdamW")
+    # a bf16 copy streamed: the GPU update needs the fp32 master there, so none
+    assert evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "host", Budgets(), hw).gpu_updates == 0
 
 
 def test_spill_plan_matches_the_runtime_placement():
@@ -131,8 +147,8 @@ def test_resident_units_move_their_update_to_the_gpu():
     res = resident_units(numels, kind_bytes("bfloat16", "master"), 24e9)
     r = sum(numels[u] for u in res)
     assert res == list(range(len(res))) and r * 16 <= 24e9 < (r + numels[len(res)]) * 16
-    a = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), REFERENCE)
-    b = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(resident_gb=24), REFERENCE)
+    a = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), REFERENCE, gpu_updates=0)
+    b = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(resident_gb=24), REFERENCE, gpu_updates=0)
     assert b.gpu["resident units' state"] == r * 16 and a.gpu["resident units' state"] == 0
     assert b.times["host AdamW"] == pytest.approx(a.times["host AdamW"] * (sum(numels) - r) / sum(numels))
     assert b.times["D2H"] < a.times["D2H"] and b.step_s < a.step_s

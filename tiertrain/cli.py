@@ -143,7 +143,8 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
         p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
-                      Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb), hw, name=Path(config_path).stem)
+                      Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb), hw, name=Path(config_path).stem,
+                      gpu_updates=cfg.tiers.gpu_update_units)
     except UserError as e:
         _fail(e)
     except OSError as e:

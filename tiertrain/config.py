@@ -91,6 +91,7 @@ class TiersConfig:
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     gpu_resident_gb: float = 0.0  # GPU memory for the whole state of the first units (updated on the GPU)
+    gpu_update_units: int = -1  # streamed units updated on the GPU as they load; -1: the plan's choice, 0: none
 
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
@@ -99,6 +100,8 @@ class TiersConfig:
         _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
         _need(self.gpu_resident_gb >= 0, "tiers", "gpu_resident_gb", self, "must be 0 (none) or a number of GB")
+        _need(self.gpu_update_units >= -1, "tiers", "gpu_update_units", self,
+              "must be -1 (the plan chooses), 0 (none) or a number of units")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
 from .tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, resident_units, spillable,
-                              spilled_bytes)
+                              spilled_bytes, update_candidates)
 from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
@@ -85,8 +85,9 @@ class Trainer:
                               where=self.where, device=self.device)
         if "nvme" in self.where.values():
             self.tiers = self._nvme_tier(pin, replace=resume is not None)
+        self.deferred = self._gpu_updates()
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
-                                     tc.overlap)
+                                     tc.overlap, self.deferred)
         self.step = 0
         if resume is not None:
             self.restore(resume)
@@ -97,7 +98,8 @@ class Trainer:
         self.streams = Streams(self.device)
         self.clock = StallClock(self.streams)
         self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
-                                     host_ready=self.optim.wait, grad_sink=self._grad_sink)
+                                     host_ready=self.optim.wait, grad_sink=self._grad_sink, deferred=self.deferred,
+                                     take_update=self.optim.take, apply=self.optim.opt.apply)
         self.checkpoints = Checkpoints(cfg.tiers.activations, self.streams, self.clock, self.device, pin)
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
@@ -115,7 +117,7 @@ class Trainer:
         p = evaluate(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, tc.micro_batch_size, t.stream,
                      t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
                                             t.gpu_resident_gb),
-                     hw, name="run")
+                     hw, name="run", gpu_updates=t.gpu_update_units)
         if not p.fits and p.why.startswith("GPU"):
             raise ConfigError(f"{p.why}: lower train.micro_batch_size, or set tiers.activations=\"host\"")
         return p if p.fits else None
@@ -164,6 +166,17 @@ class Trainer:
             raise ConfigError(f"--host-gb {t.host_gb:g} is below what this version can run with {what} on "
                               f"NVMe: raise --host-gb to at least {least:.3g}{more}")
         return where
+
+    def _gpu_updates(self) -> frozenset[int]:
+        """Units whose update runs on the GPU as their weights load (tiers.gpu_update_units; -1: the
+        plan's choice, none without a plan)."""
+        n = self.cfg.tiers.gpu_update_units
+        if n < 0:
+            n = self.plan.gpu_updates if self.plan else 0
+        if n and "weights" in self.host.kinds:
+            raise ConfigError("tiers.gpu_update_units needs tiers.stream=\"master\" (the GPU update makes the "
+                              "weights from the fp32 master); set it, or tiers.gpu_update_units=0")
+        return frozenset(update_candidates(self.where, self.host.kinds, len(self.units))[:n])
 
     def _nvme_tier(self, pin: bool, replace: bool) -> TierManager:
         """The run's store under nvme_dir; `replace`: a resumed run's leftover store is scratch, replaced."""
@@ -235,8 +248,11 @@ class Trainer:
         return self.host.slab(unit, "grad"), None
 
     def _quiesce(self) -> None:
-        """The update in flight lands, and the NVMe write-backs with it: the state is one step's."""
+        """The update in flight lands (on the GPU too), and the NVMe write-backs with it: the state is
+        one step's."""
         self.optim.wait_all()
+        if hasattr(self, "buffers"):  # a restore runs before the buffers exist
+            self.buffers.settle()
         if self.tiers:
             self.tiers.flush()
 

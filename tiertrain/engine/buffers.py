@@ -8,12 +8,20 @@ again. Before a unit is copied, `host_ready(unit)` waits until the host optimize
 
 Gradients: two block accumulators alternate, so the D2H of one overlaps the next unit's backward; the
 embedding and the head have their own (a tied embedding collects the head's gradient first).
+
+Updates on the GPU: a unit whose update was deferred to the GPU (`take_update(unit)` hands over its
+step, lr and clip) has its fp32 master, gradient and moments copied into one of two state sets on the
+H2D stream when its weights are loaded next; the AdamW kernel runs there, the slot gets the updated
+master cast to the compute dtype, and master and moments go back to the host slabs on the D2H stream.
+The host optimizer meanwhile updates the other units: the two share the next forward pass.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+
+UPDATED = ("master", "exp_avg", "exp_avg_sq")  # what a GPU update writes back to the host slabs
 
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
@@ -27,12 +35,23 @@ class _Buf:
         self.free = None  # event: the compute stream is done with the contents
 
 
+class _State:
+    """fp32 master, gradient and moments of one unit being updated on the GPU."""
+
+    def __init__(self, numel: int, device: torch.device):
+        self.t = {k: torch.empty(numel, dtype=torch.float32, device=device) for k in UPDATED + ("grad",)}
+        self.free = None  # event: their write-back to the host has been read out
+
+
 class DeviceBuffers:
     def __init__(self, layouts: list[SlabLayout], host: HostStore, device: torch.device, dtype: torch.dtype,
                  streams: Streams, clock: StallClock, host_ready: Callable[[int], None] = lambda u: None,
-                 grad_sink: Callable[[int], tuple[torch.Tensor, Callable | None]] | None = None):
+                 grad_sink: Callable[[int], tuple[torch.Tensor, Callable | None]] | None = None,
+                 deferred: frozenset[int] = frozenset(), take_update: Callable[[int], tuple | None] = lambda u: None,
+                 apply: Callable | None = None):
         """`grad_sink(unit)`: where a unit's gradient goes and what to call with the copy's event (a
-        spilled gradient: a staging buffer, then the disk); default its host slab."""
+        spilled gradient: a staging buffer, then the disk); default its host slab. `deferred`: units
+        updated here, by `apply` (HostAdamW.apply), with the job `take_update(unit)` hands over."""
         self.layouts, self.host, self.dtype, self.s, self.clock = layouts, host, dtype, streams, clock
         self.host_ready = host_ready
         self.grad_sink = grad_sink or (lambda u: (host.slab(u, "grad"), None))
@@ -54,11 +73,19 @@ class DeviceBuffers:
         self.grad_ready: dict[int, object] = {}
         self.h2d_bytes = 0
         self.d2h_bytes = 0
+        self.deferred, self.take_update, self.apply = deferred, take_update, apply
+        big = max((layouts[u].numel for u in deferred), default=0)
+        self.sets = [_State(big, device) for _ in range(2 if deferred else 0)]
+        self._set_turn = 0
+        self.written: dict[int, object] = {}  # unit -> event: its GPU update is back in the host slabs
 
     # ---- weights ------------------------------------------------------------------------------
     def load(self, unit: int) -> None:
-        """Starts the H2D copy of the unit's weights unless its current version is already in place."""
+        """Starts the H2D copy of the unit's weights unless its current version is already in place; a
+        deferred update of the unit runs first, and the slot is filled from its result."""
         self.host_ready(unit)
+        job = self.take_update(unit)
+        master = self._update(unit, *job) if job else None
         key = (unit, self.host.version[unit])
         if unit in self.res:
             buf = self.res[unit]
@@ -74,14 +101,52 @@ class DeviceBuffers:
         src = self.host.streamed(unit)
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, buf.free)
-            if len(self.stage):
-                self.stage[:n].copy_(src, non_blocking=True)
-                buf.t[:n].copy_(self.stage[:n])
+            if master is not None:  # already on the device: cast there
+                buf.t[:n].copy_(master)
             else:
-                buf.t[:n].copy_(src, non_blocking=True)
+                self.s.wait(self.s.h2d, self.written.get(unit))
+                if len(self.stage):
+                    self.stage[:n].copy_(src, non_blocking=True)
+                    buf.t[:n].copy_(self.stage[:n])
+                else:
+                    buf.t[:n].copy_(src, non_blocking=True)
+                if not src.is_cuda:  # a resident unit's copy is device to device
+                    self.h2d_bytes += src.numel() * src.element_size()
             self.ready[unit] = self.s.record(self.s.h2d)
-        if not src.is_cuda:  # a resident unit's copy is device to device
-            self.h2d_bytes += src.numel() * src.element_size()
+
+    def _update(self, unit: int, step: int, lr: float, clip: float) -> torch.Tensor:
+        """The unit's AdamW on the GPU (H2D stream), its master and moments written back behind it (D2H
+        stream); returns the updated fp32 master, on the device."""
+        st = self.sets[self._set_turn]
+        self._set_turn ^= 1
+        n = self.layouts[unit].numel
+        t = {k: v[:n] for k, v in st.t.items()}
+        with self.s.on(self.s.h2d):
+            for ev in (st.free, self.grad_ready.get(unit), self.written.get(unit)):
+                self.s.wait(self.s.h2d, ev)
+            for k, v in t.items():
+                v.copy_(self.host.slab(unit, k), non_blocking=True)
+            self.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, clip)
+            done = self.s.record(self.s.h2d)
+        with self.s.on(self.s.d2h):
+            self.s.wait(self.s.d2h, done)
+            for k in UPDATED:
+                self.host.slab(unit, k).copy_(t[k], non_blocking=True)
+            st.free = self.written[unit] = self.s.record(self.s.d2h)
+        self.host.version[unit] += 1
+        self.h2d_bytes += len(t) * n * 4
+        self.d2h_bytes += len(UPDATED) * n * 4
+        return t["master"]
+
+    def settle(self) -> None:
+        """Runs the deferred updates not yet taken and waits until every GPU update is back on the host."""
+        for u in sorted(self.deferred):
+            job = self.take_update(u)
+            if job:
+                self._update(u, *job)
+        if self.s.cuda:
+            self.s.h2d.synchronize()
+            self.s.d2h.synchronize()
 
     def use(self, unit: int) -> torch.Tensor:
         """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
@@ -132,4 +197,5 @@ class DeviceBuffers:
 
     def nbytes(self) -> int:
         bufs = self.slots + list(self.res.values()) + self.accs + list(self.res_acc.values())
-        return sum(b.t.numel() * b.t.element_size() for b in bufs) + self.stage.numel() * 4
+        sets = sum(t.numel() * 4 for st in self.sets for t in st.t.values())
+        return sum(b.t.numel() * b.t.element_size() for b in bufs) + self.stage.numel() * 4 + sets

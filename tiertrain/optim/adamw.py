@@ -54,6 +54,29 @@ class HostAdamW:
         self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
+    def apply(self, unit: int, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+              w: torch.Tensor | None, step: int, lr: float, clip: float) -> None:
+        """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on the
+        host a chunk at a time (each chunk still in cache for the rounding into the copy `w`), on a GPU
+        whole ranges. Scalars are made by fill kernels: a copy from host memory would block this thread
+        until the stream's earlier work is done."""
+        dev, on_gpu = master.device, master.is_cuda
+        b1, b2 = self.cfg.betas
+        st = torch.full((), float(step), device=dev)
+        # clipping inside the kernel (grad / (1/clip)) saves a pass over the gradient: host AdamW is
+        # bound by DRAM bandwidth. It differs from clip_grad_norm_'s multiply by at most an ulp.
+        scale = torch.full((), 1.0 / clip, device=dev) if clip < 1.0 else None
+        for a, b, decay in self.layouts[unit].ranges():
+            wd = self.cfg.weight_decay if decay else 0.0
+            step_by = b - a if on_gpu else CHUNK
+            for c0 in range(a, b, step_by):
+                c = slice(c0, min(c0 + step_by, b))
+                torch._fused_adamw_([master[c]], [grad[c]], [m[c]], [v[c]], [], [st], lr=lr, beta1=b1,
+                                    beta2=b2, weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
+                                    grad_scale=scale)
+                if w is not None:
+                    w[c].copy_(master[c])
+
     def update_unit(self, unit: int, step: int, lr: float, clip: float) -> None:
         """One unit's update, where its slabs are: the host (a chunk at a time, so each chunk is still in
         cache for the rounding into the bf16 copy) or, for a resident unit, the GPU (whole ranges, on a
@@ -63,25 +86,11 @@ class HostAdamW:
         if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.tiers.acquire(unit))
         master, grad, m, v, w = s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights")
-        dev, on_gpu = master.device, master.is_cuda
+        on_gpu = master.is_cuda
         if on_gpu and self.stream is None:
-            self.stream = torch.cuda.Stream(dev)
-        b1, b2 = self.cfg.betas
+            self.stream = torch.cuda.Stream(master.device)
         with torch.cuda.stream(self.stream) if on_gpu else contextlib.nullcontext():
-            st = torch.tensor(float(step), device=dev)
-            # clipping inside the kernel (grad / (1/clip)) saves a pass over the gradient: host AdamW is
-            # bound by DRAM bandwidth. It differs from clip_grad_norm_'s multiply by at most an ulp.
-            scale = torch.tensor(1.0 / clip, device=dev) if clip < 1.0 else None
-            for a, b, decay in self.layouts[unit].ranges():
-                wd = self.cfg.weight_decay if decay else 0.0
-                step_by = b - a if on_gpu else CHUNK
-                for c0 in range(a, b, step_by):
-                    c = slice(c0, min(c0 + step_by, b))
-                    torch._fused_adamw_([master[c]], [grad[c]], [m[c]], [v[c]], [], [st], lr=lr, beta1=b1,
-                                        beta2=b2, weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
-                                        grad_scale=scale)
-                    if w is not None:
-                        w[c].copy_(master[c])
+            self.apply(unit, master, grad, m, v, w, step, lr, clip)
         if on_gpu:
             self.stream.synchronize()
         if self.tiers is not None:
@@ -94,10 +103,14 @@ class OptimizerThread:
 
     `wait(u)` blocks until unit u is updated: the next step's H2D of unit u calls it, so the update
     overlaps the next forward pass. With `overlap` off every step waits for its whole update (the
-    synchronous reference: the numbers are the same either way)."""
+    synchronous reference: the numbers are the same either way).
 
-    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool):
-        self.opt, self.overlap = opt, overlap
+    `deferred` units are not updated here: their (step, lr, clip) waits in `pending` until the device
+    buffers take it (`take`) and run the update on the GPU as the unit's weights are loaded next."""
+
+    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset()):
+        self.opt, self.overlap, self.deferred = opt, overlap, deferred
+        self.pending: dict[int, tuple[int, float, float]] = {}
         # memory-bound: two cores fewer lose nothing, and leave the main thread free to launch kernels
         threads = max(1, (os.cpu_count() or 2) - 2)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-adamw",
@@ -109,7 +122,10 @@ class OptimizerThread:
         self.opt.step_count += 1
         step = self.opt.step_count
         for u in range(len(self.futures)):
-            self.futures[u] = self.pool.submit(self._job, u, step, lr, clip, grad_ready(u))
+            if u in self.deferred:
+                self.pending[u] = (step, lr, clip)
+            else:
+                self.futures[u] = self.pool.submit(self._job, u, step, lr, clip, grad_ready(u))
         if not self.overlap:
             self.wait_all()
 
@@ -117,6 +133,10 @@ class OptimizerThread:
         if grad_event is not None:
             grad_event.synchronize()  # the gradient's D2H copy has landed in the host slab
         self.opt.update_unit(unit, step, lr, clip)
+
+    def take(self, unit: int) -> tuple[int, float, float] | None:
+        """The deferred update of `unit` still to run, handed over once."""
+        return self.pending.pop(unit, None)
 
     def wait(self, unit: int) -> None:
         f = self.futures[unit]

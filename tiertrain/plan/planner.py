@@ -2,10 +2,13 @@
 
 Pure Python (no torch): a function of (model, batch, budgets, hardware). It uses the runtime's own slab
 layout and spill policy, and the schedule's cost model (docs/performance.md):
-    forward  = max(compute_fwd, H2D of the weights)
+    forward  = max(compute_fwd, H2D of the weights (+ GPU-updated units' state), D2H of that state)
     backward = max(compute_bwd (recompute included), H2D, D2H)
     update   = max(host AdamW x contention, NVMe reads + writes)   (needs the global norm: after backward)
     step     = backward + max(forward, update)                     (the update overlaps the next forward)
+The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
+forward pass and take their parameters off the host AdamW; by default the plan takes the number of
+them that gives the shortest step.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import kind_bytes, place_within, resident_units
+from ..tiers.placement import kind_bytes, place_within, resident_units, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -42,6 +45,7 @@ class Plan:
     micro_batch: int = 0
     stream: str = ""
     activations: str = ""
+    gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     fits: bool = False
     why: str = ""
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
@@ -73,8 +77,9 @@ def _layouts(spec: ModelSpec) -> list[int]:
 
 
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
-             budgets: Budgets, hw: HardwareSpec, name: str = "model") -> Plan:
-    """The plan of one choice of (micro-batch, streaming, checkpoint placement)."""
+             budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1) -> Plan:
+    """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
+    updated on the GPU (-1: the best number)."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source)
     all_numels = _layouts(spec)
     H, FF = spec.hidden_size, spec.intermediate_size
@@ -127,44 +132,70 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         p.why = f"GPU: needs {p.gpu_total / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
         return p
 
-    # ---- time ----
-    rate = (hw.bf16_tflops if dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
-    F = spec.flops_per_token(seq_len)
-    sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
-    host_ck_io = ck_bytes if activations == "host" else 0
-    reads = sum(NVME_TRAFFIC[k][0] * b + (2 * b if k == "master" and sw == 4 else 0) for k, b in p.nvme_bytes.items())
-    writes = sum(NVME_TRAFFIC[k][1] * b for k, b in p.nvme_bytes.items())
-    adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
-    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
-         "H2D fwd": sw * sum(numels) / (hw.h2d_gbs * 1e9),
-         "H2D bwd": (sw * sum(numels[1:-3]) + host_ck_io) / (hw.h2d_gbs * 1e9),
-         "D2H": (4 * sum(numels) + host_ck_io) / (hw.d2h_gbs * 1e9),
-         "host AdamW": sum(numels) / adam_rate * hw.adam_contention,
-         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9)}
-    fwd = max(t["compute fwd"], t["H2D fwd"])
+    # ---- time, for each number of units updated on the GPU that fits ----
+    cands = [u for u in update_candidates(where, kb, len(numels)) if u not in resident] if "weights" not in kb else []
+    best = None
+    for k in range(len(cands) + 1) if gpu_updates < 0 else [min(gpu_updates, len(cands))]:
+        sets = 2 * 16 * max((numels[u] for u in cands[:k]), default=0)  # two (master, grad, moments) sets
+        if p.gpu_total + sets > gpu_budget:
+            continue
+        t, step = _times(spec, p, numels, sum(numels[u] for u in cands[:k]), ck_bytes, kb, hw)
+        if best is None or step < best[1] * (1 - 1e-9):
+            best = (k, step, t, sets)
+    if best is None:
+        p.why = f"GPU: needs {(p.gpu_total + sets) / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
+        return p
+    p.gpu_updates, p.step_s, t, p.gpu["GPU update sets"] = best
+    p.times = t
+    # the phase each link or resource limits: the backward pass, then the forward pass with the update
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
-    update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
-    t["exposed update"] = max(0.0, update - fwd)
-    p.times, p.step_s = t, bwd + max(fwd, update)
-    phase = {"compute": t["compute bwd"] + (t["compute fwd"] if fwd >= update else 0),
-             "H2D": t["H2D bwd"] if t["H2D bwd"] == bwd else 0, "D2H": t["D2H"] if t["D2H"] == bwd else 0,
-             "host AdamW": t["exposed update"] if t["host AdamW"] >= t["NVMe read"] + t["NVMe write"] else 0,
-             "NVMe": t["exposed update"] if t["host AdamW"] < t["NVMe read"] + t["NVMe write"] else 0}
+    nvme = t["NVMe read"] + t["NVMe write"]
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host AdamW"], nvme)
+    parts = {"compute": ("compute bwd", "compute fwd"), "H2D": ("H2D bwd", "H2D fwd"), "D2H": ("D2H", "D2H fwd"),
+             "host AdamW": ("", "host AdamW"), "NVMe": ("", "")}
+    phase = {name: (bwd if b and t[b] == bwd else 0) + (fwd if f and t[f] == fwd else 0)
+             for name, (b, f) in parts.items()}
+    phase["NVMe"] = fwd if nvme == fwd else 0
     p.bottleneck = max(phase, key=phase.get)
+    F = spec.flops_per_token(seq_len)
     p.tokens_per_s = T / p.step_s
     p.model_tflops = F * T / p.step_s / 1e12
     p.fits, p.why = True, "fits"
     return p
 
 
+def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: int, kb: dict[str, int],
+           hw: HardwareSpec) -> tuple[dict[str, float], float]:
+    """Seconds per link and phase, and the step, with `on_gpu` parameters updated on the GPU."""
+    rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
+    sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
+    host_ck_io = ck_bytes if p.activations == "host" else 0
+    reads = sum(NVME_TRAFFIC[k][0] * b + (2 * b if k == "master" and sw == 4 else 0) for k, b in p.nvme_bytes.items())
+    writes = sum(NVME_TRAFFIC[k][1] * b for k, b in p.nvme_bytes.items())
+    adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
+    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
+         "H2D fwd": (sw * sum(numels) + 12 * on_gpu) / (hw.h2d_gbs * 1e9),
+         "D2H fwd": 12 * on_gpu / (hw.d2h_gbs * 1e9),
+         "H2D bwd": (sw * sum(numels[1:-3]) + host_ck_io) / (hw.h2d_gbs * 1e9),
+         "D2H": (4 * sum(numels) + host_ck_io) / (hw.d2h_gbs * 1e9),
+         "host AdamW": (sum(numels) - on_gpu) / adam_rate * hw.adam_contention,
+         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9)}
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"])
+    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
+    update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
+    t["exposed update"] = max(0.0, update - fwd)
+    return t, bwd + max(fwd, update)
+
+
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
-         activations: str | None = None, advise: bool = True) -> Plan:
+         activations: str | None = None, advise: bool = True, gpu_updates: int = -1) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or the closest miss, with its reason."""
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
-    cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name)
+    cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates)
              for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch

@@ -35,6 +35,14 @@ def resident_units(numels: list[int], kb: dict[str, int], gpu_bytes: float) -> l
     return out
 
 
+def update_candidates(where: dict[tuple[int, str], str], kinds, n_units: int) -> list[int]:
+    """Units that may be updated on the GPU as their weights stream in (tiers.gpu_update_units), in
+    forward order: those with every slab in host RAM (resident units update there anyway; spilled
+    slabs pass through the staging ring on the host optimizer's schedule). The first ones are taken:
+    the host optimizer then starts on the units the next forward pass reaches last."""
+    return [u for u in range(n_units) if all(where.get((u, k), "host") == "host" for k in kinds)]
+
+
 def spillable(kb: dict[str, int]) -> tuple[str, ...]:
     """The kinds this runtime keeps on NVMe, in policy order: the Adam moments; the fp32 master when a
     compute-dtype copy is what streams to the GPU (then only the optimizer reads and writes it); the
