@@ -260,6 +260,18 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
     return "\n".join(lines) + "\n"
 
 
+def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str]) -> str:
+    gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}"
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = report(a, probe, results, errors, date)
+    (out / f"{stem}.md").write_text(text)
+    args = {"batches": a.batches, "micro": a.micro, "warmup": a.warmup, "steps": a.steps, "argv": sys.argv}
+    (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors, "date": date,
+                                                  "args": args}, indent=1))
+    return text
+
+
 def _run_worker(a, system: str, batches: list[int], out: Path, errors: dict[str, str]):
     """One worker process; its JSON output, or None (the reason in `errors`)."""
     tag = system + ("" if batches == a.batches else f"-{batches[0]}")
@@ -322,14 +334,7 @@ def main() -> None:
                 probe = data or {}
             else:
                 results += data or []
-    gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}"
-    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = report(a, probe, results, errors, date)
-    (out / f"{stem}.md").write_text(text)
-    args = {"batches": a.batches, "micro": a.micro, "warmup": a.warmup, "steps": a.steps, "argv": sys.argv}
-    (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors, "date": date,
-                                                  "args": args}, indent=1))
+            text = _write(a, out, probe, results, errors)  # after every worker: a lost machine keeps what ran
     print(text)
 
 
