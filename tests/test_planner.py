@@ -55,21 +55,26 @@ def test_arithmetic_by_hand():
     assert p.times["H2D fwd"] == pytest.approx(4 * n / 55.5e9)
     assert p.times["host AdamW"] == pytest.approx(n / 3.78e9 * 1.18)
     assert p.step_s == pytest.approx(p.times["compute bwd"] + p.times["host AdamW"])  # AdamW > forward here
+    assert p.times["host DRAM fwd"] == pytest.approx((4 * n + 26 * T * 3072 * 4 + 28 * n) / 120e9)
     assert p.bottleneck == "host AdamW" and p.tokens_per_s == pytest.approx(T / p.step_s)
 
     # the same with k units updated on the GPU: 12 more bytes per parameter each way in the forward pass,
     # fewer parameters for the host AdamW; the plan takes the k with the shortest step
+    ck = 26 * T * 3072 * 4  # the checkpoints go to the host in the forward pass
+
     def step_with(k):
         d = sum(sizes[:k])
-        fwd = max(T * F / 3 / rate, (4 * n + 12 * d) / 55.5e9, 12 * d / 55.4e9, (n - d) / 3.78e9 * 1.18)
+        h2d, d2h = 4 * n + 12 * d, 12 * d + ck
+        fwd = max(T * F / 3 / rate, h2d / 55.5e9, d2h / 55.4e9, (n - d) / 3.78e9 * 1.18,
+                  (h2d + d2h + 28 * (n - d)) / 120e9)  # the host's DRAM serves the copies and the AdamW
         return p.times["compute bwd"] + fwd
 
     best = min(range(len(sizes) + 1), key=step_with)
     q = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw)
     assert 0 < q.gpu_updates == best < len(sizes)
-    assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.8 * p.step_s
+    assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.9 * p.step_s
     assert q.gpu["GPU update sets"] == 2 * 16 * 113_252_352
-    assert q.bottleneck in ("H2D", "host AdamW")
+    assert q.bottleneck in ("H2D", "host AdamW", "host DRAM")
     # a bf16 copy streamed: the GPU update needs the fp32 master there, so none
     assert evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "host", Budgets(), hw).gpu_updates == 0
 

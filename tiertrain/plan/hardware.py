@@ -31,6 +31,9 @@ class HardwareSpec:
     # (DRAM shared with the H2D copies).
     compute_efficiency: float = 0.54
     adam_contention: float = 1.18
+    # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
+    # AdamW together, fitted on bench/results/2026-11-22-H200-llama3b-gpu-updates.json; not probed.
+    host_dram_gbs: float = 120.0
     source: str = "reference: one H200 machine, 2026-11-22 (bench/results/2026-11-22-H200-llama3b.json)"
 
     @classmethod

@@ -2,7 +2,8 @@
 
 Pure Python (no torch): a function of (model, batch, budgets, hardware). It uses the runtime's own slab
 layout and spill policy, and the schedule's cost model (docs/performance.md):
-    forward  = max(compute_fwd, H2D of the weights (+ GPU-updated units' state), D2H of that state)
+    forward  = max(compute_fwd, H2D of the weights (+ GPU-updated units' state), D2H of that state,
+                   host DRAM traffic of those copies and of the host AdamW)
     backward = max(compute_bwd (recompute included), H2D, D2H)
     update   = max(host AdamW x contention, NVMe reads + writes)   (needs the global norm: after backward)
     step     = backward + max(forward, update)                     (the update overlaps the next forward)
@@ -150,9 +151,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     # the phase each link or resource limits: the backward pass, then the forward pass with the update
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
     nvme = t["NVMe read"] + t["NVMe write"]
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host AdamW"], nvme)
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host DRAM fwd"], t["host AdamW"], nvme)
     parts = {"compute": ("compute bwd", "compute fwd"), "H2D": ("H2D bwd", "H2D fwd"), "D2H": ("D2H", "D2H fwd"),
-             "host AdamW": ("", "host AdamW"), "NVMe": ("", "")}
+             "host AdamW": ("", "host AdamW"), "host DRAM": ("", "host DRAM fwd"), "NVMe": ("", "")}
     phase = {name: (bwd if b and t[b] == bwd else 0) + (fwd if f and t[f] == fwd else 0)
              for name, (b, f) in parts.items()}
     phase["NVMe"] = fwd if nvme == fwd else 0
@@ -174,14 +175,18 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
     reads = sum(NVME_TRAFFIC[k][0] * b + (2 * b if k == "master" and sw == 4 else 0) for k, b in p.nvme_bytes.items())
     writes = sum(NVME_TRAFFIC[k][1] * b for k, b in p.nvme_bytes.items())
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
+    h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * on_gpu, 12 * on_gpu + host_ck_io
+    on_host = sum(numels) - on_gpu
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
-         "H2D fwd": (sw * sum(numels) + 12 * on_gpu) / (hw.h2d_gbs * 1e9),
-         "D2H fwd": 12 * on_gpu / (hw.d2h_gbs * 1e9),
+         "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
+         "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "H2D bwd": (sw * sum(numels[1:-3]) + host_ck_io) / (hw.h2d_gbs * 1e9),
-         "D2H": (4 * sum(numels) + host_ck_io) / (hw.d2h_gbs * 1e9),
-         "host AdamW": (sum(numels) - on_gpu) / adam_rate * hw.adam_contention,
+         "D2H": 4 * sum(numels) / (hw.d2h_gbs * 1e9),
+         "host AdamW": on_host / adam_rate * hw.adam_contention,
+         # the copies and the host AdamW (28 B per parameter, 30 with the bf16 copy) share the host's DRAM
+         "host DRAM fwd": (h2d_fwd + d2h_fwd + (28 + 2 * (sw == 2)) * on_host) / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9)}
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"])
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host DRAM fwd"])
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
     update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
     t["exposed update"] = max(0.0, update - fwd)
