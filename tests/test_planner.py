@@ -65,7 +65,8 @@ def test_arithmetic_by_hand():
     def step_with(k):
         d = sum(sizes[:k])
         h2d, d2h = 4 * n + 12 * d, 12 * d + ck
-        fwd = max(T * F / 3 / rate, h2d / 55.5e9, d2h / 55.4e9, (n - d) / 3.78e9 * 1.18,
+        fwd = max(T * F / 3 / rate, h2d / 55.5e9, d2h / 55.4e9, (h2d + d2h) / (101.3e9 * 0.75),
+                  (n - d) / 3.78e9 * 1.18,
                   (h2d + d2h + 28 * (n - d)) / 120e9)  # the host's DRAM serves the copies and the AdamW
         return p.times["compute bwd"] + fwd
 
@@ -74,7 +75,7 @@ def test_arithmetic_by_hand():
     assert 0 < q.gpu_updates == best < len(sizes)
     assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.9 * p.step_s
     assert q.gpu["GPU update sets"] == 2 * 16 * 113_252_352
-    assert q.bottleneck in ("H2D", "host AdamW", "host DRAM")
+    assert q.bottleneck in ("H2D", "host AdamW", "host DRAM", "PCIe both ways")
     # a bf16 copy streamed: the GPU update needs the fp32 master there, so none
     assert evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "host", Budgets(), hw).gpu_updates == 0
 

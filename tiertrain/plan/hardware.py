@@ -20,6 +20,7 @@ class HardwareSpec:
     cpu_count: int = 16
     h2d_gbs: float = 55.5  # pinned host -> GPU
     d2h_gbs: float = 55.4
+    bidir_gbs: float = 101.3  # both directions at once, summed
     bf16_tflops: float = 776.0  # large bf16 matmul
     fp32_tflops: float = 51.1
     host_adam_params_per_s: float = 3.78e9  # fused AdamW, fp32 master streamed (no bf16 rounding)
@@ -34,6 +35,9 @@ class HardwareSpec:
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
     # AdamW together, fitted on bench/results/2026-11-22-H200-llama3b-gpu-updates.json; not probed.
     host_dram_gbs: float = 120.0
+    # copies both ways at once in the forward pass (weights and GPU updates' state in, state and
+    # checkpoints out, interleaved with compute) reach this fraction of bidir_gbs; same fit
+    copy_efficiency: float = 0.75
     source: str = "reference: one H200 machine, 2026-11-22 (bench/results/2026-11-22-H200-llama3b.json)"
 
     @classmethod

@@ -153,6 +153,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     nvme = t["NVMe read"] + t["NVMe write"]
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host DRAM fwd"], t["host AdamW"], nvme)
     parts = {"compute": ("compute bwd", "compute fwd"), "H2D": ("H2D bwd", "H2D fwd"), "D2H": ("D2H", "D2H fwd"),
+             "PCIe both ways": ("", "PCIe both fwd"),
              "host AdamW": ("", "host AdamW"), "host DRAM": ("", "host DRAM fwd"), "NVMe": ("", "")}
     phase = {name: (bwd if b and t[b] == bwd else 0) + (fwd if f and t[f] == fwd else 0)
              for name, (b, f) in parts.items()}
@@ -180,13 +181,14 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
+         "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
          "H2D bwd": (sw * sum(numels[1:-3]) + host_ck_io) / (hw.h2d_gbs * 1e9),
          "D2H": 4 * sum(numels) / (hw.d2h_gbs * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
          # the copies and the host AdamW (28 B per parameter, 30 with the bf16 copy) share the host's DRAM
          "host DRAM fwd": (h2d_fwd + d2h_fwd + (28 + 2 * (sw == 2)) * on_host) / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9)}
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host DRAM fwd"])
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
     update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
     t["exposed update"] = max(0.0, update - fwd)

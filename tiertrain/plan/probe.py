@@ -143,7 +143,7 @@ def probe_spec(nvme_dir: str | None = None):
     notes = []
     if torch.cuda.is_available():
         spec.gpu, spec.gpu_mem_gb = m["gpu"], m["gpu_mem_gb"]
-        spec.h2d_gbs, spec.d2h_gbs = m["h2d_gbs"], m["d2h_gbs"]
+        spec.h2d_gbs, spec.d2h_gbs, spec.bidir_gbs = m["h2d_gbs"], m["d2h_gbs"], m["bidir_gbs"]
         spec.bf16_tflops, spec.fp32_tflops = m["bf16_tflops"], m["fp32_tflops"]
     else:
         spec.gpu, spec.gpu_mem_gb = REFERENCE.gpu + " (reference: no GPU here)", REFERENCE.gpu_mem_gb
