@@ -125,16 +125,13 @@ def resolve(arg: str, out: Path | None) -> Path:
 def _fsync_tree(root: Path) -> None:
     for d, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(d))
+            _fsync(Path(d) / name)
+        _fsync(Path(d))
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    """fsync of a file or a directory (its entries: a rename is durable once its directory is)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -174,7 +171,7 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
         os.rename(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)

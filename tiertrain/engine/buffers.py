@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-UPDATED = ("master", "exp_avg", "exp_avg_sq")  # what a GPU update writes back to the host slabs
-
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
 from .streams import StallClock, Streams
+
+UPDATED = ("master", "exp_avg", "exp_avg_sq")  # what a GPU update writes back to the host slabs
 
 
 class _Buf:

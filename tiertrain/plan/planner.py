@@ -140,24 +140,20 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         sets = 2 * 16 * max((numels[u] for u in cands[:k]), default=0)  # two (master, grad, moments) sets
         if p.gpu_total + sets > gpu_budget:
             continue
-        t, step = _times(spec, p, numels, sum(numels[u] for u in cands[:k]), ck_bytes, kb, hw)
-        if best is None or step < best[1] * (1 - 1e-9):
-            best = (k, step, t, sets)
+        t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in cands[:k]), ck_bytes, kb, hw)
+        if best is None or bwd + fwd < (best[1] + best[2]) * (1 - 1e-9):
+            best = (k, bwd, fwd, t, sets)
     if best is None:
         p.why = f"GPU: needs {(p.gpu_total + sets) / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
         return p
-    p.gpu_updates, p.step_s, t, p.gpu["GPU update sets"] = best
-    p.times = t
-    # the phase each link or resource limits: the backward pass, then the forward pass with the update
-    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
-    nvme = t["NVMe read"] + t["NVMe write"]
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["host DRAM fwd"], t["host AdamW"], nvme)
-    parts = {"compute": ("compute bwd", "compute fwd"), "H2D": ("H2D bwd", "H2D fwd"), "D2H": ("D2H", "D2H fwd"),
-             "PCIe both ways": ("", "PCIe both fwd"),
-             "host AdamW": ("", "host AdamW"), "host DRAM": ("", "host DRAM fwd"), "NVMe": ("", "")}
-    phase = {name: (bwd if b and t[b] == bwd else 0) + (fwd if f and t[f] == fwd else 0)
-             for name, (b, f) in parts.items()}
-    phase["NVMe"] = fwd if nvme == fwd else 0
+    p.gpu_updates, bwd, fwd, t, p.gpu["GPU update sets"] = best
+    p.times, p.step_s = t, bwd + fwd
+    # what limits each phase: the backward pass, then the forward pass with the update beside it
+    limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
+              "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),
+              "host AdamW": (None, t["host AdamW"]), "host DRAM": (None, t["host DRAM fwd"]),
+              "NVMe": (None, t["NVMe read"] + t["NVMe write"])}
+    phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}
     p.bottleneck = max(phase, key=phase.get)
     F = spec.flops_per_token(seq_len)
     p.tokens_per_s = T / p.step_s
@@ -167,8 +163,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
 
 
 def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: int, kb: dict[str, int],
-           hw: HardwareSpec) -> tuple[dict[str, float], float]:
-    """Seconds per link and phase, and the step, with `on_gpu` parameters updated on the GPU."""
+           hw: HardwareSpec) -> tuple[dict[str, float], float, float]:
+    """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
+    `on_gpu` parameters updated on the GPU."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
@@ -192,7 +189,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
     update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
     t["exposed update"] = max(0.0, update - fwd)
-    return t, bwd + max(fwd, update)
+    return t, bwd, max(fwd, update)
 
 
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
