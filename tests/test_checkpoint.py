@@ -12,7 +12,7 @@ import pytest
 import zarr
 
 from conftest import VARIANTS, tiny_config
-from test_nvme import DEEP, _budget_for
+from test_nvme import DEEP, _budget_for, least_budget
 from tiertrain import checkpoint as ckpt
 from tiertrain.loop import fit
 from tiertrain.metrics import read_metrics
@@ -53,13 +53,19 @@ def _same_run(a, b):
         assert np.array_equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update",
+@pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update", "everything",
                                    pytest.param("kvikio", marks=pytest.mark.gpu)])
 def test_resume_is_bit_identical(token_file, tmp_path, spill):
     """`resident`: the first units' state in device memory, the last units' moments on NVMe.
     `gpu-update`: the first two units updated on the device as they load (a checkpoint runs the
-    update still pending)."""
+    update still pending). `everything`: every slab on NVMe, the bf16 copy that streams included (the
+    resume writes it from the restored master)."""
     sets = [*VARIANTS["qwen2"], *STEPS, "data.shuffle=true"]
+    if spill == "everything":
+        sets += ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"', *DEEP]
+        sets += [f"tiers.host_gb={least_budget(tiny_config(token_file, *sets))}",
+                 f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
+        spill = "posix-set"
     if spill == "resident":
         sets.append("tiers.gpu_resident_gb=0.002")
         spill = "posix"
@@ -69,7 +75,7 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         spill = "none"
     if spill == "kvikio":
         sets.append('train.device="cuda"')
-    if spill != "none":  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
+    if spill not in ("none", "posix-set"):  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
         gb = _budget_for(tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []))
         sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', f'tiers.io="{spill}"']
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")

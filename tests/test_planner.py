@@ -11,6 +11,7 @@ import pytest
 from tiertrain.config import load_config
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 from tiertrain.plan.planner import Budgets, evaluate, plan
+from tiertrain.tiers.placement import kind_bytes, least_host
 from tiertrain.tiers.slab import host_cost
 
 
@@ -90,6 +91,26 @@ def test_spill_plan_matches_the_runtime_placement():
     assert p.fits and p.bottleneck == "NVMe"
     assert round(p.nvme_bytes["exp_avg"] / 2**30, 1) == 11.7 and round(p.nvme_bytes["exp_avg_sq"] / 2**30, 1) == 5.0
     assert "master" not in p.nvme_bytes
+
+
+def test_everything_spilled_by_hand():
+    """llama-3b with a bf16 copy streaming under the least host budget: every slab on NVMe. Beside the
+    forward pass the disk reads the moments, master and gradient for the optimizer and the bf16 copy
+    for the forward pass, and writes moments, master and copy; in the backward pass it takes the
+    gradients and gives the copy of every block but the last two."""
+    spec = load_config("llama-3b").model
+    sizes = (98_304_000, *[113_252_352] * 26, 98_308_096)
+    n, hw = sum(sizes), HardwareSpec()
+    least = least_host(list(sizes), kind_bytes("bfloat16", "compute"), 0, host_cost)
+    assert least == 4 * host_cost(113_252_352 * 4) * 4 + 4 * host_cost(113_252_352 * 2) * 2  # 4 + 2x the copy's
+    p = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100),
+                 hw)
+    assert p.fits and p.host_bytes == {} and p.nvme_bytes == {k: n * b for k, b in kind_bytes("bfloat16", "compute").items()}
+    r, w = hw.disk_read_gbs * 1e9, hw.disk_write_gbs * 1e9
+    assert p.times["NVMe read"] == pytest.approx(18 * n / r) and p.times["NVMe write"] == pytest.approx(14 * n / w)
+    assert p.times["NVMe bwd"] == pytest.approx(2 * sum(sizes[1:25]) / r + 4 * n / w)
+    assert p.step_s == pytest.approx(p.times["NVMe bwd"] + p.times["NVMe read"] + p.times["NVMe write"])
+    assert p.bottleneck == "NVMe"
 
 
 @pytest.mark.parametrize("knob", ["host_gb", "gpu_gb", "nvme_gb"])

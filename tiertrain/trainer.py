@@ -28,7 +28,7 @@ from .plan.planner import Budgets, Plan, evaluate
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, resident_units, spillable,
+from .tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, resident_units,
                               spilled_bytes, update_candidates)
 from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 
@@ -99,7 +99,8 @@ class Trainer:
         self.clock = StallClock(self.streams)
         self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
                                      host_ready=self.optim.wait, grad_sink=self._grad_sink, deferred=self.deferred,
-                                     take_update=self.optim.take, apply=self.optim.opt.apply)
+                                     take_update=self.optim.take, apply=self.optim.opt.apply,
+                                     reader=self.tiers if self.tiers and self.tiers.s_units else None)
         self.checkpoints = Checkpoints(cfg.tiers.activations, self.streams, self.clock, self.device, pin)
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
@@ -144,7 +145,7 @@ class Trainer:
 
     def _place_host(self, numels: list[int], pin: bool) -> dict[tuple[int, str], str]:
         """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run.
-        First everything in RAM; failing that, the spillable kinds on NVMe with the staging ring reserved."""
+        First everything in RAM; failing that, slabs on NVMe by policy with the staging ring reserved."""
         t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
         kb = self.kind_bytes()
         if not t.host_gb:
@@ -155,16 +156,14 @@ class Trainer:
         if where is not None and not ring:
             return where
         least = least_host(numels, kb, acts, host_cost) / 1e9
-        what = "the Adam moments, " + ("the fp32 master " if "master" in spillable(kb) else "") + "and the gradients"
         if not t.nvme_dir:
             raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
                               f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
-                              f"to spill {what} to disk (then --host-gb {least:.3g} is the least)")
+                              f"to spill part of it to disk (then --host-gb {least:.3g} is the least)")
         if where is None:
-            more = "" if "master" in spillable(kb) else \
-                ', or set tiers.stream="compute" (a bf16 copy streams and the fp32 master can go to NVMe too)'
-            raise ConfigError(f"--host-gb {t.host_gb:g} is below what this version can run with {what} on "
-                              f"NVMe: raise --host-gb to at least {least:.3g}{more}")
+            raise ConfigError(f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
+                              + (" and the host activation checkpoints" if acts else "")
+                              + f" with every slab on NVMe: raise --host-gb to at least {least:.3g}")
         return where
 
     def _gpu_updates(self) -> frozenset[int]:
@@ -187,13 +186,17 @@ class Trainer:
             raise ConfigError(f"{sum(spilled.values()) / 1e9:.3g} GB must go to NVMe and --nvme-gb is "
                               f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
         kinds = sorted(spilled)
-        meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype}
+        # numpy has no bfloat16: the compute-dtype copy is stored as its bits
+        meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype,
+                **({"weights": "bfloat16 bits, as uint16"} if "weights" in kinds else {})}
         if replace:
             discard(Path(t.nvme_dir) / self.run_name)
         units = {k: [u for (u, kk), tier in self.where.items() if kk == k and tier == "nvme"] for k in kinds}
-        store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels, {k: "float32" for k in kinds}, meta,
+        store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels,
+                          {k: "uint16" if k == "weights" else "float32" for k in kinds}, meta,
                           make_io(t.io), create=True, units=units)
-        return TierManager(store, self.where, {k: torch.float32 for k in kinds}, pin, depth=RING_SLOTS - 2)
+        return TierManager(store, self.where, {k: self.host.dtype(k) for k in kinds}, pin, depth=RING_SLOTS - 2,
+                           streamed=self.host.streamed_kind)
 
     # ---- weights ------------------------------------------------------------------------------
     def _init_weights(self) -> None:
@@ -213,7 +216,7 @@ class Trainer:
                         v.zero_()
                     else:
                         v.fill_(1.0)
-                self.host.updated(unit.index, flat)
+                self._master_set(unit.index, flat)
 
     def _import_weights(self, reader: HFReader) -> None:
         """A Hugging Face model's weights, streamed tensor by tensor into the master slabs."""
@@ -222,7 +225,7 @@ class Trainer:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(reader.get(t.hf_name, t.shape))
-                self.host.updated(unit.index, flat)
+                self._master_set(unit.index, flat)
 
     # ---- checkpoints --------------------------------------------------------------------------
     @contextmanager
@@ -241,6 +244,14 @@ class Trainer:
         else:
             with self.tiers.borrowed(unit, kind, read) as buf:
                 yield buf
+
+    def _master_set(self, unit: int, master: torch.Tensor) -> None:
+        """The unit's master was set outside the optimizer (init, import, restore): the compute-dtype copy
+        follows, on the host or on NVMe."""
+        if self.where.get((unit, "weights")) == "nvme":
+            with self.tiers.borrowed(unit, "weights", read=False) as w:
+                w.copy_(master)
+        self.host.updated(unit, master)
 
     def _grad_sink(self, unit: int):
         if self.where[(unit, "grad")] == "nvme":
@@ -292,7 +303,7 @@ class Trainer:
             with self._slab(u, kind, read=False) as flat:
                 yield flat
                 if kind == "master":
-                    self.host.updated(u, flat)
+                    self._master_set(u, flat)
 
         ckpt.load_all(path, numels, fill)
         self.step = meta["step"]
@@ -318,7 +329,7 @@ class Trainer:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(sd[t.hf_name])
-                self.host.updated(unit.index, flat)
+                self._master_set(unit.index, flat)
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -341,6 +352,8 @@ class Trainer:
                                       before_backward=lambda: tiers and tiers.start(list(range(len(self.units)))))
         grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
+        if tiers:
+            tiers.updating()
         opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
         loss = float(loss)
         dt = time.perf_counter() - t0

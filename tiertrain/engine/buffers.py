@@ -5,6 +5,8 @@ that was not used last, after the compute stream has released it. The embedding 
 buffer each, so a tied head reads the embedding while blocks rotate. A buffer remembers which (unit,
 version) it holds: a unit still in place (the last block between forward and backward) is not copied
 again. Before a unit is copied, `host_ready(unit)` waits until the host optimizer has finished it.
+Weights spilled to NVMe come through `reader`: `expect(units)` tells it which units the coming loads
+will copy (the cache's own arithmetic), `read(u)` gives a pinned buffer, `copied(u, event)` takes it back.
 
 Gradients: two block accumulators alternate, so the D2H of one overlaps the next unit's backward; the
 embedding and the head have their own (a tied embedding collects the head's gradient first).
@@ -48,10 +50,11 @@ class DeviceBuffers:
                  streams: Streams, clock: StallClock, host_ready: Callable[[int], None] = lambda u: None,
                  grad_sink: Callable[[int], tuple[torch.Tensor, Callable | None]] | None = None,
                  deferred: frozenset[int] = frozenset(), take_update: Callable[[int], tuple | None] = lambda u: None,
-                 apply: Callable | None = None):
+                 apply: Callable | None = None, reader=None):
         """`grad_sink(unit)`: where a unit's gradient goes and what to call with the copy's event (a
         spilled gradient: a staging buffer, then the disk); default its host slab. `deferred`: units
-        updated here, by `apply` (HostAdamW.apply), with the job `take_update(unit)` hands over."""
+        updated here, by `apply` (HostAdamW.apply), with the job `take_update(unit)` hands over.
+        `reader`: the NVMe tier, for units whose streamed slab is spilled (its `s_units`)."""
         self.layouts, self.host, self.dtype, self.s, self.clock = layouts, host, dtype, streams, clock
         self.host_ready = host_ready
         self.grad_sink = grad_sink or (lambda u: (host.slab(u, "grad"), None))
@@ -61,7 +64,7 @@ class DeviceBuffers:
         self.slots = [_Buf(blk, dtype, device) for _ in range(2)]
         self.res = {i: _Buf(layouts[i].numel, dtype, device) for i in self.own}
         # fp32 master streamed for a bf16 run: copy into an fp32 stage, cast on the H2D stream
-        casts = host.streamed(0).dtype != dtype
+        casts = host.dtype(host.streamed_kind) != dtype
         self.stage = torch.empty(max(lay.numel for lay in layouts) if casts else 0, dtype=torch.float32, device=device)
         self.accs = [_Buf(blk, torch.float32, device) for _ in range(2)]
         self.res_acc = {i: _Buf(layouts[i].numel, torch.float32, device) for i in self.own}
@@ -78,6 +81,8 @@ class DeviceBuffers:
         self.sets = [_State(big, device) for _ in range(2 if deferred else 0)]
         self._set_turn = 0
         self.written: dict[int, object] = {}  # unit -> event: its GPU update is back in the host slabs
+        self.reader = reader
+        self.spilled = reader.s_units if reader is not None else set()
 
     # ---- weights ------------------------------------------------------------------------------
     def load(self, unit: int) -> None:
@@ -98,7 +103,8 @@ class DeviceBuffers:
         if buf.holds == key:
             return
         buf.holds = key
-        src = self.host.streamed(unit)
+        spilled = unit in self.spilled and master is None
+        src = self.reader.read_for_copy(unit) if spilled else self.host.streamed(unit) if master is None else None
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, buf.free)
             if master is not None:  # already on the device: cast there
@@ -113,6 +119,28 @@ class DeviceBuffers:
                 if not src.is_cuda:  # a resident unit's copy is device to device
                     self.h2d_bytes += src.numel() * src.element_size()
             self.ready[unit] = self.s.record(self.s.h2d)
+        if spilled:
+            self.reader.copied(unit, self.ready[unit])
+
+    def expect(self, units, new: bool = False) -> None:
+        """The loads coming next, in order: the spilled ones that will copy are read ahead. `new`: every
+        unit's weights will have changed by then (the forward pass after an update)."""
+        if not self.spilled:
+            return
+        held = {id(b): b.holds for b in self.slots + list(self.res.values())}
+        mru, copies = self._mru, []
+        for u in units:
+            key = (u, None if new else self.host.version[u])
+            if u in self.res:
+                b = self.res[u]
+            else:
+                hit = [i for i, b in enumerate(self.slots) if held[id(b)] == key]
+                mru = hit[0] if hit else 1 - mru
+                b = self.slots[mru]
+            if held[id(b)] != key:
+                copies.append(u)
+                held[id(b)] = key
+        self.reader.stream_pass(copies)
 
     def _update(self, unit: int, step: int, lr: float, clip: float) -> torch.Tensor:
         """The unit's AdamW on the GPU (H2D stream), its master and moments written back behind it (D2H

@@ -62,6 +62,7 @@ class StepEngine:
         buf.zero_own_grads()
 
         with torch.no_grad():
+            buf.expect(range(L), new=True)
             buf.load(0)
             w = self.bind(0)
             with clock.computing("forward"):
@@ -77,6 +78,7 @@ class StepEngine:
                 buf.load(i + 1)  # the next block, or the head after the last block
 
         before_backward()
+        buf.expect(range(L - 2, -1, -1))  # the head's load of the last block, then the loop's
         norms: list[torch.Tensor | None] = [None] * L
         loss, grads = self._head(xs, targets, n_tokens)
         del xs

@@ -4,8 +4,10 @@ Pure Python (no torch): a function of (model, batch, budgets, hardware). It uses
 layout and spill policy, and the schedule's cost model (docs/performance.md):
     forward  = max(compute_fwd, H2D of the weights (+ GPU-updated units' state), D2H of that state,
                    host DRAM traffic of those copies and of the host AdamW)
-    backward = max(compute_bwd (recompute included), H2D, D2H)
-    update   = max(host AdamW x contention, NVMe reads + writes)   (needs the global norm: after backward)
+    backward = max(compute_bwd (recompute included), H2D, D2H, NVMe reads of spilled weights + writes of
+                   spilled gradients)
+    update   = max(host AdamW x contention, NVMe reads + writes of the update and of the forward pass)
+               (needs the global norm: after backward)
     step     = backward + max(forward, update)                     (the update overlaps the next forward)
 The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
 forward pass and take their parameters off the host AdamW; by default the plan takes the number of
@@ -17,15 +19,25 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import kind_bytes, place_within, resident_units, update_candidates
+from ..tiers.placement import kind_bytes, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
-NVME_TRAFFIC = {  # per step, in multiples of the slab: (reads, writes), and reads more when it streams
-    "exp_avg": (1, 1), "exp_avg_sq": (1, 1), "master": (1, 1), "grad": (1, 1), "weights": (2, 1)}
+
+
+def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
+    """A spilled slab's disk traffic per step, in multiples of its size: (reads, writes) beside the
+    forward pass (the update's, and the forward pass's read of the streamed weights once the optimizer
+    has written them), and writes in the backward pass (its reads of the streamed weights: Plan's
+    `nvme_bwd_reads`, units the device still holds excepted)."""
+    if kind == streamed:  # a compute-dtype copy is written whole by the optimizer, a master read first
+        return (2 if kind == "master" else 1), 1, 0
+    if kind == "grad":  # drained to disk by the backward pass, read by the optimizer
+        return 1, 0, 1
+    return 1, 1, 0
 
 
 @dataclass
@@ -51,6 +63,7 @@ class Plan:
     why: str = ""
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
     nvme_bytes: dict = field(default_factory=dict)
+    nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
     placement: dict = field(default_factory=dict)  # kind -> {"host": units, "nvme": units}
     host_fixed: dict = field(default_factory=dict)  # ring, host checkpoints, process
     gpu: dict = field(default_factory=dict)  # part -> bytes
@@ -113,6 +126,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         else:
             p.nvme_bytes[k] = p.nvme_bytes.get(k, 0) + size
         p.placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
+        if tier == "nvme" and k == streamed_kind(kb) and 0 < u < len(numels) - 3:
+            p.nvme_bwd_reads += size  # the embedding, the head and the last two blocks stay on the device
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and sum(p.nvme_bytes.values()) > budgets.nvme_gb * 1e9:
         p.why = (f"NVMe: {sum(p.nvme_bytes.values()) / 1e9:.1f} GB must spill and --nvme-gb is {budgets.nvme_gb:g}; "
@@ -152,7 +167,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
               "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),
               "host AdamW": (None, t["host AdamW"]), "host DRAM": (None, t["host DRAM fwd"]),
-              "NVMe": (None, t["NVMe read"] + t["NVMe write"])}
+              "NVMe": (t["NVMe bwd"], t["NVMe read"] + t["NVMe write"])}
     phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}
     p.bottleneck = max(phase, key=phase.get)
     F = spec.flops_per_token(seq_len)
@@ -170,8 +185,8 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
     T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
     host_ck_io = ck_bytes if p.activations == "host" else 0
-    reads = sum(NVME_TRAFFIC[k][0] * b + (2 * b if k == "master" and sw == 4 else 0) for k, b in p.nvme_bytes.items())
-    writes = sum(NVME_TRAFFIC[k][1] * b for k, b in p.nvme_bytes.items())
+    io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
+    reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
     h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * on_gpu, 12 * on_gpu + host_ck_io
     on_host = sum(numels) - on_gpu
@@ -184,9 +199,10 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
          "host AdamW": on_host / adam_rate * hw.adam_contention,
          # the copies and the host AdamW (28 B per parameter, 30 with the bf16 copy) share the host's DRAM
          "host DRAM fwd": (h2d_fwd + d2h_fwd + (28 + 2 * (sw == 2)) * on_host) / (hw.host_dram_gbs * 1e9),
-         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9)}
+         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
+         "NVMe bwd": p.nvme_bwd_reads / (hw.disk_read_gbs * 1e9) + bwd_writes / (hw.disk_write_gbs * 1e9)}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
-    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"])
+    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"])
     update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
     t["exposed update"] = max(0.0, update - fwd)
     return t, bwd, max(fwd, update)

@@ -24,6 +24,7 @@ class HostStore:
         self.version = [0] * len(layouts)
         copy = compute_copy and compute_dtype != torch.float32
         self.kinds = FP32_KINDS + (("weights",) if copy else ())
+        self.streamed_kind = "weights" if copy else "master"  # the slab that carries the weights to the GPU
         self.slabs: list[dict[str, torch.Tensor]] = []
         for u, lay in enumerate(layouts):  # slabs placed on NVMe get no memory here; "gpu" ones live there
             tiers = {k: (where or {}).get((u, k), "host") for k in self.kinds}
@@ -39,8 +40,7 @@ class HostStore:
 
     def streamed(self, unit: int) -> torch.Tensor:
         """The slab that carries the unit's weights to the GPU."""
-        s = self.slabs[unit]
-        return s["weights"] if "weights" in s else s["master"]
+        return self.slabs[unit][self.streamed_kind]
 
     def updated(self, unit: int, master: torch.Tensor | None = None) -> None:
         """The unit's master changed: round it into the compute-dtype copy, and bump its version.

@@ -8,6 +8,13 @@ ring slot is reused only once its write-back has landed, so at most `slots` buff
 Spilled gradients go the other way first: the backward pass drains unit u's gradient into a ring
 buffer (`sink`), which is written to the store once its copy has landed; the optimizer reads it back
 after that write, and nothing writes it back after the update (the next backward pass overwrites it).
+
+The streamed kind (the slab that carries the weights to the GPU) has a second set of buffers: the
+forward and the backward pass read it, in the order `stream_pass(units)` gives, `read_for_copy(u)`
+hands unit u's over and reads ahead, and `copied(u, event)` takes the buffer back once the H2D copy
+has happened. In the forward pass a unit's new weights are read only once the optimizer has written
+them (`updating()` marks the units it is about to rewrite). The optimizer writes a compute-dtype copy
+without reading it first.
 """
 from __future__ import annotations
 
@@ -26,14 +33,24 @@ from .slab import alloc_slab
 
 class TierManager:
     def __init__(self, store: NvmeStore, where: dict[tuple[int, str], str], dtypes: dict[str, torch.dtype],
-                 pin: bool, depth: int = 1):
-        self.store, self.depth = store, depth
+                 pin: bool, depth: int = 1, streamed: str = "master"):
+        self.store, self.depth, self.streamed = store, depth, streamed
         self.spilled = {u: [k for (uu, k), t in sorted(where.items()) if uu == u and t == "nvme"]
                         for u in range(len(store.numels))}
         kinds = sorted({k for ks in self.spilled.values() for k in ks})
         slots = depth + 2  # read ahead, in use, writing back
         width = max(store.numels[u] for u, ks in self.spilled.items() if ks)  # the widest spilled slab
         self.free = {k: deque(alloc_slab(width, dtypes[k], pin) for _ in range(slots)) for k in kinds}
+        # the streamed kind, read for the device: read ahead, being copied, one spare
+        self.s_units = {u for u, ks in self.spilled.items() if streamed in ks}
+        self.s_free = deque(alloc_slab(width, dtypes[streamed], pin) for _ in range(slots if self.s_units else 0))
+        self.s_busy: deque[tuple[object, torch.Tensor]] = deque()  # (H2D event or read future, buffer)
+        self.s_order: deque[int] = deque()
+        self.s_loaded: dict[int, tuple[Future, torch.Tensor]] = {}
+        self.s_out: dict[int, torch.Tensor] = {}  # handed to the device, not yet copied
+        self.stale: set[int] = set()  # units whose streamed slab the optimizer is about to rewrite
+        self.rewritten: dict[int, Future] = {}  # unit -> the optimizer's write of its new weights
+        self.s_read_bytes = 0
         self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
@@ -49,8 +66,9 @@ class TierManager:
         self._t_last = 0.0
 
     def ring_nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for k in self.free for b in list(self.free[k]) +
-                   [t for _, t in self.busy[k]])
+        bufs = [b for k in self.free for b in list(self.free[k]) + [t for _, t in self.busy[k]]]
+        bufs += list(self.s_free) + [b for _, b in self.s_busy] + [b for _, b in self.s_loaded.values()]
+        return sum(b.numel() * b.element_size() for b in bufs + list(self.s_out.values()))
 
     def _timed(self, fut: Future) -> Future:
         """Marks the I/O window of the pass: its first request, its last completion."""
@@ -83,6 +101,9 @@ class TierManager:
                     continue
                 w.result()
             buf = self._slot(k)
+            if k == "weights":  # the optimizer writes the compute-dtype copy whole, from the master
+                got[k] = (_done(), buf)
+                continue
             got[k] = (self._timed(self.store.read(unit, k, buf[:n])), buf)
             self.read_bytes += n * buf.element_size()
 
@@ -108,7 +129,7 @@ class TierManager:
     def start(self, order: list[int]) -> None:
         """A new pass in `order`: the last pass's write-backs land first, then reading ahead begins."""
         self.flush()
-        now = (self.read_bytes, self.write_bytes)
+        now = (self.read_bytes + self.s_read_bytes, self.write_bytes)
         self.last_pass = (now[0] - self._pass_start[0], now[1] - self._pass_start[1])
         self._pass_start = now
         self.last_window_s = self._t_last - self._t_first if self._t_first is not None else 0.0
@@ -139,8 +160,12 @@ class TierManager:
             if k == "grad":  # consumed: the next backward pass writes a new one
                 self.free[k].append(buf)
                 continue
-            self.busy[k].append((self._timed(self.store.write(unit, k, buf[:n])), buf))
+            fut = self._timed(self.store.write(unit, k, buf[:n]))
+            self.busy[k].append((fut, buf))
             self.write_bytes += n * buf.element_size()
+            if k == self.streamed:
+                self.rewritten[unit] = fut  # before leaving `stale`: the reader then finds it
+        self.stale.discard(unit)
 
     @contextmanager
     def borrowed(self, unit: int, kind: str, read: bool) -> Iterator[torch.Tensor]:
@@ -160,9 +185,97 @@ class TierManager:
             with self._lock:
                 self.free[kind].append(whole)
 
+    # ---- the streamed kind, read for the forward and backward passes --------------------------------
+    def updating(self) -> None:
+        """The optimizer is about to rewrite every unit's streamed slab: a unit's next read waits for
+        its write (release)."""
+        self.rewritten.clear()
+        self.stale = set(self.s_units)
+
+    def stream_pass(self, units: list[int]) -> None:
+        """The units the device will copy next, in order; reading ahead starts."""
+        self._drop_reads()
+        self.s_order = deque(u for u in units if u in self.s_units)
+        self._read_ahead()
+
+    def _drop_reads(self) -> None:
+        for u in list(self.s_loaded):  # read ahead but not used (the device found them in place)
+            self.s_busy.append(self.s_loaded.pop(u))
+
+    def _s_slot(self) -> torch.Tensor:
+        if not self.s_free:
+            done, buf = self.s_busy.popleft()
+            if isinstance(done, Future):
+                done.result()
+            elif done is not None:
+                done.synchronize()  # the H2D copy out of it has happened
+            self.s_free.append(buf)
+        return self.s_free.popleft()
+
+    def _stream_read(self, unit: int) -> None:
+        buf = self._s_slot()
+        view = buf[:self.store.numels[unit]]
+        fut = _then(self.rewritten.pop(unit, None), lambda: self.store.read(unit, self.streamed, view))
+        self.s_loaded[unit] = (self._timed(fut), buf)
+        self.s_read_bytes += view.numel() * view.element_size()
+
+    def _read_ahead(self) -> None:
+        for u in list(self.s_order)[:self.depth]:
+            if u not in self.s_loaded and u not in self.stale:
+                self._stream_read(u)
+
+    def read_for_copy(self, unit: int) -> torch.Tensor:
+        """Unit u's streamed slab in a pinned buffer, for the device to copy; hand it back with copied()."""
+        while self.s_order and self.s_order[0] != unit:  # the order's units before it were found in place
+            v = self.s_order.popleft()
+            if v in self.s_loaded:
+                self.s_busy.append(self.s_loaded.pop(v))
+        if self.s_order:
+            self.s_order.popleft()
+        if unit not in self.s_loaded:
+            self._stream_read(unit)
+        fut, buf = self.s_loaded.pop(unit)
+        self._read_ahead()
+        fut.result()
+        self.s_out[unit] = buf
+        return buf[:self.store.numels[unit]]
+
+    def copied(self, unit: int, event) -> None:
+        """The device has enqueued its copy of the unit's buffer (`event`: once it has happened)."""
+        self.s_busy.append((event, self.s_out.pop(unit)))
+
     def flush(self) -> None:
         for k in self.busy:
             while self.busy[k]:
                 fut, buf = self.busy[k].popleft()
                 fut.result()
                 self.free[k].append(buf)
+
+
+def _done() -> Future:
+    f: Future = Future()
+    f.set_result(0)
+    return f
+
+
+def _then(first: Future | None, start) -> Future:
+    """`start()`'s future, started once `first` has finished (at once when None); an error of either
+    is the result's."""
+    if first is None:
+        return start()
+    out: Future = Future()
+
+    def relay(f: Future) -> None:
+        out.set_exception(f.exception()) if f.exception() else out.set_result(f.result())
+
+    def go(f: Future) -> None:
+        if f.exception():
+            out.set_exception(f.exception())
+            return
+        try:
+            start().add_done_callback(relay)
+        except Exception as e:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(e)
+
+    first.add_done_callback(go)
+    return out

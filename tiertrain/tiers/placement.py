@@ -1,18 +1,30 @@
 """Where each (unit, kind) slab lives when the host budget is smaller than the state.
 
 Policy: spill what each step touches least, first. Adam moments (`exp_avg`, then `exp_avg_sq`: read
-and written once per step, by the optimizer only), then the fp32 master (read and written by the
-optimizer, and read twice more when it is what streams), then gradients (written by the D2H, read by
-the optimizer), the compute-dtype copy last (read for the forward and the backward pass). Within a
-kind, units spill from the last to the first: the optimizer reaches them last, which leaves the most
-time to read them ahead. This runtime spills all but the weights that stream (`spillable`): the
-moments, the master when a compute-dtype copy streams, then the gradients.
+and written once per step, by the optimizer only), then the fp32 master when a compute-dtype copy
+streams (then only the optimizer reads and writes it), then gradients (written by the D2H, read by
+the optimizer), and last the weights that stream (read by the forward and the backward pass, written
+by the optimizer): the compute-dtype copy, or the fp32 master when it is what streams. Within a kind, units
+spill from the last to the first: the optimizer reaches them last, which leaves the most time to read
+them ahead. Every kind can spill, so the least host budget is the staging ring alone.
 Pure Python: the planner uses it too.
 """
 from __future__ import annotations
 
 SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
-RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back
+RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
+# the streamed kind has twice that: its own for the forward and backward passes' reads
+
+
+def streamed_kind(kb: dict[str, int]) -> str:
+    """The kind whose slab carries the weights to the GPU."""
+    return "weights" if "weights" in kb else "master"
+
+
+def spill_order(kb: dict[str, int]) -> tuple[str, ...]:
+    """The kinds of `kb` in the order they spill: SPILL_ORDER, with the streamed kind last."""
+    s = streamed_kind(kb)
+    return tuple(k for k in SPILL_ORDER if k in kb and k != s) + (s,)
 
 
 def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
@@ -43,30 +55,24 @@ def update_candidates(where: dict[tuple[int, str], str], kinds, n_units: int) ->
     return [u for u in range(n_units) if all(where.get((u, k), "host") == "host" for k in kinds)]
 
 
-def spillable(kb: dict[str, int]) -> tuple[str, ...]:
-    """The kinds this runtime keeps on NVMe, in policy order: the Adam moments; the fp32 master when a
-    compute-dtype copy is what streams to the GPU (then only the optimizer reads and writes it); the
-    gradients (written once by the backward pass, read once by the optimizer: the disk joins the
-    backward pass). The weights that stream stay in RAM: both passes read them."""
-    return tuple(k for k in SPILL_ORDER if k in ("exp_avg", "exp_avg_sq", "grad") or (k == "master" and "weights" in kb))
-
-
-def ring_bytes(numels: list[int], n_kinds: int, cost) -> int:
-    return RING_SLOTS * n_kinds * cost(max(numels) * 4)
+def ring_bytes(numels: list[int], kinds: tuple[str, ...], kb: dict[str, int], cost) -> int:
+    """Host bytes of the staging ring when `kinds` spill (each buffer as wide as the widest unit)."""
+    s = streamed_kind(kb)
+    return RING_SLOTS * sum(cost(max(numels) * kb[k]) * (2 if k == s else 1) for k in kinds)
 
 
 def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixed: float,
                  cost) -> tuple[dict[tuple[int, str], str] | None, int, float]:
     """(placement, staging ring bytes, host bytes of the whole state + `fixed`). Everything stays on the
-    host when it fits beside `fixed` (no ring then); otherwise slabs spill by policy, the moments first
-    (a ring for two kinds), then the master if it may (a ring for three); placement None when even
-    that cannot fit."""
+    host when it fits beside `fixed` (no ring then); otherwise slabs spill by policy: the moments
+    first (a ring for two kinds), then each further kind of spill_order with its ring; placement None
+    when even every slab on NVMe cannot fit."""
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
     if total <= host_budget:
         return place(numels, kb, None), 0, total
-    kinds = spillable(kb)
-    for n in sorted({2, len(kinds) - 1, len(kinds)}):
-        ring = ring_bytes(numels, n, cost)
+    kinds = spill_order(kb)
+    for n in range(2, len(kinds) + 1):
+        ring = ring_bytes(numels, kinds[:n], kb, cost)
         try:
             return place(numels, kb, host_budget - fixed - ring, cost, kinds[:n]), ring, total
         except ValueError:
@@ -75,14 +81,12 @@ def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixe
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
-    """The smallest host budget place_within can meet: every spillable slab on NVMe."""
-    kinds = spillable(kb)
-    kept = sum(cost(n * b) for n in numels for k, b in kb.items() if k not in kinds)
-    return kept + fixed + ring_bytes(numels, len(kinds), cost)
+    """The smallest host budget place_within can meet: every slab on NVMe, the ring and `fixed` in RAM."""
+    return fixed + ring_bytes(numels, spill_order(kb), kb, cost)
 
 
 def place(numels: list[int], kind_bytes: dict[str, int], host_budget: float | None,
-          cost=None, kinds: tuple[str, ...] = SPILL_ORDER) -> dict[tuple[int, str], str]:
+          cost=None, kinds: tuple[str, ...] | None = None) -> dict[tuple[int, str], str]:
     """{(unit, kind): "host" | "nvme"}: the fewest slabs of `kinds` spilled, in policy order, so that what
     stays fits `host_budget` bytes (None: no budget, everything on the host). `cost(nbytes)` is what a
     slab of nbytes takes from the host (an allocator may round it up); by default its size."""
@@ -91,14 +95,14 @@ def place(numels: list[int], kind_bytes: dict[str, int], host_budget: float | No
     if host_budget is None:
         return where
     left = sum(cost(n * b) for n in numels for b in kind_bytes.values()) - host_budget
-    for kind in (k for k in SPILL_ORDER if k in kind_bytes and k in kinds):
+    for kind in (k for k in kinds or spill_order(kind_bytes) if k in kind_bytes):
         for u in reversed(range(len(numels))):
             if left <= 0:
                 return where
             where[(u, kind)] = "nvme"
             left -= cost(numels[u] * kind_bytes[kind])
     if left > 0:
-        raise ValueError("the state does not fit even with every spillable slab on NVMe")
+        raise ValueError("the state does not fit even with those kinds on NVMe")
     return where
 
 
