@@ -12,6 +12,8 @@ Stages, each its own process (peak RSS is per process), one after another:
               streams and the master spills too
   checkpoint  llama-3b with a few GB of moments on NVMe: save, one more step, resume, the same step
   big         --big (llama-7b) under --big-host-gb (96): 3 steps
+  least       --config with --least-layers blocks, the bf16 copy streaming, under the least host budget:
+              every slab on NVMe, the weights that stream included; 3 steps
 Writes <out>/<date>-<gpu>-nvme.md and .json.
 """
 from __future__ import annotations
@@ -29,16 +31,17 @@ from statistics import median
 from bench.pipeline import _batch, _peak_rss_gb, run_deepspeed
 
 OVERHEAD_GB = 3.0  # tiertrain's RSS beyond its --host-gb: Python, torch, the CUDA context (measured: 1.4-2.6)
-STAGES = ("probe", "deepspeed", "tiertrain", "checkpoint", "big")
-IO = ["auto"]  # the NVMe backend of the runs: the probe's faster one (--io)
+STAGES = ("probe", "deepspeed", "tiertrain", "checkpoint", "big", "least")
+IO = ["auto", 8]  # the NVMe backend of the runs (the probe's faster one, --io) and its threads (--io-threads)
 
 
-def _cfg(config: str, B: int, micro: int, host_gb: float, nvme: str, stream: str):
+def _cfg(config: str, B: int, micro: int, host_gb: float, nvme: str, stream: str, *more: str):
     from tiertrain.config import load_config
 
-    return load_config(config, [f"train.batch_size={B}", f"train.micro_batch_size={micro}", "train.steps=100000",
+    return load_config(config, [*more, f"train.batch_size={B}", f"train.micro_batch_size={micro}", "train.steps=100000",
                                 'train.compute_dtype="bfloat16"', f'tiers.stream="{stream}"', 'tiers.activations="gpu"',
                                 f"tiers.host_gb={host_gb}", f'tiers.nvme_dir="{nvme}"', f'tiers.io="{IO[0]}"',
+                                f"tiers.io_threads={IO[1]}",
                                 "optim.lr=1e-5",
                                 "optim.min_lr=0.0", "optim.warmup_steps=0"])
 
@@ -85,7 +88,8 @@ def run_tiertrain(a) -> list[dict]:
         keys = ("step_s", "nvme_read_gb", "nvme_write_gb", "nvme_io_s", "opt_wait_s", "forward_s", "backward_s")
         row = {k: median(r.get(k, 0.0) for r in recs) for k in keys}
         S = cfg.train.seq_len
-        rows.append({"system": f"tiertrain ({a.stream} stream, --host-gb {a.host_gb:.1f})", "batch": B,
+        rows.append({"system": f"tiertrain ({a.stream} stream, --host-gb {a.host_gb:.1f}, {IO[1]} I/O threads)",
+                     "batch": B, "io_threads": IO[1],
                      "tokens": B * S, "tokens_per_s": B * S / row["step_s"], "host_peak_rss_gb": _peak_rss_gb(),
                      "setup_s": setup_s, "placement": place, "losses": [r["loss"] for r in recs],
                      **row, **_predict(tr, B)})
@@ -145,6 +149,30 @@ def run_big(a) -> list[dict]:
              "params": cfg.model.n_params, **pred} for r in recs]
 
 
+def run_least(a) -> list[dict]:
+    """Every slab on NVMe: the least host budget of a --least-layers model with the bf16 copy streaming."""
+    from tiertrain.config import load_config
+    from tiertrain.plan.planner import _layouts
+    from tiertrain.tiers.nvme import discard
+    from tiertrain.tiers.placement import kind_bytes, least_host
+    from tiertrain.tiers.slab import host_cost
+    from tiertrain.trainer import Trainer
+
+    layers = f"model.num_hidden_layers={a.least_layers}"
+    numels = _layouts(load_config(a.config, [layers]).model)
+    gb = least_host(numels, kind_bytes("bfloat16", "compute"), 0, host_cost) / 1e9 + 0.001
+    cfg = _cfg(a.config, 4, a.micro, gb, str(Path(a.nvme_dir) / "least"), "compute", layers)
+    t0 = time.perf_counter()
+    tr = Trainer(cfg, run_name="least")
+    setup_s, place = time.perf_counter() - t0, _placement(tr)
+    recs = _steps(tr, 4, 3)
+    pred = _predict(tr, 4)
+    tr.close()
+    discard(tr.tiers.store.root)
+    return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": _peak_rss_gb(), "host_gb": gb,
+             "params": cfg.model.n_params, **pred} for r in recs]
+
+
 def worker(a) -> None:
     if a.worker == "probe":
         from tiertrain.plan.probe import probe_spec
@@ -172,23 +200,24 @@ def worker(a) -> None:
         finally:
             shutil.rmtree(ds, ignore_errors=True)
     else:
-        out = {"tiertrain": run_tiertrain, "checkpoint": run_checkpoint, "big": run_big}[a.worker](a)
+        out = {"tiertrain": run_tiertrain, "checkpoint": run_checkpoint, "big": run_big, "least": run_least}[a.worker](a)
     Path(a.json).write_text(json.dumps(out))
 
 
 def choose_budget(a, ds_rss: float | None) -> tuple[float, str]:
     """(host GB, stream) for tiertrain: no more RAM than DeepSpeed used, at least half the moments spilled."""
     from tiertrain.config import load_config
-    from tiertrain.model.spec import ModelSpec  # noqa: F401 - the layouts below
-    from tiertrain.tiers.placement import kind_bytes, least_host, ring_bytes
-    from tiertrain.tiers.slab import SlabLayout, host_cost
+    from tiertrain.plan.planner import _layouts
+    from tiertrain.tiers.placement import kind_bytes, ring_bytes, spill_order
+    from tiertrain.tiers.slab import host_cost
 
-    spec = load_config(a.config).model
-    numels = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]).numel for u in spec.units()]
+    numels = _layouts(load_config(a.config).model)
     fp32 = sum(host_cost(n * 4) for n in numels)
-    half = (2 * fp32 + fp32 + ring_bytes(numels, 2, host_cost)) / 1e9  # master, grad, half of the moments
+    kb = kind_bytes("bfloat16", "master")
+    half = (2 * fp32 + fp32 + ring_bytes(numels, ("exp_avg", "exp_avg_sq"), kb, host_cost)) / 1e9  # master, grad, half the moments
     gb = min(half, ds_rss - OVERHEAD_GB) if ds_rss else half
-    if gb * 1e9 >= least_host(numels, kind_bytes("bfloat16", "master"), 0, host_cost):
+    # the fp32 master streams while it fits in RAM beside its ring; below that the bf16 copy streams
+    if gb * 1e9 >= fp32 + ring_bytes(numels, spill_order(kb)[:-1], kb, host_cost):
         return gb, "master"
     return gb, "compute"
 
@@ -198,7 +227,7 @@ def _run(a, stage: str, out: Path, extra: list[str]) -> tuple[object | None, str
     cmd = [sys.executable, "-m", "bench.nvme", "--worker", stage, "--json", str(js), "--config", a.config,
            "--nvme-dir", a.nvme_dir, "--batches", *map(str, a.batches), "--micro", str(a.micro), "--warmup",
            str(a.warmup), "--steps", str(a.steps), "--big", a.big, "--big-host-gb", str(a.big_host_gb),
-           "--ckpt-spill-gb", str(a.ckpt_spill_gb), *extra]
+           "--ckpt-spill-gb", str(a.ckpt_spill_gb), "--least-layers", str(a.least_layers), *extra]
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -233,8 +262,10 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--io", default="auto")
+    p.add_argument("--io-threads", type=int, nargs="+", default=[8], help="the tiertrain stage runs once with each")
+    p.add_argument("--least-layers", type=int, default=8)
     a = p.parse_args()
-    IO[0] = a.io
+    IO[0], IO[1] = a.io, a.io_threads[0]
     if a.worker:
         return worker(a)
     out = Path(a.out)
@@ -250,9 +281,16 @@ def main() -> None:
             extra = ["--host-gb", f"{gb:.2f}", "--stream", stream]
         if res.get("probe"):
             extra += ["--io", res["probe"]["io"]]
-        res[stage], err = _run(a, stage, out, extra)
-        if err:
-            errors[stage] = err
+        if stage != "tiertrain":
+            res[stage], err = _run(a, stage, out, extra)
+            if err:
+                errors[stage] = err
+            continue
+        for n in a.io_threads:  # one process per thread count: rows side by side
+            rows, err = _run(a, stage, out, extra + ["--io-threads", str(n)])
+            res[stage] = (res.get(stage) or []) + (rows or [])
+            if err:
+                errors[f"{stage} ({n} threads)"] = err
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     gpu = ((res.get("probe") or {}).get("spec", {}).get("gpu") or "gpu").replace("NVIDIA ", "").replace(" ", "")
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-nvme"

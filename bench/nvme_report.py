@@ -42,15 +42,16 @@ def report(rec: dict) -> str:
                   "I/O floor = NVMe read / read rate + NVMe write / write rate (one disk, the rates measured "
                   "above). Disk use = that floor / the I/O window (first read issued to last write landed, per "
                   "update). Bytes are those of one whole update.", "",
-                  "| batch | step s | read GB | write GB | I/O window s | disk GB/s in window | disk use | "
+                  "| batch | I/O threads | step s | read GB | write GB | I/O window s | disk GB/s in window | disk use | "
                   "I/O floor s | step / floor | predicted step s | predicted / measured |",
-                  "|" + " --- |" * 11]
+                  "|" + " --- |" * 12]
         for r in tt:
             floor = r["nvme_read_gb"] / rr + r["nvme_write_gb"] / rw
             window = r["nvme_io_s"] or float("nan")
             gbs = (r["nvme_read_gb"] + r["nvme_write_gb"]) / window
             pred = r.get("pred_step_s", float("nan"))
-            lines.append(f"| {r['batch']} | {r['step_s']:.2f} | {r['nvme_read_gb']:.1f} | {r['nvme_write_gb']:.1f} | "
+            lines.append(f"| {r['batch']} | {r.get('io_threads', 8)} | {r['step_s']:.2f} | {r['nvme_read_gb']:.1f} | "
+                         f"{r['nvme_write_gb']:.1f} | "
                          f"{r['nvme_io_s']:.2f} | {gbs:.2f} | {floor / window:.0%} | {floor:.2f} | "
                          f"{r['step_s'] / floor if floor else float('nan'):.2f} | {pred:.2f} | {pred / r['step_s']:.2f} |")
     ck = res.get("checkpoint")
@@ -73,6 +74,21 @@ def report(rec: dict) -> str:
         for r in big:
             lines.append(f"| {r['step']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {r.get('nvme_read_gb', 0):.1f} | "
                          f"{r.get('nvme_write_gb', 0):.1f} | {r['opt_wait_s']:.2f} | {r.get('pred_step_s', float('nan')):.2f} |")
+    least = res.get("least")
+    if least:
+        b = least[0]
+        lines += ["", f"## Every slab on NVMe: {b['params'] / 1e9:.2f} B parameters, the least host budget", "",
+                  f"- --host-gb {b['host_gb']:.2f} (the staging ring), bf16 copy streaming: {_placement(b['placement'])}; "
+                  f"trainer built in {b['setup_s']:.0f} s; host peak RSS {max(r['host_peak_rss_gb'] for r in least):.1f} GB",
+                  f"- planner: step {b.get('pred_step_s', float('nan')):.2f} s, bottleneck {b.get('pred_bottleneck')}", "",
+                  "| step | step s | tokens/s | NVMe read GB | NVMe write GB | I/O window s | disk use | step / I/O floor |",
+                  "|" + " --- |" * 8]
+        for r in least:
+            rd, wr = r.get("nvme_read_gb", 0), r.get("nvme_write_gb", 0)
+            floor = rd / rr + wr / rw
+            window = r.get("nvme_io_s") or float("nan")
+            lines.append(f"| {r['step']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {rd:.1f} | {wr:.1f} | "
+                         f"{window:.2f} | {floor / window:.0%} | {r['step_s'] / floor if floor else float('nan'):.2f} |")
     return "\n".join(lines) + "\n"
 
 

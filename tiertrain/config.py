@@ -90,6 +90,7 @@ class TiersConfig:
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
+    io_threads: int = 8  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
     gpu_resident_gb: float = 0.0  # GPU memory for the whole state of the first units (updated on the GPU)
     gpu_update_units: int = -1  # streamed units updated on the GPU as they load; -1: the plan's choice, 0: none
 
@@ -99,6 +100,7 @@ class TiersConfig:
         _need(self.host_gb >= 0, "tiers", "host_gb", self, "must be 0 (no budget) or a positive number of GB")
         _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
+        _need(1 <= self.io_threads <= 256, "tiers", "io_threads", self, "must be between 1 and 256")
         _need(self.gpu_resident_gb >= 0, "tiers", "gpu_resident_gb", self, "must be 0 (none) or a number of GB")
         _need(self.gpu_update_units >= -1, "tiers", "gpu_update_units", self,
               "must be -1 (the plan chooses), 0 (none) or a number of units")

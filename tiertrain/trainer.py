@@ -194,7 +194,7 @@ class Trainer:
         units = {k: [u for (u, kk), tier in self.where.items() if kk == k and tier == "nvme"] for k in kinds}
         store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels,
                           {k: "uint16" if k == "weights" else "float32" for k in kinds}, meta,
-                          make_io(t.io), create=True, units=units)
+                          make_io(t.io, t.io_threads), create=True, units=units)
         return TierManager(store, self.where, {k: self.host.dtype(k) for k in kinds}, pin, depth=RING_SLOTS - 2,
                            streamed=self.host.streamed_kind)
 
