@@ -94,6 +94,9 @@ def run_tiertrain(a) -> list[dict]:
                      "setup_s": setup_s, "placement": place, "losses": [r["loss"] for r in recs],
                      **row, **_predict(tr, B)})
     tr.close()
+    from tiertrain.tiers.nvme import discard
+
+    discard(tr.tiers.store.root)  # the next run (another thread count) makes its own
     return rows
 
 
