@@ -18,13 +18,22 @@ def report(rec: dict) -> str:
     spec = probe.get("spec", {})
     disk = probe.get("disk", {})
     rr, rw = spec.get("disk_read_gbs", float("nan")), spec.get("disk_write_gbs", float("nan"))
+    rm = spec.get("disk_mixed_gbs") or 0.0
+
+    def io_floor(read_gb: float, write_gb: float) -> float:
+        """One disk's seconds for these bytes at the probed rates (as the planner's disk_time)."""
+        one_way = read_gb / rr + write_gb / rw
+        return max(read_gb / rr, write_gb / rw, (read_gb + write_gb) / rm) if rm else one_way
+
     lines = ["# NVMe tier: tiertrain vs DeepSpeed ZeRO-3 with its optimizer on NVMe", "",
              f"- date: {rec['date']}",
              f"- hardware: {spec.get('gpu')}, {spec.get('cpu_count')} CPUs, {spec.get('host_ram_gb', 0):.0f} GB RAM",
              f"- command: `python -m bench.nvme {' '.join(rec['argv'][1:])}`",
-             "- disk measured in this run (4 GiB, direct I/O): "
-             + ", ".join(f"{io} read {r:.2f} / write {w:.2f} GB/s" for io, (r, w) in disk.items())
-             + f"; the runs use {probe.get('io', '?')}", ""]
+             "- disk measured in this run (4 GiB, direct I/O; backend/threads: read / write / both at once GB/s): "
+             + ", ".join(f"{io} {v[0]:.2f} / {v[1]:.2f}" + (f" / {v[2]:.2f}" if len(v) > 2 else "")
+                         for io, v in disk.items())
+             + f"; the disk's rates are the best of these (read {rr:.2f}, write {rw:.2f}, both {rm:.2f}); "
+             f"the runs use {probe.get('io', '?')}", ""]
     for stage, err in errors.items():
         lines.append(f"- **{stage} failed**: `{err}`")
     ds = {r["batch"]: r for r in res.get("deepspeed") or []}
@@ -39,14 +48,15 @@ def report(rec: dict) -> str:
     if tt:
         lines += ["", f"tiertrain placement: {_placement(tt[0]['placement'])}", "",
                   "## tiertrain's disk", "",
-                  "I/O floor = NVMe read / read rate + NVMe write / write rate (one disk, the rates measured "
-                  "above). Disk use = that floor / the I/O window (first read issued to last write landed, per "
-                  "update). Bytes are those of one whole update.", "",
+                  "I/O floor = the disk's time for the bytes at the rates measured above: max(read / read rate, "
+                  "write / write rate, (read + write) / both-at-once rate) (without that rate: read / read rate + "
+                  "write / write rate). Disk use = that floor / the I/O window (first read issued to last write "
+                  "landed, per update). Bytes are those of one whole update.", "",
                   "| batch | I/O threads | step s | read GB | write GB | I/O window s | disk GB/s in window | disk use | "
                   "I/O floor s | step / floor | predicted step s | predicted / measured |",
                   "|" + " --- |" * 12]
         for r in tt:
-            floor = r["nvme_read_gb"] / rr + r["nvme_write_gb"] / rw
+            floor = io_floor(r["nvme_read_gb"], r["nvme_write_gb"])
             window = r["nvme_io_s"] or float("nan")
             gbs = (r["nvme_read_gb"] + r["nvme_write_gb"]) / window
             pred = r.get("pred_step_s", float("nan"))
@@ -85,7 +95,7 @@ def report(rec: dict) -> str:
                   "|" + " --- |" * 8]
         for r in least:
             rd, wr = r.get("nvme_read_gb", 0), r.get("nvme_write_gb", 0)
-            floor = rd / rr + wr / rw
+            floor = io_floor(rd, wr)
             window = r.get("nvme_io_s") or float("nan")
             lines.append(f"| {r['step']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {rd:.1f} | {wr:.1f} | "
                          f"{window:.2f} | {floor / window:.0%} | {r['step_s'] / floor if floor else float('nan'):.2f} |")

@@ -1,6 +1,7 @@
 """The planner: pure Python, its arithmetic by hand, and more of any budget never predicts a slower step."""
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import subprocess
@@ -111,6 +112,13 @@ def test_everything_spilled_by_hand():
     assert p.times["NVMe bwd"] == pytest.approx(2 * sum(sizes[1:25]) / r + 4 * n / w)
     assert p.step_s == pytest.approx(p.times["NVMe bwd"] + p.times["NVMe read"] + p.times["NVMe write"])
     assert p.bottleneck == "NVMe"
+    # a probed rate of reads and writes at once: each phase's bytes within it, each direction within its own
+    q = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100),
+                 dataclasses.replace(hw, disk_mixed_gbs=3.0))
+    assert q.times["NVMe"] == pytest.approx(max(18 * n / r, 14 * n / w, 32 * n / 3e9))
+    assert q.times["NVMe bwd"] == pytest.approx(max(2 * sum(sizes[1:25]) / r, 4 * n / w,
+                                                    (2 * sum(sizes[1:25]) + 4 * n) / 3e9))
+    assert q.step_s == pytest.approx(q.times["NVMe bwd"] + q.times["NVMe"]) and q.step_s < p.step_s
 
 
 @pytest.mark.parametrize("knob", ["host_gb", "gpu_gb", "nvme_gb"])
@@ -156,7 +164,7 @@ def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     hw = HardwareSpec.load(out)
-    assert hw.source.startswith("tiertrain probe") and hw.disk_read_gbs > 0 and hw.disk_write_gbs > 0
+    assert hw.source.startswith("tiertrain probe") and hw.disk_read_gbs > 0 and hw.disk_write_gbs > 0 and hw.disk_mixed_gbs > 0
     assert hw.host_adam_params_per_s > 0 and hw.host_adam_copy_params_per_s > 0
     assert "GPU memory, PCIe and matmul rates are the reference" in r.stdout or hw.gpu_mem_gb != REFERENCE.gpu_mem_gb
     assert not list(tmp_path.glob(".tiertrain-probe-*"))  # the probe's file is gone

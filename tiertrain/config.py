@@ -90,7 +90,7 @@ class TiersConfig:
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
-    io_threads: int = 8  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
+    io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
     gpu_resident_gb: float = 0.0  # GPU memory for the whole state of the first units (updated on the GPU)
     gpu_update_units: int = -1  # streamed units updated on the GPU as they load; -1: the plan's choice, 0: none
 

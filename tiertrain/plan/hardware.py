@@ -27,6 +27,7 @@ class HardwareSpec:
     host_adam_copy_params_per_s: float = 2.81e9  # with the rounding into a host bf16 copy
     disk_read_gbs: float = 2.2  # through the runtime's I/O backend (kvikio compatibility mode)
     disk_write_gbs: float = 2.2
+    disk_mixed_gbs: float = 0.0  # reads and writes at once, summed; 0: unknown (one direction at a time)
     # Fitted on the llama-3b benchmark run (docs/performance.md): training compute runs at this fraction
     # of the matmul rate; AdamW overlapped with the next forward pass runs this much slower than alone
     # (DRAM shared with the H2D copies).

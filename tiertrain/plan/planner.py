@@ -167,7 +167,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
               "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),
               "host AdamW": (None, t["host AdamW"]), "host DRAM": (None, t["host DRAM fwd"]),
-              "NVMe": (t["NVMe bwd"], t["NVMe read"] + t["NVMe write"])}
+              "NVMe": (t["NVMe bwd"], t["NVMe"])}
     phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}
     p.bottleneck = max(phase, key=phase.get)
     F = spec.flops_per_token(seq_len)
@@ -175,6 +175,15 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.model_tflops = F * T / p.step_s / 1e12
     p.fits, p.why = True, "fits"
     return p
+
+
+def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
+    """Seconds of one disk for these bytes, reads and writes in flight together: each direction at its
+    own rate, both within the probed rate of both at once (unknown: one direction after the other)."""
+    r, w = reads / (hw.disk_read_gbs * 1e9), writes / (hw.disk_write_gbs * 1e9)
+    if not hw.disk_mixed_gbs:
+        return r + w
+    return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
 
 
 def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: int, kb: dict[str, int],
@@ -200,10 +209,10 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
          # the copies and the host AdamW (28 B per parameter, 30 with the bf16 copy) share the host's DRAM
          "host DRAM fwd": (h2d_fwd + d2h_fwd + (28 + 2 * (sw == 2)) * on_host) / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
-         "NVMe bwd": p.nvme_bwd_reads / (hw.disk_read_gbs * 1e9) + bwd_writes / (hw.disk_write_gbs * 1e9)}
+         "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"])
-    update = max(t["host AdamW"], t["NVMe read"] + t["NVMe write"])
+    update = max(t["host AdamW"], t["NVMe"])
     t["exposed update"] = max(0.0, update - fwd)
     return t, bwd, max(fwd, update)
 

@@ -104,8 +104,10 @@ def probe(gpu: bool = True) -> dict:
     return out
 
 
-def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto") -> tuple[float, float]:
-    """GB/s (read, write) of whole-file direct I/O in `directory`, through the runtime's backend."""
+def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto",
+               threads: int = 16) -> tuple[float, float, float]:
+    """GB/s of whole-file direct I/O in `directory` through the runtime's backend: (read, write, both at
+    once: half the bytes read from one file while the other half is written to another, summed)."""
     import tempfile
 
     import torch
@@ -113,11 +115,14 @@ def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto") -> 
     from ..tiers.nvme import make_io
     from ..tiers.slab import alloc_slab
 
-    io = make_io(backend)
+    io = make_io(backend, threads)
     buf = alloc_slab(nbytes // 4, torch.float32, pin=torch.cuda.is_available())
     buf.uniform_()
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as f:
+    half = buf.numel() // 2
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as f, \
+            tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as g:
         f.truncate(nbytes)
+        g.truncate(nbytes // 2)
         t0 = time.perf_counter()
         io.write(f.name, buf).result()
         os.fsync(f.fileno())
@@ -125,7 +130,13 @@ def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto") -> 
         t0 = time.perf_counter()
         io.read(f.name, buf).result()
         r = nbytes / (time.perf_counter() - t0) / 1e9
-    return r, w
+        t0 = time.perf_counter()
+        jobs = [io.read(f.name, buf[:half]), io.write(g.name, buf[half:])]
+        for j in jobs:
+            j.result()
+        os.fsync(g.fileno())
+        both = nbytes / (time.perf_counter() - t0) / 1e9
+    return r, w, both
 
 
 def probe_spec(nvme_dir: str | None = None):
@@ -149,7 +160,7 @@ def probe_spec(nvme_dir: str | None = None):
         spec.gpu, spec.gpu_mem_gb = REFERENCE.gpu + " (reference: no GPU here)", REFERENCE.gpu_mem_gb
         notes.append("no CUDA GPU: GPU memory, PCIe and matmul rates are the reference H200's")
     if nvme_dir:
-        spec.disk_read_gbs, spec.disk_write_gbs = disk_rates(nvme_dir)
+        spec.disk_read_gbs, spec.disk_write_gbs, spec.disk_mixed_gbs = disk_rates(nvme_dir)
     else:
         notes.append("no --nvme-dir: disk rates are the reference machine's")
     notes.append("compute efficiency and AdamW contention are the reference fit (docs/performance.md)")

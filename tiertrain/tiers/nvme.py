@@ -44,7 +44,7 @@ class PosixIO:
 
     name = "posix"
 
-    def __init__(self, threads: int = 8):
+    def __init__(self, threads: int = 16):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-io")
 
     def _run(self, path: Path, buf: torch.Tensor, write: bool) -> Future:
@@ -82,7 +82,7 @@ class KvikioIO:
 
     name = "kvikio"
 
-    def __init__(self, threads: int = 8):
+    def __init__(self, threads: int = 16):
         import kvikio
         import kvikio.defaults
 
@@ -116,7 +116,7 @@ class KvikioIO:
 _WAITERS = ThreadPoolExecutor(4, thread_name_prefix="tiertrain-io-wait")
 
 
-def make_io(backend: str = "auto", threads: int = 8):
+def make_io(backend: str = "auto", threads: int = 16):
     """`auto`: kvikio when it imports and can do I/O here, else POSIX."""
     if backend in ("auto", "kvikio"):
         try:
