@@ -135,45 +135,38 @@ def run_checkpoint(a) -> dict:
             "identical": want == got}
 
 
-def run_big(a) -> list[dict]:
+def _three_steps(cfg, name: str, **extra) -> list[dict]:
+    """A trainer of `cfg` (batch 4) takes 3 steps; each row with the setup time, placement, RSS and plan."""
+    from tiertrain.tiers.nvme import discard
     from tiertrain.trainer import Trainer
 
-    cfg = _cfg(a.big, 4, a.micro, a.big_host_gb, str(Path(a.nvme_dir) / "big"), "master")
     t0 = time.perf_counter()
-    tr = Trainer(cfg, run_name="big")
+    tr = Trainer(cfg, run_name=name)
     setup_s, place = time.perf_counter() - t0, _placement(tr)
     recs = _steps(tr, 4, 3)
     pred = _predict(tr, 4)
     tr.close()
-    from tiertrain.tiers.nvme import discard
-
     discard(tr.tiers.store.root)
     return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": _peak_rss_gb(),
-             "params": cfg.model.n_params, **pred} for r in recs]
+             "params": cfg.model.n_params, **extra, **pred} for r in recs]
+
+
+def run_big(a) -> list[dict]:
+    return _three_steps(_cfg(a.big, 4, a.micro, a.big_host_gb, str(Path(a.nvme_dir) / "big"), "master"), "big")
 
 
 def run_least(a) -> list[dict]:
     """Every slab on NVMe: the least host budget of a --least-layers model with the bf16 copy streaming."""
     from tiertrain.config import load_config
     from tiertrain.plan.planner import _layouts
-    from tiertrain.tiers.nvme import discard
     from tiertrain.tiers.placement import kind_bytes, least_host
     from tiertrain.tiers.slab import host_cost
-    from tiertrain.trainer import Trainer
 
     layers = f"model.num_hidden_layers={a.least_layers}"
     numels = _layouts(load_config(a.config, [layers]).model)
     gb = least_host(numels, kind_bytes("bfloat16", "compute"), 0, host_cost) / 1e9 + 0.001
     cfg = _cfg(a.config, 4, a.micro, gb, str(Path(a.nvme_dir) / "least"), "compute", layers)
-    t0 = time.perf_counter()
-    tr = Trainer(cfg, run_name="least")
-    setup_s, place = time.perf_counter() - t0, _placement(tr)
-    recs = _steps(tr, 4, 3)
-    pred = _predict(tr, 4)
-    tr.close()
-    discard(tr.tiers.store.root)
-    return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": _peak_rss_gb(), "host_gb": gb,
-             "params": cfg.model.n_params, **pred} for r in recs]
+    return _three_steps(cfg, "least", host_gb=gb)
 
 
 def worker(a) -> None:
