@@ -92,12 +92,7 @@ class DeviceBuffers:
         job = self.take_update(unit)
         master = self._update(unit, *job) if job else None
         key = (unit, self.host.version[unit])
-        if unit in self.res:
-            buf = self.res[unit]
-        else:
-            hit = [i for i, b in enumerate(self.slots) if b.holds == key]
-            i = hit[0] if hit else 1 - self._mru
-            self._mru, buf = i, self.slots[i]
+        buf, self._mru = self._buffer_for(unit, key, self._mru, lambda b: b.holds)
         n = self.layouts[unit].numel
         self._at[unit] = buf
         if buf.holds == key:
@@ -131,16 +126,20 @@ class DeviceBuffers:
         mru, copies = self._mru, []
         for u in units:
             key = (u, None if new else self.host.version[u])
-            if u in self.res:
-                b = self.res[u]
-            else:
-                hit = [i for i, b in enumerate(self.slots) if held[id(b)] == key]
-                mru = hit[0] if hit else 1 - mru
-                b = self.slots[mru]
+            b, mru = self._buffer_for(u, key, mru, lambda b: held[id(b)])
             if held[id(b)] != key:
                 copies.append(u)
                 held[id(b)] = key
         self.reader.stream_pass(copies)
+
+    def _buffer_for(self, unit: int, key: tuple, mru: int, holds: Callable[[_Buf], tuple | None]) -> tuple[_Buf, int]:
+        """The buffer a load of `key` uses, and the block slot used last after it, when buffer b holds
+        `holds(b)`: the unit's own buffer, else the slot that already holds it, else the other slot."""
+        if unit in self.res:
+            return self.res[unit], mru
+        hit = [i for i, b in enumerate(self.slots) if holds(b) == key]
+        i = hit[0] if hit else 1 - mru
+        return self.slots[i], i
 
     def _update(self, unit: int, step: int, lr: float, clip: float) -> torch.Tensor:
         """The unit's AdamW on the GPU (H2D stream), its master and moments written back behind it (D2H

@@ -51,6 +51,7 @@ class TierManager:
         self.stale: set[int] = set()  # units whose streamed slab the optimizer is about to rewrite
         self.rewritten: dict[int, Future] = {}  # unit -> the optimizer's write of its new weights
         self.s_read_bytes = 0
+        self._ring_nbytes = sum(b.numel() * b.element_size() for q in [*self.free.values(), self.s_free] for b in q)
         self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
@@ -66,9 +67,8 @@ class TierManager:
         self._t_last = 0.0
 
     def ring_nbytes(self) -> int:
-        bufs = [b for k in self.free for b in list(self.free[k]) + [t for _, t in self.busy[k]]]
-        bufs += list(self.s_free) + [b for _, b in self.s_busy] + [b for _, b in self.s_loaded.values()]
-        return sum(b.numel() * b.element_size() for b in bufs + list(self.s_out.values()))
+        """Host bytes of every staging buffer (all allocated at construction)."""
+        return self._ring_nbytes
 
     def _timed(self, fut: Future) -> Future:
         """Marks the I/O window of the pass: its first request, its last completion."""
@@ -200,7 +200,12 @@ class TierManager:
 
     def _drop_reads(self) -> None:
         for u in list(self.s_loaded):  # read ahead but not used (the device found them in place)
-            self.s_busy.append(self.s_loaded.pop(u))
+            self._drop(u)
+
+    def _drop(self, unit: int) -> None:
+        """A read-ahead buffer goes back to the ring once its read has landed."""
+        if unit in self.s_loaded:
+            self.s_busy.append(self.s_loaded.pop(unit))
 
     def _s_slot(self) -> torch.Tensor:
         if not self.s_free:
@@ -227,9 +232,7 @@ class TierManager:
     def read_for_copy(self, unit: int) -> torch.Tensor:
         """Unit u's streamed slab in a pinned buffer, for the device to copy; hand it back with copied()."""
         while self.s_order and self.s_order[0] != unit:  # the order's units before it were found in place
-            v = self.s_order.popleft()
-            if v in self.s_loaded:
-                self.s_busy.append(self.s_loaded.pop(v))
+            self._drop(self.s_order.popleft())
         if self.s_order:
             self.s_order.popleft()
         if unit not in self.s_loaded:
