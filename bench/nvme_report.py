@@ -5,6 +5,9 @@ import json
 import sys
 from pathlib import Path
 
+from tiertrain.plan.hardware import HardwareSpec
+from tiertrain.plan.planner import disk_time
+
 
 def _placement(pl: dict) -> str:
     nv = ", ".join(f"{k} {v:.1f} GB ({pl['nvme_units'][k]}/{pl['units']} units)" for k, v in pl["nvme_gb"].items())
@@ -19,11 +22,11 @@ def report(rec: dict) -> str:
     disk = probe.get("disk", {})
     rr, rw = spec.get("disk_read_gbs", float("nan")), spec.get("disk_write_gbs", float("nan"))
     rm = spec.get("disk_mixed_gbs") or 0.0
+    disk_hw = HardwareSpec(disk_read_gbs=rr, disk_write_gbs=rw, disk_mixed_gbs=rm)
 
     def io_floor(read_gb: float, write_gb: float) -> float:
-        """One disk's seconds for these bytes at the probed rates (as the planner's disk_time)."""
-        one_way = read_gb / rr + write_gb / rw
-        return max(read_gb / rr, write_gb / rw, (read_gb + write_gb) / rm) if rm else one_way
+        """One disk's seconds for these bytes at the probed rates: the planner's own disk time."""
+        return disk_time(read_gb * 1e9, write_gb * 1e9, disk_hw)
 
     lines = ["# NVMe tier: tiertrain vs DeepSpeed ZeRO-3 with its optimizer on NVMe", "",
              f"- date: {rec['date']}",

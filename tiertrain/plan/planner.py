@@ -126,8 +126,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         else:
             p.nvme_bytes[k] = p.nvme_bytes.get(k, 0) + size
         p.placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
-        if tier == "nvme" and k == streamed_kind(kb) and 0 < u < len(numels) - 3:
-            p.nvme_bwd_reads += size  # the embedding, the head and the last two blocks stay on the device
+        if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):
+            p.nvme_bwd_reads += size
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and sum(p.nvme_bytes.values()) > budgets.nvme_gb * 1e9:
         p.why = (f"NVMe: {sum(p.nvme_bytes.values()) / 1e9:.1f} GB must spill and --nvme-gb is {budgets.nvme_gb:g}; "
@@ -177,6 +177,12 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     return p
 
 
+def _reloaded(n_units: int) -> range:
+    """The units the backward pass copies to the GPU again: all but the embedding, the head and the last
+    two blocks, which the forward pass left in their buffers (DeviceBuffers' two block slots)."""
+    return range(1, n_units - 3)
+
+
 def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
     """Seconds of one disk for these bytes, reads and writes in flight together: each direction at its
     own rate, both within the probed rate of both at once (unknown: one direction after the other)."""
@@ -203,7 +209,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
-         "H2D bwd": (sw * sum(numels[1:-3]) + host_ck_io) / (hw.h2d_gbs * 1e9),
+         "H2D bwd": (sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io) / (hw.h2d_gbs * 1e9),
          "D2H": 4 * sum(numels) / (hw.d2h_gbs * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
          # the copies and the host AdamW (28 B per parameter, 30 with the bf16 copy) share the host's DRAM
