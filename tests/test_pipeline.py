@@ -1,6 +1,8 @@
 """The pipeline's options change where bytes live and when work runs, never the numbers."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,3 +74,52 @@ def test_optimizer_errors_surface(token_file, monkeypatch):
     tr.train_step()
     with pytest.raises(RuntimeError, match="disk on fire"):
         tr.train_step()
+
+
+@pytest.mark.parametrize("sets,stream,acts", [
+    (['train.compute_dtype="bfloat16"'], "compute", "gpu"),  # half the bytes to copy
+    (['train.compute_dtype="float32"'], "master", "gpu"),
+    (['train.compute_dtype="bfloat16"', "tiers.gpu_update_units=2"], "master", "gpu"),  # the GPU update needs it
+    (['train.compute_dtype="bfloat16"', 'tiers.stream="master"', 'tiers.activations="host"'], "master", "host"),
+])
+def test_auto_without_a_plan(token_file, sets, stream, acts):
+    """On a CPU there is no plan: "auto" settles on the cheapest copies, and a set value stays; the
+    run's saved config holds what was settled, so a resume does the same."""
+    tr = Trainer(tiny_config(token_file, 'train.device="cpu"', *sets))
+    t = tr.cfg.tiers
+    tr.close()
+    assert (t.stream, t.activations) == (stream, acts)
+    assert ("weights" in tr.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
+    assert tr.checkpoints.where == acts
+    assert bool(tr.deferred) == ("tiers.gpu_update_units=2" in sets)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["slow PCIe", "slow rounding", "small GPU"])
+def test_auto_obeys_the_plan(token_file, monkeypatch, case):
+    """On CUDA "auto" is the plan's choice: a copy of the weights in bf16 when PCIe is what bounds the
+    step, the fp32 master when rounding into the copy is; checkpoints on the host when the GPU is short."""
+    from tiertrain.plan.hardware import REFERENCE
+    from tiertrain.plan.planner import GPU_RESERVE, Budgets, evaluate
+
+    sets = ['train.device="cuda"', 'train.compute_dtype="bfloat16"']
+    cfg = tiny_config(token_file, *sets)
+    tc = cfg.train
+    gpu = {a: evaluate(cfg.model, tc.batch_size, tc.seq_len, "bfloat16", tc.micro_batch_size, "compute", a,
+                       Budgets(1e9, 1e3, None), REFERENCE).gpu_total / 1e9 for a in ("gpu", "host")}
+    assert gpu["host"] < gpu["gpu"]
+    hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
+          "slow rounding": dict(host_adam_copy_params_per_s=1e3),
+          "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE)}[case]
+    monkeypatch.setattr(Trainer, "hardware", lambda self: dataclasses.replace(REFERENCE, **hw))
+    tr = Trainer(tiny_config(token_file, *sets))
+    tr.train_step()
+    tr.close()
+    assert tr.plan is not None
+    assert (tr.plan.stream, tr.plan.activations) == (tr.cfg.tiers.stream, tr.cfg.tiers.activations)
+    if case == "small GPU":
+        assert tr.cfg.tiers.activations == "host"
+    else:
+        assert tr.cfg.tiers.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
+    assert ("weights" in tr.host.kinds) == (tr.cfg.tiers.stream == "compute")
+    assert tr.checkpoints.where == tr.cfg.tiers.activations

@@ -145,6 +145,27 @@ def test_a_plan_that_does_not_fit_says_which_budget():
     assert r.returncode == 1 and "Does not fit" in r.stdout
 
 
+def test_plan_keeps_what_the_config_sets():
+    """`plan` searches what the config leaves "auto" (as `run` does on a GPU) and keeps what it sets."""
+    from click.testing import CliRunner
+
+    from tiertrain.cli import main
+
+    def chosen(*sets):
+        r = CliRunner().invoke(main, ["plan", "--config", "llama-3b", "--batch-size", "4", "--host-gb", "200",
+                                      "--format", "json", *[x for s in sets for x in ("--set", s)]])
+        assert r.exit_code == 0, r.output
+        p = json.loads(r.output)
+        return p["stream"], p["activations"]
+
+    searched = chosen()
+    assert searched == (plan(load_config("llama-3b").model, 4, 2048, "bfloat16", Budgets(host_gb=200), REFERENCE,
+                             advise=False).stream, searched[1])
+    other = {"compute": "master", "master": "compute"}[searched[0]]
+    assert chosen(f'tiers.stream="{other}"')[0] == other
+    assert chosen('tiers.activations="host"')[1] == "host" and chosen('tiers.activations="gpu"')[1] == "gpu"
+
+
 def test_hardware_file_round_trip_and_errors(tmp_path):
     from tiertrain.errors import ConfigError
 

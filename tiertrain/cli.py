@@ -144,7 +144,8 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
         p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
                       Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb), hw, name=Path(config_path).stem,
-                      gpu_updates=cfg.tiers.gpu_update_units)
+                      gpu_updates=cfg.tiers.gpu_update_units,  # "auto": the plan searches, as `run` does
+                      **{k: v for k in ("stream", "activations") if (v := getattr(cfg.tiers, k)) != "auto"})
     except UserError as e:
         _fail(e)
     except OSError as e:

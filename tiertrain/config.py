@@ -20,8 +20,8 @@ SHIPPED = Path(__file__).parent / "configs"
 DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
-STREAMS = ("compute", "master")
-PLACES = ("gpu", "host")
+STREAMS = ("auto", "compute", "master")
+PLACES = ("auto", "gpu", "host")
 IO_BACKENDS = ("auto", "posix", "kvikio")
 
 
@@ -84,8 +84,9 @@ class OptimConfig:
 
 @dataclass
 class TiersConfig:
-    stream: str = "compute"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
-    activations: str = "gpu"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
+    # "auto" (both): the plan's choice on a GPU; on a CPU "compute" (for bf16) and "gpu" (the device's memory)
+    stream: str = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
+    activations: str = "auto"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
     host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: no budget
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir

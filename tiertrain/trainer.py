@@ -24,7 +24,7 @@ from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
 from .plan.hardware import REFERENCE, HardwareSpec
-from .plan.planner import Budgets, Plan, evaluate
+from .plan.planner import Budgets, Plan, plan
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
@@ -108,20 +108,29 @@ class Trainer:
 
     # ---- plan ---------------------------------------------------------------------------------
     def _plan(self) -> Plan | None:
-        """The planner's view of this exact run (its placement is the one _place makes). On CUDA a run
-        whose GPU memory the plan says will not fit stops here, before any large allocation."""
-        if self.device.type != "cuda":
-            return None  # the cost model is the GPU pipeline's
+        """The planner's view of this exact run (its placement is the one _place makes); it settles
+        tiers.stream and tiers.activations where they are "auto". On CUDA a run whose GPU memory the
+        plan says will not fit stops here, before any large allocation."""
         t, tc = self.cfg.tiers, self.cfg.train
-        hw = self.hardware()
-        gpu_gb = hw.gpu_mem_gb
-        p = evaluate(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, tc.micro_batch_size, t.stream,
-                     t.activations, Budgets(t.host_gb or 1e9, gpu_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
-                                            t.gpu_resident_gb),
-                     hw, name="run", gpu_updates=t.gpu_update_units)
-        if not p.fits and p.why.startswith("GPU"):
-            raise ConfigError(f"{p.why}: lower train.micro_batch_size, or set tiers.activations=\"host\"")
-        return p if p.fits else None
+        fixed = {"stream": None if t.stream == "auto" else t.stream,
+                 "activations": None if t.activations == "auto" else t.activations}
+        if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
+            fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
+        p = None
+        if self.device.type == "cuda":  # the cost model is the GPU pipeline's
+            hw = self.hardware()
+            p = plan(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
+                     Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
+                             t.gpu_resident_gb),
+                     hw, name="run", micro=tc.micro_batch_size, advise=False,
+                     gpu_updates=t.gpu_update_units, **fixed)
+        self.chosen = [k for k, v in fixed.items() if v is None]  # settled here, not by the config
+        t.stream = fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master")
+        t.activations = fixed["activations"] or (p.activations if p else "gpu")
+        if p is not None and not p.fits and p.why.startswith("GPU"):
+            raise ConfigError(f"{p.why}: lower train.micro_batch_size" + (
+                ', or set tiers.activations="host"' if fixed["activations"] == "gpu" else ""))
+        return p if p is not None and p.fits else None
 
     def hardware(self) -> HardwareSpec:
         """The figures the plan uses: `tiertrain probe`'s file if there is one, else the reference; the
@@ -405,6 +414,9 @@ class Trainer:
                f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
               if self.plan else []),
             f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
-            f"plus activations (checkpoints on the {self.cfg.tiers.activations}); weights stream as "
-            f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}",
+            f"plus activations (checkpoints on the {'host' if self.cfg.tiers.activations == 'host' else 'device'}); "
+            f"weights stream as "
+            f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}"
+            + (f" ({' and '.join(self.chosen)}: {'the plan' if self.plan else 'the CPU default'})"
+               if self.chosen else ""),
         ]

@@ -226,13 +226,16 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int = -1) -> Plan:
-    """The fastest choice that fits (ties: less GPU memory); or the closest miss, with its reason."""
+    """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
+    `stream`, `activations`: fixed choices (None: searched)."""
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
     cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates)
              for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
+    if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise
+        cands.sort(key=lambda c: c.why.startswith("GPU"))
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]

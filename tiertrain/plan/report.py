@@ -27,8 +27,9 @@ def to_markdown(p: Plan) -> str:
             f"Micro-batch {p.micro_batch}; weights stream as "
             f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
             f"activation checkpoints on the {p.activations}; "
-            f"{p.gpu_updates or 'no'} streamed unit{'s' * (p.gpu_updates != 1)} updated on the GPU as "
-            f"{'they load' if p.gpu_updates != 1 else 'it loads'}, the rest by the host AdamW.", "",
+            + (f"{p.gpu_updates} streamed unit{'s' * (p.gpu_updates != 1)} updated on the GPU as "
+             f"{'they load' if p.gpu_updates != 1 else 'it loads'}, the rest by the host AdamW." if p.gpu_updates
+             else "the host AdamW updates every streamed unit."), "",
             "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
     for k in sorted(p.placement):
         out.append(f"| {k} | {_gb(p.host_bytes.get(k, 0))} | {_gb(p.nvme_bytes.get(k, 0))} | "
