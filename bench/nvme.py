@@ -214,10 +214,13 @@ def choose_budget(a, ds_rss: float | None) -> tuple[float, str]:
     numels = _layouts(load_config(a.config).model)
     fp32 = sum(host_cost(n * 4) for n in numels)
     kb = kind_bytes("bfloat16", "master")
-    half = (2 * fp32 + fp32 + ring_bytes(numels, ("exp_avg", "exp_avg_sq"), kb, host_cost)) / 1e9  # master, grad, half the moments
+    def ring(kinds):
+        return ring_bytes({k: max(numels) for k in kinds}, kb, host_cost)
+
+    half = (2 * fp32 + fp32 + ring(("exp_avg", "exp_avg_sq"))) / 1e9  # master, grad, half the moments
     gb = min(half, ds_rss - OVERHEAD_GB) if ds_rss else half
     # the fp32 master streams while it fits in RAM beside its ring; below that the bf16 copy streams
-    if gb * 1e9 >= fp32 + ring_bytes(numels, spill_order(kb)[:-1], kb, host_cost):
+    if gb * 1e9 >= fp32 + ring(spill_order(kb)[:-1]):
         return gb, "master"
     return gb, "compute"
 

@@ -30,7 +30,9 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1), "tiertrain-host-adam": ("
              "tiertrain-copy": ("compute", "gpu", 0.0, 0),
              "tiertrain-res11": ("master", "host", 11.0, 0), "tiertrain-res24": ("master", "host", 24.0, 0),
              # 8 GB resident and the rest as planned: the GPU peak stays under a third of all-in-GPU's at 8k
-             "tiertrain-res8": ("master", "host", 8.0, -1)}
+             "tiertrain-res8": ("master", "host", 8.0, -1),
+             # what `tiertrain run` does with the config's defaults: the plan chooses for each batch
+             "tiertrain-auto": ("auto", "auto", 0.0, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain", "tiertrain-host-adam", "gpu")
 
 
@@ -65,6 +67,8 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
     S, V = cfg.train.seq_len, cfg.model.vocab_size
+    auto = "the plan's choice: " if stream == "auto" else ""
+    stream, activations = tr.cfg.tiers.stream, tr.cfg.tiers.activations
     host_params = sum(lay.numel for u, lay in enumerate(tr.layouts)
                       if tr.where[(u, "master")] != "gpu" and u not in tr.deferred)
     rows = []
@@ -72,7 +76,7 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
         recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
         med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
-        name = f"tiertrain ({'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
+        name = f"tiertrain ({auto}{'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
             (f", {resident_gb:g} GB resident" if resident_gb else "") + \
             (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],

@@ -12,7 +12,8 @@ import zarr
 from conftest import VARIANTS, tiny_config
 from tiertrain.errors import ConfigError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
-from tiertrain.tiers.placement import RING_SLOTS, least_host, place, streamed_kind
+from tiertrain.tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, ring_bytes,
+                                       ring_widths, streamed_kind)
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
 
@@ -164,17 +165,63 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
         assert torch.equal(torch.from_numpy(arr[u, :sizes[u]]).view(torch.bfloat16), want_w)
 
 
+def _spilled(where):
+    return {uk for uk, t in where.items() if t == "nvme"}
+
+
 def test_placement_policy_by_hand():
-    numels, kb = [10, 20, 30], {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, "weights": 2}
-    assert set(place(numels, kb, None).values()) == {"host"}
-    # 60 elements x 18 B = 1080 B; a budget of 1080 - 130 spills exp_avg of units 2 (120 B) and 1 (80 B)
-    where = place(numels, kb, 950)
-    assert {k for k, t in where.items() if t == "nvme"} == {(2, "exp_avg"), (1, "exp_avg")}
-    where = place(numels, kb, 1080 - 240 - 100)  # all exp_avg, then exp_avg_sq from the last unit
-    assert {k for k, t in where.items() if t == "nvme"} == {(0, "exp_avg"), (1, "exp_avg"), (2, "exp_avg"),
-                                                             (2, "exp_avg_sq")}
-    with pytest.raises(ValueError):
-        place(numels, kb, -1)
+    """A unit 3x as wide as the others, bytes costing what they are. 220 elements x 18 B = 3960 B."""
+    numels, kb = [30] + [10] * 19, {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, "weights": 2}
+    one = lambda n: n  # noqa: E731
+    assert set(place(numels, kb).values()) == {"host"}
+    assert place_within(numels, kb, 3960, 0, one) == (place(numels, kb), 0, 3960)
+    # one byte over: exp_avg from the last unit, until 40 B a unit pays for a ring of 4 x 40 B and the byte
+    where, ring, total = place_within(numels, kb, 3960, 1, one)
+    assert total == 3961 and ring == 160 and _spilled(where) == {(u, "exp_avg") for u in range(15, 20)}
+    # the least: unit 0 kept (its 540 B cost less than rings 3x as wide), the rest spilled: four fp32
+    # kinds' rings of 4 x 40 B and the streamed copy's of 8 x 20 B
+    least = least_host(numels, kb, 7, one)
+    assert least == 7 + 30 * 18 + 4 * 4 * 40 + 8 * 20
+    where, ring, _ = place_within(numels, kb, least, 7, one)
+    assert ring == 800 and _spilled(where) == {(u, k) for u in range(1, 20) for k in kb}
+    assert place_within(numels, kb, least - 1, 7, one) == (None, 0, 3967)
+
+
+def test_a_kind_stays_in_ram_when_its_ring_would_cost_more():
+    """fp32 streaming: the master's ring is twice as deep (8 x 400 B). Seven blocks' masters (2800 B)
+    cost less in RAM than that ring, and the 8x-wide embedding (12800 B) less than rings its width; the
+    least budget keeps both in RAM and spills the rest, and the ring is sized for the blocks."""
+    numels, kb = [800, *[100] * 7], kind_bytes("float32", "master")
+    one = lambda n: n  # noqa: E731
+    least = least_host(numels, kb, 0, one)
+    assert least == 800 * 16 + 7 * 400 + ring_bytes({"exp_avg": 100, "exp_avg_sq": 100, "grad": 100}, kb, one)
+    where, ring, _ = place_within(numels, kb, least, 0, one)
+    assert _spilled(where) == {(u, k) for u in range(1, 8) for k in ("exp_avg", "exp_avg_sq", "grad")}
+    assert ring == 3 * 4 * 400 and ring_widths(numels, where) == {"exp_avg": 100, "exp_avg_sq": 100, "grad": 100}
+    assert least < ring_bytes({k: 800 for k in kb}, kb, one)  # every slab spilled: the old least
+
+
+def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
+    """A tied embedding three times a block's width, under the least budget: the trainer places what
+    place_within places (the embedding in RAM, every kind spilled), and the TierManager's buffers are the
+    ring it costed (per kind, no wider); the run is bit-identical to one in RAM."""
+    sets = [*VARIANTS["qwen2"], "model.vocab_size=1600", *DEEP, "train.steps=2"]
+    tr = Trainer(tiny_config(token_file, *sets))
+    numels, kb = [lay.numel for lay in tr.layouts], tr.kind_bytes()
+    tr.close()
+    assert numels[0] > 2 * max(numels[1:])
+    least = least_host(numels, kb, 0, host_cost)
+    tr = Trainer(tiny_config(token_file, *sets, f"tiers.host_gb={least / 1e9 + 1e-9}", f'tiers.nvme_dir="{tmp_path}"',
+                             'tiers.io="posix"'))
+    want, ring, _ = place_within(numels, kb, least + 1, 0, host_cost)
+    assert tr.where == want and all(tr.where[(0, k)] == "host" for k in kb)
+    assert {k for _, k in _spilled(tr.where)} == set(kb)
+    assert tr.tiers.ring_nbytes() == ring == ring_bytes(ring_widths(numels, want), kb, host_cost)
+    assert ring_widths(numels, want) == {k: max(numels[1:]) for k in kb}
+    got = [tr.train_step()["loss"] for _ in range(2)]
+    tr.close()
+    _, want_recs, _ = _train(tiny_config(token_file, *sets), steps=2)
+    assert got == [r["loss"] for r in want_recs]
 
 
 def test_what_fits_in_ram_stays_there(token_file, tmp_path):
@@ -189,7 +236,7 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     with pytest.raises(ConfigError, match=r"raise --host-gb to [0-9.]+, or pass --nvme-dir .*--host-gb [0-9.]+ is the least"):
         Trainer(cfg)
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001", f'tiers.nvme_dir="{tmp_path}"')
-    with pytest.raises(ConfigError, match="cannot hold even the staging ring with every slab on NVMe: raise "
+    with pytest.raises(ConfigError, match="cannot hold even the staging ring with all it can spill on NVMe: raise "
                                           "--host-gb to at least [0-9.]+"):
         Trainer(cfg)
     gb = _budget_for(tiny_config(token_file, *DEEP))

@@ -158,7 +158,7 @@ class Trainer:
         t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
         kb = self.kind_bytes()
         if not t.host_gb:
-            return place(numels, kb, None)
+            return place(numels, kb)
         acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
             tc.batch_size * tc.seq_len * spec.hidden_size * 4) if t.activations == "host" else 0
         where, ring, total = place_within(numels, kb, t.host_gb * 1e9, acts, host_cost)
@@ -172,7 +172,7 @@ class Trainer:
         if where is None:
             raise ConfigError(f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
                               + (" and the host activation checkpoints" if acts else "")
-                              + f" with every slab on NVMe: raise --host-gb to at least {least:.3g}")
+                              + f" with all it can spill on NVMe: raise --host-gb to at least {least:.3g}")
         return where
 
     def _gpu_updates(self) -> frozenset[int]:

@@ -109,7 +109,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
     nvme_on = bool(budgets.nvme_gb)
     where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)
-    if ring and not nvme_on:
+    if total > host_budget and not nvme_on:
         p.why = (f"host: the state needs {total / 1e9:.1f} GB and the budget is {host_budget / 1e9:.1f} GB; "
                  "raise --host-gb or give an NVMe tier (--nvme-gb)")
         where = None

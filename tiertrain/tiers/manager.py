@@ -28,6 +28,7 @@ from typing import Iterator
 import torch
 
 from .nvme import NvmeStore
+from .placement import ring_widths
 from .slab import alloc_slab
 
 
@@ -39,11 +40,12 @@ class TierManager:
                         for u in range(len(store.numels))}
         kinds = sorted({k for ks in self.spilled.values() for k in ks})
         slots = depth + 2  # read ahead, in use, writing back
-        width = max(store.numels[u] for u, ks in self.spilled.items() if ks)  # the widest spilled slab
-        self.free = {k: deque(alloc_slab(width, dtypes[k], pin) for _ in range(slots)) for k in kinds}
+        width = ring_widths(store.numels, where)  # each kind's ring as wide as its widest spilled slab
+        self.free = {k: deque(alloc_slab(width[k], dtypes[k], pin) for _ in range(slots)) for k in kinds}
         # the streamed kind, read for the device: read ahead, being copied, one spare
         self.s_units = {u for u, ks in self.spilled.items() if streamed in ks}
-        self.s_free = deque(alloc_slab(width, dtypes[streamed], pin) for _ in range(slots if self.s_units else 0))
+        self.s_free = deque(alloc_slab(width[streamed], dtypes[streamed], pin)
+                            for _ in range(slots if self.s_units else 0))
         self.s_busy: deque[tuple[object, torch.Tensor]] = deque()  # (H2D event or read future, buffer)
         self.s_order: deque[int] = deque()
         self.s_loaded: dict[int, tuple[Future, torch.Tensor]] = {}

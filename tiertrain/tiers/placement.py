@@ -6,10 +6,13 @@ streams (then only the optimizer reads and writes it), then gradients (written b
 the optimizer), and last the weights that stream (read by the forward and the backward pass, written
 by the optimizer): the compute-dtype copy, or the fp32 master when it is what streams. Within a kind, units
 spill from the last to the first: the optimizer reaches them last, which leaves the most time to read
-them ahead. Every kind can spill, so the least host budget is the staging ring alone.
+them ahead. Every kind can spill, so the least host budget is the staging ring alone, or the ring and
+the units too wide to be worth a ring their width (least_host).
 Pure Python: the planner uses it too.
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
@@ -55,55 +58,80 @@ def update_candidates(where: dict[tuple[int, str], str], kinds, n_units: int) ->
     return [u for u in range(n_units) if all(where.get((u, k), "host") == "host" for k in kinds)]
 
 
-def ring_bytes(numels: list[int], kinds: tuple[str, ...], kb: dict[str, int], cost) -> int:
-    """Host bytes of the staging ring when `kinds` spill (each buffer as wide as the widest unit)."""
+def ring_bytes(widths: dict[str, int], kb: dict[str, int], cost) -> int:
+    """Host bytes of the staging ring: for each spilled kind, RING_SLOTS buffers as wide as its widest
+    spilled unit (`widths`, in elements), twice that for the streamed kind. The TierManager allocates
+    exactly this."""
     s = streamed_kind(kb)
-    return RING_SLOTS * sum(cost(max(numels) * kb[k]) * (2 if k == s else 1) for k in kinds)
+    return RING_SLOTS * sum(cost(n * kb[k]) * (2 if k == s else 1) for k, n in widths.items())
+
+
+def ring_widths(numels: list[int], where: dict[tuple[int, str], str]) -> dict[str, int]:
+    """{kind: elements of its widest slab on NVMe}, for the kinds with one."""
+    out: dict[str, int] = {}
+    for (u, k), tier in where.items():
+        if tier == "nvme":
+            out[k] = max(out.get(k, 0), numels[u])
+    return out
+
+
+def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int) -> list[tuple[int, str]]:
+    """The slabs in the order they spill: kinds by spill_order, each kind's units from the last to the
+    first; units wider than `cap` elements never spill."""
+    return [(u, k) for k in spill_order(kb) for u in reversed(range(len(numels))) if 0 < numels[u] <= cap]
+
+
+def _spills(numels: list[int], kb: dict[str, int], total: float, cost,
+            budget: float = 0.0) -> Iterator[tuple[float, tuple, int, int]]:
+    """The placements place_within considers, as (host bytes it needs, its rank, cap, j): the first j
+    slabs of the cap's spill sequence on NVMe, the rest and their staging ring in RAM. A rank is lower
+    for a placement that stops earlier in the kind order, then for fewer bytes spilled; along one
+    sequence it only grows, so each cap's sequence stops at the first placement within `budget`."""
+    order = spill_order(kb)
+    for cap in sorted({n for n in numels if n}, reverse=True):
+        host, widths = total, {}
+        for j, (u, k) in enumerate(_spill_sequence(numels, kb, cap), 1):
+            host -= cost(numels[u] * kb[k])
+            widths[k] = max(widths.get(k, 0), numels[u])
+            need = host + ring_bytes(widths, kb, cost)
+            yield need, (order.index(k), total - host), cap, j
+            if need <= budget:
+                break
 
 
 def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixed: float,
                  cost) -> tuple[dict[tuple[int, str], str] | None, int, float]:
     """(placement, staging ring bytes, host bytes of the whole state + `fixed`). Everything stays on the
-    host when it fits beside `fixed` (no ring then); otherwise slabs spill by policy: the moments
-    first (a ring for two kinds), then each further kind of spill_order with its ring; placement None
-    when even every slab on NVMe cannot fit."""
+    host when it fits beside `fixed` (no ring then). Otherwise the fewest slabs spill, in policy order,
+    for the state left in RAM and the ring to fit. A ring buffer is as wide as the widest slab of its
+    kind that spills, so a unit much wider than the rest (a big vocabulary's embedding or head) may
+    cost less host memory kept in RAM than spilled through a ring its width: each width is tried as
+    the widest that spills, and the placement that stops earliest in the spill order (then spills the
+    fewest bytes) wins. (None, 0, total) when nothing fits: least_host says what would."""
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
     if total <= host_budget:
-        return place(numels, kb, None), 0, total
-    kinds = spill_order(kb)
-    for n in range(2, len(kinds) + 1):
-        ring = ring_bytes(numels, kinds[:n], kb, cost)
-        try:
-            return place(numels, kb, host_budget - fixed - ring, cost, kinds[:n]), ring, total
-        except ValueError:
-            continue
-    return None, ring, total
+        return place(numels, kb), 0, total
+    fits = [(rank, cap, j) for need, rank, cap, j in _spills(numels, kb, total, cost, host_budget)
+            if need <= host_budget]
+    if not fits:
+        return None, 0, total
+    _, cap, j = min(fits)
+    where = place(numels, kb)
+    where.update({uk: "nvme" for uk in _spill_sequence(numels, kb, cap)[:j]})
+    return where, ring_bytes(ring_widths(numels, where), kb, cost), total
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
-    """The smallest host budget place_within can meet: every slab on NVMe, the ring and `fixed` in RAM."""
-    return fixed + ring_bytes(numels, spill_order(kb), kb, cost)
+    """The smallest host budget place_within can meet, `fixed` included. Most often every slab on NVMe
+    and the ring in RAM; but a kind's ring can cost more than the slabs it saves (a unit too wide,
+    or too few units spilled of a kind that streams, whose ring is twice as deep)."""
+    total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
+    return min([total, *(need for need, *_ in _spills(numels, kb, total, cost))])
 
 
-def place(numels: list[int], kind_bytes: dict[str, int], host_budget: float | None,
-          cost=None, kinds: tuple[str, ...] | None = None) -> dict[tuple[int, str], str]:
-    """{(unit, kind): "host" | "nvme"}: the fewest slabs of `kinds` spilled, in policy order, so that what
-    stays fits `host_budget` bytes (None: no budget, everything on the host). `cost(nbytes)` is what a
-    slab of nbytes takes from the host (an allocator may round it up); by default its size."""
-    cost = cost or (lambda n: n)
-    where = {(u, k): "host" for u in range(len(numels)) for k in kind_bytes}
-    if host_budget is None:
-        return where
-    left = sum(cost(n * b) for n in numels for b in kind_bytes.values()) - host_budget
-    for kind in (k for k in kinds or spill_order(kind_bytes) if k in kind_bytes):
-        for u in reversed(range(len(numels))):
-            if left <= 0:
-                return where
-            where[(u, kind)] = "nvme"
-            left -= cost(numels[u] * kind_bytes[kind])
-    if left > 0:
-        raise ValueError("the state does not fit even with those kinds on NVMe")
-    return where
+def place(numels: list[int], kind_bytes: dict[str, int]) -> dict[tuple[int, str], str]:
+    """Every slab on the host."""
+    return {(u, k): "host" for u in range(len(numels)) for k in kind_bytes}
 
 
 def spilled_bytes(numels: list[int], kind_bytes: dict[str, int], where: dict[tuple[int, str], str]) -> dict[str, int]:
