@@ -156,7 +156,8 @@ def run_big(a) -> list[dict]:
 
 
 def run_least(a) -> list[dict]:
-    """Every slab on NVMe: the least host budget of a --least-layers model with the bf16 copy streaming."""
+    """The least host budget of a --least-layers model with the bf16 copy streaming: every slab on NVMe,
+    but those that cost less in RAM than their ring (a vocabulary much wider than a block)."""
     from tiertrain.config import load_config
     from tiertrain.plan.planner import _layouts
     from tiertrain.tiers.placement import kind_bytes, least_host

@@ -90,8 +90,9 @@ def report(rec: dict) -> str:
     least = res.get("least")
     if least:
         b = least[0]
-        lines += ["", f"## Every slab on NVMe: {b['params'] / 1e9:.2f} B parameters, the least host budget", "",
-                  f"- --host-gb {b['host_gb']:.2f} (the staging ring), bf16 copy streaming: {_placement(b['placement'])}; "
+        lines += ["", f"## The least host budget: {b['params'] / 1e9:.2f} B parameters", "",
+                  f"- --host-gb {b['host_gb']:.2f} (least_host: the staging ring, and what costs less in RAM than "
+                  f"its ring), bf16 copy streaming: {_placement(b['placement'])}; "
                   f"trainer built in {b['setup_s']:.0f} s; host peak RSS {max(r['host_peak_rss_gb'] for r in least):.1f} GB",
                   f"- planner: step {b.get('pred_step_s', float('nan')):.2f} s, bottleneck {b.get('pred_bottleneck')}", "",
                   "| step | step s | tokens/s | NVMe read GB | NVMe write GB | I/O window s | disk use | step / I/O floor |",

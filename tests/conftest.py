@@ -18,7 +18,9 @@ TINY = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_hidden_
         "optim.min_lr=3e-4", "optim.weight_decay=0.1",
         # where each update runs is pinned (the plan would choose per placement, and the CUDA AdamW rounds
         # differently from the CPU one); the tests of GPU updates set it
-        "tiers.gpu_update_units=0"]
+        "tiers.gpu_update_units=0",
+        # and where checkpoints live: budgets in the NVMe tests leave no room for host checkpoints
+        'tiers.activations="gpu"']
 VARIANTS = {
     "llama": [],  # GQA 4/2, untied, no biases
     "qwen2": ["model.attention_bias=true", "model.tie_word_embeddings=true", 'model.model_type="qwen2"'],

@@ -77,7 +77,7 @@ def test_optimizer_errors_surface(token_file, monkeypatch):
 
 
 @pytest.mark.parametrize("sets,stream,acts", [
-    (['train.compute_dtype="bfloat16"'], "compute", "gpu"),  # half the bytes to copy
+    (['train.compute_dtype="bfloat16"', 'tiers.activations="auto"'], "compute", "gpu"),  # half the bytes to copy
     (['train.compute_dtype="float32"'], "master", "gpu"),
     (['train.compute_dtype="bfloat16"', "tiers.gpu_update_units=2"], "master", "gpu"),  # the GPU update needs it
     (['train.compute_dtype="bfloat16"', 'tiers.stream="master"', 'tiers.activations="host"'], "master", "host"),
@@ -102,7 +102,7 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     from tiertrain.plan.hardware import REFERENCE
     from tiertrain.plan.planner import GPU_RESERVE, Budgets, evaluate
 
-    sets = ['train.device="cuda"', 'train.compute_dtype="bfloat16"']
+    sets = ['train.device="cuda"', 'train.compute_dtype="bfloat16"', 'tiers.activations="auto"']
     cfg = tiny_config(token_file, *sets)
     tc = cfg.train
     gpu = {a: evaluate(cfg.model, tc.batch_size, tc.seq_len, "bfloat16", tc.micro_batch_size, "compute", a,
