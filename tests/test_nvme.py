@@ -218,6 +218,8 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
     assert {k for _, k in _spilled(tr.where)} == set(kb)
     assert tr.tiers.ring_nbytes() == ring == ring_bytes(ring_widths(numels, want), kb, host_cost)
     assert ring_widths(numels, want) == {k: max(numels[1:]) for k in kb}
+    for u, k in _spilled(tr.where):  # the disk, too, holds rows a block wide, not the embedding's width
+        assert tr.tiers.store.path(k, u).stat().st_size == max(numels[1:]) * kb[k]
     got = [tr.train_step()["loss"] for _ in range(2)]
     tr.close()
     _, want_recs, _ = _train(tiny_config(token_file, *sets), steps=2)

@@ -1,7 +1,7 @@
 """NVMe tier: one Zarr v3 group per run, an array per kind, one uncompressed chunk per unit.
 
-Plain `zarr` opens and reads the store (shape (units, slab elements), a chunk per unit, the model and
-layout in the attributes). Only the chunks of spilled units exist (the others read as zeros, and
+Plain `zarr` opens and reads the store (shape (units, elements of the kind's widest spilled slab), a
+chunk per unit, the model and layout in the attributes). Only the chunks of spilled units exist (the others read as zeros, and
 are never used); every one of them is written at creation, so the hot path never creates, grows
 or renames a file: it reads and writes the chunk files' bytes in place (`<kind>/c/<unit>/0`, raw
 little-endian), with direct I/O into page-aligned buffers, split into 16 MiB tasks over a thread
@@ -137,7 +137,8 @@ def make_io(backend: str = "auto", threads: int = 16):
 
 
 class NvmeStore:
-    """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit))."""
+    """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit)); a kind's rows are
+    as wide as its widest spilled unit."""
 
     def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[str, str], meta: dict, io,
                  create: bool, units: dict[str, list[int]] | None = None):
@@ -147,8 +148,9 @@ class NvmeStore:
         import zarr
 
         self.root, self.numels, self.kinds, self.io = Path(root), numels, kinds, io
-        self.width = max(numels)
         self.units = {k: sorted(units[k]) if units else list(range(len(numels))) for k in kinds}
+        # a kind's rows as wide as its widest spilled unit: a wide unit kept in RAM costs no disk
+        self.width = {k: max((numels[u] for u in self.units[k]), default=1) for k in kinds}
         meta = {"format": FORMAT, "numels": numels, "kinds": kinds, "units": self.units, **meta}
         exists = (self.root / "zarr.json").exists()
         if create and exists:
@@ -172,7 +174,7 @@ class NvmeStore:
     def _create(self, meta: dict) -> None:
         import zarr
 
-        need = sum(self.width * np.dtype(dt).itemsize * len(self.units[k]) for k, dt in self.kinds.items())
+        need = sum(self.width[k] * np.dtype(dt).itemsize * len(self.units[k]) for k, dt in self.kinds.items())
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.root).free
@@ -184,9 +186,10 @@ class NvmeStore:
         try:
             g = zarr.open_group(self.root, mode="w", attributes=meta)
             for kind, dt in self.kinds.items():
-                arr = g.create_array(kind, shape=(len(self.numels), self.width), chunks=(1, self.width), dtype=dt,
+                w = self.width[kind]
+                arr = g.create_array(kind, shape=(len(self.numels), w), chunks=(1, w), dtype=dt,
                                      fill_value=0, compressors=None, config={"write_empty_chunks": True})
-                zeros = np.zeros((1, self.width), dtype=dt)
+                zeros = np.zeros((1, w), dtype=dt)
                 for u in self.units[kind]:
                     arr[u:u + 1] = zeros
         except OSError as e:
@@ -199,7 +202,7 @@ class NvmeStore:
         for kind, dt in self.kinds.items():
             for u in self.units[kind]:
                 p = self.path(kind, u)
-                if not p.is_file() or p.stat().st_size != self.width * np.dtype(dt).itemsize:
+                if not p.is_file() or p.stat().st_size != self.width[kind] * np.dtype(dt).itemsize:
                     raise StoreError(f"{self.root}: chunk {kind}/{u} is missing or truncated; the store is "
                                      "corrupt: use another --nvme-dir or delete it")
 
