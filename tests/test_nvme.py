@@ -12,8 +12,8 @@ import zarr
 from conftest import VARIANTS, tiny_config
 from tiertrain.errors import ConfigError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
-from tiertrain.tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, ring_bytes,
-                                       ring_widths, streamed_kind)
+from tiertrain.tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within,
+                                       ring_bytes, ring_widths, spilled_bytes, streamed_kind)
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
 
@@ -220,6 +220,9 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
     assert ring_widths(numels, want) == {k: max(numels[1:]) for k in kb}
     for u, k in _spilled(tr.where):  # the disk, too, holds rows a block wide, not the embedding's width
         assert tr.tiers.store.path(k, u).stat().st_size == max(numels[1:]) * kb[k]
+    # what --nvme-gb is held to is what the store takes (the head's rows are a block wide too)
+    assert disk_bytes(numels, kb, want) == sum(tr.tiers.store.path(k, u).stat().st_size for u, k in _spilled(want))
+    assert disk_bytes(numels, kb, want) > sum(spilled_bytes(numels, kb, want).values())
     got = [tr.train_step()["loss"] for _ in range(2)]
     tr.close()
     _, want_recs, _ = _train(tiny_config(token_file, *sets), steps=2)
@@ -244,7 +247,7 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     gb = _budget_for(tiny_config(token_file, *DEEP))
     cfg = tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"',
                       "tiers.nvme_gb=0.000001")
-    with pytest.raises(ConfigError, match="must go to NVMe and --nvme-gb"):
+    with pytest.raises(ConfigError, match="the spilled state takes [0-9.]+ GB on disk and --nvme-gb"):
         Trainer(cfg)
 
 

@@ -28,7 +28,7 @@ from .plan.planner import Budgets, Plan, plan
 from .tiers.host import HostStore
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, kind_bytes, least_host, place, place_within, resident_units,
+from .tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
                               spilled_bytes, update_candidates)
 from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 
@@ -191,8 +191,9 @@ class Trainer:
         t = self.cfg.tiers
         numels = [lay.numel for lay in self.layouts]
         spilled = spilled_bytes(numels, self.kind_bytes(), self.where)
-        if t.nvme_gb and sum(spilled.values()) > t.nvme_gb * 1e9:
-            raise ConfigError(f"{sum(spilled.values()) / 1e9:.3g} GB must go to NVMe and --nvme-gb is "
+        disk = disk_bytes(numels, self.kind_bytes(), self.where)
+        if t.nvme_gb and disk > t.nvme_gb * 1e9:
+            raise ConfigError(f"the spilled state takes {disk / 1e9:.3g} GB on disk and --nvme-gb is "
                               f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
         kinds = sorted(spilled)
         # numpy has no bfloat16: the compute-dtype copy is stored as its bits

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import kind_bytes, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import disk_bytes, kind_bytes, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -129,8 +129,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):
             p.nvme_bwd_reads += size
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
-    if nvme_on and sum(p.nvme_bytes.values()) > budgets.nvme_gb * 1e9:
-        p.why = (f"NVMe: {sum(p.nvme_bytes.values()) / 1e9:.1f} GB must spill and --nvme-gb is {budgets.nvme_gb:g}; "
+    disk = disk_bytes(numels, kb, where)
+    if nvme_on and disk > budgets.nvme_gb * 1e9:
+        p.why = (f"NVMe: the spilled state takes {disk / 1e9:.1f} GB on disk and --nvme-gb is {budgets.nvme_gb:g}; "
                  "raise --nvme-gb or --host-gb")
         return p
 

@@ -75,6 +75,13 @@ def ring_widths(numels: list[int], where: dict[tuple[int, str], str]) -> dict[st
     return out
 
 
+def disk_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[int, str], str]) -> int:
+    """Bytes the NVMe store takes for this placement: a row per spilled slab, each as wide as its kind's
+    widest spilled unit (tiers.nvme.NvmeStore)."""
+    width = ring_widths(numels, where)
+    return sum(width[k] * kb[k] for (_, k), tier in where.items() if tier == "nvme")
+
+
 def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int) -> list[tuple[int, str]]:
     """The slabs in the order they spill: kinds by spill_order, each kind's units from the last to the
     first; units wider than `cap` elements never spill."""
