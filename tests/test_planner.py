@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import re
 import subprocess
 import sys
 
@@ -140,6 +141,13 @@ def test_a_plan_that_does_not_fit_says_which_budget():
     assert not p.fits and "raise --host-gb or give an NVMe tier" in p.why
     p = plan(spec, 16, 2048, "bfloat16", Budgets(host_gb=1000, gpu_gb=2), REFERENCE)
     assert not p.fits and p.why.startswith("GPU: needs")
+    # with an NVMe tier, too little host memory for even the ring: the least budget, of every choice
+    one_b = load_config("llama-1b").model
+    p = plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=5, nvme_gb=100), REFERENCE, advise=False)
+    need = float(re.search(r"raise --host-gb to at least ([0-9.]+)$", p.why).group(1))
+    assert plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need, nvme_gb=100), REFERENCE, advise=False).fits
+    assert not plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE,
+                    advise=False).fits
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Does not fit" in r.stdout

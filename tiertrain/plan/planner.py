@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import disk_bytes, kind_bytes, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import disk_bytes, kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -64,6 +64,7 @@ class Plan:
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
     nvme_bytes: dict = field(default_factory=dict)
     nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
+    least_host: float = 0.0  # with an NVMe tier: the least host budget this choice could run in (bytes)
     placement: dict = field(default_factory=dict)  # kind -> {"host": units, "nvme": units}
     host_fixed: dict = field(default_factory=dict)  # ring, host checkpoints, process
     gpu: dict = field(default_factory=dict)  # part -> bytes
@@ -114,7 +115,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
                  "raise --host-gb or give an NVMe tier (--nvme-gb)")
         where = None
     elif where is None:
-        p.why = f"host: {host_budget / 1e9:.1f} GB cannot hold even the buffers of a spilled run; raise --host-gb"
+        p.least_host = least_host(numels, kb, host_ck, host_cost)
+        p.why = (f"host: {host_budget / 1e9:.1f} GB cannot hold even the buffers of a spilled run; raise --host-gb "
+                 f"to at least {math.ceil(p.least_host / 1e8) / 10:.1f}")
     if where is None:
         return p
     for (u, k), tier in where.items():
@@ -129,6 +132,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):
             p.nvme_bwd_reads += size
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
+    if nvme_on:
+        p.least_host = least_host(numels, kb, host_ck, host_cost)
     disk = disk_bytes(numels, kb, where)
     if nvme_on and disk > budgets.nvme_gb * 1e9:
         p.why = (f"NVMe: the spilled state takes {disk / 1e9:.1f} GB on disk and --nvme-gb is {budgets.nvme_gb:g}; "
@@ -235,8 +240,9 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates)
              for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
-    if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise
-        cands.sort(key=lambda c: c.why.startswith("GPU"))
+    if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
+        # of those short of host memory with an NVMe tier, the one that needs the least
+        cands.sort(key=lambda c: (c.why.startswith("GPU"), c.least_host))
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]

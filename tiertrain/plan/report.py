@@ -35,12 +35,15 @@ def to_markdown(p: Plan) -> str:
         out.append(f"| {k} | {_gb(p.host_bytes.get(k, 0))} | {_gb(p.nvme_bytes.get(k, 0))} | "
                    f"{p.placement[k]['nvme']} of {p.placement[k]['host'] + p.placement[k]['nvme']} |")
     for k, v in p.host_fixed.items():
-        out.append(f"| {k} | {_gb(v)} | | |")
+        out.append(f"| {k}{' (not in --host-gb)' if k == 'process' else ''} | {_gb(v)} | | |")
     out += [f"| **total** | **{_gb(p.host_total)}** | **{_gb(sum(p.nvme_bytes.values()))}** | |", "",
             "Spill order when the host budget is short: Adam moments (touched once per step, by the "
             "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
-            "optimizer's only), then gradients (written during the backward pass); the weights that stream "
-            "stay in RAM. Host slabs take whole pages.", "",
+            "optimizer's only), then gradients (written during the backward pass), and last the weights "
+            "that stream (read twice a step); a unit whose ring buffers would cost more than its slabs "
+            "stays in RAM. Host slabs take whole pages."
+            + (f" With this NVMe tier the least --host-gb for this choice is {p.least_host / 1e9:.1f}."
+               if p.least_host else ""), "",
             "| GPU | bytes |", "| --- | --- |"]
     out += [f"| {k} | {_gb(v)} |" for k, v in p.gpu.items()] + [f"| **total** | **{_gb(p.gpu_total)}** |", ""]
     out += ["## Time per step (predicted)", "", "| link | seconds |", "| --- | --- |"]
