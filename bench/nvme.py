@@ -173,7 +173,7 @@ def run_least(a) -> list[dict]:
 def worker(a) -> None:
     if a.worker == "probe":
         from tiertrain.plan.probe import probe_spec
-        from tiertrain.trainer import HARDWARE_FILE
+        from tiertrain.placing import HARDWARE_FILE
 
         from tiertrain.plan.probe import disk_rates
 

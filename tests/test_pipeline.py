@@ -99,6 +99,7 @@ def test_auto_without_a_plan(token_file, sets, stream, acts):
 def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     """On CUDA "auto" is the plan's choice: a copy of the weights in bf16 when PCIe is what bounds the
     step, the fp32 master when rounding into the copy is; checkpoints on the host when the GPU is short."""
+    from tiertrain import placing
     from tiertrain.plan.hardware import REFERENCE
     from tiertrain.plan.planner import GPU_RESERVE, Budgets, evaluate
 
@@ -111,7 +112,7 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
           "slow rounding": dict(host_adam_copy_params_per_s=1e3),
           "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE)}[case]
-    monkeypatch.setattr(Trainer, "hardware", lambda self: dataclasses.replace(REFERENCE, **hw))
+    monkeypatch.setattr(placing, "hardware", lambda device: dataclasses.replace(REFERENCE, **hw))
     tr = Trainer(tiny_config(token_file, *sets))
     tr.train_step()
     tr.close()

@@ -1,7 +1,6 @@
 """Wiring: config -> data -> slabs on the host tier -> device buffers -> step engine -> loop."""
 from __future__ import annotations
 
-import dataclasses
 import time
 import zlib
 from contextlib import contextmanager
@@ -12,6 +11,7 @@ import psutil
 import torch
 
 from . import checkpoint as ckpt
+from . import placing
 from .config import Config
 from .data import Loader, builtin_tokens, read_tokens
 from .engine.activations import Checkpoints
@@ -23,16 +23,10 @@ from .metrics import human_bytes, human_count
 from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
-from .plan.hardware import REFERENCE, HardwareSpec
-from .plan.planner import Budgets, Plan, plan
+from .plan.hardware import HardwareSpec
 from .tiers.host import HostStore
-from .tiers.manager import TierManager
-from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
-                              spilled_bytes, update_candidates)
-from .tiers.slab import SlabLayout, host_cost, torch_pinned_cost
-
-HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
+from .tiers.placement import kind_bytes, spilled_bytes
+from .tiers.slab import SlabLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
@@ -79,13 +73,15 @@ class Trainer:
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         pin = self.device.type == "cuda"
-        self.plan = self._plan()
-        self.where, self.tiers = self._place(pin), None
+        self.plan, self.chosen = placing.settle(cfg, self.device)
+        numels = [lay.numel for lay in self.layouts]
+        self.where, self.tiers = placing.place_state(cfg, numels, pin), None
         self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
                               where=self.where, device=self.device)
         if "nvme" in self.where.values():
-            self.tiers = self._nvme_tier(pin, replace=resume is not None)
-        self.deferred = self._gpu_updates()
+            self.tiers = placing.nvme_tier(cfg, numels, self.where, {k: self.host.dtype(k) for k in self.host.kinds},
+                                           self.host.streamed_kind, pin, run_name, replace=resume is not None)
+        self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, self.host.kinds, len(self.units))
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
                                      tc.overlap, self.deferred)
         self.step = 0
@@ -106,107 +102,11 @@ class Trainer:
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
 
-    # ---- plan ---------------------------------------------------------------------------------
-    def _plan(self) -> Plan | None:
-        """The planner's view of this exact run (its placement is the one _place makes); it settles
-        tiers.stream and tiers.activations where they are "auto". On CUDA a run whose GPU memory the
-        plan says will not fit stops here, before any large allocation."""
-        t, tc = self.cfg.tiers, self.cfg.train
-        fixed = {"stream": None if t.stream == "auto" else t.stream,
-                 "activations": None if t.activations == "auto" else t.activations}
-        if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
-            fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
-        p = None
-        if self.device.type == "cuda":  # the cost model is the GPU pipeline's
-            hw = self.hardware()
-            p = plan(self.cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
-                     Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
-                             t.gpu_resident_gb),
-                     hw, name="run", micro=tc.micro_batch_size, advise=False,
-                     gpu_updates=t.gpu_update_units, **fixed)
-        self.chosen = [k for k, v in fixed.items() if v is None]  # settled here, not by the config
-        t.stream = fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master")
-        t.activations = fixed["activations"] or (p.activations if p else "gpu")
-        if p is not None and not p.fits and p.why.startswith("GPU"):
-            raise ConfigError(f"{p.why}: lower train.micro_batch_size" + (
-                ', or set tiers.activations="host"' if fixed["activations"] == "gpu" else ""))
-        return p if p is not None and p.fits else None
-
     def hardware(self) -> HardwareSpec:
-        """The figures the plan uses: `tiertrain probe`'s file if there is one, else the reference; the
-        GPU memory is this GPU's."""
-        gpu_gb = torch.cuda.get_device_properties(self.device).total_memory / 1e9
-        return dataclasses.replace(HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE,
-                                   gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
+        return placing.hardware(self.device)
 
-    # ---- tiers --------------------------------------------------------------------------------
     def kind_bytes(self) -> dict[str, int]:
         return kind_bytes(self.cfg.train.compute_dtype, self.cfg.tiers.stream)
-
-    def _place(self, pin: bool) -> dict[tuple[int, str], str]:
-        """Resident units' slabs on the GPU; the rest under tiers.host_gb (_place_host)."""
-        t = self.cfg.tiers
-        numels, kb = [lay.numel for lay in self.layouts], self.kind_bytes()
-        resident = resident_units(numels, kb, t.gpu_resident_gb * 1e9)
-        where = self._place_host([0 if u in resident else n for u, n in enumerate(numels)], pin)
-        where.update({(u, k): "gpu" for u in resident for k in kb})
-        return where
-
-    def _place_host(self, numels: list[int], pin: bool) -> dict[tuple[int, str], str]:
-        """Places every slab under tiers.host_gb; refuses, before any large allocation, what cannot run.
-        First everything in RAM; failing that, slabs on NVMe by policy with the staging ring reserved."""
-        t, tc, spec = self.cfg.tiers, self.cfg.train, self.cfg.model
-        kb = self.kind_bytes()
-        if not t.host_gb:
-            return place(numels, kb)
-        acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
-            tc.batch_size * tc.seq_len * spec.hidden_size * 4) if t.activations == "host" else 0
-        where, ring, total = place_within(numels, kb, t.host_gb * 1e9, acts, host_cost)
-        if where is not None and not ring:
-            return where
-        least = least_host(numels, kb, acts, host_cost) / 1e9
-        if not t.nvme_dir:
-            raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
-                              f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
-                              f"to spill part of it to disk (then --host-gb {least:.3g} is the least)")
-        if where is None:
-            raise ConfigError(f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
-                              + (" and the host activation checkpoints" if acts else "")
-                              + f" with all it can spill on NVMe: raise --host-gb to at least {least:.3g}")
-        return where
-
-    def _gpu_updates(self) -> frozenset[int]:
-        """Units whose update runs on the GPU as their weights load (tiers.gpu_update_units; -1: the
-        plan's choice, none without a plan)."""
-        n = self.cfg.tiers.gpu_update_units
-        if n < 0:
-            n = self.plan.gpu_updates if self.plan else 0
-        if n and "weights" in self.host.kinds:
-            raise ConfigError("tiers.gpu_update_units needs tiers.stream=\"master\" (the GPU update makes the "
-                              "weights from the fp32 master); set it, or tiers.gpu_update_units=0")
-        return frozenset(update_candidates(self.where, self.host.kinds, len(self.units))[:n])
-
-    def _nvme_tier(self, pin: bool, replace: bool) -> TierManager:
-        """The run's store under nvme_dir; `replace`: a resumed run's leftover store is scratch, replaced."""
-        t = self.cfg.tiers
-        numels = [lay.numel for lay in self.layouts]
-        spilled = spilled_bytes(numels, self.kind_bytes(), self.where)
-        disk = disk_bytes(numels, self.kind_bytes(), self.where)
-        if t.nvme_gb and disk > t.nvme_gb * 1e9:
-            raise ConfigError(f"the spilled state takes {disk / 1e9:.3g} GB on disk and --nvme-gb is "
-                              f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
-        kinds = sorted(spilled)
-        # numpy has no bfloat16: the compute-dtype copy is stored as its bits
-        meta = {"model": self.cfg.to_dict()["model"], "compute_dtype": self.cfg.train.compute_dtype,
-                **({"weights": "bfloat16 bits, as uint16"} if "weights" in kinds else {})}
-        if replace:
-            discard(Path(t.nvme_dir) / self.run_name)
-        units = {k: [u for (u, kk), tier in self.where.items() if kk == k and tier == "nvme"] for k in kinds}
-        store = NvmeStore(Path(t.nvme_dir) / self.run_name, numels,
-                          {k: "uint16" if k == "weights" else "float32" for k in kinds}, meta,
-                          make_io(t.io, t.io_threads), create=True, units=units)
-        return TierManager(store, self.where, {k: self.host.dtype(k) for k in kinds}, pin, depth=RING_SLOTS - 2,
-                           streamed=self.host.streamed_kind)
 
     # ---- weights ------------------------------------------------------------------------------
     def _init_weights(self) -> None:

@@ -1,0 +1,115 @@
+"""Before anything large is allocated: the run's plan (which settles what the config leaves "auto"),
+where every slab lives, which units update on the GPU, and the NVMe tier. Each step refuses what
+cannot run with a message that names the setting to change."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from .config import Config
+from .errors import ConfigError
+from .plan.hardware import REFERENCE, HardwareSpec
+from .plan.planner import Budgets, Plan, plan
+from .tiers.manager import TierManager
+from .tiers.nvme import NvmeStore, discard, make_io
+from .tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
+                              spilled_bytes, update_candidates)
+from .tiers.slab import host_cost, torch_pinned_cost
+
+HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
+
+Where = dict[tuple[int, str], str]
+
+
+def hardware(device: torch.device) -> HardwareSpec:
+    """The figures the plan uses: `tiertrain probe`'s file if there is one, else the reference; the GPU
+    memory is this GPU's."""
+    gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+    return dataclasses.replace(HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE,
+                               gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
+
+
+def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
+    """(the plan of this exact run, or None without a GPU or when it does not fit; the tiers settings it
+    chose). Sets tiers.stream and tiers.activations where they are "auto": the plan's choice on a GPU,
+    else the cheapest copies. On CUDA a run whose GPU memory the plan says will not fit stops here."""
+    t, tc = cfg.tiers, cfg.train
+    fixed = {"stream": None if t.stream == "auto" else t.stream,
+             "activations": None if t.activations == "auto" else t.activations}
+    if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
+        fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
+    p = None
+    if device.type == "cuda":  # the cost model is the GPU pipeline's
+        hw = hardware(device)
+        p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
+                 Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
+                         t.gpu_resident_gb),
+                 hw, name="run", micro=tc.micro_batch_size, advise=False, gpu_updates=t.gpu_update_units, **fixed)
+    t.stream = fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master")
+    t.activations = fixed["activations"] or (p.activations if p else "gpu")
+    if p is not None and not p.fits and p.why.startswith("GPU"):
+        raise ConfigError(f"{p.why}: lower train.micro_batch_size" + (
+            ', or set tiers.activations="host"' if fixed["activations"] == "gpu" else ""))
+    return (p if p is not None and p.fits else None), [k for k, v in fixed.items() if v is None]
+
+
+def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:
+    """Resident units' slabs on the GPU; every other slab under tiers.host_gb: all in RAM when it fits,
+    else on NVMe by policy with the staging ring reserved. Refuses what cannot run."""
+    t, tc, spec = cfg.tiers, cfg.train, cfg.model
+    kb = kind_bytes(tc.compute_dtype, t.stream)
+    resident = resident_units(numels, kb, t.gpu_resident_gb * 1e9)
+    rest = [0 if u in resident else n for u, n in enumerate(numels)]
+    where = place(rest, kb)
+    if t.host_gb:
+        acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
+            tc.batch_size * tc.seq_len * spec.hidden_size * 4) if t.activations == "host" else 0
+        where, ring, total = place_within(rest, kb, t.host_gb * 1e9, acts, host_cost)
+        if where is None or ring:
+            least = least_host(rest, kb, acts, host_cost) / 1e9
+            if not t.nvme_dir:
+                raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
+                                  f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
+                                  f"to spill part of it to disk (then --host-gb {least:.3g} is the least)")
+            if where is None:
+                raise ConfigError(f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
+                                  + (" and the host activation checkpoints" if acts else "")
+                                  + f" with all it can spill on NVMe: raise --host-gb to at least {least:.3g}")
+    where.update({(u, k): "gpu" for u in resident for k in kb})
+    return where
+
+
+def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: int) -> frozenset[int]:
+    """Units whose update runs on the GPU as their weights load (tiers.gpu_update_units; -1: the plan's
+    choice, none without a plan)."""
+    n = cfg.tiers.gpu_update_units
+    if n < 0:
+        n = p.gpu_updates if p else 0
+    if n and "weights" in kinds:
+        raise ConfigError("tiers.gpu_update_units needs tiers.stream=\"master\" (the GPU update makes the "
+                          "weights from the fp32 master); set it, or tiers.gpu_update_units=0")
+    return frozenset(update_candidates(where, kinds, n_units)[:n])
+
+
+def nvme_tier(cfg: Config, numels: list[int], where: Where, dtypes: dict[str, torch.dtype], streamed: str,
+              pin: bool, run_name: str, replace: bool) -> TierManager:
+    """The run's store under nvme_dir and its manager; `replace`: a resumed run's leftover store is
+    scratch, replaced."""
+    t = cfg.tiers
+    kb = kind_bytes(cfg.train.compute_dtype, t.stream)
+    disk = disk_bytes(numels, kb, where)
+    if t.nvme_gb and disk > t.nvme_gb * 1e9:
+        raise ConfigError(f"the spilled state takes {disk / 1e9:.3g} GB on disk and --nvme-gb is "
+                          f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
+    kinds = sorted(spilled_bytes(numels, kb, where))
+    # numpy has no bfloat16: the compute-dtype copy is stored as its bits
+    meta = {"model": cfg.to_dict()["model"], "compute_dtype": cfg.train.compute_dtype,
+            **({"weights": "bfloat16 bits, as uint16"} if "weights" in kinds else {})}
+    if replace:
+        discard(Path(t.nvme_dir) / run_name)
+    units = {k: [u for (u, kk), tier in where.items() if kk == k and tier == "nvme"] for k in kinds}
+    store = NvmeStore(Path(t.nvme_dir) / run_name, numels, {k: "uint16" if k == "weights" else "float32" for k in kinds},
+                      meta, make_io(t.io, t.io_threads), create=True, units=units)
+    return TierManager(store, where, {k: dtypes[k] for k in kinds}, pin, depth=RING_SLOTS - 2, streamed=streamed)
