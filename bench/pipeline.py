@@ -33,7 +33,7 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1), "tiertrain-host-adam": ("
              "tiertrain-res8": ("master", "host", 8.0, -1),
              # what `tiertrain run` does with the config's defaults: the plan chooses for each batch
              "tiertrain-auto": ("auto", "auto", 0.0, -1)}
-SYSTEMS = ("probe", "deepspeed", "tiertrain", "tiertrain-host-adam", "gpu")
+SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
 
 
 def _batch(B: int, S: int, V: int, seed: int):
