@@ -60,6 +60,8 @@ def test_overrides_are_toml_literals():
     (['optim.schedule="linear"'], ["optim.schedule", "cosine"]),
     (["model.rope_scaling={rope_type=\"llama3\"}"], ["model.rope_scaling", "factor"]),
     (["steps=5"], ["section.key=value"]),
+    (["train.micro_batch_size=-1"], ["train.micro_batch_size", "0 (the plan chooses)"]),
+    (["train.micro_batch_size=3"], ["train.batch_size", "multiple of train.micro_batch_size (3)"]),
 ])
 def test_bad_values_name_the_key_and_fix(sets, words):
     with pytest.raises(ConfigError) as e:

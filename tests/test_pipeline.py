@@ -94,8 +94,16 @@ def test_auto_without_a_plan(token_file, sets, stream, acts):
     assert bool(tr.deferred) == ("tiers.gpu_update_units=2" in sets)
 
 
+@pytest.mark.parametrize("batch,micro", [(8, 8), (12, 6), (7, 7), (18, 6)])
+def test_auto_micro_batch_without_a_plan(token_file, batch, micro):
+    """train.micro_batch_size = 0 on a CPU: the largest divisor of the batch up to 8 sequences; recorded."""
+    tr = Trainer(tiny_config(token_file, f"train.batch_size={batch}", "train.micro_batch_size=0"))
+    tr.close()
+    assert tr.cfg.train.micro_batch_size == micro and "micro-batch" in tr.chosen
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["slow PCIe", "slow rounding", "small GPU"])
+@pytest.mark.parametrize("case", ["slow PCIe", "slow rounding", "small GPU", "micro-batch"])
 def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     """On CUDA "auto" is the plan's choice: a copy of the weights in bf16 when PCIe is what bounds the
     step, the fp32 master when rounding into the copy is; checkpoints on the host when the GPU is short."""
@@ -111,15 +119,18 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     assert gpu["host"] < gpu["gpu"]
     hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
           "slow rounding": dict(host_adam_copy_params_per_s=1e3),
-          "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE)}[case]
+          "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {}}[case]
     monkeypatch.setattr(placing, "hardware", lambda device: dataclasses.replace(REFERENCE, **hw))
-    tr = Trainer(tiny_config(token_file, *sets))
+    tr = Trainer(tiny_config(token_file, *sets, *(["train.micro_batch_size=0"] if case == "micro-batch" else [])))
     tr.train_step()
     tr.close()
     assert tr.plan is not None
     assert (tr.plan.stream, tr.plan.activations) == (tr.cfg.tiers.stream, tr.cfg.tiers.activations)
+    assert tr.cfg.train.micro_batch_size == (tr.plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
     if case == "small GPU":
         assert tr.cfg.tiers.activations == "host"
+    elif case == "micro-batch":
+        assert tc.batch_size % tr.cfg.train.micro_batch_size == 0 and "micro-batch" in tr.chosen
     else:
         assert tr.cfg.tiers.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
     assert ("weights" in tr.host.kinds) == (tr.cfg.tiers.stream == "compute")

@@ -172,6 +172,15 @@ def test_plan_keeps_what_the_config_sets():
     other = {"compute": "master", "master": "compute"}[searched[0]]
     assert chosen(f'tiers.stream="{other}"')[0] == other
     assert chosen('tiers.activations="host"')[1] == "host" and chosen('tiers.activations="gpu"')[1] == "gpu"
+    # the config's micro-batch too (llama-3b sets 4); 0 searches: the largest that fits the GPU (the
+    # cost model gives every micro-batch the same speed), here the whole batch of 16
+    def micro(*sets):
+        r = CliRunner().invoke(main, ["plan", "--config", "llama-3b", "--host-gb", "200", "--format", "json",
+                                      *[x for s in sets for x in ("--set", s)]])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)["micro_batch"]
+    assert micro() == 4 and micro("train.micro_batch_size=2") == 2 and micro("train.micro_batch_size=0") == 16
+    assert micro("train.micro_batch_size=0", "train.batch_size=64") == 32  # at most 64k tokens per micro-batch
 
 
 def test_hardware_file_round_trip_and_errors(tmp_path):

@@ -137,14 +137,15 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         sets = list(overrides) + [f"train.batch_size={batch_size}"] * bool(batch_size) + \
             [f"train.seq_len={seq_len}"] * bool(seq_len)
         if batch_size:
-            sets.append(f"train.micro_batch_size={batch_size}")  # the planner chooses the micro-batch
+            sets.append("train.micro_batch_size=0")  # the config's may not divide it: the planner chooses
         cfg = load_config(config_path, sets)
         hw = HardwareSpec.load(hardware) if hardware else REFERENCE
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
         p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
                       Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb), hw, name=Path(config_path).stem,
-                      gpu_updates=cfg.tiers.gpu_update_units,  # "auto": the plan searches, as `run` does
+                      gpu_updates=cfg.tiers.gpu_update_units, micro=cfg.train.micro_batch_size or None,
+                      # "auto" and 0: the plan searches, as `run` does on a GPU
                       **{k: v for k in ("stream", "activations") if (v := getattr(cfg.tiers, k)) != "auto"})
     except UserError as e:
         _fail(e)

@@ -38,7 +38,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100
     batch_size: int = 16  # sequences per optimizer step
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # sequences per forward/backward; 0: the plan's choice (on a CPU: at most 8)
     seq_len: int = 256
     compute_dtype: str = "bfloat16"
     seed: int = 0
@@ -49,13 +49,15 @@ class TrainConfig:
     init_from: str = ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
 
     def validate(self) -> None:
-        for key in ("steps", "batch_size", "micro_batch_size", "seq_len", "log_every"):
+        for key in ("steps", "batch_size", "seq_len", "log_every"):
             _need(getattr(self, key) > 0, "train", key, self, "must be a positive integer")
+        _need(self.micro_batch_size >= 0, "train", "micro_batch_size", self,
+              "must be 0 (the plan chooses) or a positive integer")
         _need(self.loss_chunk_tokens >= 0, "train", "loss_chunk_tokens", self, "must be 0 (auto) or positive")
         _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
         _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
-        _need(self.batch_size % self.micro_batch_size == 0, "train", "batch_size", self,
+        _need(self.batch_size % (self.micro_batch_size or 1) == 0, "train", "batch_size", self,
               f"must be a multiple of train.micro_batch_size ({self.micro_batch_size})")
 
 

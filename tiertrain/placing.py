@@ -32,12 +32,15 @@ def hardware(device: torch.device) -> HardwareSpec:
 
 
 def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
-    """(the plan of this exact run, or None without a GPU or when it does not fit; the tiers settings it
-    chose). Sets tiers.stream and tiers.activations where they are "auto": the plan's choice on a GPU,
-    else the cheapest copies. On CUDA a run whose GPU memory the plan says will not fit stops here."""
+    """(the plan of this exact run, or None without a GPU or when it does not fit; the settings it
+    chose). Sets tiers.stream, tiers.activations and train.micro_batch_size where the config leaves
+    them to the plan ("auto", 0): its choice on a GPU, else the cheapest copies and the largest
+    micro-batch of at most 8 sequences. On CUDA a run whose GPU memory the plan says will not fit
+    stops here."""
     t, tc = cfg.tiers, cfg.train
     fixed = {"stream": None if t.stream == "auto" else t.stream,
-             "activations": None if t.activations == "auto" else t.activations}
+             "activations": None if t.activations == "auto" else t.activations,
+             "micro": tc.micro_batch_size or None}
     if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
         fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
     p = None
@@ -46,13 +49,18 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
         p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
                  Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
                          t.gpu_resident_gb),
-                 hw, name="run", micro=tc.micro_batch_size, advise=False, gpu_updates=t.gpu_update_units, **fixed)
+                 hw, name="run", advise=False, gpu_updates=t.gpu_update_units, **fixed)
     t.stream = fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master")
     t.activations = fixed["activations"] or (p.activations if p else "gpu")
+    tc.micro_batch_size = fixed["micro"] or (p.micro_batch if p else
+                                             max(m for m in range(1, 9) if tc.batch_size % m == 0))
     if p is not None and not p.fits and p.why.startswith("GPU"):
-        raise ConfigError(f"{p.why}: lower train.micro_batch_size" + (
-            ', or set tiers.activations="host"' if fixed["activations"] == "gpu" else ""))
-    return (p if p is not None and p.fits else None), [k for k, v in fixed.items() if v is None]
+        fixes = [*(["lower train.micro_batch_size"] if fixed["micro"] else []),
+                 *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
+                 "lower train.seq_len"]
+        raise ConfigError(f"{p.why}: " + ", or ".join(fixes))
+    names = {"stream": "stream", "activations": "activations", "micro": "micro-batch"}
+    return (p if p is not None and p.fits else None), [names[k] for k, v in fixed.items() if v is None]
 
 
 def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:

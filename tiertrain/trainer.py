@@ -318,6 +318,6 @@ class Trainer:
             f"plus activations (checkpoints on the {'host' if self.cfg.tiers.activations == 'host' else 'device'}); "
             f"weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}"
-            + (f" ({' and '.join(self.chosen)}: {'the plan' if self.plan else 'the CPU default'})"
+            + (f" ({', '.join(self.chosen)}: {'the plan' if self.plan else 'the CPU default'})"
                if self.chosen else ""),
         ]
