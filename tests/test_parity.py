@@ -38,7 +38,7 @@ def _train(cfg):
     return tr, init, recs
 
 
-ON_DEVICE = {"llama-resident": ["tiers.gpu_resident_gb=0.004"],
+ON_DEVICE = {"llama-resident": ["tiers.gpu_resident_gb=0.004"], "llama-all-resident": ["tiers.gpu_resident_gb=1"],
              "llama-gpu-update": ['tiers.stream="master"', "tiers.gpu_update_units=3"],
              "qwen2-both": [*VARIANTS["qwen2"], "tiers.gpu_resident_gb=0.0005", "tiers.gpu_update_units=2"]}
 
@@ -47,7 +47,8 @@ ON_DEVICE = {"llama-resident": ["tiers.gpu_resident_gb=0.004"],
 @pytest.mark.parametrize("variant", sorted(VARIANTS) + sorted(ON_DEVICE))
 def test_fp32_matches_pytorch(token_file, variant, device):
     """`llama-resident`: the first units' whole state on the device (tiers.gpu_resident_gb), updated
-    there (on a GPU, by the CUDA fused AdamW), the rest streamed. `llama-gpu-update`: the first three
+    there (on a GPU, by the CUDA fused AdamW), the rest streamed; `llama-all-resident`: every unit's
+    (what tiers.gpu_resident_gb = -1 gives a model that fits the GPU). `llama-gpu-update`: the first three
     units' state stays on the host and is updated on the device as each unit's weights load.
     `qwen2-both`: the resident embedding, then two units updated on the device. The same training."""
     sets = VARIANTS[variant] if variant in VARIANTS else ON_DEVICE[variant]

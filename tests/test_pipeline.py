@@ -102,8 +102,15 @@ def test_auto_micro_batch_without_a_plan(token_file, batch, micro):
     assert tr.cfg.train.micro_batch_size == micro and "micro-batch" in tr.chosen
 
 
+def test_resident_minus_one_without_a_plan(token_file):
+    """tiers.gpu_resident_gb = -1 on a CPU (no plan): no resident units; recorded."""
+    tr = Trainer(tiny_config(token_file, "tiers.gpu_resident_gb=-1"))
+    tr.close()
+    assert tr.cfg.tiers.gpu_resident_gb == 0 and "gpu" not in tr.where.values() and "resident GB" in tr.chosen
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["slow PCIe", "slow rounding", "small GPU", "micro-batch"])
+@pytest.mark.parametrize("case", ["slow PCIe", "slow rounding", "small GPU", "micro-batch", "resident"])
 def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     """On CUDA "auto" is the plan's choice: a copy of the weights in bf16 when PCIe is what bounds the
     step, the fp32 master when rounding into the copy is; checkpoints on the host when the GPU is short."""
@@ -119,9 +126,11 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     assert gpu["host"] < gpu["gpu"]
     hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
           "slow rounding": dict(host_adam_copy_params_per_s=1e3),
-          "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {}}[case]
+          "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {},
+          "resident": {}}[case]
     monkeypatch.setattr(placing, "hardware", lambda device: dataclasses.replace(REFERENCE, **hw))
-    tr = Trainer(tiny_config(token_file, *sets, *(["train.micro_batch_size=0"] if case == "micro-batch" else [])))
+    more = {"micro-batch": ["train.micro_batch_size=0"], "resident": ["tiers.gpu_resident_gb=-1"]}.get(case, [])
+    tr = Trainer(tiny_config(token_file, *sets, *more))
     tr.train_step()
     tr.close()
     assert tr.plan is not None
@@ -129,6 +138,8 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     assert tr.cfg.train.micro_batch_size == (tr.plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
     if case == "small GPU":
         assert tr.cfg.tiers.activations == "host"
+    elif case == "resident":  # the tiny model's whole state fits what the plan leaves: every unit resident
+        assert tr.cfg.tiers.gpu_resident_gb == tr.plan.resident_gb >= 1 and set(tr.where.values()) == {"gpu"}
     elif case == "micro-batch":
         assert tc.batch_size % tr.cfg.train.micro_batch_size == 0 and "micro-batch" in tr.chosen
     else:

@@ -94,7 +94,8 @@ class TiersConfig:
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
-    gpu_resident_gb: float = 0.0  # GPU memory for the whole state of the first units (updated on the GPU)
+    gpu_resident_gb: float = 0.0  # GPU memory for the whole state of the first units (updated on the GPU);
+    # -1: what the plan leaves free
     gpu_update_units: int = -1  # streamed units updated on the GPU as they load; -1: the plan's choice, 0: none
 
     def validate(self) -> None:
@@ -104,7 +105,8 @@ class TiersConfig:
         _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
         _need(1 <= self.io_threads <= 256, "tiers", "io_threads", self, "must be between 1 and 256")
-        _need(self.gpu_resident_gb >= 0, "tiers", "gpu_resident_gb", self, "must be 0 (none) or a number of GB")
+        _need(self.gpu_resident_gb >= 0 or self.gpu_resident_gb == -1, "tiers", "gpu_resident_gb", self,
+              "must be 0 (none), a number of GB, or -1 (the GPU memory the plan leaves free)")
         _need(self.gpu_update_units >= -1, "tiers", "gpu_update_units", self,
               "must be -1 (the plan chooses), 0 (none) or a number of units")
 

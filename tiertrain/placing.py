@@ -33,9 +33,9 @@ def hardware(device: torch.device) -> HardwareSpec:
 
 def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     """(the plan of this exact run, or None without a GPU or when it does not fit; the settings it
-    chose). Sets tiers.stream, tiers.activations and train.micro_batch_size where the config leaves
-    them to the plan ("auto", 0): its choice on a GPU, else the cheapest copies and the largest
-    micro-batch of at most 8 sequences. On CUDA a run whose GPU memory the plan says will not fit
+    chose). Sets tiers.stream, tiers.activations, train.micro_batch_size and tiers.gpu_resident_gb
+    where the config leaves them to the plan ("auto", 0, -1): its choice on a GPU, else the cheapest
+    copies, the largest micro-batch of at most 8 sequences and no resident units. On CUDA a run whose GPU memory the plan says will not fit
     stops here."""
     t, tc = cfg.tiers, cfg.train
     fixed = {"stream": None if t.stream == "auto" else t.stream,
@@ -54,13 +54,17 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     t.activations = fixed["activations"] or (p.activations if p else "gpu")
     tc.micro_batch_size = fixed["micro"] or (p.micro_batch if p else
                                              max(m for m in range(1, 9) if tc.batch_size % m == 0))
+    resident = t.gpu_resident_gb
+    if resident < 0:
+        t.gpu_resident_gb = p.resident_gb if p else 0.0
     if p is not None and not p.fits and p.why.startswith("GPU"):
         fixes = [*(["lower train.micro_batch_size"] if fixed["micro"] else []),
                  *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
                  "lower train.seq_len"]
         raise ConfigError(f"{p.why}: " + ", or ".join(fixes))
     names = {"stream": "stream", "activations": "activations", "micro": "micro-batch"}
-    return (p if p is not None and p.fits else None), [names[k] for k, v in fixed.items() if v is None]
+    chosen = [names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident < 0 else [])
+    return (p if p is not None and p.fits else None), chosen
 
 
 def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:

@@ -45,7 +45,7 @@ class Budgets:
     host_gb: float | None = None  # None: the machine's RAM less the process
     gpu_gb: float | None = None  # None: the GPU's memory
     nvme_gb: float | None = None  # None: no NVMe tier; 0 is also none
-    resident_gb: float = 0.0  # GPU memory for the whole state of the first units (tiers.gpu_resident_gb)
+    resident_gb: float = 0.0  # GPU memory for the whole state of the first units; -1: what the plan leaves
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Plan:
     stream: str = ""
     activations: str = ""
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
+    resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
     fits: bool = False
     why: str = ""
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
@@ -95,7 +96,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number)."""
-    p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source)
+    p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
+             resident_gb=budgets.resident_gb)
     all_numels = _layouts(spec)
     H, FF = spec.hidden_size, spec.intermediate_size
     T = batch * seq_len
@@ -233,7 +235,22 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int = -1) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
-    `stream`, `activations`: fixed choices (None: searched)."""
+    `stream`, `activations`: fixed choices (None: searched); budgets.resident_gb -1: the GPU memory the
+    rest of the plan leaves, for resident units (or less, if that is faster)."""
+    if budgets.resident_gb < 0:
+        args = (spec, batch, seq_len, dtype)
+        kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates)
+        best = plan(*args, replace(budgets, resident_gb=0.0), hw, advise=False, **kw)
+        for frac in (0.9, 0.6, 0.3) if best.fits else ():
+            gb = int(_spare_gb(best, budgets, hw) * frac)
+            q = plan(*args, replace(budgets, resident_gb=gb), hw, advise=False, **kw) if gb >= 1 else best
+            if q.fits and q.step_s < best.step_s * (1 - 1e-9):
+                best = q
+                break
+        if advise and best.fits:
+            best.advice = _advice(spec, best, replace(budgets, resident_gb=best.resident_gb), hw)
+            best.largest_layers, best.largest_params = _largest(spec, best, budgets, hw)
+        return best
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
@@ -252,6 +269,11 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     return best
 
 
+def _spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
+    """GPU memory (GB) the plan leaves unused, within the usable part of the budget."""
+    return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - p.gpu_total / 1e9
+
+
 def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     """Single changes, each with its predicted gain, best first."""
     tries = []
@@ -259,11 +281,10 @@ def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> lis
         need = p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9 - p.host_fixed.get("staging ring", 0) / 1e9
         tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
                       "(NVMe traffic gone)", replace(budgets, host_gb=need)))
-    gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE
-    spare = gpu_budget - p.gpu_total / 1e9
+    spare = _spare_gb(p, budgets, hw)
     if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
-        gb = int(budgets.resident_gb + spare * 0.9)
-        tries.append((f"tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free)",
+        gb = int(p.resident_gb + spare * 0.9)
+        tries.append((f"tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; -1 takes it)",
                       replace(budgets, resident_gb=gb)))
     tries.append(("twice the batch (tokens per step)", None))
     out = []

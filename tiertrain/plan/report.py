@@ -24,7 +24,9 @@ def to_markdown(p: Plan) -> str:
         return "\n".join(out + [f"**Does not fit.** {p.why}", ""])
     out += [f"**Fits.** Predicted step {p.step_s:.2f} s: {p.tokens_per_s:,.0f} tokens/s, "
             f"{p.model_tflops:.0f} model TFLOP/s; bottleneck: **{p.bottleneck}**.", "",
-            f"Micro-batch {p.micro_batch}; weights stream as "
+            f"Micro-batch {p.micro_batch}; "
+            + (f"{p.resident_gb:g} GB of GPU memory holds the whole state of the first units; " if p.resident_gb else "")
+            + "weights stream as "
             f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
             f"activation checkpoints on the {p.activations}; "
             + (f"{p.gpu_updates} streamed unit{'s' * (p.gpu_updates != 1)} updated on the GPU as "
