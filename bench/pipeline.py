@@ -32,7 +32,9 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1), "tiertrain-host-adam": ("
              # 8 GB resident and the rest as planned: the GPU peak stays under a third of all-in-GPU's at 8k
              "tiertrain-res8": ("master", "host", 8.0, -1),
              # what `tiertrain run` does with the config's defaults: the plan chooses for each batch
-             "tiertrain-auto": ("auto", "auto", 0.0, -1)}
+             "tiertrain-auto": ("auto", "auto", 0.0, -1),
+             # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
+             "tiertrain-auto-resident": ("auto", "auto", -1.0, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
 
 
@@ -68,7 +70,7 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
     setup_s = time.perf_counter() - t0
     S, V = cfg.train.seq_len, cfg.model.vocab_size
     auto = "the plan's choice: " if stream == "auto" else ""
-    stream, activations = tr.cfg.tiers.stream, tr.cfg.tiers.activations
+    stream, activations, resident_gb = tr.cfg.tiers.stream, tr.cfg.tiers.activations, tr.cfg.tiers.gpu_resident_gb
     host_params = sum(lay.numel for u, lay in enumerate(tr.layouts)
                       if tr.where[(u, "master")] != "gpu" and u not in tr.deferred)
     rows = []
