@@ -35,8 +35,8 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     """(the plan of this exact run, or None without a GPU or when it does not fit; the settings it
     chose). Sets tiers.stream, tiers.activations, train.micro_batch_size and tiers.gpu_resident_gb
     where the config leaves them to the plan ("auto", 0, -1): its choice on a GPU, else the cheapest
-    copies, the largest micro-batch of at most 8 sequences and no resident units. On CUDA a run whose GPU memory the plan says will not fit
-    stops here."""
+    copies, the largest micro-batch of at most 8 sequences and no resident units. On CUDA a run whose
+    GPU memory the plan says will not fit stops here, saying what to lower."""
     t, tc = cfg.tiers, cfg.train
     fixed = {"stream": None if t.stream == "auto" else t.stream,
              "activations": None if t.activations == "auto" else t.activations,
@@ -58,7 +58,8 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     if resident < 0:
         t.gpu_resident_gb = p.resident_gb if p else 0.0
     if p is not None and not p.fits and p.why.startswith("GPU"):
-        fixes = [*(["lower train.micro_batch_size"] if fixed["micro"] else []),
+        fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident > 0 else []),
+                 *(["lower train.micro_batch_size"] if fixed["micro"] else []),
                  *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
                  "lower train.seq_len"]
         raise ConfigError(f"{p.why}: " + ", or ".join(fixes))
