@@ -146,6 +146,9 @@ def test_a_plan_that_does_not_fit_says_which_budget():
     p = plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=5, nvme_gb=100), REFERENCE, advise=False)
     need = float(re.search(r"raise --host-gb to at least ([0-9.]+)$", p.why).group(1))
     assert plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need, nvme_gb=100), REFERENCE, advise=False).fits
+    # the report of a plan that fits names its own choice's least budget: the same figure, unrounded
+    reported = plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need, nvme_gb=100), REFERENCE).least_host / 1e9
+    assert need - 0.1 < reported <= need
     assert not plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE,
                     advise=False).fits
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40"],

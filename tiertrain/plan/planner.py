@@ -93,9 +93,11 @@ def _layouts(spec: ModelSpec) -> list[int]:
 
 
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
-             budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1) -> Plan:
+             budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1,
+             least: bool = False) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
-    updated on the GPU (-1: the best number)."""
+    updated on the GPU (-1: the best number). `least`: with an NVMe tier, also the least host budget
+    (a walk over every placement: the report's, not the search's); a miss for host memory always has it."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
              resident_gb=budgets.resident_gb)
     all_numels = _layouts(spec)
@@ -134,7 +136,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):
             p.nvme_bwd_reads += size
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
-    if nvme_on:
+    if nvme_on and least:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
     disk = disk_bytes(numels, kb, where)
     if nvme_on and disk > budgets.nvme_gb * 1e9:
@@ -247,10 +249,7 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
             if q.fits and q.step_s < best.step_s * (1 - 1e-9):
                 best = q
                 break
-        if advise and best.fits:
-            best.advice = _advice(spec, best, replace(budgets, resident_gb=best.resident_gb), hw)
-            best.largest_layers, best.largest_params = _largest(spec, best, budgets, hw)
-        return best
+        return _explain(spec, best, budgets, hw, gpu_updates) if advise and best.fits else best
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
@@ -263,10 +262,19 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]
-    if advise and best.fits:
-        best.advice = _advice(spec, best, budgets, hw)
-        best.largest_layers, best.largest_params = _largest(spec, best, budgets, hw)
-    return best
+    return _explain(spec, best, budgets, hw, gpu_updates) if advise and best.fits else best
+
+
+def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int) -> Plan:
+    """What the report adds to the chosen plan: advice, the largest model of its shape that fits these
+    budgets, and with an NVMe tier the least host budget of its choice."""
+    chosen = replace(budgets, resident_gb=p.resident_gb)  # -1 settled
+    p.advice = _advice(spec, p, chosen, hw)
+    p.largest_layers, p.largest_params = _largest(spec, p, budgets, hw)
+    if budgets.nvme_gb:
+        p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
+                                hw, p.model, gpu_updates, least=True).least_host
+    return p
 
 
 def _spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
