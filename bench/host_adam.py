@@ -4,7 +4,8 @@
 
 Prints G params/s for: a plain fp32 copy (DRAM bandwidth), the fused kernel alone, + the clip
 multiply, + clipping through the kernel's grad_scale, + the rounding into a bf16 copy, at several
-chunk sizes and thread counts.
+chunk sizes and thread counts; and the update out of place (a speculative update: the chunk's
+master and moments copied into other buffers, then the kernel on those), at several chunk sizes.
 """
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ def main() -> None:
                     w[c].copy_(p[c])
         return run
 
+    p2, m2, v2 = (torch.empty(n) for _ in range(3))
+
+    def out_of_place(chunk: int):
+        def run():
+            for c0 in range(0, n, chunk):
+                c = slice(c0, min(n, c0 + chunk))
+                for src, dst in ((p, p2), (m, m2), (v, v2)):
+                    dst[c].copy_(src[c])
+                torch._fused_adamw_([p2[c]], [g[c]], [m2[c]], [v2[c]], [], [st], **kw)
+        return run
+
     for threads in (16, 12, 8):
         if threads > torch.get_num_threads() and threads != 16:
             continue
@@ -58,6 +70,8 @@ def main() -> None:
                    (("kernel", "none", False), ("+mul", "mul", False), ("+scale", "scale", False),
                     ("+cast", "none", True), ("+mul+cast", "mul", True), ("+scale+cast", "scale", True))]
             print(f"  chunk {chunk:>10}: G params/s  " + "  ".join(row), flush=True)
+        print("  out of place: G params/s  " + "  ".join(
+            f"chunk {c} {_rate(out_of_place(c), n):.2f}" for c in (1 << 22, 1 << 20, 1 << 18, 1 << 16)), flush=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def test_arithmetic_by_hand():
     """llama-3b, 8k tokens, fp32 master streamed, checkpoints on the host, reference hardware."""
     spec = load_config("llama-3b").model
     hw = HardwareSpec()
-    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw, gpu_updates=0)
+    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw, gpu_updates=0, speculate=0)
     # slabs by hand: embedding 32000 x 3072 = 98,304,000 (a multiple of 2048); a block's matrices
     # 4 x 3072^2 + 3 x 8192 x 3072 = 113,246,208, plus two 3072 norms = 113,252,352 (a multiple of 2048);
     # head 98,304,000 + 3072 = 98,307,072, rounded up to 2048s: 98,308,096

@@ -71,6 +71,12 @@ class OptimConfig:
     schedule: str = "cosine"
     warmup_steps: int = 0
     min_lr: float = 0.0
+    # the last N units the host updates from RAM start their update in the backward pass, as soon as their
+    # gradient is on the host, as if the global norm will not clip (in place when clipping is off; else into
+    # a second copy of their master and moments, 12 B/param more host memory, kept when the norm does not
+    # clip and redone when it does); -1: the plan's number (without a plan: all of them when clipping is off
+    # or no host budget is set, else none); 0: none
+    speculate_units: int = -1
 
     def validate(self) -> None:
         _need(self.lr > 0, "optim", "lr", self, "must be positive")
@@ -79,6 +85,8 @@ class OptimConfig:
         _need(self.eps > 0, "optim", "eps", self, "must be positive")
         _need(self.weight_decay >= 0, "optim", "weight_decay", self, "must be 0 or positive")
         _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
+        _need(self.speculate_units >= -1, "optim", "speculate_units", self,
+              "must be -1 (the plan chooses), 0 (none) or a number of units")
         _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")
         _need(self.warmup_steps >= 0, "optim", "warmup_steps", self, "must be 0 or positive")
         _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")

@@ -15,7 +15,7 @@ from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
 from .tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
-                              spilled_bytes, update_candidates)
+                              ring_bytes, ring_widths, spilled_bytes, update_candidates)
 from .tiers.slab import host_cost, torch_pinned_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
@@ -33,14 +33,16 @@ def hardware(device: torch.device) -> HardwareSpec:
 
 def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     """(the plan of this exact run, or None without a GPU or when it does not fit; the settings it
-    chose). Sets tiers.stream, tiers.activations, train.micro_batch_size and tiers.gpu_resident_gb
-    where the config leaves them to the plan ("auto", 0, -1): its choice on a GPU, else the cheapest
-    copies, the largest micro-batch of at most 8 sequences and no resident units. On CUDA a run whose
+    chose). Sets tiers.stream, tiers.activations, train.micro_batch_size, optim.speculate_units and
+    tiers.gpu_resident_gb where the config leaves them to the plan ("auto", 0, -1, -1): its choice on a
+    GPU, else the cheapest copies, the largest micro-batch of at most 8 sequences, every unit speculated
+    when that costs no memory or no host budget is set, and no resident units. On CUDA a run whose
     GPU memory the plan says will not fit stops here, saying what to lower."""
-    t, tc = cfg.tiers, cfg.train
+    t, tc, o = cfg.tiers, cfg.train, cfg.optim
     fixed = {"stream": None if t.stream == "auto" else t.stream,
              "activations": None if t.activations == "auto" else t.activations,
-             "micro": tc.micro_batch_size or None}
+             "micro": tc.micro_batch_size or None,
+             "speculate": None if o.speculate_units < 0 else o.speculate_units}
     if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
         fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
     p = None
@@ -49,11 +51,14 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
         p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
                  Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
                          t.gpu_resident_gb),
-                 hw, name="run", advise=False, gpu_updates=t.gpu_update_units, **fixed)
+                 hw, name="run", advise=False, gpu_updates=t.gpu_update_units, clipping=o.grad_clip > 0, **fixed)
     t.stream = fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master")
     t.activations = fixed["activations"] or (p.activations if p else "gpu")
     tc.micro_batch_size = fixed["micro"] or (p.micro_batch if p else
                                              max(m for m in range(1, 9) if tc.batch_size % m == 0))
+    # without a plan: every unit speculates when that costs no memory (clipping off) or no host budget is set
+    if fixed["speculate"] is None:
+        o.speculate_units = p.speculated if p else len(cfg.model.units()) if o.grad_clip == 0 or not t.host_gb else 0
     resident = t.gpu_resident_gb
     if resident < 0:
         t.gpu_resident_gb = p.resident_gb if p else 0.0
@@ -63,7 +68,7 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
                  *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
                  "lower train.seq_len"]
         raise ConfigError(f"{p.why}: " + ", or ".join(fixes))
-    names = {"stream": "stream", "activations": "activations", "micro": "micro-batch"}
+    names = {"stream": "stream", "activations": "activations", "micro": "micro-batch", "speculate": "speculation"}
     chosen = [names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident < 0 else [])
     return (p if p is not None and p.fits else None), chosen
 
@@ -71,14 +76,13 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
 def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:
     """Resident units' slabs on the GPU; every other slab under tiers.host_gb: all in RAM when it fits,
     else on NVMe by policy with the staging ring reserved. Refuses what cannot run."""
-    t, tc, spec = cfg.tiers, cfg.train, cfg.model
+    t, tc = cfg.tiers, cfg.train
     kb = kind_bytes(tc.compute_dtype, t.stream)
     resident = resident_units(numels, kb, t.gpu_resident_gb * 1e9)
     rest = [0 if u in resident else n for u, n in enumerate(numels)]
     where = place(rest, kb)
     if t.host_gb:
-        acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
-            tc.batch_size * tc.seq_len * spec.hidden_size * 4) if t.activations == "host" else 0
+        acts = _host_checkpoints(cfg, pin)
         where, ring, total = place_within(rest, kb, t.host_gb * 1e9, acts, host_cost)
         if where is None or ring:
             least = least_host(rest, kb, acts, host_cost) / 1e9
@@ -94,6 +98,15 @@ def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:
     return where
 
 
+def _host_checkpoints(cfg: Config, pin: bool) -> int:
+    """Host bytes of the activation checkpoints, when they live there."""
+    tc, spec = cfg.train, cfg.model
+    if cfg.tiers.activations != "host":
+        return 0
+    return spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
+        tc.batch_size * tc.seq_len * spec.hidden_size * 4)
+
+
 def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: int) -> frozenset[int]:
     """Units whose update runs on the GPU as their weights load (tiers.gpu_update_units; -1: the plan's
     choice, none without a plan)."""
@@ -104,6 +117,29 @@ def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: 
         raise ConfigError("tiers.gpu_update_units needs tiers.stream=\"master\" (the GPU update makes the "
                           "weights from the fp32 master); set it, or tiers.gpu_update_units=0")
     return frozenset(update_candidates(where, kinds, n_units)[:n])
+
+
+def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferred: frozenset[int],
+                     pin: bool) -> frozenset[int]:
+    """Units whose update starts in the backward pass (optim.speculate_units): the last of those the host
+    updates with every slab in RAM (their gradients land first). With clipping on each needs copies of
+    its master and moments: refused when --host-gb cannot hold them beside the state."""
+    n = cfg.optim.speculate_units
+    ram = [u for u in update_candidates(where, kinds, len(numels)) if u not in deferred]
+    units = frozenset(ram[len(ram) - min(n, len(ram)):] if n > 0 else [])
+    if not units:
+        return units
+    t, tc = cfg.tiers, cfg.train
+    if cfg.optim.grad_clip > 0 and t.host_gb:
+        kb = kind_bytes(tc.compute_dtype, t.stream)
+        state = sum(host_cost(numels[u] * kb[k]) for (u, k), tier in where.items() if tier == "host")
+        ring = ring_bytes(ring_widths(numels, where), kb, host_cost)
+        copies = 3 * sum(host_cost(numels[u] * 4) for u in units)
+        need = (state + ring + _host_checkpoints(cfg, pin) + copies) / 1e9
+        if need > t.host_gb:
+            raise ConfigError(f"optim.speculate_units = {n} keeps copies of {copies / 1e9:.3g} GB beside the state: "
+                              f"raise --host-gb to {need:.3g}, or lower optim.speculate_units (-1: the plan's number)")
+    return units
 
 
 def nvme_tier(cfg: Config, numels: list[int], where: Where, dtypes: dict[str, torch.dtype], streamed: str,

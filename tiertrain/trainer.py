@@ -82,8 +82,11 @@ class Trainer:
             self.tiers = placing.nvme_tier(cfg, numels, self.where, {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, self.host.kinds, len(self.units))
+        early = placing.speculated_units(cfg, numels, self.where, self.host.kinds, self.deferred, pin)
+        if cfg.optim.grad_clip > 0:  # a speculation that clipping may undo writes copies
+            self.host.add_copies(early)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
-                                     tc.overlap, self.deferred)
+                                     tc.overlap, self.deferred, early, copies=cfg.optim.grad_clip > 0)
         self.step = 0
         if resume is not None:
             self.restore(resume)
@@ -258,10 +261,12 @@ class Trainer:
         inputs = inp.to(self.device).split(tc.micro_batch_size)
         targets = tgt.to(self.device).split(tc.micro_batch_size)
         tiers = self.tiers
-        loss, norms = self.engine.run(list(inputs), list(targets),
-                                      before_backward=lambda: tiers and tiers.start(list(range(len(self.units)))))
-        grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
+        opt.begin(lr)
+        loss, norms = self.engine.run(list(inputs), list(targets),
+                                      before_backward=lambda: tiers and tiers.start(list(range(len(self.units)))),
+                                      drained=lambda u: opt.drained(u, buf.grad_ready.get(u)))
+        grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
         if tiers:
             tiers.updating()
         opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
@@ -275,6 +280,8 @@ class Trainer:
         times = self.clock.read()
         rec.update({f"{k}_s": v for k, v in times.items()})
         rec["opt_wait_s"] = opt.wait_s
+        if opt.early:  # steps so far whose speculative update was kept / redone (clipped)
+            rec["speculation_kept"], rec["speculation_redone"] = opt.kept, opt.redone
         rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9
         rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9
         if tiers:  # NVMe bytes of the last whole update (the previous step's, read ahead and written back)

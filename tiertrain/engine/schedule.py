@@ -53,10 +53,11 @@ class StepEngine:
 
     # ---- the step -----------------------------------------------------------------------------
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor],
-            before_backward=lambda: None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            before_backward=lambda: None, drained=lambda unit: None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Forward + backward over the micro-batches; returns (summed loss, per-unit grad norms).
         `before_backward` runs once the forward pass has waited for every unit's update (the NVMe
-        tier starts reading the next update's slabs then)."""
+        tier starts reading the next update's slabs then); `drained(u)` once unit u's gradient is on
+        its way to the host (a speculative update may start from it)."""
         L, buf, ck, clock = len(self.units), self.buf, self.ck, self.clock
         n_tokens = sum(t.numel() for t in targets)
         buf.zero_own_grads()
@@ -83,6 +84,7 @@ class StepEngine:
         loss, grads = self._head(xs, targets, n_tokens)
         del xs
         norms[L - 1] = buf.drain(L - 1)
+        drained(L - 1)
 
         for i in range(L - 2, 0, -1):
             leaves, pairs = self.bind_for_grad(i)
@@ -102,12 +104,14 @@ class StepEngine:
             self._release(i)
             ck.drop(i)
             norms[i] = buf.drain(i)
+            drained(i)
 
         with clock.computing("backward"):
             emb = self.layouts[0].views(buf.acc(0))["embed_tokens.weight"]
             for tok, g in zip(inputs, grads):  # index_put_ sorts: deterministic on CUDA, unlike index_add_
                 emb.index_put_((tok.reshape(-1),), g.reshape(-1, g.shape[-1]), accumulate=True)
         norms[0] = buf.drain(0)
+        drained(0)
         return loss, norms
 
     def _head(self, xs: list[torch.Tensor], targets: list[torch.Tensor], n_tokens: int):

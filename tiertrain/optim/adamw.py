@@ -55,11 +55,13 @@ class HostAdamW:
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
     def apply(self, unit: int, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-              w: torch.Tensor | None, step: int, lr: float, clip: float) -> None:
+              w: torch.Tensor | None, step: int, lr: float, clip: float, out: dict | None = None) -> None:
         """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on the
         host a chunk at a time (each chunk still in cache for the rounding into the copy `w`), on a GPU
         whole ranges. Scalars are made by fill kernels: a copy from host memory would block this thread
-        until the stream's earlier work is done."""
+        until the stream's earlier work is done. `out` (host only): the master and moments to write
+        ({kind: slab}), the given ones left as they were: each chunk is copied there first (the fused
+        kernel works in place), so the update is the same arithmetic either way."""
         dev, on_gpu = master.device, master.is_cuda
         b1, b2 = self.cfg.betas
         st = torch.full((), float(step), device=dev)
@@ -71,17 +73,22 @@ class HostAdamW:
             step_by = b - a if on_gpu else CHUNK
             for c0 in range(a, b, step_by):
                 c = slice(c0, min(c0 + step_by, b))
-                torch._fused_adamw_([master[c]], [grad[c]], [m[c]], [v[c]], [], [st], lr=lr, beta1=b1,
+                p_, m_, v_ = master[c], m[c], v[c]
+                if out is not None:
+                    p_, m_, v_ = (out[k][c].copy_(x) for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_)))
+                torch._fused_adamw_([p_], [grad[c]], [m_], [v_], [], [st], lr=lr, beta1=b1,
                                     beta2=b2, weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
                                     grad_scale=scale)
                 if w is not None:
-                    w[c].copy_(master[c])
+                    w[c].copy_(p_)
 
-    def update_unit(self, unit: int, step: int, lr: float, clip: float) -> None:
+    def update_unit(self, unit: int, step: int, lr: float, clip: float, into_copies: bool = False) -> None:
         """One unit's update, where its slabs are: the host (a chunk at a time, so each chunk is still in
         cache for the rounding into the bf16 copy) or, for a resident unit, the GPU (whole ranges, on a
         stream of this thread's own, synchronized before the unit counts as updated: the next load of its
-        weights runs on another stream)."""
+        weights runs on another stream). `into_copies`: a speculative update, written into the host's
+        copies of the unit's master and moments (the bf16 copy in place: nothing reads it before the
+        update is kept or redone); it counts once the host swaps them in."""
         s = dict(self.host.slabs[unit])
         if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.tiers.acquire(unit))
@@ -89,13 +96,15 @@ class HostAdamW:
         on_gpu = master.is_cuda
         if on_gpu and self.stream is None:
             self.stream = torch.cuda.Stream(master.device)
+        out = self.host.copies[unit] if into_copies else None
         with torch.cuda.stream(self.stream) if on_gpu else contextlib.nullcontext():
-            self.apply(unit, master, grad, m, v, w, step, lr, clip)
+            self.apply(unit, master, grad, m, v, w, step, lr, clip, out)
         if on_gpu:
             self.stream.synchronize()
         if self.tiers is not None:
             self.tiers.release(unit)
-        self.host.version[unit] += 1
+        if not into_copies:
+            self.host.version[unit] += 1
 
 
 class OptimizerThread:
@@ -106,10 +115,18 @@ class OptimizerThread:
     synchronous reference: the numbers are the same either way).
 
     `deferred` units are not updated here: their (step, lr, clip) waits in `pending` until the device
-    buffers take it (`take`) and run the update on the GPU as the unit's weights are loaded next."""
+    buffers take it (`take`) and run the update on the GPU as the unit's weights are loaded next.
 
-    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset()):
-        self.opt, self.overlap, self.deferred = opt, overlap, deferred
+    `early` units are speculated: `begin(lr)` before the backward pass, then `drained(u, event)` as the
+    backward pass sends each gradient down, starts the unit's update at once as if the global norm will
+    not clip (`copies`: into the host's copies of its master and moments; else, clipping being off, in
+    place). `start` keeps those updates when the norm did not clip (the copies swapped in) and otherwise
+    runs the update again from the untouched state with the clip factor: the same numbers either way. A
+    step after a clipped one does not speculate (clipping tends to persist: early training, spikes)."""
+
+    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset(),
+                 early: frozenset[int] = frozenset(), copies: bool = True):
+        self.opt, self.overlap, self.deferred, self.early, self.copies = opt, overlap, deferred, early, copies
         self.pending: dict[int, tuple[int, float, float]] = {}
         # memory-bound: two cores fewer lose nothing, and leave the main thread free to launch kernels
         threads = max(1, (os.cpu_count() or 2) - 2)
@@ -117,22 +134,50 @@ class OptimizerThread:
                                        initializer=torch.set_num_threads, initargs=(threads,))
         self.futures: list[Future | None] = [None] * n_units
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
+        self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
+        self.spec: dict[int, Future] = {}
+        self.last_clip = 1.0
+        self.kept = self.redone = 0  # steps whose speculation was kept, was redone
+
+    def begin(self, lr: float) -> None:
+        """The backward pass starts: its gradients may start the next update (none after a clipped step)."""
+        self.guess = (self.opt.step_count + 1, lr) if self.early and self.last_clip == 1.0 else None
+
+    def drained(self, unit: int, grad_event) -> None:
+        """The unit's gradient is on its way to the host (`grad_event`: once it has landed)."""
+        if self.guess and unit in self.early:
+            step, lr = self.guess
+            self.spec[unit] = self.pool.submit(self._job, unit, step, lr, 1.0, grad_event, self.copies)
 
     def start(self, lr: float, clip: float, grad_ready: Callable[[int], object]) -> None:
         self.opt.step_count += 1
         step = self.opt.step_count
+        spec, self.spec = self.spec, {}
+        keep = bool(spec) and clip == 1.0 and self.guess == (step, lr)
+        if spec and not keep and not self.copies:
+            raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
+        self.kept, self.redone = self.kept + keep, self.redone + (bool(spec) and not keep)
+        self.last_clip, self.guess = clip, None
+        for f in spec.values() if not keep else ():
+            f.cancel()  # one already running writes copies nobody reads
         for u in range(len(self.futures)):
             if u in self.deferred:
                 self.pending[u] = (step, lr, clip)
+            elif keep and u in spec:
+                self.futures[u] = self.pool.submit(self._keep, u, spec[u]) if self.copies else spec[u]
             else:
                 self.futures[u] = self.pool.submit(self._job, u, step, lr, clip, grad_ready(u))
         if not self.overlap:
             self.wait_all()
 
-    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event) -> None:
+    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event, into_copies: bool = False) -> None:
         if grad_event is not None:
             grad_event.synchronize()  # the gradient's D2H copy has landed in the host slab
-        self.opt.update_unit(unit, step, lr, clip)
+        self.opt.update_unit(unit, step, lr, clip, into_copies)
+
+    def _keep(self, unit: int, speculated: Future) -> None:
+        speculated.result()  # done (the pool runs in order); raises its error
+        self.opt.host.swap(unit)
 
     def take(self, unit: int) -> tuple[int, float, float] | None:
         """The deferred update of `unit` still to run, handed over once."""
@@ -151,5 +196,7 @@ class OptimizerThread:
             self.wait(u)
 
     def close(self) -> None:
+        for f in self.spec.values():  # a step stopped between its backward pass and its update
+            f.cancel()
+        self.pool.shutdown(wait=True)
         self.wait_all()
-        self.pool.shutdown()

@@ -11,7 +11,9 @@ layout and spill policy, and the schedule's cost model (docs/performance.md):
     step     = backward + max(forward, update)                     (the update overlaps the next forward)
 The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
 forward pass and take their parameters off the host AdamW; by default the plan takes the number of
-them that gives the shortest step.
+them that gives the shortest step. A speculative update (optim.speculate_units) moves the host AdamW of
+the last units in RAM into the backward pass, at half its rate when it writes copies (clipping on):
+the plan takes the number that balances the two phases best, for the steps whose norm does not clip.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
+OUT_OF_PLACE = 0.5  # host AdamW's rate into copies / in place: 2.05-2.23 / 3.83-4.26 G params/s (bench/host_adam)
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 
 
@@ -60,6 +63,7 @@ class Plan:
     activations: str = ""
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
+    speculated: int = 0  # the last units the host updates from RAM, updated in the backward pass
     fits: bool = False
     why: str = ""
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
@@ -94,10 +98,11 @@ def _layouts(spec: ModelSpec) -> list[int]:
 
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1,
-             least: bool = False) -> Plan:
+             least: bool = False, speculate: int | None = None, clipping: bool = True) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
-    updated on the GPU (-1: the best number). `least`: with an NVMe tier, also the least host budget
-    (a walk over every placement: the report's, not the search's); a miss for host memory always has it."""
+    updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
+    host budget holds), with copies when `clipping`. `least`: with an NVMe tier, also the least host budget (a walk
+    over every placement: the report's, not the search's); a miss for host memory always has it."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
              resident_gb=budgets.resident_gb)
     all_numels = _layouts(spec)
@@ -158,25 +163,49 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         p.why = f"GPU: needs {p.gpu_total / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
         return p
 
-    # ---- time, for each number of units updated on the GPU that fits ----
-    cands = [u for u in update_candidates(where, kb, len(numels)) if u not in resident] if "weights" not in kb else []
-    best = None
+    # ---- time, for each number of units updated on the GPU that fits, speculating or not ----
+    in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
+    cands = in_ram if "weights" not in kb else []
+    room = host_budget - sum(p.host_bytes.values()) - ring - host_ck
+    best, short = None, None
     for k in range(len(cands) + 1) if gpu_updates < 0 else [min(gpu_updates, len(cands))]:
         sets = 2 * 16 * max((numels[u] for u in cands[:k]), default=0)  # two (master, grad, moments) sets
         if p.gpu_total + sets > gpu_budget:
             continue
-        t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in cands[:k]), ck_bytes, kb, hw)
-        if best is None or bwd + fwd < (best[1] + best[2]) * (1 - 1e-9):
-            best = (k, bwd, fwd, t, sets)
+        host = in_ram[k:] if cands else in_ram  # units the host updates from RAM (the first k: on the GPU)
+        copies = [0]  # copies[n]: host bytes of the copies of the last n
+        for u in reversed(host):
+            copies.append(copies[-1] + (3 * host_cost(numels[u] * 4) if clipping else 0))
+        fit = max(n for n in range(len(copies)) if copies[n] <= room)
+
+        def step(n: int):
+            t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in cands[:k]),
+                                 sum(numels[u] for u in host[len(host) - n:]) if n else 0, clipping, ck_bytes, kb, hw)
+            return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n])
+
+        if speculate is not None and copies[min(speculate, len(host))] > room:
+            short = copies[min(speculate, len(host))] - room
+            continue
+        for _, c in [step(min(speculate, len(host)))] if speculate is not None else _least(step, fit):
+            if best is None or c[1] + c[2] < (best[1] + best[2]) * (1 - 1e-9):
+                best = c
+    if best is None and short is not None:
+        p.why = (f"host: the copies of the speculative update need {short / 1e9:.1f} GB more than the budget; "
+                 "raise --host-gb or lower optim.speculate_units")
+        return p
     if best is None:
         p.why = f"GPU: needs {(p.gpu_total + sets) / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
         return p
+    p.speculated, copies = best[5], best[6]
+    if copies:
+        p.host_fixed["update copies"] = copies
+    best = best[:5]
     p.gpu_updates, bwd, fwd, t, p.gpu["GPU update sets"] = best
     p.times, p.step_s = t, bwd + fwd
     # what limits each phase: the backward pass, then the forward pass with the update beside it
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
               "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),
-              "host AdamW": (None, t["host AdamW"]), "host DRAM": (None, t["host DRAM fwd"]),
+              "host AdamW": (t["host AdamW bwd"], t["host AdamW"]), "host DRAM": (t["host DRAM bwd"], t["host DRAM fwd"]),
               "NVMe": (t["NVMe bwd"], t["NVMe"])}
     phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}
     p.bottleneck = max(phase, key=phase.get)
@@ -185,6 +214,25 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.model_tflops = F * T / p.step_s / 1e12
     p.fits, p.why = True, "fits"
     return p
+
+
+def _least(f, hi: int) -> list:
+    """[f(n)] at the n in 0..hi that gives the least f(n)[0], f being convex in n (a ternary search; the
+    smallest such n on ties)."""
+    lo, memo = 0, {}
+
+    def g(n):
+        if n not in memo:
+            memo[n] = f(n)
+        return memo[n]
+
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if g(a)[0] <= g(b)[0]:
+            hi = b
+        else:
+            lo = a
+    return [min((g(n) for n in range(lo, hi + 1)), key=lambda r: r[0])]
 
 
 def _reloaded(n_units: int) -> range:
@@ -202,10 +250,11 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
     return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
 
 
-def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: int, kb: dict[str, int],
-           hw: HardwareSpec) -> tuple[dict[str, float], float, float]:
+def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int, copies: bool, ck_bytes: int,
+           kb: dict[str, int], hw: HardwareSpec) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
-    `on_gpu` parameters updated on the GPU."""
+    `on_gpu` parameters updated on the GPU and `early` updated on the host during the backward pass
+    (speculated; into `copies`: at OUT_OF_PLACE the rate, and 12 B more DRAM traffic per parameter)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
@@ -214,20 +263,26 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
     h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * on_gpu, 12 * on_gpu + host_ck_io
-    on_host = sum(numels) - on_gpu
+    h2d_bwd, d2h_bwd = sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io, 4 * sum(numels)
+    on_host = sum(numels) - on_gpu - early
+    adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
-         "H2D bwd": (sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io) / (hw.h2d_gbs * 1e9),
-         "D2H": 4 * sum(numels) / (hw.d2h_gbs * 1e9),
+         "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
+         "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
-         # the copies and the host AdamW (28 B per parameter, 30 with the bf16 copy) share the host's DRAM
-         "host DRAM fwd": (h2d_fwd + d2h_fwd + (28 + 2 * (sw == 2)) * on_host) / (hw.host_dram_gbs * 1e9),
+         "host AdamW bwd": early / (adam_rate * (OUT_OF_PLACE if copies else 1.0)) * hw.adam_contention,
+         # the copies and the host AdamW share the host's DRAM
+         "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / (hw.host_dram_gbs * 1e9),
+         "host DRAM bwd": (h2d_bwd + d2h_bwd + (adam_bytes + 12 * copies) * early) / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"])
+    if early:
+        bwd = max(bwd, t["host AdamW bwd"], t["host DRAM bwd"])
     update = max(t["host AdamW"], t["NVMe"])
     t["exposed update"] = max(0.0, update - fwd)
     return t, bwd, max(fwd, update)
@@ -235,13 +290,16 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, ck_bytes: i
 
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
-         activations: str | None = None, advise: bool = True, gpu_updates: int = -1) -> Plan:
+         activations: str | None = None, advise: bool = True, gpu_updates: int = -1,
+         speculate: str | None = None, clipping: bool = True) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
-    `stream`, `activations`: fixed choices (None: searched); budgets.resident_gb -1: the GPU memory the
-    rest of the plan leaves, for resident units (or less, if that is faster)."""
+    `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb -1: the GPU
+    memory the rest of the plan leaves, for resident units (or less, if that is faster). `clipping`: the
+    global norm is clipped (a speculative update then writes copies)."""
     if budgets.resident_gb < 0:
         args = (spec, batch, seq_len, dtype)
-        kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates)
+        kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,
+                  speculate=speculate, clipping=clipping)
         best = plan(*args, replace(budgets, resident_gb=0.0), hw, advise=False, **kw)
         for frac in (0.9, 0.6, 0.3) if best.fits else ():
             gb = int(_spare_gb(best, budgets, hw) * frac)
@@ -249,11 +307,12 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
             if q.fits and q.step_s < best.step_s * (1 - 1e-9):
                 best = q
                 break
-        return _explain(spec, best, budgets, hw, gpu_updates) if advise and best.fits else best
+        return _explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
-    cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates)
+    cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates, speculate=speculate,
+                      clipping=clipping)
              for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
@@ -262,10 +321,11 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]
-    return _explain(spec, best, budgets, hw, gpu_updates) if advise and best.fits else best
+    return _explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
 
 
-def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int) -> Plan:
+def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int,
+             clipping: bool = True) -> Plan:
     """What the report adds to the chosen plan: advice, the largest model of its shape that fits these
     budgets, and with an NVMe tier the least host budget of its choice."""
     chosen = replace(budgets, resident_gb=p.resident_gb)  # -1 settled
@@ -273,7 +333,8 @@ def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_u
     p.largest_layers, p.largest_params = _largest(spec, p, budgets, hw)
     if budgets.nvme_gb:
         p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
-                                hw, p.model, gpu_updates, least=True).least_host
+                                hw, p.model, gpu_updates, least=True, clipping=clipping,
+                                speculate=p.speculated).least_host
     return p
 
 

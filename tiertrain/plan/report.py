@@ -31,7 +31,11 @@ def to_markdown(p: Plan) -> str:
             f"activation checkpoints on the {p.activations}; "
             + (f"{p.gpu_updates} streamed unit{'s' * (p.gpu_updates != 1)} updated on the GPU as "
              f"{'they load' if p.gpu_updates != 1 else 'it loads'}, the rest by the host AdamW." if p.gpu_updates
-             else "the host AdamW updates every streamed unit."), "",
+             else "the host AdamW updates every streamed unit.")
+            + (f" The last {p.speculated} unit{'s' * (p.speculated != 1)} the host updates start{'s' * (p.speculated == 1)} "
+               "their update in the backward pass, as their gradients land (speculated: kept when the global "
+               "norm does not clip, redone when it does; the times below are those of a step that does not "
+               "clip)." if p.speculated else ""), "",
             "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
     for k in sorted(p.placement):
         out.append(f"| {k} | {_gb(p.host_bytes.get(k, 0))} | {_gb(p.nvme_bytes.get(k, 0))} | "
@@ -51,7 +55,7 @@ def to_markdown(p: Plan) -> str:
     out += ["## Time per step (predicted)", "", "| link | seconds |", "| --- | --- |"]
     out += [f"| {k} | {v:.3f} |" for k, v in p.times.items()]
     out += ["", "step = backward + max(forward, update): the update needs the global gradient norm, so it "
-            "overlaps only the next forward pass.", ""]
+            "overlaps only the next forward pass (or, speculated, the backward pass).", ""]
     if p.advice:
         out += ["## What would help most", ""] + [f"- {a}" for a in p.advice] + [""]
     if p.largest_layers:

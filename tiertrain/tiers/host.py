@@ -6,6 +6,7 @@ import torch
 from .slab import SlabLayout, alloc_slab
 
 FP32_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+COPIED = ("master", "exp_avg", "exp_avg_sq")  # what a speculative update writes beside the current state
 
 
 class HostStore:
@@ -14,6 +15,9 @@ class HostStore:
     `weights`, the compute-dtype copy streamed to the GPU, exists when `compute_copy` is set and the
     compute dtype is not fp32; otherwise the fp32 master streams (and is cast on the GPU). `version[u]`
     counts the updates of unit u's weights, so device buffers know when their copy is stale.
+
+    `copies[u]`: a second master and moments of unit u (add_copies), which a speculative update fills
+    while the current ones stay as they were; `swap(u)` makes them current.
     """
 
     def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool, compute_copy: bool = True,
@@ -31,6 +35,19 @@ class HostStore:
             self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) if t == "host" else
                                torch.zeros(lay.numel, dtype=self.dtype(k), device=device)
                                for k, t in tiers.items() if t in ("host", "gpu")})
+        self.copies: dict[int, dict[str, torch.Tensor]] = {}
+
+    def add_copies(self, units) -> None:
+        for u in units:
+            self.copies[u] = {k: alloc_slab(self.layouts[u].numel, torch.float32, self.pin) for k in COPIED}
+
+    def swap(self, unit: int) -> None:
+        """The unit's speculative update is kept: its copies become the current slabs (and the old ones the
+        copies the next speculation writes)."""
+        s, c = self.slabs[unit], self.copies[unit]
+        for k in COPIED:
+            s[k], c[k] = c[k], s[k]
+        self.version[unit] += 1
 
     def dtype(self, kind: str) -> torch.dtype:
         return self.compute_dtype if kind == "weights" else torch.float32
@@ -56,4 +73,6 @@ class HostStore:
             for k, t in slabs.items():  # spilled slabs are absent, resident ones are the GPU's
                 if not t.is_cuda:
                     out[k] = out.get(k, 0) + t.numel() * t.element_size()
+        if self.copies:
+            out["update copies"] = sum(t.numel() * 4 for c in self.copies.values() for t in c.values())
         return out

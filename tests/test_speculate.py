@@ -1,0 +1,144 @@
+"""Speculative updates (optim.speculate_units): started in the backward pass as if the global norm will
+not clip, kept when it does not, redone from the untouched state when it does: never a different bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VARIANTS, tiny_config
+from test_nvme import DEEP
+from tiertrain.config import load_config
+from tiertrain.errors import ConfigError
+from tiertrain.plan.hardware import REFERENCE
+from tiertrain.plan.planner import OUT_OF_PLACE, Budgets, evaluate, plan
+from tiertrain.tiers.placement import RING_SLOTS
+from tiertrain.tiers.slab import host_cost
+from tiertrain.trainer import Trainer
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _run(cfg, steps=6):
+    tr = Trainer(cfg)
+    recs = [tr.train_step() for _ in range(steps)]
+    sd = tr.state_dict()
+    early, kept, redone = tr.optim.early, tr.optim.kept, tr.optim.redone
+    tr.close()
+    return recs, sd, early, (kept, redone)
+
+
+def _same(a, b):
+    assert [r["loss"] for r in a[0]] == [r["loss"] for r in b[0]]
+    for k in b[1]:
+        assert torch.equal(a[1][k], b[1][k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", [
+    ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"'],  # the bf16 copy rewritten in place
+    ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', "tiers.gpu_update_units=2"],
+    ["tiers.gpu_resident_gb=0.0005"],  # the embedding resident: updated on the device, not speculated
+])
+def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
+    """The clip threshold is the median norm of the plain run: some steps clip (their speculation is
+    redone, and the next step does not speculate), others do not (kept)."""
+    sets = [*VARIANTS["qwen2"], f'train.device="{device}"', *variant]
+    base = _run(tiny_config(token_file, *sets, "optim.speculate_units=0"))
+    norms = sorted(r["grad_norm"] for r in base[0])
+    clip = f"optim.grad_clip={norms[len(norms) // 2]}"
+    want = _run(tiny_config(token_file, *sets, clip, "optim.speculate_units=0"))
+    got = _run(tiny_config(token_file, *sets, clip, "optim.speculate_units=-1"))
+    _same(got, want)
+    kept, redone = got[3]
+    assert kept >= 1 and redone >= 1
+    tr = Trainer(tiny_config(token_file, *sets, clip))
+    host = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
+    assert got[2] == set(host) - tr.deferred and set(tr.host.copies) == got[2]  # copies for exactly those
+    tr.close()
+
+
+def test_clipping_off_speculates_in_place(token_file):
+    """No copies; every step's speculation is kept; the same bits as updating after the backward pass."""
+    sets = ["optim.grad_clip=0", *VARIANTS["llama"]]
+    got = _run(tiny_config(token_file, *sets))
+    _same(got, _run(tiny_config(token_file, *sets, "optim.speculate_units=0")))
+    assert got[3] == (6, 0)
+    tr = Trainer(tiny_config(token_file, *sets))
+    assert tr.host.copies == {} and "update copies" not in tr.host.nbytes()
+    tr.close()
+
+
+def test_only_the_last_units_speculate_and_spilled_ones_never(token_file, tmp_path):
+    """With moments of the last units on NVMe, the units speculated are the last ones wholly in RAM, and
+    the spilled run is bit-identical to the same placement without speculation."""
+    tr = Trainer(tiny_config(token_file, *DEEP))
+    sizes = [lay.numel for lay in tr.layouts]
+    tr.close()
+    # a block's slab short of the whole state: the last units' exp_avg spill, enough to pay for their ring
+    gb = (sum(host_cost(n * 4) * 4 for n in sizes) - host_cost(sizes[-2] * 4)) / 1e9
+    sets = [*DEEP, 'tiers.io="posix"', "optim.grad_clip=0", f"tiers.host_gb={gb}"]
+    got = _run(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "a"}"', "optim.speculate_units=3"), steps=3)
+    want = _run(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "b"}"', "optim.speculate_units=0"), steps=3)
+    _same(got, want)
+    tr = Trainer(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "c"}"'))
+    ram = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
+    tr.close()
+    assert RING_SLOTS < len(sizes) - len(ram) < len(sizes) and got[2] == set(ram[-3:])
+
+
+def test_copies_must_fit_the_host_budget(token_file):
+    cfg = tiny_config(token_file)
+    tr = Trainer(cfg)
+    state = sum(host_cost(lay.numel * 4) * 4 for lay in tr.layouts) / 1e9
+    tr.close()
+    with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
+        Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
+    tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # -1 without a plan: none
+    assert tr.optim.early == frozenset() and tr.cfg.optim.speculate_units == 0
+    tr.close()
+
+
+def test_an_error_in_a_kept_speculation_surfaces(token_file, monkeypatch):
+    tr = Trainer(tiny_config(token_file, "optim.grad_clip=100"))
+    real = tr.optim.opt.update_unit
+
+    def boom(unit, step, lr, clip, into_copies=False):
+        if into_copies:
+            raise RuntimeError("bit flip")
+        real(unit, step, lr, clip, into_copies)
+
+    monkeypatch.setattr(tr.optim.opt, "update_unit", boom)
+    tr.train_step()
+    with pytest.raises(RuntimeError, match="bit flip"):
+        tr.train_step()
+
+
+def test_planner_balances_the_speculated_units():
+    """llama-3b at 32k tokens (reference H200): with clipping off the backward pass (1.5 s of compute)
+    has room for the host AdamW, so the plan speculates and predicts a shorter step; its number is the
+    best of every number; copies cost 12 B per speculated parameter when clipping is on."""
+    spec = load_config("llama-3b").model
+    args = (spec, 16, 2048, "bfloat16", 16, "master", "host", Budgets(host_gb=120), REFERENCE)
+    off = evaluate(*args, speculate=0)
+    auto = evaluate(*args, clipping=False)
+    assert auto.speculated > 0 and auto.step_s < off.step_s * 0.95
+    every = [evaluate(*args, clipping=False, speculate=n, gpu_updates=auto.gpu_updates).step_s for n in range(29)]
+    assert auto.step_s == pytest.approx(min(every))
+    # by hand: the backward phase's host AdamW time of n speculated blocks, in place and into copies
+    n = 5
+    a = evaluate(*args, clipping=False, speculate=n, gpu_updates=0)
+    b = evaluate(*args, clipping=True, speculate=n, gpu_updates=0)
+    params = 98_308_096 + (n - 1) * 113_252_352  # the head, then the last blocks
+    rate = REFERENCE.host_adam_params_per_s
+    assert a.times["host AdamW bwd"] == pytest.approx(params / rate * REFERENCE.adam_contention)
+    assert b.times["host AdamW bwd"] == pytest.approx(params / (rate * OUT_OF_PLACE) * REFERENCE.adam_contention)
+    assert b.host_fixed["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
+    assert "update copies" not in a.host_fixed
+    # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
+    tight = Budgets(host_gb=sum(off.host_bytes.values()) / 1e9 + off.host_fixed["host checkpoints"] / 1e9 + 2)
+    miss = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
+                advise=False, speculate=28, gpu_updates=0)
+    assert not miss.fits and "copies of the speculative update" in miss.why
+    few = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
+               advise=False, gpu_updates=0)
+    assert few.fits and 0 < few.speculated < 28 and few.host_fixed["update copies"] <= 2e9
