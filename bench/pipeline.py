@@ -26,15 +26,19 @@ from statistics import median
 # each planned for its own). tiertrain-host-adam: every update by the host AdamW. tiertrain-copy: a host
 # bf16 copy streamed, checkpoints on the GPU. res11 / res24: the first units' whole state on the GPU
 # (11 GB keeps the GPU peak under a third of the all-in-GPU run's at 8k; 24 GB is half the state).
-TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1), "tiertrain-host-adam": ("master", "host", 0.0, 0),
-             "tiertrain-copy": ("compute", "gpu", 0.0, 0),
-             "tiertrain-res11": ("master", "host", 11.0, 0), "tiertrain-res24": ("master", "host", 24.0, 0),
+# (stream, checkpoints, resident GB, GPU-updated units, speculated units); the systems other than auto
+# do not speculate (optim.speculate_units = 0), as before it existed
+TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam": ("master", "host", 0.0, 0, 0),
+             "tiertrain-copy": ("compute", "gpu", 0.0, 0, 0),
+             "tiertrain-res11": ("master", "host", 11.0, 0, 0), "tiertrain-res24": ("master", "host", 24.0, 0, 0),
              # 8 GB resident and the rest as planned: the GPU peak stays under a third of all-in-GPU's at 8k
-             "tiertrain-res8": ("master", "host", 8.0, -1),
+             "tiertrain-res8": ("master", "host", 8.0, -1, 0),
              # what `tiertrain run` does with the config's defaults: the plan chooses for each batch
-             "tiertrain-auto": ("auto", "auto", 0.0, -1),
+             "tiertrain-auto": ("auto", "auto", 0.0, -1, -1),
+             # the same without speculation
+             "tiertrain-auto-nospec": ("auto", "auto", 0.0, -1, 0),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
-             "tiertrain-auto-resident": ("auto", "auto", -1.0, -1)}
+             "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
 
 
@@ -57,14 +61,16 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
             "host_peak_rss_gb": _peak_rss_gb(), **extra}
 
 
-def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0) -> list[dict]:
+def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
+                  speculate: int = 0) -> list[dict]:
     from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
     cfg = load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={max(a.batches)}",
                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
                                  f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
-                                 f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}"])
+                                 f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}",
+                                 f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}"])
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
@@ -75,16 +81,20 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
                       if tr.where[(u, "master")] != "gpu" and u not in tr.deferred)
     rows = []
     for B in a.batches:
+        before = (tr.optim.kept, tr.optim.redone)
         recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
         med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
         name = f"tiertrain ({auto}{'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
             (f", {resident_gb:g} GB resident" if resident_gb else "") + \
+            (f", {len(tr.optim.early)} units speculated" if tr.optim.early else "") + \
             (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
                          params=cfg.model.n_params, host_adam_params=host_params, losses=[r["loss"] for r in recs],
-                         gpu_updates=len(tr.deferred),
+                         grad_norms=[r["grad_norm"] for r in recs],
+                         gpu_updates=len(tr.deferred), speculated=len(tr.optim.early),
+                         kept=tr.optim.kept - before[0], redone=tr.optim.redone - before[1],
                          pred_step_s=tr.plan.step_s if tr.plan and B == cfg.train.batch_size else None,
                          **med))
     tr.close()
@@ -126,7 +136,8 @@ def run_gpu(a) -> list[dict]:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(inp[m:m + a.micro], tgt[m:m + a.micro]) / tgt.numel()
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if a.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
         opt.step()
 
     rows = []
@@ -143,7 +154,7 @@ def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
     return {
         "train_batch_size": max(a.batches), "train_micro_batch_size_per_gpu": a.micro,
         "gradient_accumulation_steps": max(a.batches) // a.micro,
-        "bf16": {"enabled": True}, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+        "bf16": {"enabled": True}, "gradient_clipping": a.grad_clip, "steps_per_print": 10 ** 9,
         # the engine switches off an outer torch.autocast unless its own section asks for one
         "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
@@ -216,7 +227,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
              f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs",
              f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
              f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
-             f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median",
+             f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median; gradient clipping "
+             f"{getattr(a, 'grad_clip', 1.0):g} in every system (0: off)",
              f"- ceilings measured in this run: H2D {probe.get('h2d_gbs', 0):.1f} GB/s, D2H {probe.get('d2h_gbs', 0):.1f} "
              f"GB/s, both {probe.get('bidir_gbs', 0):.1f} GB/s, pageable H2D {probe.get('pageable_h2d_gbs', 0):.1f} GB/s, "
              f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW "
@@ -234,12 +246,13 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "the AdamW rate of the variant (fp32 stream: no bf16 rounding); "
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
-              "update can only overlap the next forward pass.", "",
+              "update can only overlap the next forward pass (speculated units' updates overlap the backward pass: "
+              "'spec.' = units speculated, and of the warm-up and timed steps those kept / redone).", "",
               "AdamW s counts the parameters the host updates (not those of units updated on the GPU, "
               "'GPU upd.'); their state's bytes are in H2D and D2H.", "",
               "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | GPU upd. | fwd s | bwd s | H2D s | D2H s "
-              "| AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s |",
-              "| --- | " + "--- | " * 16]
+              "| AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
+              "| --- | " + "--- | " * 17]
     by = {(r["system"], r["batch"]): r for r in rows}
     for r in sorted(rows, key=lambda r: (r["system"], r["batch"])):
         if not r["system"].startswith("tiertrain"):
@@ -259,7 +272,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
         lines.append(f"| {r['system']} | {B} | {r['step_s']:.3f} | {ratio(gpu)} | {ratio(ds)} | {r.get('gpu_updates', 0)} | "
                      f"{r['forward_s']:.3f} | {r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {adam:.3f} | {floor:.3f} | "
                      f"{r['step_s'] / floor:.2f} | {sched:.3f} | {r['step_s'] / sched:.2f} | "
-                     f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} | {pred} |")
+                     f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} | {pred} | "
+                     + (f"{r['speculated']}: {r['kept']}/{r['redone']} |" if r.get("speculated") else "0 |"))
     mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
            f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
            for r in sorted(rows, key=lambda r: (r["system"], r["batch"]))
@@ -275,7 +289,8 @@ def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = report(a, probe, results, errors, date)
     (out / f"{stem}.md").write_text(text)
-    args = {"batches": a.batches, "micro": a.micro, "warmup": a.warmup, "steps": a.steps, "argv": sys.argv}
+    args = {"batches": a.batches, "micro": a.micro, "warmup": a.warmup, "steps": a.steps, "argv": sys.argv,
+            "grad_clip": a.grad_clip}
     (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors, "date": date,
                                                   "args": args}, indent=1))
     return text
@@ -287,7 +302,7 @@ def _run_worker(a, system: str, batches: list[int], out: Path, errors: dict[str,
     js = out / f".{tag}.json"
     cmd = [sys.executable, "-m", "bench.pipeline", "--worker", system, "--json", str(js), "--config", a.config,
            "--batches", *map(str, batches), "--micro", str(a.micro), "--warmup", str(a.warmup),
-           "--steps", str(a.steps)]
+           "--steps", str(a.steps), "--grad-clip", str(a.grad_clip)]
     t0 = time.perf_counter()
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
@@ -312,6 +327,7 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm of every system; 0: off")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--out", default="bench/results")
@@ -324,6 +340,7 @@ def main() -> None:
     if a.from_json:
         rec = json.loads(Path(a.from_json).read_text())
         a.batches, a.micro, a.warmup, a.steps = rec["args"]["batches"], rec["args"]["micro"], rec["args"]["warmup"], rec["args"]["steps"]
+        a.grad_clip = rec["args"].get("grad_clip", 1.0)
         sys.argv = rec["args"]["argv"]
         text = report(a, rec["probe"], rec["rows"], rec["errors"], rec["date"])
         Path(a.from_json).with_suffix(".md").write_text(text)
