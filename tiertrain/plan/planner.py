@@ -27,7 +27,7 @@ from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
-OUT_OF_PLACE = 0.5  # host AdamW's rate into copies / in place: 2.05-2.23 / 3.83-4.26 G params/s (bench/host_adam)
+OUT_OF_PLACE = 0.5  # host AdamW's rate into copies / in place: 2.05-2.23 / 3.83-4.26 G params/s (bench/results/2026-11-22-H200-host-adam-out-of-place.md)
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 
 
