@@ -74,7 +74,7 @@ def test_arithmetic_by_hand():
         return p.times["compute bwd"] + fwd
 
     best = min(range(len(sizes) + 1), key=step_with)
-    q = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw)
+    q = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw, speculate=0)
     assert 0 < q.gpu_updates == best < len(sizes)
     assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.9 * p.step_s
     assert q.gpu["GPU update sets"] == 2 * 16 * 113_252_352
@@ -223,8 +223,9 @@ def test_resident_units_move_their_update_to_the_gpu():
     res = resident_units(numels, kind_bytes("bfloat16", "master"), 24e9)
     r = sum(numels[u] for u in res)
     assert res == list(range(len(res))) and r * 16 <= 24e9 < (r + numels[len(res)]) * 16
-    a = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), REFERENCE, gpu_updates=0)
-    b = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(resident_gb=24), REFERENCE, gpu_updates=0)
+    a = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), REFERENCE, gpu_updates=0, speculate=0)
+    b = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(resident_gb=24), REFERENCE, gpu_updates=0,
+                 speculate=0)
     assert b.gpu["resident units' state"] == r * 16 and a.gpu["resident units' state"] == 0
     assert b.times["host AdamW"] == pytest.approx(a.times["host AdamW"] * (sum(numels) - r) / sum(numels))
     assert b.times["D2H"] < a.times["D2H"] and b.step_s < a.step_s
