@@ -65,7 +65,17 @@ def test_clipping_off_speculates_in_place(token_file):
     assert got[3] == (6, 0)
     tr = Trainer(tiny_config(token_file, *sets))
     assert tr.host.copies == {} and "update copies" not in tr.host.nbytes()
+    started, real = [], tr.optim.start
+
+    def start(*a):  # the updates the backward pass started, as the step settles them
+        started.append(set(tr.optim.spec))
+        real(*a)
+
+    tr.optim.start = start
+    for _ in range(2):
+        tr.train_step()
     tr.close()
+    assert started == [set(range(len(tr.units)))] * 2
 
 
 def test_only_the_last_units_speculate_and_spilled_ones_never(token_file, tmp_path):
