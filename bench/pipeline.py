@@ -37,6 +37,8 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto": ("auto", "auto", 0.0, -1, -1),
              # the same without speculation
              "tiertrain-auto-nospec": ("auto", "auto", 0.0, -1, 0),
+             # with 6 GB resident: the plan's GPU total stays under a third of the all-in-GPU run's at 8k
+             "tiertrain-auto-res6": ("auto", "auto", 6.0, -1, -1),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
              "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
