@@ -256,7 +256,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "| AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
               "| --- | " + "--- | " * 17]
     by = {(r["system"], r["batch"]): r for r in rows}
-    for r in sorted(rows, key=lambda r: (r["system"], r["batch"])):
+    for r in sorted(rows, key=lambda r: (r["batch"], r["system"])):
         if not r["system"].startswith("tiertrain"):
             continue
         rate = probe.get("host_adam_fp32_stream_params_per_s" if "fp32" in r["system"] else "host_adam_params_per_s")
@@ -278,7 +278,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
                      + (f"{r['speculated']}: {r['kept']}/{r['redone']} |" if r.get("speculated") else "0 |"))
     mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
            f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
-           for r in sorted(rows, key=lambda r: (r["system"], r["batch"]))
+           for r in sorted(rows, key=lambda r: (r["batch"], r["system"]))
            if r["system"].startswith("tiertrain") and ("all-in-GPU PyTorch", r["batch"]) in by]
     if mem:
         lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
