@@ -167,11 +167,16 @@ def test_plan_keeps_what_the_config_sets():
                                       "--format", "json", *[x for s in sets for x in ("--set", s)]])
         assert r.exit_code == 0, r.output
         p = json.loads(r.output)
-        return p["stream"], p["activations"]
+        return p["stream"], p["activations"], p["speculated"], p["clipping"], "update copies" in p["host_fixed"]
 
     searched = chosen()
-    assert searched == (plan(load_config("llama-3b").model, 4, 2048, "bfloat16", Budgets(host_gb=200), REFERENCE,
-                             advise=False).stream, searched[1])
+    ref = plan(load_config("llama-3b").model, 4, 2048, "bfloat16", Budgets(host_gb=200), REFERENCE, advise=False)
+    assert searched == (ref.stream, searched[1], ref.speculated, True, True) and ref.speculated > 0
+    # the config's clipping and speculation too: with clipping off a speculated update runs in place
+    off = plan(load_config("llama-3b").model, 4, 2048, "bfloat16", Budgets(host_gb=200), REFERENCE, advise=False,
+               clipping=False)
+    assert chosen("optim.grad_clip=0")[2:] == (off.speculated, False, False) and off.speculated != ref.speculated
+    assert chosen("optim.speculate_units=2")[2] == 2 and chosen("optim.speculate_units=0")[2:] == (0, True, False)
     other = {"compute": "master", "master": "compute"}[searched[0]]
     assert chosen(f'tiers.stream="{other}"')[0] == other
     assert chosen('tiers.activations="host"')[1] == "host" and chosen('tiers.activations="gpu"')[1] == "gpu"

@@ -145,6 +145,8 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
                       Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb), hw, name=Path(config_path).stem,
                       gpu_updates=cfg.tiers.gpu_update_units, micro=cfg.train.micro_batch_size or None,
+                      clipping=cfg.optim.grad_clip > 0,
+                      speculate=None if cfg.optim.speculate_units < 0 else cfg.optim.speculate_units,
                       # "auto" and 0: the plan searches, as `run` does on a GPU
                       **{k: v for k in ("stream", "activations") if (v := getattr(cfg.tiers, k)) != "auto"})
     except UserError as e:

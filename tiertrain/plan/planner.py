@@ -64,6 +64,7 @@ class Plan:
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
     speculated: int = 0  # the last units the host updates from RAM, updated in the backward pass
+    clipping: bool = True  # the global norm is clipped: a speculative update writes copies
     fits: bool = False
     why: str = ""
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
@@ -196,7 +197,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     if best is None:
         p.why = f"GPU: needs {(p.gpu_total + sets) / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
         return p
-    p.speculated, copies = best[5], best[6]
+    p.speculated, copies, p.clipping = best[5], best[6], clipping
     if copies:
         p.host_fixed["update copies"] = copies
     best = best[:5]
@@ -291,7 +292,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int = -1,
-         speculate: str | None = None, clipping: bool = True) -> Plan:
+         speculate: int | None = None, clipping: bool = True) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
     `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb -1: the GPU
     memory the rest of the plan leaves, for resident units (or less, if that is faster). `clipping`: the

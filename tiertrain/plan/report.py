@@ -33,9 +33,10 @@ def to_markdown(p: Plan) -> str:
              f"{'they load' if p.gpu_updates != 1 else 'it loads'}, the rest by the host AdamW." if p.gpu_updates
              else "the host AdamW updates every streamed unit.")
             + (f" The last {p.speculated} unit{'s' * (p.speculated != 1)} the host updates start{'s' * (p.speculated == 1)} "
-               "their update in the backward pass, as their gradients land (speculated: kept when the global "
-               "norm does not clip, redone when it does; the times below are those of a step that does not "
-               "clip)." if p.speculated else ""), "",
+               "their update in the backward pass, as their gradients land " + (
+                   "(speculated: kept when the global norm does not clip, redone when it does; the times below "
+                   "are those of a step that does not clip)." if p.clipping else
+                   "(in place: clipping is off, so there is nothing to undo).") if p.speculated else ""), "",
             "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
     for k in sorted(p.placement):
         out.append(f"| {k} | {_gb(p.host_bytes.get(k, 0))} | {_gb(p.nvme_bytes.get(k, 0))} | "
