@@ -14,7 +14,7 @@ from .plan.hardware import REFERENCE, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
+from .tiers.placement import (RING_SLOTS, copy_bytes, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
                               ring_bytes, ring_widths, spilled_bytes, update_candidates)
 from .tiers.slab import host_cost, torch_pinned_cost
 
@@ -134,7 +134,7 @@ def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferr
         kb = kind_bytes(tc.compute_dtype, t.stream)
         state = sum(host_cost(numels[u] * kb[k]) for (u, k), tier in where.items() if tier == "host")
         ring = ring_bytes(ring_widths(numels, where), kb, host_cost)
-        copies = 3 * sum(host_cost(numels[u] * 4) for u in units)
+        copies = sum(copy_bytes(numels[u], host_cost) for u in units)
         need = (state + ring + _host_checkpoints(cfg, pin) + copies) / 1e9
         if need > t.host_gb:
             raise ConfigError(f"optim.speculate_units = {n} keeps copies of {copies / 1e9:.3g} GB beside the state: "

@@ -86,7 +86,7 @@ class Trainer:
         if cfg.optim.grad_clip > 0:  # a speculation that clipping may undo writes copies
             self.host.add_copies(early)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
-                                     tc.overlap, self.deferred, early, copies=cfg.optim.grad_clip > 0)
+                                     tc.overlap, self.deferred, early)
         self.step = 0
         if resume is not None:
             self.restore(resume)

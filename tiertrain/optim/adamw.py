@@ -119,14 +119,15 @@ class OptimizerThread:
 
     `early` units are speculated: `begin(lr)` before the backward pass, then `drained(u, event)` as the
     backward pass sends each gradient down, starts the unit's update at once as if the global norm will
-    not clip (`copies`: into the host's copies of its master and moments; else, clipping being off, in
-    place). `start` keeps those updates when the norm did not clip (the copies swapped in) and otherwise
+    not clip (into the host's copies of its master and moments where it has them; else, clipping being
+    off, in place). `start` keeps those updates when the norm did not clip (the copies swapped in) and otherwise
     runs the update again from the untouched state with the clip factor: the same numbers either way. A
     step after a clipped one does not speculate (clipping tends to persist: early training, spikes)."""
 
     def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset(),
-                 early: frozenset[int] = frozenset(), copies: bool = True):
-        self.opt, self.overlap, self.deferred, self.early, self.copies = opt, overlap, deferred, early, copies
+                 early: frozenset[int] = frozenset()):
+        self.opt, self.overlap, self.deferred, self.early = opt, overlap, deferred, early
+        self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
         self.pending: dict[int, tuple[int, float, float]] = {}
         # memory-bound: two cores fewer lose nothing, and leave the main thread free to launch kernels
         threads = max(1, (os.cpu_count() or 2) - 2)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import disk_bytes, kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import copy_bytes, disk_bytes, kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -176,7 +176,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         host = in_ram[k:] if cands else in_ram  # units the host updates from RAM (the first k: on the GPU)
         copies = [0]  # copies[n]: host bytes of the copies of the last n
         for u in reversed(host):
-            copies.append(copies[-1] + (3 * host_cost(numels[u] * 4) if clipping else 0))
+            copies.append(copies[-1] + (copy_bytes(numels[u], host_cost) if clipping else 0))
         fit = max(n for n in range(len(copies)) if copies[n] <= room)
 
         def step(n: int):

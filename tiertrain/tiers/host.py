@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from .placement import COPIED
 from .slab import SlabLayout, alloc_slab
 
 FP32_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
-COPIED = ("master", "exp_avg", "exp_avg_sq")  # what a speculative update writes beside the current state
 
 
 class HostStore:

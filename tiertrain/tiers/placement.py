@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Iterator
 
 SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
+COPIED = ("master", "exp_avg", "exp_avg_sq")  # what a speculative update writes beside the current state
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
 # the streamed kind has twice that: its own for the forward and backward passes' reads
 
@@ -35,6 +36,11 @@ def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
     copy when bf16 weights stream from the host (`stream = "compute"`)."""
     copy = stream == "compute" and dtype == "bfloat16"
     return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
+
+
+def copy_bytes(numel: int, cost) -> int:
+    """Host bytes of one unit's copies for a speculative update: its fp32 master and moments."""
+    return len(COPIED) * cost(numel * 4)
 
 
 def resident_units(numels: list[int], kb: dict[str, int], gpu_bytes: float) -> list[int]:
