@@ -230,7 +230,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
              f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
              f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
              f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median; gradient clipping "
-             f"{getattr(a, 'grad_clip', 1.0):g} in every system (0: off)",
+             f"{a.grad_clip:g} in every system (0: off)",
              f"- ceilings measured in this run: H2D {probe.get('h2d_gbs', 0):.1f} GB/s, D2H {probe.get('d2h_gbs', 0):.1f} "
              f"GB/s, both {probe.get('bidir_gbs', 0):.1f} GB/s, pageable H2D {probe.get('pageable_h2d_gbs', 0):.1f} GB/s, "
              f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW "
@@ -240,7 +240,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
         lines.append(f"- **{name}**: {err}" if err.startswith("skipped") else f"- **{name} failed**: `{err}`")
     lines += ["| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(rows, key=lambda r: (r["batch"], r["system"])):
+    rows = sorted(rows, key=lambda r: (r["batch"], r["system"]))  # every table in this order
+    for r in rows:
         lines.append(f"| {r['system']} | {r['batch']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['model_tflops']:.0f} | {r['gpu_peak_gb']:.1f} | {r['host_peak_rss_gb']:.1f} |")
     lines += ["", "## tiertrain against baselines and its floor", "",
@@ -256,7 +257,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "| AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
               "| --- | " + "--- | " * 17]
     by = {(r["system"], r["batch"]): r for r in rows}
-    for r in sorted(rows, key=lambda r: (r["batch"], r["system"])):
+    for r in rows:
         if not r["system"].startswith("tiertrain"):
             continue
         rate = probe.get("host_adam_fp32_stream_params_per_s" if "fp32" in r["system"] else "host_adam_params_per_s")
@@ -278,7 +279,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
                      + (f"{r['speculated']}: {r['kept']}/{r['redone']} |" if r.get("speculated") else "0 |"))
     mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
            f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
-           for r in sorted(rows, key=lambda r: (r["batch"], r["system"]))
+           for r in rows
            if r["system"].startswith("tiertrain") and ("all-in-GPU PyTorch", r["batch"]) in by]
     if mem:
         lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
