@@ -26,8 +26,9 @@ from statistics import median
 # each planned for its own). tiertrain-host-adam: every update by the host AdamW. tiertrain-copy: a host
 # bf16 copy streamed, checkpoints on the GPU. res11 / res24: the first units' whole state on the GPU
 # (11 GB keeps the GPU peak under a third of the all-in-GPU run's at 8k; 24 GB is half the state).
-# (stream, checkpoints, resident GB, GPU-updated units, speculated units); the systems other than auto
-# do not speculate (optim.speculate_units = 0), as before it existed
+# (stream, checkpoints, resident GB, GPU-updated units, speculated units[, GPU updates speculated]); the
+# systems other than auto do not speculate (optim.speculate_units = 0), as before it existed; the GPU
+# updates' speculation (optim.speculate_gpu_updates) follows the host's unless given
 TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam": ("master", "host", 0.0, 0, 0),
              "tiertrain-copy": ("compute", "gpu", 0.0, 0, 0),
              "tiertrain-res11": ("master", "host", 11.0, 0, 0), "tiertrain-res24": ("master", "host", 24.0, 0, 0),
@@ -39,6 +40,8 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-nospec": ("auto", "auto", 0.0, -1, 0),
              # with 6 GB resident: the plan's GPU total stays under a third of the all-in-GPU run's at 8k
              "tiertrain-auto-res6": ("auto", "auto", 6.0, -1, -1),
+             # the same with the GPU updates as their weights load (as before they could be speculated)
+             "tiertrain-auto-res6-fwdgpu": ("auto", "auto", 6.0, -1, -1, 0),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
              "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
@@ -64,7 +67,7 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
 
 
 def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
-                  speculate: int = 0) -> list[dict]:
+                  speculate: int = 0, gpu_spec: int | None = None) -> list[dict]:
     from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
@@ -72,7 +75,8 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
                                  f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
                                  f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}",
-                                 f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}"])
+                                 f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}",
+                                 f"optim.speculate_gpu_updates={speculate if gpu_spec is None else gpu_spec}"])
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
@@ -90,12 +94,14 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
         name = f"tiertrain ({auto}{'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
             (f", {resident_gb:g} GB resident" if resident_gb else "") + \
             (f", {len(tr.optim.early)} units speculated" if tr.optim.early else "") + \
+            (", GPU updates speculated" if tr.optim.gpu_early else "") + \
             (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
                          params=cfg.model.n_params, host_adam_params=host_params, losses=[r["loss"] for r in recs],
                          grad_norms=[r["grad_norm"] for r in recs],
                          gpu_updates=len(tr.deferred), speculated=len(tr.optim.early),
+                         gpu_speculated=len(tr.optim.gpu_early),
                          kept=tr.optim.kept - before[0], redone=tr.optim.redone - before[1],
                          pred_step_s=tr.plan.step_s if tr.plan and B == cfg.train.batch_size else None,
                          **med))
@@ -250,7 +256,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
               "update can only overlap the next forward pass (speculated units' updates overlap the backward pass: "
-              "'spec.' = units speculated, and of the warm-up and timed steps those kept / redone).", "",
+              "'spec.' = units speculated, +Ng: and N GPU-updated units speculated on the GPU; and of the warm-up and timed steps those kept / redone).", "",
               "AdamW s counts the parameters the host updates (not those of units updated on the GPU, "
               "'GPU upd.'); their state's bytes are in H2D and D2H.", "",
               "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | GPU upd. | fwd s | bwd s | H2D s | D2H s "
@@ -276,7 +282,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
                      f"{r['forward_s']:.3f} | {r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {adam:.3f} | {floor:.3f} | "
                      f"{r['step_s'] / floor:.2f} | {sched:.3f} | {r['step_s'] / sched:.2f} | "
                      f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} | {pred} | "
-                     + (f"{r['speculated']}: {r['kept']}/{r['redone']} |" if r.get("speculated") else "0 |"))
+                     + (f"{r['speculated']}{'+%dg' % r['gpu_speculated'] if r.get('gpu_speculated') else ''}: "
+                        f"{r['kept']}/{r['redone']} |" if r.get("speculated") or r.get("gpu_speculated") else "0 |"))
     mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
            f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
            for r in rows

@@ -53,14 +53,16 @@ def _same_run(a, b):
         assert np.array_equal(sa[k], sb[k]), k
 
 
-@pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update", "everything", "speculated",
+@pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update", "gpu-speculated", "everything",
+                                   "speculated",
                                    pytest.param("kvikio", marks=pytest.mark.gpu)])
 def test_resume_is_bit_identical(token_file, tmp_path, spill):
     """`resident`: the first units' state in device memory, the last units' moments on NVMe.
     `gpu-update`: the first two units updated on the device as they load (a checkpoint runs the
     update still pending). `everything`: every slab on NVMe, the bf16 copy that streams included (the
     resume writes it from the restored master). `speculated`: every step's speculative update kept (the
-    copies swapped in: the checkpoint must read the current ones)."""
+    copies swapped in: the checkpoint must read the current ones); `gpu-speculated`: so are those of two
+    GPU-updated units, every other from the last, which run on the device in the backward pass."""
     sets = [*VARIANTS["qwen2"], *STEPS, "data.shuffle=true"]
     if spill == "everything":
         sets += ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"', *DEEP]
@@ -74,8 +76,14 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         sets.append("optim.grad_clip=100")
         spill = "none"
     if spill == "gpu-update":
-        sets.append("tiers.gpu_update_units=2")
+        sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=0"]
         assert Trainer(tiny_config(token_file, *sets)).deferred == {0, 1}
+        spill = "none"
+    if spill == "gpu-speculated":
+        sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=1", "optim.grad_clip=100"]
+        tr = Trainer(tiny_config(token_file, *sets))
+        assert tr.deferred == tr.optim.gpu_early == {2, 4} and set(tr.host.copies) == set(range(5))
+        tr.close()
         spill = "none"
     if spill == "kvikio":
         sets.append('train.device="cuda"')

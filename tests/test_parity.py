@@ -89,15 +89,20 @@ def test_bf16_matches_autocast(token_file, variant, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gpu_updates_change_no_bit(token_file, device):
-    """Units updated on the device as they load give the same bits as the host AdamW on CPU (one
-    kernel, elementwise), and bf16 weights cast from the same master; the bytes moved say where each
-    update ran: 16 bytes per parameter in and 12 out more for each unit updated on the device."""
-    base = ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', f'train.device="{device}"', "train.steps=4"]
+@pytest.mark.parametrize("speculated", [False, True])
+def test_gpu_updates_change_no_bit(token_file, device, speculated):
+    """Units updated on the device give the same bits as the host AdamW on CPU (one kernel, elementwise),
+    and bf16 weights cast from the same master, whether they update as they load or, speculated, in the
+    backward pass; the bytes moved say where each update ran: 12 bytes per parameter more each way for each
+    unit updated on the device (in as they load, the state replaces the master; speculated, the state
+    comes in during the backward pass and the kept master streams like the host's)."""
+    base = ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', f'train.device="{device}"', "train.steps=4",
+            "optim.grad_clip=100", "optim.speculate_units=0", f"optim.speculate_gpu_updates={int(speculated)}"]
     runs = []
     for n in (0, 2, 5):
         tr, _, recs = _train(tiny_config(token_file, *base, f"tiers.gpu_update_units={n}"))
-        assert tr.deferred == frozenset(range(n))
+        assert tr.deferred == frozenset(range(5)[::-1][::2][:n] if speculated and n < 5 else range(n))
+        assert tr.optim.kept == (4 if speculated and n else 0)
         runs.append((tr, recs, tr.state_dict()))
     (_, r0, s0), (t2, r2, s2), (t5, r5, s5) = runs
     if device == "cpu":
@@ -106,11 +111,12 @@ def test_gpu_updates_change_no_bit(token_file, device):
     else:  # the CUDA kernel may fuse differently from the CPU one: the parity test bounds it
         np.testing.assert_allclose([r["loss"] for r in r5], [r["loss"] for r in r0], rtol=1e-4)
     numels = [lay.numel for lay in t2.layouts]
-    for tr, recs, n in ((t2, r2, 2), (t5, r5, 5)):
-        extra = sum(numels[:n]) * 4 / 1e9
+    for tr, recs in ((t2, r2), (t5, r5)):
+        extra = sum(numels[u] for u in tr.deferred) * 4 / 1e9
         assert recs[-1]["h2d_gb"] == pytest.approx(r0[-1]["h2d_gb"] + 3 * extra, rel=1e-6)
         assert recs[-1]["d2h_gb"] == pytest.approx(r0[-1]["d2h_gb"] + 3 * extra, rel=1e-6)
-        assert recs[0]["h2d_gb"] == pytest.approx(r0[0]["h2d_gb"])  # no update before the first step
+        # no update before the first step's backward pass
+        assert recs[0]["h2d_gb"] == pytest.approx(r0[0]["h2d_gb"] + 3 * extra * speculated)
 
 
 def test_gpu_updates_need_the_master_streamed(token_file):

@@ -10,8 +10,8 @@ from test_nvme import DEEP
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import OUT_OF_PLACE, Budgets, evaluate, plan
-from tiertrain.tiers.placement import RING_SLOTS
+from tiertrain.plan.planner import OUT_OF_PLACE, Budgets, _layouts, evaluate, plan
+from tiertrain.tiers.placement import RING_SLOTS, gpu_updated
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
 
@@ -41,19 +41,27 @@ def _same(a, b):
 ])
 def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
     """The clip threshold is the median norm of the plain run: some steps clip (their speculation is
-    redone, and the next step does not speculate), others do not (kept)."""
+    redone, and the next step does not speculate), others do not (kept). GPU-updated units speculate on
+    the GPU (optim.speculate_gpu_updates), with the host's speculation and alone."""
     sets = [*VARIANTS["qwen2"], f'train.device="{device}"', *variant]
-    base = _run(tiny_config(token_file, *sets, "optim.speculate_units=0"))
+    none = ["optim.speculate_units=0", "optim.speculate_gpu_updates=0"]
+    base = _run(tiny_config(token_file, *sets, *none))
     norms = sorted(r["grad_norm"] for r in base[0])
     clip = f"optim.grad_clip={norms[len(norms) // 2]}"
-    want = _run(tiny_config(token_file, *sets, clip, "optim.speculate_units=0"))
-    got = _run(tiny_config(token_file, *sets, clip, "optim.speculate_units=99"))  # every one it can
-    _same(got, want)
-    kept, redone = got[3]
-    assert kept >= 1 and redone >= 1
-    tr = Trainer(tiny_config(token_file, *sets, clip, "optim.speculate_units=99"))
+    want = _run(tiny_config(token_file, *sets, clip, *none))
+    every = ["optim.speculate_units=99", "optim.speculate_gpu_updates=1"]  # every one it can
+    gpu_only = ["optim.speculate_units=0", "optim.speculate_gpu_updates=1"]
+    for spec in [every, gpu_only] if any("gpu_update_units" in v for v in variant) else [every]:
+        got = _run(tiny_config(token_file, *sets, clip, *spec))
+        _same(got, want)
+        kept, redone = got[3]
+        assert kept >= 1 and redone >= 1
+    tr = Trainer(tiny_config(token_file, *sets, clip, *every))
     host = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
-    assert got[2] == set(host) - tr.deferred and set(tr.host.copies) == got[2]  # copies for exactly those
+    early = tr.optim.early
+    assert early == set(host) - tr.deferred and set(tr.host.copies) == early | tr.deferred  # copies for those
+    if tr.deferred:  # every other unit from the last: the GPU-updated ones and the host's alternate
+        assert sorted(tr.deferred) == host[::-1][::2][:2][::-1]
     tr.close()
 
 
@@ -129,10 +137,11 @@ def test_planner_balances_the_speculated_units():
     best of every number; copies cost 12 B per speculated parameter when clipping is on."""
     spec = load_config("llama-3b").model
     args = (spec, 16, 2048, "bfloat16", 16, "master", "host", Budgets(host_gb=120), REFERENCE)
-    off = evaluate(*args, speculate=0)
-    auto = evaluate(*args, clipping=False)
+    off = evaluate(*args, speculate=0, speculate_gpu=False)
+    auto = evaluate(*args, clipping=False, speculate_gpu=False)
     assert auto.speculated > 0 and auto.step_s < off.step_s * 0.95
-    every = [evaluate(*args, clipping=False, speculate=n, gpu_updates=auto.gpu_updates).step_s for n in range(29)]
+    every = [evaluate(*args, clipping=False, speculate=n, gpu_updates=auto.gpu_updates, speculate_gpu=False).step_s
+             for n in range(29)]
     assert auto.step_s == pytest.approx(min(every))
     # by hand: the backward phase's host AdamW time of n speculated blocks, in place and into copies
     n = 5
@@ -147,8 +156,33 @@ def test_planner_balances_the_speculated_units():
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
     tight = Budgets(host_gb=sum(off.host_bytes.values()) / 1e9 + off.host_fixed["host checkpoints"] / 1e9 + 2)
     miss = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
-                advise=False, speculate=28, gpu_updates=0)
+                advise=False, speculate=28, gpu_updates=0, speculate_gpu=False)
     assert not miss.fits and "copies of the speculative update" in miss.why
     few = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
                advise=False, gpu_updates=0)
     assert few.fits and 0 < few.speculated < 28 and few.host_fixed["update copies"] <= 2e9
+
+
+def test_planner_speculates_gpu_updates_in_the_backward_pass():
+    """llama-3b at 16k tokens, clipping on (reference H200): the forward pass is short (0.26 s of compute)
+    and the GPU updates' state crossing PCIe in it makes the step long; speculated, that state crosses in
+    the backward pass, which has PCIe to spare, and the step shortens. The bytes move between the phases
+    and their copies take host memory."""
+    spec = load_config("llama-3b").model
+    args = (spec, 8, 2048, "bfloat16", 8, "master", "gpu", Budgets(host_gb=120), REFERENCE)
+    fwd = evaluate(*args, speculate_gpu=False)
+    auto = evaluate(*args)
+    assert auto.gpu_speculated and auto.gpu_updates > 0 and auto.step_s < fwd.step_s * 0.9
+    k, n = auto.gpu_updates, auto.speculated
+    none = evaluate(*args, gpu_updates=0, speculate=n, speculate_gpu=False)
+    b = evaluate(*args, gpu_updates=k, speculate=n, speculate_gpu=True)
+    numels = _layouts(spec)
+    params = sum(numels[u] for u in gpu_updated(list(range(len(numels))), k, True))  # every other from the last
+    rate = REFERENCE.h2d_gbs * 1e9
+    assert b.times["H2D fwd"] == none.times["H2D fwd"]  # the kept masters stream like the host's
+    assert (b.times["H2D bwd"] - none.times["H2D bwd"]) * rate == pytest.approx(12 * params, rel=1e-9)
+    gpu = gpu_updated(list(range(len(numels))), k, True)
+    host = [u for u in range(len(numels)) if u not in gpu]
+    assert b.host_fixed["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + host[len(host) - n:])
+    assert "update copies" not in evaluate(*args, gpu_updates=k, speculate=0, speculate_gpu=True,
+                                           clipping=False).host_fixed

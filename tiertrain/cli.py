@@ -147,6 +147,7 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
                       gpu_updates=cfg.tiers.gpu_update_units, micro=cfg.train.micro_batch_size or None,
                       clipping=cfg.optim.grad_clip > 0,
                       speculate=None if cfg.optim.speculate_units < 0 else cfg.optim.speculate_units,
+                      speculate_gpu=None if (g := cfg.optim.speculate_gpu_updates) < 0 else bool(g),
                       # "auto" and 0: the plan searches, as `run` does on a GPU
                       **{k: v for k in ("stream", "activations") if (v := getattr(cfg.tiers, k)) != "auto"})
     except UserError as e:

@@ -77,6 +77,11 @@ class OptimConfig:
     # clip and redone when it does); -1: the plan's number (without a plan: all of them when clipping is off
     # or no host budget is set, else none); 0: none
     speculate_units: int = -1
+    # 1: the units updated on the GPU (tiers.gpu_update_units) are speculated too, on the GPU in the backward
+    # pass as their gradients are accumulated (their state crosses PCIe there instead of in the next forward
+    # pass; into host copies of their master and moments when clipping is on); -1: the plan's choice
+    # (without a plan: as speculate_units' default); 0: they update as their weights load in the forward pass
+    speculate_gpu_updates: int = -1
 
     def validate(self) -> None:
         _need(self.lr > 0, "optim", "lr", self, "must be positive")
@@ -87,6 +92,8 @@ class OptimConfig:
         _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
         _need(self.speculate_units >= -1, "optim", "speculate_units", self,
               "must be -1 (the plan chooses), 0 (none) or a number of units")
+        _need(self.speculate_gpu_updates in (-1, 0, 1), "optim", "speculate_gpu_updates", self,
+              "must be -1 (the plan chooses), 0 (no) or 1 (yes)")
         _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")
         _need(self.warmup_steps >= 0, "optim", "warmup_steps", self, "must be 0 or positive")
         _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")

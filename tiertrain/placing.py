@@ -14,7 +14,7 @@ from .plan.hardware import REFERENCE, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, copy_bytes, disk_bytes, kind_bytes, least_host, place, place_within, resident_units,
+from .tiers.placement import (RING_SLOTS, copy_bytes, disk_bytes, gpu_updated, kind_bytes, least_host, place, place_within, resident_units,
                               ring_bytes, ring_widths, spilled_bytes, update_candidates)
 from .tiers.slab import host_cost, torch_pinned_cost
 
@@ -33,16 +33,18 @@ def hardware(device: torch.device) -> HardwareSpec:
 
 def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     """(the plan of this exact run, or None without a GPU or when it does not fit; the settings it
-    chose). Sets tiers.stream, tiers.activations, train.micro_batch_size, optim.speculate_units and
-    tiers.gpu_resident_gb where the config leaves them to the plan ("auto", 0, -1, -1): its choice on a
-    GPU, else the cheapest copies, the largest micro-batch of at most 8 sequences, every unit speculated
-    when that costs no memory or no host budget is set, and no resident units. On CUDA a run whose
+    chose). Sets tiers.stream, tiers.activations, train.micro_batch_size, optim.speculate_units,
+    optim.speculate_gpu_updates and tiers.gpu_resident_gb where the config leaves them to the plan
+    ("auto", 0, -1, -1, -1): its choice on a GPU, else the cheapest copies, the largest micro-batch of at
+    most 8 sequences, every unit speculated when that costs no memory or no host budget is set, and no
+    resident units. On CUDA a run whose
     GPU memory the plan says will not fit stops here, saying what to lower."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
     fixed = {"stream": None if t.stream == "auto" else t.stream,
              "activations": None if t.activations == "auto" else t.activations,
              "micro": tc.micro_batch_size or None,
-             "speculate": None if o.speculate_units < 0 else o.speculate_units}
+             "speculate": None if o.speculate_units < 0 else o.speculate_units,
+             "speculate_gpu": None if o.speculate_gpu_updates < 0 else bool(o.speculate_gpu_updates)}
     if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
         fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
     p = None
@@ -57,8 +59,11 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     tc.micro_batch_size = fixed["micro"] or (p.micro_batch if p else
                                              max(m for m in range(1, 9) if tc.batch_size % m == 0))
     # without a plan: every unit speculates when that costs no memory (clipping off) or no host budget is set
+    free = o.grad_clip == 0 or not t.host_gb
     if fixed["speculate"] is None:
-        o.speculate_units = p.speculated if p else len(cfg.model.units()) if o.grad_clip == 0 or not t.host_gb else 0
+        o.speculate_units = p.speculated if p else len(cfg.model.units()) if free else 0
+    if fixed["speculate_gpu"] is None:
+        o.speculate_gpu_updates = int(p.gpu_speculated if p else free)
     resident = t.gpu_resident_gb
     if resident < 0:
         t.gpu_resident_gb = p.resident_gb if p else 0.0
@@ -68,7 +73,8 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
                  *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
                  "lower train.seq_len"]
         raise ConfigError(f"{p.why}: " + ", or ".join(fixes))
-    names = {"stream": "stream", "activations": "activations", "micro": "micro-batch", "speculate": "speculation"}
+    names = {"stream": "stream", "activations": "activations", "micro": "micro-batch", "speculate": "speculation",
+             "speculate_gpu": "GPU updates' speculation"}
     chosen = [names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident < 0 else [])
     return (p if p is not None and p.fits else None), chosen
 
@@ -108,37 +114,41 @@ def _host_checkpoints(cfg: Config, pin: bool) -> int:
 
 
 def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: int) -> frozenset[int]:
-    """Units whose update runs on the GPU as their weights load (tiers.gpu_update_units; -1: the plan's
-    choice, none without a plan)."""
+    """Units whose update runs on the GPU (tiers.gpu_update_units; -1: the plan's choice, none without a
+    plan): as their weights load, or speculated in the backward pass (optim.speculate_gpu_updates, settled):
+    tiers.placement.gpu_updated says which."""
     n = cfg.tiers.gpu_update_units
     if n < 0:
         n = p.gpu_updates if p else 0
     if n and "weights" in kinds:
         raise ConfigError("tiers.gpu_update_units needs tiers.stream=\"master\" (the GPU update makes the "
                           "weights from the fp32 master); set it, or tiers.gpu_update_units=0")
-    return frozenset(update_candidates(where, kinds, n_units)[:n])
+    return frozenset(gpu_updated(update_candidates(where, kinds, n_units), n, bool(cfg.optim.speculate_gpu_updates)))
 
 
 def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferred: frozenset[int],
                      pin: bool) -> frozenset[int]:
-    """Units whose update starts in the backward pass (optim.speculate_units): the last of those the host
-    updates with every slab in RAM (their gradients land first). With clipping on each needs copies of
-    its master and moments: refused when --host-gb cannot hold them beside the state."""
+    """Units whose update starts on the host in the backward pass (optim.speculate_units): the last of those
+    the host updates with every slab in RAM (their gradients land first). With clipping on each needs
+    copies of its master and moments, and so does each GPU-updated unit speculated on the GPU
+    (optim.speculate_gpu_updates): refused when --host-gb cannot hold them beside the state."""
     n = cfg.optim.speculate_units
     ram = [u for u in update_candidates(where, kinds, len(numels)) if u not in deferred]
     units = frozenset(ram[len(ram) - min(n, len(ram)):] if n > 0 else [])
-    if not units:
-        return units
+    on_gpu = deferred if cfg.optim.speculate_gpu_updates else frozenset()
     t, tc = cfg.tiers, cfg.train
-    if cfg.optim.grad_clip > 0 and t.host_gb:
+    if (units or on_gpu) and cfg.optim.grad_clip > 0 and t.host_gb:
         kb = kind_bytes(tc.compute_dtype, t.stream)
         state = sum(host_cost(numels[u] * kb[k]) for (u, k), tier in where.items() if tier == "host")
         ring = ring_bytes(ring_widths(numels, where), kb, host_cost)
-        copies = sum(copy_bytes(numels[u], host_cost) for u in units)
+        copies = sum(copy_bytes(numels[u], host_cost) for u in units | on_gpu)
         need = (state + ring + _host_checkpoints(cfg, pin) + copies) / 1e9
         if need > t.host_gb:
-            raise ConfigError(f"optim.speculate_units = {n} keeps copies of {copies / 1e9:.3g} GB beside the state: "
-                              f"raise --host-gb to {need:.3g}, or lower optim.speculate_units (-1: the plan's number)")
+            who = [f"optim.speculate_units = {n}"] * bool(units) + ["optim.speculate_gpu_updates = 1"] * bool(on_gpu)
+            fix = ["lower optim.speculate_units (-1: the plan's number)"] * bool(units) + \
+                ["set optim.speculate_gpu_updates = 0"] * bool(on_gpu)
+            raise ConfigError(f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of {copies / 1e9:.3g} GB "
+                              f"beside the state: raise --host-gb to {need:.3g}, or {', or '.join(fix)}")
     return units
 
 

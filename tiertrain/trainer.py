@@ -83,10 +83,11 @@ class Trainer:
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, self.host.kinds, len(self.units))
         early = placing.speculated_units(cfg, numels, self.where, self.host.kinds, self.deferred, pin)
+        gpu_early = self.deferred if cfg.optim.speculate_gpu_updates else frozenset()
         if cfg.optim.grad_clip > 0:  # a speculation that clipping may undo writes copies
-            self.host.add_copies(early)
+            self.host.add_copies(early | gpu_early)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
-                                     tc.overlap, self.deferred, early)
+                                     tc.overlap, self.deferred, early, gpu_early)
         self.step = 0
         if resume is not None:
             self.restore(resume)
@@ -99,7 +100,8 @@ class Trainer:
         self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
                                      host_ready=self.optim.wait, grad_sink=self._grad_sink, deferred=self.deferred,
                                      take_update=self.optim.take, apply=self.optim.opt.apply,
-                                     reader=self.tiers if self.tiers and self.tiers.s_units else None)
+                                     reader=self.tiers if self.tiers and self.tiers.s_units else None,
+                                     speculation=self.optim.speculation)
         self.checkpoints = Checkpoints(cfg.tiers.activations, self.streams, self.clock, self.device, pin)
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
@@ -280,7 +282,7 @@ class Trainer:
         times = self.clock.read()
         rec.update({f"{k}_s": v for k, v in times.items()})
         rec["opt_wait_s"] = opt.wait_s
-        if opt.early:  # steps so far whose speculative update was kept / redone (clipped)
+        if opt.early or opt.gpu_early:  # steps so far whose speculative update was kept / redone (clipped)
             rec["speculation_kept"], rec["speculation_redone"] = opt.kept, opt.redone
         rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9
         rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9

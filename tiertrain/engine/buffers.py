@@ -16,6 +16,10 @@ step, lr and clip) has its fp32 master, gradient and moments copied into one of 
 H2D stream when its weights are loaded next; the AdamW kernel runs there, the slot gets the updated
 master cast to the compute dtype, and master and moments go back to the host slabs on the D2H stream.
 The host optimizer meanwhile updates the other units: the two share the next forward pass.
+Speculated (`speculation(unit)` hands over step, lr and where the result goes), the update runs in the
+backward pass instead: the gradient is copied into a state set on the D2H stream behind its own D2H
+copy, master and moments come in on the H2D stream, and the result goes back on a write-back stream of
+its own (the host's copies, or the slabs in place), so that later gradients do not queue behind it.
 """
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ class DeviceBuffers:
                  streams: Streams, clock: StallClock, host_ready: Callable[[int], None] = lambda u: None,
                  grad_sink: Callable[[int], tuple[torch.Tensor, Callable | None]] | None = None,
                  deferred: frozenset[int] = frozenset(), take_update: Callable[[int], tuple | None] = lambda u: None,
-                 apply: Callable | None = None, reader=None):
+                 apply: Callable | None = None, reader=None,
+                 speculation: Callable[[int], tuple | None] = lambda u: None):
         """`grad_sink(unit)`: where a unit's gradient goes and what to call with the copy's event (a
         spilled gradient: a staging buffer, then the disk); default its host slab. `deferred`: units
         updated here, by `apply` (HostAdamW.apply), with the job `take_update(unit)` hands over.
@@ -76,7 +81,7 @@ class DeviceBuffers:
         self.grad_ready: dict[int, object] = {}
         self.h2d_bytes = 0
         self.d2h_bytes = 0
-        self.deferred, self.take_update, self.apply = deferred, take_update, apply
+        self.deferred, self.take_update, self.apply, self.speculation = deferred, take_update, apply, speculation
         big = max((layouts[u].numel for u in deferred), default=0)
         self.sets = [_State(big, device) for _ in range(2 if deferred else 0)]
         self._set_turn = 0
@@ -165,6 +170,26 @@ class DeviceBuffers:
         self.d2h_bytes += len(UPDATED) * n * 4
         return t["master"]
 
+    def _speculate(self, unit: int, st: _State, grad_in, step: int, lr: float, into: dict | None) -> None:
+        """The unit's AdamW on the GPU as if the norm will not clip, from the gradient copied into `st`
+        (`grad_in`: its event), master and moments written to `into` (None: the host slabs)."""
+        n = self.layouts[unit].numel
+        t = {k: v[:n] for k, v in st.t.items()}
+        with self.s.on(self.s.h2d):
+            self.s.wait(self.s.h2d, grad_in)
+            self.s.wait(self.s.h2d, self.written.get(unit))
+            for k in UPDATED:
+                t[k].copy_(self.host.slab(unit, k), non_blocking=True)
+            self.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, 1.0)
+            done = self.s.record(self.s.h2d)
+        with self.s.on(self.s.back):
+            self.s.wait(self.s.back, done)
+            for k in UPDATED:
+                (into or self.host.slabs[unit])[k].copy_(t[k], non_blocking=True)
+            st.free = self.written[unit] = self.s.record(self.s.back)
+        self.h2d_bytes += len(UPDATED) * n * 4
+        self.d2h_bytes += len(UPDATED) * n * 4
+
     def settle(self) -> None:
         """Runs the deferred updates not yet taken and waits until every GPU update is back on the host."""
         for u in sorted(self.deferred):
@@ -172,8 +197,8 @@ class DeviceBuffers:
             if job:
                 self._update(u, *job)
         if self.s.cuda:
-            self.s.h2d.synchronize()
-            self.s.d2h.synchronize()
+            for stream in (self.s.h2d, self.s.d2h, self.s.back):
+                stream.synchronize()
 
     def use(self, unit: int) -> torch.Tensor:
         """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
@@ -212,12 +237,20 @@ class DeviceBuffers:
         norm = torch.linalg.vector_norm(acc)
         done = self.s.record(self.s.compute)
         dst, landed = self.grad_sink(unit)
+        job = self.speculation(unit) if unit in self.deferred else None
+        st = self.sets[self._set_turn] if job else None
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
             dst.copy_(acc, non_blocking=True)
+            if st is not None:
+                self._set_turn ^= 1
+                self.s.wait(self.s.d2h, st.free)
+                st.t["grad"][:acc.numel()].copy_(acc)
             self._acc_at[unit].free = self.grad_ready[unit] = self.s.record(self.s.d2h)
         if landed is not None:
             landed(self.grad_ready[unit])
+        if st is not None:
+            self._speculate(unit, st, self.grad_ready[unit], *job)
         if not dst.is_cuda:
             self.d2h_bytes += acc.numel() * 4
         return norm

@@ -1,6 +1,6 @@
 """CUDA streams and events behind one small interface that is a no-op on CPU.
 
-Three streams: compute, H2D, D2H. Work on one stream waits for another only through events, never a
+Four streams: compute, H2D, D2H, and one for the write-backs of speculated GPU updates (D2H too). Work on one stream waits for another only through events, never a
 device-wide synchronization. On CPU every call runs at once, in order, so the same schedule runs there.
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ class Streams:
             self.compute = torch.cuda.current_stream(device)
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
+            self.back = torch.cuda.Stream(device)  # write-backs of speculated GPU updates
         else:
-            self.compute = self.h2d = self.d2h = None
+            self.compute = self.h2d = self.d2h = self.back = None
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()

@@ -122,11 +122,14 @@ class OptimizerThread:
     not clip (into the host's copies of its master and moments where it has them; else, clipping being
     off, in place). `start` keeps those updates when the norm did not clip (the copies swapped in) and otherwise
     runs the update again from the untouched state with the clip factor: the same numbers either way. A
-    step after a clipped one does not speculate (clipping tends to persist: early training, spikes)."""
+    step after a clipped one does not speculate (clipping tends to persist: early training, spikes).
+    `gpu_early` deferred units are speculated the same way, on the GPU: the device buffers ask
+    `speculation(u)` for the job as they drain the unit's gradient; a redone one runs as deferred."""
 
     def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset(),
-                 early: frozenset[int] = frozenset()):
-        self.opt, self.overlap, self.deferred, self.early = opt, overlap, deferred, early
+                 early: frozenset[int] = frozenset(), gpu_early: frozenset[int] = frozenset()):
+        self.opt, self.overlap, self.deferred, self.early, self.gpu_early = opt, overlap, deferred, early, gpu_early
+        self.on_gpu: set[int] = set()  # the gpu_early units speculated this step
         self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
         self.pending: dict[int, tuple[int, float, float]] = {}
         # memory-bound: two cores fewer lose nothing, and leave the main thread free to launch kernels
@@ -142,7 +145,7 @@ class OptimizerThread:
 
     def begin(self, lr: float) -> None:
         """The backward pass starts: its gradients may start the next update (none after a clipped step)."""
-        self.guess = (self.opt.step_count + 1, lr) if self.early and self.last_clip == 1.0 else None
+        self.guess = (self.opt.step_count + 1, lr) if (self.early or self.gpu_early) and self.last_clip == 1.0 else None
 
     def drained(self, unit: int, grad_event) -> None:
         """The unit's gradient is on its way to the host (`grad_event`: once it has landed)."""
@@ -150,19 +153,31 @@ class OptimizerThread:
             step, lr = self.guess
             self.spec[unit] = self.pool.submit(self._job, unit, step, lr, 1.0, grad_event, self.copies)
 
+    def speculation(self, unit: int) -> tuple[int, float, dict | None] | None:
+        """(step, lr, where the master and moments go: the host's copies, or None for in place) of the
+        speculative GPU update of `unit`, its gradient being accumulated; None: it does not speculate."""
+        if not (self.guess and unit in self.gpu_early):
+            return None
+        self.on_gpu.add(unit)
+        return (*self.guess, self.opt.host.copies.get(unit))
+
     def start(self, lr: float, clip: float, grad_ready: Callable[[int], object]) -> None:
         self.opt.step_count += 1
         step = self.opt.step_count
         spec, self.spec = self.spec, {}
-        keep = bool(spec) and clip == 1.0 and self.guess == (step, lr)
-        if spec and not keep and not self.copies:
+        on_gpu, self.on_gpu = self.on_gpu, set()
+        speculated = bool(spec or on_gpu)
+        keep = speculated and clip == 1.0 and self.guess == (step, lr)
+        if speculated and not keep and not self.copies:
             raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
-        self.kept, self.redone = self.kept + keep, self.redone + (bool(spec) and not keep)
+        self.kept, self.redone = self.kept + keep, self.redone + (speculated and not keep)
         self.last_clip, self.guess = clip, None
         for f in spec.values() if not keep else ():
             f.cancel()  # one already running writes copies nobody reads
         for u in range(len(self.futures)):
-            if u in self.deferred:
+            if keep and u in on_gpu:
+                self.opt.host.kept(u)  # loads of the unit wait for the copy's event (DeviceBuffers.written)
+            elif u in self.deferred:
                 self.pending[u] = (step, lr, clip)
             elif keep and u in spec:
                 self.futures[u] = self.pool.submit(self._keep, u, spec[u]) if self.copies else spec[u]

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import copy_bytes, disk_bytes, kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import copy_bytes, disk_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -64,6 +64,7 @@ class Plan:
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
     speculated: int = 0  # the last units the host updates from RAM, updated in the backward pass
+    gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
     fits: bool = False
     why: str = ""
@@ -99,7 +100,8 @@ def _layouts(spec: ModelSpec) -> list[int]:
 
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1,
-             least: bool = False, speculate: int | None = None, clipping: bool = True) -> Plan:
+             least: bool = False, speculate: int | None = None, clipping: bool = True,
+             speculate_gpu: bool | None = None) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
     host budget holds), with copies when `clipping`. `least`: with an NVMe tier, also the least host budget (a walk
@@ -169,20 +171,27 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     cands = in_ram if "weights" not in kb else []
     room = host_budget - sum(p.host_bytes.values()) - ring - host_ck
     best, short = None, None
-    for k in range(len(cands) + 1) if gpu_updates < 0 else [min(gpu_updates, len(cands))]:
-        sets = 2 * 16 * max((numels[u] for u in cands[:k]), default=0)  # two (master, grad, moments) sets
+    for k, ge in [(k, ge) for k in (range(len(cands) + 1) if gpu_updates < 0 else [min(gpu_updates, len(cands))])
+                  for ge in ((False, True) if k and speculate_gpu is None else (bool(k and speculate_gpu),))]:
+        gpu = gpu_updated(cands, k, ge)
+        sets = 2 * 16 * max((numels[u] for u in gpu), default=0)  # two (master, grad, moments) sets
         if p.gpu_total + sets > gpu_budget:
             continue
-        host = in_ram[k:] if cands else in_ram  # units the host updates from RAM (the first k: on the GPU)
-        copies = [0]  # copies[n]: host bytes of the copies of the last n
+        host = [u for u in in_ram if u not in gpu]  # units the host updates from RAM
+        # copies[n]: host bytes of the copies of the last n, after those of the GPU updates if speculated
+        copies = [sum(copy_bytes(numels[u], host_cost) for u in gpu) if ge and clipping else 0]
         for u in reversed(host):
             copies.append(copies[-1] + (copy_bytes(numels[u], host_cost) if clipping else 0))
+        if copies[0] > room:
+            short = copies[0] - room
+            continue
         fit = max(n for n in range(len(copies)) if copies[n] <= room)
 
         def step(n: int):
-            t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in cands[:k]),
-                                 sum(numels[u] for u in host[len(host) - n:]) if n else 0, clipping, ck_bytes, kb, hw)
-            return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n])
+            t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in gpu),
+                                 sum(numels[u] for u in host[len(host) - n:]) if n else 0, clipping, ck_bytes, kb, hw,
+                                 gpu_early=ge)
+            return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n], ge)
 
         if speculate is not None and copies[min(speculate, len(host))] > room:
             short = copies[min(speculate, len(host))] - room
@@ -197,7 +206,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     if best is None:
         p.why = f"GPU: needs {(p.gpu_total + sets) / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
         return p
-    p.speculated, copies, p.clipping = best[5], best[6], clipping
+    p.speculated, copies, p.gpu_speculated, p.clipping = best[5], best[6], best[7], clipping
     if copies:
         p.host_fixed["update copies"] = copies
     best = best[:5]
@@ -252,10 +261,12 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
 
 
 def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int, copies: bool, ck_bytes: int,
-           kb: dict[str, int], hw: HardwareSpec) -> tuple[dict[str, float], float, float]:
+           kb: dict[str, int], hw: HardwareSpec, gpu_early: bool = False) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
     `on_gpu` parameters updated on the GPU and `early` updated on the host during the backward pass
-    (speculated; into `copies`: at OUT_OF_PLACE the rate, and 12 B more DRAM traffic per parameter)."""
+    (speculated; into `copies`: at OUT_OF_PLACE the rate, and 12 B more DRAM traffic per parameter).
+    `gpu_early`: the GPU updates are speculated too, in the backward pass, their state's copies with it
+    (the gradient is already there; the kept master streams in the next forward pass like the others)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
@@ -263,8 +274,10 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
-    h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * on_gpu, 12 * on_gpu + host_ck_io
-    h2d_bwd, d2h_bwd = sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io, 4 * sum(numels)
+    fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_early else (on_gpu, 0)
+    h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
+    h2d_bwd = sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io + 12 * bwd_gpu
+    d2h_bwd = 4 * sum(numels) + 12 * bwd_gpu
     on_host = sum(numels) - on_gpu - early
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
@@ -273,6 +286,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
          "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
          "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
+         "PCIe both bwd": (h2d_bwd + d2h_bwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
          "host AdamW bwd": early / (adam_rate * (OUT_OF_PLACE if copies else 1.0)) * hw.adam_contention,
          # the copies and the host AdamW share the host's DRAM
@@ -282,7 +296,8 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"])
-    if early:
+    bwd = max(bwd, t["PCIe both bwd"])
+    if early or bwd_gpu:
         bwd = max(bwd, t["host AdamW bwd"], t["host DRAM bwd"])
     update = max(t["host AdamW"], t["NVMe"])
     t["exposed update"] = max(0.0, update - fwd)
@@ -292,7 +307,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int = -1,
-         speculate: int | None = None, clipping: bool = True) -> Plan:
+         speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
     `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb -1: the GPU
     memory the rest of the plan leaves, for resident units (or less, if that is faster). `clipping`: the
@@ -300,7 +315,7 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     if budgets.resident_gb < 0:
         args = (spec, batch, seq_len, dtype)
         kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,
-                  speculate=speculate, clipping=clipping)
+                  speculate=speculate, clipping=clipping, speculate_gpu=speculate_gpu)
         best = plan(*args, replace(budgets, resident_gb=0.0), hw, advise=False, **kw)
         for frac in (0.9, 0.6, 0.3) if best.fits else ():
             gb = int(_spare_gb(best, budgets, hw) * frac)
@@ -313,7 +328,7 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
     cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates, speculate=speculate,
-                      clipping=clipping)
+                      clipping=clipping, speculate_gpu=speculate_gpu)
              for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
@@ -335,7 +350,7 @@ def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_u
     if budgets.nvme_gb:
         p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
                                 hw, p.model, gpu_updates, least=True, clipping=clipping,
-                                speculate=p.speculated).least_host
+                                speculate=p.speculated, speculate_gpu=p.gpu_speculated).least_host
     return p
 
 

@@ -29,14 +29,7 @@ def to_markdown(p: Plan) -> str:
             + "weights stream as "
             f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
             f"activation checkpoints on the {p.activations}; "
-            + (f"{p.gpu_updates} streamed unit{'s' * (p.gpu_updates != 1)} updated on the GPU as "
-             f"{'they load' if p.gpu_updates != 1 else 'it loads'}, the rest by the host AdamW." if p.gpu_updates
-             else "the host AdamW updates every streamed unit.")
-            + (f" The last {p.speculated} unit{'s' * (p.speculated != 1)} the host updates start{'s' * (p.speculated == 1)} "
-               "their update in the backward pass, as their gradients land " + (
-                   "(speculated: kept when the global norm does not clip, redone when it does; the times below "
-                   "are those of a step that does not clip)." if p.clipping else
-                   "(in place: clipping is off, so there is nothing to undo).") if p.speculated else ""), "",
+            + _updates(p), "",
             "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
     for k in sorted(p.placement):
         out.append(f"| {k} | {_gb(p.host_bytes.get(k, 0))} | {_gb(p.nvme_bytes.get(k, 0))} | "
@@ -63,3 +56,20 @@ def to_markdown(p: Plan) -> str:
         out += [f"Largest model of this shape that fits these budgets: {p.largest_layers} layers, "
                 f"{p.largest_params / 1e9:.1f} B parameters.", ""]
     return "\n".join(out)
+
+
+def _updates(p: Plan) -> str:
+    """Where and when the units are updated: on the GPU, on the host, speculated in the backward pass."""
+    s = "s" * (p.gpu_updates != 1)
+    gpu = (f"{p.gpu_updates} streamed unit{s} updated on the GPU "
+           + ("in the backward pass, as their gradients are accumulated (speculated)"
+              if p.gpu_speculated else f"as {'they load' if s else 'it loads'}") + ", the rest by the host AdamW."
+           if p.gpu_updates else "the host AdamW updates every streamed unit.")
+    if not (p.speculated or p.gpu_speculated):
+        return gpu
+    how = ("kept when the global norm does not clip, redone when it does; the times below are those of a step "
+           "that does not clip" if p.clipping else "in place: clipping is off, so there is nothing to undo")
+    host = (f" The last {p.speculated} unit{'s' * (p.speculated != 1)} the host updates start"
+            f"{'s' * (p.speculated == 1)} their update in the backward pass, as their gradients land."
+            if p.speculated else "")
+    return f"{gpu}{host} Speculated updates: {how}."

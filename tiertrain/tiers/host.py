@@ -49,6 +49,13 @@ class HostStore:
             s[k], c[k] = c[k], s[k]
         self.version[unit] += 1
 
+    def kept(self, unit: int) -> None:
+        """The unit's speculative update is kept: written into its copies (swapped in), or in place."""
+        if unit in self.copies:
+            self.swap(unit)
+        else:
+            self.version[unit] += 1
+
     def dtype(self, kind: str) -> torch.dtype:
         return self.compute_dtype if kind == "weights" else torch.float32
 

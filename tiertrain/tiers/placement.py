@@ -64,6 +64,18 @@ def update_candidates(where: dict[tuple[int, str], str], kinds, n_units: int) ->
     return [u for u in range(n_units) if all(where.get((u, k), "host") == "host" for k in kinds)]
 
 
+def gpu_updated(ram: list[int], k: int, speculated: bool) -> list[int]:
+    """The `k` units of `ram` (update_candidates) updated on the GPU. The first ones when they update as
+    their weights load in the next forward pass (the host optimizer then starts on the units that pass
+    reaches last); every other one from the last when their update is speculated in the backward pass:
+    their gradients land first, and the host's speculated units, taken from the last of the rest, fall
+    between them, so the PCIe copies and the host AdamW both start early in that pass."""
+    if not speculated:
+        return ram[:k]
+    back = ram[::-1]
+    return sorted((back[0::2] + back[1::2])[:k])
+
+
 def ring_bytes(widths: dict[str, int], kb: dict[str, int], cost) -> int:
     """Host bytes of the staging ring: for each spilled kind, RING_SLOTS buffers as wide as its widest
     spilled unit (`widths`, in elements), twice that for the streamed kind. The TierManager allocates
