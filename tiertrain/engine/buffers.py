@@ -18,8 +18,9 @@ master cast to the compute dtype, and master and moments go back to the host sla
 The host optimizer meanwhile updates the other units: the two share the next forward pass.
 Speculated (`speculation(unit)` hands over step, lr and where the result goes), the update runs in the
 backward pass instead: the gradient is copied into a state set on the D2H stream behind its own D2H
-copy, master and moments come in on the H2D stream, and the result goes back on a write-back stream of
-its own (the host's copies, or the slabs in place), so that later gradients do not queue behind it.
+copy; master and moments come in and the kernel runs on a stream of their own, and the result goes back
+on another (into the host's copies, or the slabs in place): the weights' loads and later gradients do
+not queue behind them.
 """
 from __future__ import annotations
 
@@ -175,13 +176,13 @@ class DeviceBuffers:
         (`grad_in`: its event), master and moments written to `into` (None: the host slabs)."""
         n = self.layouts[unit].numel
         t = {k: v[:n] for k, v in st.t.items()}
-        with self.s.on(self.s.h2d):
-            self.s.wait(self.s.h2d, grad_in)
-            self.s.wait(self.s.h2d, self.written.get(unit))
+        with self.s.on(self.s.spec):
+            self.s.wait(self.s.spec, grad_in)
+            self.s.wait(self.s.spec, self.written.get(unit))
             for k in UPDATED:
                 t[k].copy_(self.host.slab(unit, k), non_blocking=True)
             self.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, 1.0)
-            done = self.s.record(self.s.h2d)
+            done = self.s.record(self.s.spec)
         with self.s.on(self.s.back):
             self.s.wait(self.s.back, done)
             for k in UPDATED:
@@ -197,7 +198,7 @@ class DeviceBuffers:
             if job:
                 self._update(u, *job)
         if self.s.cuda:
-            for stream in (self.s.h2d, self.s.d2h, self.s.back):
+            for stream in (self.s.h2d, self.s.d2h, self.s.spec, self.s.back):
                 stream.synchronize()
 
     def use(self, unit: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """CUDA streams and events behind one small interface that is a no-op on CPU.
 
-Four streams: compute, H2D, D2H, and one for the write-backs of speculated GPU updates (D2H too). Work on one stream waits for another only through events, never a
+Three streams: compute, H2D, D2H; and two more for the GPU updates speculated in the backward pass (their
+state in, their write-back). Work on one stream waits for another only through events, never a
 device-wide synchronization. On CPU every call runs at once, in order, so the same schedule runs there.
 """
 from __future__ import annotations
@@ -18,9 +19,12 @@ class Streams:
             self.compute = torch.cuda.current_stream(device)
             self.h2d = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
-            self.back = torch.cuda.Stream(device)  # write-backs of speculated GPU updates
+            # speculated GPU updates: their state in and the AdamW kernel, their write-back; their own streams,
+            # so that the weights' loads and the gradients' drains never queue behind them
+            self.spec = torch.cuda.Stream(device)
+            self.back = torch.cuda.Stream(device)
         else:
-            self.compute = self.h2d = self.d2h = self.back = None
+            self.compute = self.h2d = self.d2h = self.spec = self.back = None
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()
