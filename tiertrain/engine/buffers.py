@@ -152,44 +152,40 @@ class DeviceBuffers:
         stream); returns the updated fp32 master, on the device."""
         st = self.sets[self._set_turn]
         self._set_turn ^= 1
-        n = self.layouts[unit].numel
-        t = {k: v[:n] for k, v in st.t.items()}
-        with self.s.on(self.s.h2d):
-            for ev in (st.free, self.grad_ready.get(unit), self.written.get(unit)):
-                self.s.wait(self.s.h2d, ev)
-            for k, v in t.items():
-                v.copy_(self.host.slab(unit, k), non_blocking=True)
-            self.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, clip)
-            done = self.s.record(self.s.h2d)
-        with self.s.on(self.s.d2h):
-            self.s.wait(self.s.d2h, done)
-            for k in UPDATED:
-                self.host.slab(unit, k).copy_(t[k], non_blocking=True)
-            st.free = self.written[unit] = self.s.record(self.s.d2h)
+        t = self._in_set(unit, st, UPDATED + ("grad",), (st.free, self.grad_ready.get(unit), self.written.get(unit)),
+                         (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])
         self.host.version[unit] += 1
-        self.h2d_bytes += len(t) * n * 4
-        self.d2h_bytes += len(UPDATED) * n * 4
         return t["master"]
 
     def _speculate(self, unit: int, st: _State, grad_in, step: int, lr: float, into: dict | None) -> None:
         """The unit's AdamW on the GPU as if the norm will not clip, from the gradient copied into `st`
         (`grad_in`: its event), master and moments written to `into` (None: the host slabs)."""
+        self._in_set(unit, st, UPDATED, (grad_in, self.written.get(unit)), (self.s.spec, self.s.back), step, lr, 1.0,
+                     into or self.host.slabs[unit])
+
+    def _in_set(self, unit: int, st: _State, kinds: tuple[str, ...], waits, streams, step: int, lr: float,
+                clip: float, dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The AdamW of a unit in state set `st`: on the first of `streams`, after `waits`, the unit's
+        `kinds` copied in from its host slabs and the kernel run; on the second, master and moments
+        written to `dst`. Returns the set's views."""
         n = self.layouts[unit].numel
         t = {k: v[:n] for k, v in st.t.items()}
-        with self.s.on(self.s.spec):
-            self.s.wait(self.s.spec, grad_in)
-            self.s.wait(self.s.spec, self.written.get(unit))
-            for k in UPDATED:
+        s_in, s_out = streams
+        with self.s.on(s_in):
+            for ev in waits:
+                self.s.wait(s_in, ev)
+            for k in kinds:
                 t[k].copy_(self.host.slab(unit, k), non_blocking=True)
-            self.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, 1.0)
-            done = self.s.record(self.s.spec)
-        with self.s.on(self.s.back):
-            self.s.wait(self.s.back, done)
+            self.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, clip)
+            done = self.s.record(s_in)
+        with self.s.on(s_out):
+            self.s.wait(s_out, done)
             for k in UPDATED:
-                (into or self.host.slabs[unit])[k].copy_(t[k], non_blocking=True)
-            st.free = self.written[unit] = self.s.record(self.s.back)
-        self.h2d_bytes += len(UPDATED) * n * 4
+                dst[k].copy_(t[k], non_blocking=True)
+            st.free = self.written[unit] = self.s.record(s_out)
+        self.h2d_bytes += len(kinds) * n * 4
         self.d2h_bytes += len(UPDATED) * n * 4
+        return t
 
     def settle(self) -> None:
         """Runs the deferred updates not yet taken and waits until every GPU update is back on the host."""
@@ -238,7 +234,7 @@ class DeviceBuffers:
         norm = torch.linalg.vector_norm(acc)
         done = self.s.record(self.s.compute)
         dst, landed = self.grad_sink(unit)
-        job = self.speculation(unit) if unit in self.deferred else None
+        job = self.speculation(unit)
         st = self.sets[self._set_turn] if job else None
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
