@@ -127,11 +127,12 @@ def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: 
 
 
 def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferred: frozenset[int],
-                     pin: bool) -> frozenset[int]:
-    """Units whose update starts on the host in the backward pass (optim.speculate_units): the last of those
-    the host updates with every slab in RAM (their gradients land first). With clipping on each needs
-    copies of its master and moments, and so does each GPU-updated unit speculated on the GPU
-    (optim.speculate_gpu_updates): refused when --host-gb cannot hold them beside the state."""
+                     pin: bool) -> tuple[frozenset[int], frozenset[int]]:
+    """(units whose update starts on the host in the backward pass, GPU-updated units whose update starts
+    on the GPU there). The first: optim.speculate_units of the last units the host updates with every slab
+    in RAM (their gradients land first); the second: every GPU-updated unit when
+    optim.speculate_gpu_updates is on. With clipping on each needs copies of its master and moments:
+    refused when --host-gb cannot hold them beside the state."""
     n = cfg.optim.speculate_units
     ram = [u for u in update_candidates(where, kinds, len(numels)) if u not in deferred]
     units = frozenset(ram[len(ram) - min(n, len(ram)):] if n > 0 else [])
@@ -149,7 +150,7 @@ def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferr
                 ["set optim.speculate_gpu_updates = 0"] * bool(on_gpu)
             raise ConfigError(f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of {copies / 1e9:.3g} GB "
                               f"beside the state: raise --host-gb to {need:.3g}, or {', or '.join(fix)}")
-    return units
+    return units, on_gpu
 
 
 def nvme_tier(cfg: Config, numels: list[int], where: Where, dtypes: dict[str, torch.dtype], streamed: str,

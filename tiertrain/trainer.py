@@ -82,8 +82,7 @@ class Trainer:
             self.tiers = placing.nvme_tier(cfg, numels, self.where, {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, self.host.kinds, len(self.units))
-        early = placing.speculated_units(cfg, numels, self.where, self.host.kinds, self.deferred, pin)
-        gpu_early = self.deferred if cfg.optim.speculate_gpu_updates else frozenset()
+        early, gpu_early = placing.speculated_units(cfg, numels, self.where, self.host.kinds, self.deferred, pin)
         if cfg.optim.grad_clip > 0:  # a speculation that clipping may undo writes copies
             self.host.add_copies(early | gpu_early)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
