@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from bench import timeline
+
 # (stream, activation checkpoints, tiers.gpu_resident_gb, tiers.gpu_update_units). tiertrain: fp32 master
 # streamed and cast on the GPU, checkpoints on the host (the least host DRAM traffic and GPU memory),
 # as many units updated on the GPU as the plan finds best for the batch (-1: a process per batch size,
@@ -42,6 +44,8 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-res6": ("auto", "auto", 6.0, -1, -1),
              # the same with the GPU updates as their weights load (as before they could be speculated)
              "tiertrain-auto-res6-fwdgpu": ("auto", "auto", 6.0, -1, -1, 0),
+             # and with them speculated in the backward pass whatever the plan says
+             "tiertrain-auto-res6-bwdgpu": ("auto", "auto", 6.0, -1, -1, 1),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
              "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
@@ -66,17 +70,24 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
             "host_peak_rss_gb": _peak_rss_gb(), **extra}
 
 
+def tiertrain_config(a, batch: int, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
+                     speculate: int = 0, gpu_spec: int | None = None):
+    """The config of a TIERTRAIN system (its tuple's fields) at this batch size."""
+    from tiertrain.config import load_config
+
+    return load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={batch}",
+                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
+                                  f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
+                                  f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}",
+                                  f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}",
+                                  f"optim.speculate_gpu_updates={speculate if gpu_spec is None else gpu_spec}"])
+
+
 def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
                   speculate: int = 0, gpu_spec: int | None = None) -> list[dict]:
-    from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
-    cfg = load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={max(a.batches)}",
-                                 'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
-                                 f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
-                                 f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}",
-                                 f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}",
-                                 f"optim.speculate_gpu_updates={speculate if gpu_spec is None else gpu_spec}"])
+    cfg = tiertrain_config(a, max(a.batches), stream, activations, resident_gb, gpu_updates, speculate, gpu_spec)
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
@@ -88,7 +99,14 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
     rows = []
     for B in a.batches:
         before = (tr.optim.kept, tr.optim.redone)
+        tr.optim.timeline.clear()
         recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
+        # from the last warm-up step: its update runs beside the first timed forward pass
+        tr.optim.wait_all()  # the worker appends no more while the log is copied
+        ev = list(tr.optim.timeline)
+        first = [i for i, (e, _, _) in enumerate(ev) if e == "step"][max(a.warmup - 1, 0)]
+        t0 = ev[first][2]
+        ev = [(e, u, round(t - t0, 6)) for e, u, t in ev[first:]]
         med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
         name = f"tiertrain ({auto}{'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
@@ -104,6 +122,7 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
                          gpu_speculated=len(tr.optim.gpu_early),
                          kept=tr.optim.kept - before[0], redone=tr.optim.redone - before[1],
                          pred_step_s=tr.plan.step_s if tr.plan and B == cfg.train.batch_size else None,
+                         timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts]), timeline_events=ev,
                          **med))
     tr.close()
     return rows
@@ -290,6 +309,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
            if r["system"].startswith("tiertrain") and ("all-in-GPU PyTorch", r["batch"]) in by]
     if mem:
         lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
+    lines += timeline.table(rows)
     return "\n".join(lines) + "\n"
 
 

@@ -190,3 +190,31 @@ def test_planner_speculates_gpu_updates_in_the_backward_pass():
     assert b.host_fixed["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + host[len(host) - n:])
     assert "update copies" not in evaluate(*args, gpu_updates=k, speculate=0, speculate_gpu=True,
                                            clipping=False).host_fixed
+
+
+def test_timeline_accounts_for_every_host_update(token_file):
+    """bench.timeline's summary of OptimizerThread.timeline: each step's speculated units finish once in
+    its backward pass, the other host units once after its norm, and nothing is counted twice."""
+    from bench.timeline import _jobs, _marks, summarize
+
+    cfg = tiny_config(token_file, "optim.grad_clip=0", "optim.speculate_units=2")
+    tr = Trainer(cfg)
+    for _ in range(4):
+        tr.train_step()
+    tr.optim.wait_all()
+    ev, early = list(tr.optim.timeline), tr.optim.early
+    numels = [lay.numel for lay in tr.layouts]
+    tr.close()
+    assert len(early) == 2
+    backs, norms = _marks(ev, "backward"), _marks(ev, "norm")
+    assert len(backs) == len(norms) == len(_marks(ev, "step")) == 4
+    for k in range(3):
+        spec = _jobs(ev, "spec ", backs[k], backs[k + 1])
+        assert sorted(u for u, *_ in spec) == sorted(early)
+        assert all(j <= g <= d for _, j, g, d in spec)
+        upd = _jobs(ev, "", norms[k], backs[k + 1])
+        assert sorted(u for u, *_ in upd) == [u for u in range(len(numels)) if u not in early]
+    s = summarize(ev, numels)
+    assert s["bwd_s"] > 0 and s["spec_busy_s"] > 0 and s["upd_busy_s"] > 0
+    assert s["upd_gparams_s"] == pytest.approx(
+        sum(n for u, n in enumerate(numels) if u not in early) / 1e9 / s["upd_busy_s"], rel=0.5)

@@ -257,6 +257,7 @@ class Trainer:
         buf, ck, opt = self.buffers, self.checkpoints, self.optim
         moved = (buf.h2d_bytes + ck.h2d_bytes, buf.d2h_bytes + ck.d2h_bytes)
         opt.wait_s = 0.0
+        opt.mark("step")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         inputs = inp.to(self.device).split(tc.micro_batch_size)
@@ -265,7 +266,8 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
         opt.begin(lr)
         loss, norms = self.engine.run(list(inputs), list(targets),
-                                      before_backward=lambda: tiers and tiers.start(list(range(len(self.units)))),
+                                      before_backward=lambda: (opt.mark("backward"),
+                                                               tiers and tiers.start(list(range(len(self.units))))),
                                       drained=lambda u: opt.drained(u, buf.grad_ready.get(u)))
         grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
         if tiers:
@@ -273,6 +275,7 @@ class Trainer:
         opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
         loss = float(loss)
         dt = time.perf_counter() - t0
+        opt.mark("end")
         self.step += 1
         tokens = tgt.numel()
         tflops = self.cfg.model.flops_per_token(tgt.shape[1]) * tokens / dt / 1e12

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -142,16 +143,22 @@ class OptimizerThread:
         self.spec: dict[int, Future] = {}
         self.last_clip = 1.0
         self.kept = self.redone = 0  # steps whose speculation was kept, was redone
+        # (event, unit, time.perf_counter()): when each update waited, ran and finished, and the step's
+        # marks (the trainer's too); what shows where the optimizer's time goes (bench.timeline)
+        self.timeline: deque[tuple[str, int, float]] = deque(maxlen=1 << 14)
+
+    def mark(self, event: str, unit: int = -1) -> None:
+        self.timeline.append((event, unit, time.perf_counter()))
 
     def begin(self, lr: float) -> None:
-        """The backward pass starts: its gradients may start the next update (none after a clipped step)."""
+        """A step starts: its backward pass's gradients may start the next update (none after a clipped step)."""
         self.guess = (self.opt.step_count + 1, lr) if (self.early or self.gpu_early) and self.last_clip == 1.0 else None
 
     def drained(self, unit: int, grad_event) -> None:
         """The unit's gradient is on its way to the host (`grad_event`: once it has landed)."""
         if self.guess and unit in self.early:
             step, lr = self.guess
-            self.spec[unit] = self.pool.submit(self._job, unit, step, lr, 1.0, grad_event, self.copies)
+            self.spec[unit] = self.pool.submit(self._job, unit, step, lr, 1.0, grad_event, self.copies, "spec ")
 
     def speculation(self, unit: int) -> tuple[int, float, dict | None] | None:
         """(step, lr, where the master and moments go: the host's copies, or None for in place) of the
@@ -162,6 +169,7 @@ class OptimizerThread:
         return (*self.guess, self.opt.host.copies.get(unit))
 
     def start(self, lr: float, clip: float, grad_ready: Callable[[int], object]) -> None:
+        self.mark("norm")
         self.opt.step_count += 1
         step = self.opt.step_count
         spec, self.spec = self.spec, {}
@@ -186,10 +194,14 @@ class OptimizerThread:
         if not self.overlap:
             self.wait_all()
 
-    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event, into_copies: bool = False) -> None:
+    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event, into_copies: bool = False,
+             kind: str = "") -> None:
+        self.mark(kind + "job", unit)
         if grad_event is not None:
             grad_event.synchronize()  # the gradient's D2H copy has landed in the host slab
+            self.mark(kind + "grad", unit)
         self.opt.update_unit(unit, step, lr, clip, into_copies)
+        self.mark(kind + "done", unit)
 
     def _keep(self, unit: int, speculated: Future) -> None:
         speculated.result()  # done (the pool runs in order); raises its error
@@ -204,7 +216,10 @@ class OptimizerThread:
         if f is not None:
             t0 = time.perf_counter()
             f.result()
-            self.wait_s += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.wait_s += t1 - t0
+            if t1 - t0 > 1e-4:
+                self.timeline.extend((("wait", unit, t0), ("waited", unit, t1)))
             self.futures[unit] = None
 
     def wait_all(self) -> None:

@@ -1,0 +1,36 @@
+"""The benchmark's trace summary (bench.trace), on a hand-made profiler trace."""
+from __future__ import annotations
+
+import pytest
+
+from bench.trace import TAG, host_adamw, summarize
+
+
+def _x(cat, name, ts, dur, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_trace_summary_per_stream_and_phase():
+    ev = [_x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 1, stream=7, bytes=TAG),  # 7: compute
+          _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 1, stream=9, bytes=TAG + 1),  # 9: h2d
+          _x("user_annotation", "forward", 100, 1000), _x("user_annotation", "backward", 1100, 2000),
+          # overlapping kernels count once; the part past the forward pass counts in the backward
+          _x("kernel", "gemm", 200, 300, stream=7), _x("kernel", "gemm", 400, 200, stream=7),
+          _x("kernel", "gemm", 1000, 400, stream=7),
+          _x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 150, 500, stream=9, bytes=2e9),
+          _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1200, 100, stream=11, bytes=1e9),
+          _x("kernel", "gemm", 5000, 100, stream=7)]  # after both phases
+    (step,) = summarize({"traceEvents": ev})
+    f, b = step["forward"], step["backward"]
+    assert f["s"] == pytest.approx(1e-3) and b["s"] == pytest.approx(2e-3)
+    assert f["busy"]["compute"] == pytest.approx((600 - 200 + 1100 - 1000) / 1e6)
+    assert b["busy"]["compute"] == pytest.approx(300 / 1e6)
+    assert f["busy"]["h2d"] == pytest.approx(500 / 1e6) and f["moved"]["h2d"] == (2.0, 0.0)
+    assert b["busy"]["stream 11"] == pytest.approx(100 / 1e6) and b["moved"]["stream 11"] == (0.0, 1.0)
+
+
+def test_host_adamw_per_phase_from_the_timeline():
+    ev = [("step", -1, 0.0), ("job", 0, 0.1), ("grad", 0, 0.2), ("done", 0, 0.5),  # the last update
+          ("backward", -1, 1.0), ("spec job", 3, 1.1), ("spec grad", 3, 1.3), ("spec done", 3, 1.6),
+          ("norm", -1, 2.0), ("job", 0, 2.0), ("done", 0, 2.1)]  # this one's, after the norm
+    assert host_adamw(ev, 1) == [pytest.approx({"forward": 0.3, "backward": 0.3})]
