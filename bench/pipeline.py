@@ -46,6 +46,8 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-res6-fwdgpu": ("auto", "auto", 6.0, -1, -1, 0),
              # and with them speculated in the backward pass whatever the plan says
              "tiertrain-auto-res6-bwdgpu": ("auto", "auto", 6.0, -1, -1, 1),
+             # with torch's fused kernel for the host AdamW (an update into copies: a copy, then the kernel)
+             "tiertrain-auto-res6-torchadam": ("auto", "auto", 6.0, -1, -1, None, "torch"),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
              "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
@@ -71,7 +73,7 @@ def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops
 
 
 def tiertrain_config(a, batch: int, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
-                     speculate: int = 0, gpu_spec: int | None = None):
+                     speculate: int = 0, gpu_spec: int | None = None, host_kernel: str = "auto"):
     """The config of a TIERTRAIN system (its tuple's fields) at this batch size."""
     from tiertrain.config import load_config
 
@@ -80,14 +82,16 @@ def tiertrain_config(a, batch: int, stream: str, activations: str, resident_gb: 
                                   f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
                                   f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}",
                                   f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}",
-                                  f"optim.speculate_gpu_updates={speculate if gpu_spec is None else gpu_spec}"])
+                                  f"optim.speculate_gpu_updates={speculate if gpu_spec is None else gpu_spec}",
+                                  f'optim.host_kernel="{host_kernel}"'])
 
 
 def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
-                  speculate: int = 0, gpu_spec: int | None = None) -> list[dict]:
+                  speculate: int = 0, gpu_spec: int | None = None, host_kernel: str = "auto") -> list[dict]:
     from tiertrain.trainer import Trainer
 
-    cfg = tiertrain_config(a, max(a.batches), stream, activations, resident_gb, gpu_updates, speculate, gpu_spec)
+    cfg = tiertrain_config(a, max(a.batches), stream, activations, resident_gb, gpu_updates, speculate, gpu_spec,
+                           host_kernel)
     t0 = time.perf_counter()
     tr = Trainer(cfg)
     setup_s = time.perf_counter() - t0
@@ -113,6 +117,7 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
             (f", {resident_gb:g} GB resident" if resident_gb else "") + \
             (f", {len(tr.optim.early)} units speculated" if tr.optim.early else "") + \
             (", GPU updates speculated" if tr.optim.gpu_early else "") + \
+            ("" if tr.optim.opt.kernel else ", torch's host AdamW") + \
             (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
@@ -260,7 +265,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
              f"GB/s, both {probe.get('bidir_gbs', 0):.1f} GB/s, pageable H2D {probe.get('pageable_h2d_gbs', 0):.1f} GB/s, "
              f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW "
              f"{probe.get('host_adam_fp32_stream_params_per_s', 0) / 1e9:.2f} G params/s (with the rounding into a "
-             f"bf16 copy: {probe.get('host_adam_params_per_s', 0) / 1e9:.2f})", ""]
+             f"bf16 copy: {probe.get('host_adam_params_per_s', 0) / 1e9:.2f}; into a speculative update's copies: "
+             f"{probe.get('host_adam_into_copies_params_per_s', 0) / 1e9:.2f}, kernel {probe.get('host_kernel', 'torch')})", ""]
     for name, err in errors.items():
         lines.append(f"- **{name}**: {err}" if err.startswith("skipped") else f"- **{name} failed**: `{err}`")
     lines += ["| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
@@ -360,6 +366,9 @@ def main() -> None:
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm of every system; 0: off")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--plan-on-probe", action="store_true",
+                   help="tiertrain plans with the probe's figures (written where `tiertrain probe` writes them), "
+                        "not the reference machine's")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -388,6 +397,13 @@ def main() -> None:
             data = _run_worker(a, system, batches, out, errors)
             if system == "probe":
                 probe = data or {}
+                if a.plan_on_probe and data:  # tiertrain's plans reason about this machine, as measured here
+                    import psutil
+
+                    from tiertrain.placing import HARDWARE_FILE
+                    from tiertrain.plan.probe import spec_of
+
+                    spec_of(data, psutil.virtual_memory().total / 1e9, "the bench's probe").save(HARDWARE_FILE)
             else:
                 results += data or []
             text = _write(a, out, probe, results, errors)  # after every worker: a lost machine keeps what ran

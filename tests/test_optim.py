@@ -38,3 +38,80 @@ def test_diverged_training_stops_with_a_message():
 
     with pytest.raises(UserError, match="diverged.*optim.lr"):
         clip_coefficient([torch.tensor(math.inf)], 1.0)
+
+
+def _kernel():
+    from tiertrain.optim import kernel
+
+    ext = kernel.load()
+    if ext is None:
+        pytest.skip(f"the one-pass host AdamW did not build here: {kernel.reason()}")
+    return ext
+
+
+@pytest.mark.parametrize("scale", [0.0, 3.0])
+@pytest.mark.parametrize("offset", [0, 3])  # outputs off their cache lines: no streamed stores
+def test_one_pass_kernel_in_place_and_into_copies(scale, offset):
+    """tiertrain's host AdamW kernel: into other buffers it leaves the state as it was and writes the
+    bits it writes in place; both are torch's fused AdamW to within rounding."""
+    ext = _kernel()
+    n = (1 << 20) + 77  # a tail after the streamed blocks
+    g0 = torch.Generator().manual_seed(1)
+    p, g, m, v = (torch.randn(n, generator=g0) for _ in range(4))
+    v = v.abs()
+    args = (1e-3, 0.9, 0.95, 0.1, 1e-8, 7.0, scale)
+    want = [t.clone() for t in (p, m, v)]
+    torch._fused_adamw_([want[0]], [g.clone()], [want[1]], [want[2]], [], [torch.tensor(7.0)], lr=1e-3, beta1=0.9,
+                        beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+                        grad_scale=torch.tensor(scale) if scale else None)
+    inplace = [t.clone() for t in (p, m, v)]
+    ext.adamw(inplace[0], g, inplace[1], inplace[2], *inplace, *args)
+    state = [t.clone() for t in (p, m, v)]
+    outs = [torch.empty(n + offset)[offset:] for _ in range(3)]
+    ext.adamw(state[0], g, state[1], state[2], *outs, *args)
+    for a, b, s, s0, w in zip(inplace, outs, state, (p, m, v), want):
+        assert torch.equal(a, b)
+        assert torch.equal(s, s0)
+        torch.testing.assert_close(a, w, rtol=2e-6, atol=1e-6)
+    assert not torch.equal(inplace[0], p)
+
+
+def test_host_kernels_agree_and_copies_match_in_place():
+    """HostAdamW with either kernel: an update into copies leaves the state as it was and, swapped in,
+    is the in-place update bit for bit; the two kernels agree to within rounding."""
+    from tiertrain.optim.adamw import HostAdamW
+    from tiertrain.tiers.host import HostStore
+    from tiertrain.tiers.slab import SlabLayout
+
+    _kernel()
+    lay = SlabLayout.build([("w", (300, 70)), ("b", (70,))])
+    kinds = ("master", "exp_avg", "exp_avg_sq")
+    out = {}
+    for name in ("tiertrain", "torch"):
+        for copies in (False, True):
+            host = HostStore([lay], torch.float32, pin=False, compute_copy=False)
+            gen = torch.Generator().manual_seed(0)
+            for k in ("master", "grad", "exp_avg", "exp_avg_sq"):
+                host.slab(0, k).copy_(torch.rand(lay.numel, generator=gen))
+            before = {k: host.slab(0, k).clone() for k in kinds}
+            if copies:
+                host.add_copies([0])
+            opt = HostAdamW(host, [lay], OptimConfig(host_kernel=name))
+            assert (opt.kernel is not None) == (name == "tiertrain")
+            opt.update_unit(0, 3, 1e-2, 1.0, into_copies=copies)
+            if copies:
+                assert all(torch.equal(host.slab(0, k), before[k]) for k in kinds)
+                host.swap(0)
+            out[name, copies] = {k: host.slab(0, k).clone() for k in kinds}
+            assert not torch.equal(out[name, copies]["master"], before["master"])
+    for k in kinds:
+        for name in ("tiertrain", "torch"):
+            assert torch.equal(out[name, True][k], out[name, False][k]), (name, k)
+        torch.testing.assert_close(out["tiertrain", False][k], out["torch", False][k], rtol=2e-6, atol=1e-7)
+
+
+def test_host_kernel_option_is_checked():
+    from tiertrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="host_kernel"):
+        OptimConfig(host_kernel="fast").validate()

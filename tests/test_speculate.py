@@ -10,7 +10,7 @@ from test_nvme import DEEP
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import OUT_OF_PLACE, Budgets, _layouts, evaluate, plan
+from tiertrain.plan.planner import Budgets, _layouts, evaluate, plan
 from tiertrain.tiers.placement import RING_SLOTS, gpu_updated
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
@@ -154,7 +154,7 @@ def test_planner_balances_the_speculated_units():
     params = 98_308_096 + (n - 1) * 113_252_352  # the head, then the last blocks
     rate = REFERENCE.host_adam_params_per_s
     assert a.times["host AdamW bwd"] == pytest.approx(params / rate * REFERENCE.adam_contention)
-    assert b.times["host AdamW bwd"] == pytest.approx(params / (rate * OUT_OF_PLACE) * REFERENCE.adam_contention)
+    assert b.times["host AdamW bwd"] == pytest.approx(params / (rate * REFERENCE.out_of_place) * REFERENCE.adam_contention)
     assert b.host_fixed["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
     assert "update copies" not in a.host_fixed
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer

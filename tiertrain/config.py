@@ -82,6 +82,10 @@ class OptimConfig:
     # pass; into host copies of their master and moments when clipping is on); -1: the plan's choice
     # (without a plan: as speculate_units' default); 0: they update as their weights load in the forward pass
     speculate_gpu_updates: int = -1
+    # the host AdamW's kernel: "tiertrain" (tiertrain/optim/csrc/adamw.cpp, one pass, also into a speculative
+    # update's copies; built on first use: a C++ compiler and ninja), "torch" (torch's fused kernel, in place:
+    # an update into copies copies first), "auto" (tiertrain's when it builds)
+    host_kernel: str = "auto"
 
     def validate(self) -> None:
         _need(self.lr > 0, "optim", "lr", self, "must be positive")
@@ -92,6 +96,8 @@ class OptimConfig:
         _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
         _need(self.speculate_units >= -1, "optim", "speculate_units", self,
               "must be -1 (the plan chooses), 0 (none) or a number of units")
+        _need(self.host_kernel in ("auto", "tiertrain", "torch"), "optim", "host_kernel", self,
+              'must be "auto", "tiertrain" or "torch"')
         _need(self.speculate_gpu_updates in (-1, 0, 1), "optim", "speculate_gpu_updates", self,
               "must be -1 (the plan chooses), 0 (no) or 1 (yes)")
         _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")

@@ -10,7 +10,8 @@ import torch
 
 from .config import Config
 from .errors import ConfigError
-from .plan.hardware import REFERENCE, HardwareSpec
+from .optim import kernel
+from .plan.hardware import REFERENCE, TORCH_OUT_OF_PLACE, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
@@ -50,6 +51,8 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     p = None
     if device.type == "cuda":  # the cost model is the GPU pipeline's
         hw = hardware(device)
+        if kernel.wanted(o.host_kernel) is None:  # torch's kernel: an update into copies copies first
+            hw = dataclasses.replace(hw, out_of_place=TORCH_OUT_OF_PLACE, out_of_place_dram_bytes=12.0)
         p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
                  Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
                          t.gpu_resident_gb),

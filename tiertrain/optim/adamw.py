@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ..config import OptimConfig
+from . import kernel
 from ..errors import UserError
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
@@ -52,6 +53,7 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
 class HostAdamW:
     def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
+        self.kernel = kernel.wanted(cfg.host_kernel)  # None: torch's fused kernel
         self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
@@ -61,8 +63,9 @@ class HostAdamW:
         host a chunk at a time (each chunk still in cache for the rounding into the copy `w`), on a GPU
         whole ranges. Scalars are made by fill kernels: a copy from host memory would block this thread
         until the stream's earlier work is done. `out` (host only): the master and moments to write
-        ({kind: slab}), the given ones left as they were: each chunk is copied there first (the fused
-        kernel works in place), so the update is the same arithmetic either way."""
+        ({kind: slab}), the given ones left as they were: by the one-pass kernel (optim.kernel) where it
+        built, else each chunk copied there first (torch's fused kernel works in place); the same
+        arithmetic either way."""
         dev, on_gpu = master.device, master.is_cuda
         b1, b2 = self.cfg.betas
         st = torch.full((), float(step), device=dev)
@@ -75,6 +78,13 @@ class HostAdamW:
             for c0 in range(a, b, step_by):
                 c = slice(c0, min(c0 + step_by, b))
                 p_, m_, v_ = master[c], m[c], v[c]
+                if self.kernel is not None and not on_gpu:  # one pass, in place or into `out`
+                    dst = [out[k][c] if out else x for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_))]
+                    self.kernel.adamw(p_, grad[c], m_, v_, *dst, lr, b1, b2, wd, self.cfg.eps, float(step),
+                                      1.0 / clip if clip < 1.0 else 0.0)
+                    if w is not None:
+                        w[c].copy_(dst[0])
+                    continue
                 if out is not None:
                     p_, m_, v_ = (out[k][c].copy_(x) for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_)))
                 torch._fused_adamw_([p_], [grad[c]], [m_], [v_], [], [st], lr=lr, beta1=b1,

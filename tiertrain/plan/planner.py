@@ -12,7 +12,7 @@ layout and spill policy, and the schedule's cost model (docs/performance.md):
 The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
 forward pass and take their parameters off the host AdamW; by default the plan takes the number of
 them that gives the shortest step. A speculative update (optim.speculate_units) moves the host AdamW of
-the last units in RAM into the backward pass, at half its rate when it writes copies (clipping on):
+the last units in RAM into the backward pass, at hw.out_of_place its rate when it writes copies (clipping on):
 the plan takes the number that balances the two phases best, for the steps whose norm does not clip.
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
-OUT_OF_PLACE = 0.5  # host AdamW's rate into copies / in place: 2.05-2.23 / 3.83-4.26 G params/s (bench/results/2026-11-22-H200-host-adam-out-of-place.md)
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 
 
@@ -264,7 +263,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
            kb: dict[str, int], hw: HardwareSpec, gpu_early: bool = False) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
     `on_gpu` parameters updated on the GPU and `early` updated on the host during the backward pass
-    (speculated; into `copies`: at OUT_OF_PLACE the rate, and 12 B more DRAM traffic per parameter).
+    (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM traffic).
     `gpu_early`: the GPU updates are speculated too, in the backward pass, their state's copies with it
     (the gradient is already there; the kept master streams in the next forward pass like the others)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
@@ -288,10 +287,11 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
          "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
          "PCIe both bwd": (h2d_bwd + d2h_bwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
-         "host AdamW bwd": early / (adam_rate * (OUT_OF_PLACE if copies else 1.0)) * hw.adam_contention,
+         "host AdamW bwd": early / (adam_rate * (hw.out_of_place if copies else 1.0)) * hw.adam_contention,
          # the copies and the host AdamW share the host's DRAM
          "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / (hw.host_dram_gbs * 1e9),
-         "host DRAM bwd": (h2d_bwd + d2h_bwd + (adam_bytes + 12 * copies) * early) / (hw.host_dram_gbs * 1e9),
+         "host DRAM bwd": (h2d_bwd + d2h_bwd + (adam_bytes + hw.out_of_place_dram_bytes * copies) * early)
+         / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])

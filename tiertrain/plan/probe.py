@@ -65,9 +65,11 @@ def matmul_tflops(dtype_name: str = "bfloat16", n: int = 8192, reps: int = 10) -
     return 2 * n ** 3 / _timed_cuda(lambda: a @ b, reps) / 1e12
 
 
-def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 3) -> float:
-    """Parameters per second of the runtime's host AdamW (fused CPU kernel, chunked, with the rounding
-    into the bf16 copy when `compute_copy`), over arrays far larger than the caches."""
+def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 3, into_copies: bool = False,
+                   host_kernel: str = "auto") -> float:
+    """Parameters per second of the runtime's host AdamW (its kernel, chunked, with the rounding into the
+    bf16 copy when `compute_copy`; into other buffers, as a speculative update writes, when `into_copies`),
+    over arrays far larger than the caches."""
     import torch
 
     from ..config import OptimConfig
@@ -79,12 +81,14 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     host = HostStore([lay], torch.bfloat16, pin=False, compute_copy=compute_copy)
     for k in ("master", "grad"):
         host.slab(0, k).uniform_(-1, 1)
-    opt = HostAdamW(host, [lay], OptimConfig())
-    opt.update_unit(0, 1, 1e-4, 1.0)
+    if into_copies:
+        host.add_copies([0])
+    opt = HostAdamW(host, [lay], OptimConfig(host_kernel=host_kernel))
+    opt.update_unit(0, 1, 1e-4, 1.0, into_copies)
     times = []
     for step in range(2, 2 + reps):
         t0 = time.perf_counter()
-        opt.update_unit(0, step, 1e-4, 0.5)
+        opt.update_unit(0, step, 1e-4, 1.0 if into_copies else 0.5, into_copies)
         times.append(time.perf_counter() - t0)
     return lay.numel / sorted(times)[len(times) // 2]
 
@@ -92,9 +96,13 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
 def probe(gpu: bool = True) -> dict:
     import torch
 
+    from ..optim import kernel
+
     out: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "host_adam_params_per_s": host_adam_rate(), "host_adam_fp32_stream_params_per_s":
-                 host_adam_rate(compute_copy=False)}
+                 host_adam_rate(compute_copy=False),
+                 "host_adam_into_copies_params_per_s": host_adam_rate(compute_copy=False, into_copies=True),
+                 "host_kernel": "tiertrain" if kernel.load() else "torch"}
     if gpu and torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
         out["gpu_mem_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -146,25 +154,33 @@ def _evict(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def probe_spec(nvme_dir: str | None = None):
-    """A HardwareSpec of this machine, and notes on what could not be measured (kept at reference)."""
-    import psutil
-    import torch
-
+def spec_of(m: dict, host_ram_gb: float, source: str):
+    """The HardwareSpec of probe()'s figures `m` (the reference's where it measured none)."""
     from .hardware import REFERENCE, HardwareSpec
 
-    m = probe(gpu=True)
-    spec = HardwareSpec(host_ram_gb=psutil.virtual_memory().total / 1e9, cpu_count=m["cpu_count"],
+    spec = HardwareSpec(host_ram_gb=host_ram_gb, cpu_count=m["cpu_count"],
                         host_adam_params_per_s=m["host_adam_fp32_stream_params_per_s"],
                         host_adam_copy_params_per_s=m["host_adam_params_per_s"],
-                        source=f"tiertrain probe, {time.strftime('%Y-%m-%d')}")
-    notes = []
-    if torch.cuda.is_available():
+                        out_of_place=m["host_adam_into_copies_params_per_s"] / m["host_adam_fp32_stream_params_per_s"],  # of its kernel
+                        out_of_place_dram_bytes=0.0 if m["host_kernel"] == "tiertrain" else 12.0, source=source)
+    if "gpu" in m:
         spec.gpu, spec.gpu_mem_gb = m["gpu"], m["gpu_mem_gb"]
         spec.h2d_gbs, spec.d2h_gbs, spec.bidir_gbs = m["h2d_gbs"], m["d2h_gbs"], m["bidir_gbs"]
         spec.bf16_tflops, spec.fp32_tflops = m["bf16_tflops"], m["fp32_tflops"]
     else:
         spec.gpu, spec.gpu_mem_gb = REFERENCE.gpu + " (reference: no GPU here)", REFERENCE.gpu_mem_gb
+    return spec
+
+
+def probe_spec(nvme_dir: str | None = None):
+    """A HardwareSpec of this machine, and notes on what could not be measured (kept at reference)."""
+    import psutil
+    import torch
+
+    m = probe(gpu=True)
+    spec = spec_of(m, psutil.virtual_memory().total / 1e9, f"tiertrain probe, {time.strftime('%Y-%m-%d')}")
+    notes = []
+    if not torch.cuda.is_available():
         notes.append("no CUDA GPU: GPU memory, PCIe and matmul rates are the reference H200's")
     if nvme_dir:
         spec.disk_read_gbs, spec.disk_write_gbs, spec.disk_mixed_gbs = disk_rates(nvme_dir)

@@ -1,0 +1,115 @@
+// Host AdamW in one pass over fp32 slabs, in place or into other buffers (a speculative update's copies).
+//
+// Why: torch's fused CPU kernel works in place, so an update into copies was a copy and then the kernel:
+// about half the in-place rate (bench/results/2026-11-22-H200-host-adam-out-of-place.md). Here the new
+// master and moments are computed from the old ones and stored once; into other buffers the stores are
+// non-temporal (no read-for-ownership of lines that are only written), so an update into copies moves the
+// bytes of one in place: 16 read and 12 written per parameter.
+//
+// The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias correction, the gradient divided by
+// grad_scale when given), one IEEE operation at a time: built with -ffp-contract=off, so a parameter gets
+// the same bits whether a vector lane or the scalar tail computes it, in place or not.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 64;  // elements: four cache lines of each array
+constexpr int64_t LINE = 64;   // bytes
+
+struct Coef {
+  float lr_wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, scale;
+  bool decay, scaled;
+};
+
+inline void compute(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
+                    float* vo, int64_t n, const Coef& c) {
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = c.scaled ? g[i] / c.scale : g[i];
+    float pi = c.decay ? p[i] - p[i] * c.lr_wd : p[i];
+    float mi = m[i] + c.one_minus_b1 * (gi - m[i]);  // lerp(m, g, 1 - beta1): the weight is below 0.5
+    float vi = v[i] * c.b2 + gi * gi * c.one_minus_b2;
+    float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+    po[i] = pi - c.step_size * mi / denom;
+    mo[i] = mi;
+    vo[i] = vi;
+  }
+}
+
+inline void stream_out(float* dst, const float* src) {  // BLOCK floats, dst LINE-aligned
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < BLOCK; i += 16) _mm512_stream_ps(dst + i, _mm512_load_ps(src + i));
+#elif defined(__AVX__)
+  for (int64_t i = 0; i < BLOCK; i += 8) _mm256_stream_ps(dst + i, _mm256_load_ps(src + i));
+#else
+  std::memcpy(dst, src, BLOCK * sizeof(float));
+#endif
+}
+
+void range(const float* p, const float* g, const float* m, const float* v, float* po, float* mo, float* vo,
+           int64_t n, const Coef& c, bool stream) {
+  if (!stream) return compute(p, g, m, v, po, mo, vo, n, c);
+  // up to the outputs' first aligned line, then whole blocks streamed, then the tail
+  int64_t head = ((LINE - reinterpret_cast<uintptr_t>(po) % LINE) % LINE) / sizeof(float);
+  head = std::min(head, n);
+  compute(p, g, m, v, po, mo, vo, head, c);
+  int64_t i = head;
+  alignas(LINE) float tp[BLOCK], tm[BLOCK], tv[BLOCK];
+  for (; i + BLOCK <= n; i += BLOCK) {
+    compute(p + i, g + i, m + i, v + i, tp, tm, tv, BLOCK, c);
+    stream_out(po + i, tp);
+    stream_out(mo + i, tm);
+    stream_out(vo + i, tv);
+  }
+  compute(p + i, g + i, m + i, v + i, po + i, mo + i, vo + i, n - i, c);
+#if defined(__AVX__)
+  _mm_sfence();  // the streamed stores are visible before the update counts as done
+#endif
+}
+
+void check(const torch::Tensor& t, const torch::Tensor& like, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
+              " must be a contiguous fp32 CPU tensor");
+  TORCH_CHECK(t.numel() == like.numel(), name, " has ", t.numel(), " elements, the master ", like.numel());
+}
+
+}  // namespace
+
+// master, grad, exp_avg, exp_avg_sq: the state read; *_out: where the new master and moments go (the
+// same tensors for in place). step: the step number (bias correction); grad_scale 0: none.
+void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor po, torch::Tensor mo,
+           torch::Tensor vo, double lr, double beta1, double beta2, double weight_decay, double eps, double step,
+           double grad_scale) {
+  for (auto [t, name] : {std::pair{g, "grad"}, {m, "exp_avg"}, {v, "exp_avg_sq"}, {po, "master out"},
+                         {mo, "exp_avg out"}, {vo, "exp_avg_sq out"}, {p, "master"}})
+    check(t, p, name);
+  // the scalars as torch's fused kernel makes them: in double, then rounded to float
+  double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
+  Coef c{float(lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2), float(lr / bc1),
+         float(std::sqrt(bc2)), float(eps), float(grad_scale), weight_decay != 0, grad_scale != 0};
+  const bool in_place = po.data_ptr() == p.data_ptr();
+  TORCH_CHECK(in_place == (mo.data_ptr() == m.data_ptr()) && in_place == (vo.data_ptr() == v.data_ptr()),
+              "the master and moments go all in place or all elsewhere");
+  auto off = [](const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % LINE; };
+  const bool stream = !in_place && off(po) == off(mo) && off(po) == off(vo);
+  const float *pp = p.data_ptr<float>(), *gp = g.data_ptr<float>(), *mp = m.data_ptr<float>(),
+              *vp = v.data_ptr<float>();
+  float *pop = po.data_ptr<float>(), *mop = mo.data_ptr<float>(), *vop = vo.data_ptr<float>();
+  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t a, int64_t b) {
+    range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, b - a, c, stream);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  // without the GIL: the optimizer's worker thread runs it while the main thread launches GPU work
+  mod.def("adamw", &adamw, "AdamW over fp32 slabs, in place or into other buffers",
+          py::call_guard<py::gil_scoped_release>());
+}

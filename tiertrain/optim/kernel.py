@@ -1,0 +1,47 @@
+"""The one-pass host AdamW of csrc/adamw.cpp, built on first use by torch's C++ extension loader (a C++
+compiler and ninja; the build is cached under ~/.cache/torch_extensions). Without them, or with
+optim.host_kernel = "torch", the host AdamW is torch's fused kernel, an update into copies a copy first."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("tiertrain")
+SOURCE = Path(__file__).parent / "csrc" / "adamw.cpp"
+_ext, _why = None, ""
+
+
+def load():
+    """The extension module, or None (why: `reason()`), built once per process."""
+    global _ext, _why
+    if _ext is None and not _why:
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            # -fopenmp only when compiling: at::parallel_for then runs on torch's own OpenMP runtime
+            # (resolved when loaded), with its thread count; -ffp-contract=off: see the source
+            _ext = build(name="tiertrain_adamw", sources=[str(SOURCE)], verbose=False,
+                         extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"])
+        except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel does the work
+            _why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            log.warning("tiertrain: the one-pass host AdamW did not build (%s); using torch's fused kernel", _why)
+    return _ext
+
+
+def reason() -> str:
+    return _why
+
+
+def wanted(choice: str):
+    """The extension for optim.host_kernel `choice` ("auto": if it builds; "tiertrain": it must; "torch":
+    never), or None."""
+    if choice == "torch" or os.environ.get("TIERTRAIN_HOST_KERNEL") == "torch":
+        return None
+    ext = load()
+    if ext is None and choice == "tiertrain":
+        from ..errors import ConfigError
+
+        raise ConfigError(f"optim.host_kernel = \"tiertrain\" but its build failed ({_why}); install a C++ "
+                          "compiler and ninja, or set optim.host_kernel = \"auto\" or \"torch\"")
+    return ext
