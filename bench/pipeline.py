@@ -48,6 +48,8 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-res6-bwdgpu": ("auto", "auto", 6.0, -1, -1, 1),
              # with torch's fused kernel for the host AdamW (an update into copies: a copy, then the kernel)
              "tiertrain-auto-res6-torchadam": ("auto", "auto", 6.0, -1, -1, None, "torch"),
+             # with the fp32 master streamed whatever the plan says
+             "tiertrain-auto-res6-fp32": ("master", "auto", 6.0, -1, -1),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
              "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")

@@ -65,10 +65,13 @@ def test_one_pass_kernel_in_place_and_into_copies(scale, offset):
                         beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
                         grad_scale=torch.tensor(scale) if scale else None)
     inplace = [t.clone() for t in (p, m, v)]
-    ext.adamw(inplace[0], g, inplace[1], inplace[2], *inplace, *args)
+    none = torch.empty(0, dtype=torch.bfloat16)
+    ext.adamw(inplace[0], g, inplace[1], inplace[2], *inplace, none, *args)
     state = [t.clone() for t in (p, m, v)]
     outs = [torch.empty(n + offset)[offset:] for _ in range(3)]
-    ext.adamw(state[0], g, state[1], state[2], *outs, *args)
+    w = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
+    ext.adamw(state[0], g, state[1], state[2], *outs, w, *args)
+    assert torch.equal(w, outs[0].to(torch.bfloat16))  # the copy rounded as torch rounds
     for a, b, s, s0, w in zip(inplace, outs, state, (p, m, v), want):
         assert torch.equal(a, b)
         assert torch.equal(s, s0)
@@ -89,7 +92,7 @@ def test_host_kernels_agree_and_copies_match_in_place():
     out = {}
     for name in ("tiertrain", "torch"):
         for copies in (False, True):
-            host = HostStore([lay], torch.float32, pin=False, compute_copy=False)
+            host = HostStore([lay], torch.bfloat16, pin=False, compute_copy=True)
             gen = torch.Generator().manual_seed(0)
             for k in ("master", "grad", "exp_avg", "exp_avg_sq"):
                 host.slab(0, k).copy_(torch.rand(lay.numel, generator=gen))
@@ -103,6 +106,7 @@ def test_host_kernels_agree_and_copies_match_in_place():
                 assert all(torch.equal(host.slab(0, k), before[k]) for k in kinds)
                 host.swap(0)
             out[name, copies] = {k: host.slab(0, k).clone() for k in kinds}
+            assert torch.equal(host.slab(0, "weights"), out[name, copies]["master"].to(torch.bfloat16))
             assert not torch.equal(out[name, copies]["master"], before["master"])
     for k in kinds:
         for name in ("tiertrain", "torch"):

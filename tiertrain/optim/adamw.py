@@ -25,6 +25,7 @@ from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
 
 CHUNK = 1 << 22  # elements: 16 MiB per fp32 array
+NO_COPY = torch.empty(0, dtype=torch.bfloat16)  # the one-pass kernel's "no bf16 copy to write"
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -80,10 +81,8 @@ class HostAdamW:
                 p_, m_, v_ = master[c], m[c], v[c]
                 if self.kernel is not None and not on_gpu:  # one pass, in place or into `out`
                     dst = [out[k][c] if out else x for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_))]
-                    self.kernel.adamw(p_, grad[c], m_, v_, *dst, lr, b1, b2, wd, self.cfg.eps, float(step),
-                                      1.0 / clip if clip < 1.0 else 0.0)
-                    if w is not None:
-                        w[c].copy_(dst[0])
+                    self.kernel.adamw(p_, grad[c], m_, v_, *dst, NO_COPY if w is None else w[c], lr, b1, b2, wd,
+                                      self.cfg.eps, float(step), 1.0 / clip if clip < 1.0 else 0.0)
                     continue
                 if out is not None:
                     p_, m_, v_ = (out[k][c].copy_(x) for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_)))

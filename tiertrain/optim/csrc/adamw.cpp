@@ -24,13 +24,20 @@ namespace {
 constexpr int64_t BLOCK = 64;  // elements: four cache lines of each array
 constexpr int64_t LINE = 64;   // bytes
 
+inline uint16_t bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN: the quiet NaN)
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
 struct Coef {
   float lr_wd, one_minus_b1, b2, one_minus_b2, step_size, bc2_sqrt, eps, scale;
   bool decay, scaled;
 };
 
 inline void compute(const float* p, const float* g, const float* m, const float* v, float* po, float* mo,
-                    float* vo, int64_t n, const Coef& c) {
+                    float* vo, uint16_t* w, int64_t n, const Coef& c) {
 #pragma GCC ivdep
   for (int64_t i = 0; i < n; ++i) {
     float gi = c.scaled ? g[i] / c.scale : g[i];
@@ -38,9 +45,11 @@ inline void compute(const float* p, const float* g, const float* m, const float*
     float mi = m[i] + c.one_minus_b1 * (gi - m[i]);  // lerp(m, g, 1 - beta1): the weight is below 0.5
     float vi = v[i] * c.b2 + gi * gi * c.one_minus_b2;
     float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
-    po[i] = pi - c.step_size * mi / denom;
+    float pn = pi - c.step_size * mi / denom;
+    po[i] = pn;
     mo[i] = mi;
     vo[i] = vi;
+    if (w) w[i] = bf16(pn);
   }
 }
 
@@ -55,21 +64,21 @@ inline void stream_out(float* dst, const float* src) {  // BLOCK floats, dst LIN
 }
 
 void range(const float* p, const float* g, const float* m, const float* v, float* po, float* mo, float* vo,
-           int64_t n, const Coef& c, bool stream) {
-  if (!stream) return compute(p, g, m, v, po, mo, vo, n, c);
+           uint16_t* w, int64_t n, const Coef& c, bool stream) {
+  if (!stream) return compute(p, g, m, v, po, mo, vo, w, n, c);
   // up to the outputs' first aligned line, then whole blocks streamed, then the tail
   int64_t head = ((LINE - reinterpret_cast<uintptr_t>(po) % LINE) % LINE) / sizeof(float);
   head = std::min(head, n);
-  compute(p, g, m, v, po, mo, vo, head, c);
+  compute(p, g, m, v, po, mo, vo, w, head, c);
   int64_t i = head;
   alignas(LINE) float tp[BLOCK], tm[BLOCK], tv[BLOCK];
   for (; i + BLOCK <= n; i += BLOCK) {
-    compute(p + i, g + i, m + i, v + i, tp, tm, tv, BLOCK, c);
+    compute(p + i, g + i, m + i, v + i, tp, tm, tv, w ? w + i : nullptr, BLOCK, c);  // w: plain stores
     stream_out(po + i, tp);
     stream_out(mo + i, tm);
     stream_out(vo + i, tv);
   }
-  compute(p + i, g + i, m + i, v + i, po + i, mo + i, vo + i, n - i, c);
+  compute(p + i, g + i, m + i, v + i, po + i, mo + i, vo + i, w ? w + i : nullptr, n - i, c);
 #if defined(__AVX__)
   _mm_sfence();  // the streamed stores are visible before the update counts as done
 #endif
@@ -84,13 +93,17 @@ void check(const torch::Tensor& t, const torch::Tensor& like, const char* name) 
 }  // namespace
 
 // master, grad, exp_avg, exp_avg_sq: the state read; *_out: where the new master and moments go (the
-// same tensors for in place). step: the step number (bias correction); grad_scale 0: none.
+// same tensors for in place); w: the bf16 copy of the new master, rounded in the same pass (empty: none).
+// step: the step number (bias correction); grad_scale 0: none.
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor po, torch::Tensor mo,
-           torch::Tensor vo, double lr, double beta1, double beta2, double weight_decay, double eps, double step,
+           torch::Tensor vo, torch::Tensor w, double lr, double beta1, double beta2, double weight_decay, double eps, double step,
            double grad_scale) {
   for (auto [t, name] : {std::pair{g, "grad"}, {m, "exp_avg"}, {v, "exp_avg_sq"}, {po, "master out"},
                          {mo, "exp_avg out"}, {vo, "exp_avg_sq out"}, {p, "master"}})
     check(t, p, name);
+  const bool copy = w.numel() > 0;
+  TORCH_CHECK(!copy || (w.device().is_cpu() && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() &&
+                        w.numel() == p.numel()), "the copy must be a contiguous bf16 CPU tensor the master's size");
   // the scalars as torch's fused kernel makes them: in double, then rounded to float
   double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
   Coef c{float(lr * weight_decay), float(1 - beta1), float(beta2), float(1 - beta2), float(lr / bc1),
@@ -103,8 +116,9 @@ void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, t
   const float *pp = p.data_ptr<float>(), *gp = g.data_ptr<float>(), *mp = m.data_ptr<float>(),
               *vp = v.data_ptr<float>();
   float *pop = po.data_ptr<float>(), *mop = mo.data_ptr<float>(), *vop = vo.data_ptr<float>();
+  uint16_t* wp = copy ? reinterpret_cast<uint16_t*>(w.data_ptr()) : nullptr;
   at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t a, int64_t b) {
-    range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, b - a, c, stream);
+    range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, wp ? wp + a : nullptr, b - a, c, stream);
   });
 }
 
