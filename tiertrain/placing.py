@@ -15,8 +15,8 @@ from .plan.hardware import REFERENCE, TORCH_OUT_OF_PLACE, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, copy_bytes, disk_bytes, gpu_updated, kind_bytes, least_host, place, place_within, resident_units,
-                              ring_bytes, ring_widths, spilled_bytes, update_candidates)
+from .tiers.placement import (RING_SLOTS, copy_bytes, disk_bytes, gpu_updated, host_state_bytes, kind_bytes, least_host, place,
+                              place_within, resident_units, ring_bytes, ring_widths, spilled_bytes, update_candidates)
 from .tiers.slab import host_cost, torch_pinned_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
@@ -143,7 +143,7 @@ def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferr
     t, tc = cfg.tiers, cfg.train
     if (units or on_gpu) and cfg.optim.grad_clip > 0 and t.host_gb:
         kb = kind_bytes(tc.compute_dtype, t.stream)
-        state = sum(host_cost(numels[u] * kb[k]) for (u, k), tier in where.items() if tier == "host")
+        state = sum(host_state_bytes(numels, kb, where, host_cost).values())
         ring = ring_bytes(ring_widths(numels, where), kb, host_cost)
         copies = sum(copy_bytes(numels[u], host_cost) for u in units | on_gpu)
         need = (state + ring + _host_checkpoints(cfg, pin) + copies) / 1e9

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import copy_bytes, disk_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -131,13 +131,12 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
                  f"to at least {math.ceil(p.least_host / 1e8) / 10:.1f}")
     if where is None:
         return p
+    p.host_bytes = host_state_bytes(numels, kb, where, host_cost, skip=set(resident))
     for (u, k), tier in where.items():
         if u in resident:
             continue
         size = numels[u] * kb[k]
-        if tier == "host":
-            p.host_bytes[k] = p.host_bytes.get(k, 0) + host_cost(size)
-        else:
+        if tier != "host":
             p.nvme_bytes[k] = p.nvme_bytes.get(k, 0) + size
         p.placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
         if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):

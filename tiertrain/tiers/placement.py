@@ -38,6 +38,16 @@ def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
     return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
 
 
+def host_state_bytes(numels: list[int], kb: dict[str, int], where, cost, skip=()) -> dict[str, int]:
+    """Host bytes of each kind's slabs that `where` places on the host, as allocated (`cost`); units in
+    `skip` (resident on the GPU) left out. The planner and the run's budget checks share it."""
+    out: dict[str, int] = {}
+    for (u, k), tier in where.items():
+        if tier == "host" and u not in skip:
+            out[k] = out.get(k, 0) + cost(numels[u] * kb[k])
+    return out
+
+
 def copy_bytes(numel: int, cost) -> int:
     """Host bytes of one unit's copies for a speculative update: its fp32 master and moments."""
     return len(COPIED) * cost(numel * 4)
