@@ -11,7 +11,7 @@ import torch
 from .config import Config
 from .errors import ConfigError
 from .optim import kernel
-from .plan.hardware import REFERENCE, TORCH_OUT_OF_PLACE, HardwareSpec
+from .plan.hardware import REFERENCE, TORCH_COPIES, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
@@ -52,7 +52,7 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
     if device.type == "cuda":  # the cost model is the GPU pipeline's
         hw = hardware(device)
         if kernel.wanted(o.host_kernel) is None:  # torch's kernel: an update into copies copies first
-            hw = dataclasses.replace(hw, out_of_place=TORCH_OUT_OF_PLACE, out_of_place_dram_bytes=12.0)
+            hw = dataclasses.replace(hw, **TORCH_COPIES)
         p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
                  Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
                          t.gpu_resident_gb),

@@ -19,10 +19,10 @@ from typing import Callable
 import torch
 
 from ..config import OptimConfig
-from . import kernel
 from ..errors import UserError
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
+from . import kernel
 
 CHUNK = 1 << 22  # elements: 16 MiB per fp32 array
 NO_COPY = torch.empty(0, dtype=torch.bfloat16)  # the one-pass kernel's "no bf16 copy to write"

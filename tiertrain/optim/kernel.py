@@ -4,7 +4,6 @@ optim.host_kernel = "torch", the host AdamW is torch's fused kernel, an update i
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 log = logging.getLogger("tiertrain")
@@ -36,7 +35,7 @@ def reason() -> str:
 def wanted(choice: str):
     """The extension for optim.host_kernel `choice` ("auto": if it builds; "tiertrain": it must; "torch":
     never), or None."""
-    if choice == "torch" or os.environ.get("TIERTRAIN_HOST_KERNEL") == "torch":
+    if choice == "torch":
         return None
     ext = load()
     if ext is None and choice == "tiertrain":

@@ -12,6 +12,12 @@ from pathlib import Path
 from ..errors import ConfigError
 
 
+# torch's fused kernel into copies: a copy, then the kernel in place; its rate / the rate in place (2.05-2.23
+# / 3.83-4.26 G params/s on the H200 host, bench/results/2026-11-22-H200-host-adam-out-of-place.md) and the
+# copy's 12 B per parameter of DRAM traffic
+TORCH_COPIES = {"out_of_place": 0.5, "out_of_place_dram_bytes": 12.0}
+
+
 @dataclass
 class HardwareSpec:
     gpu: str = "NVIDIA H200"
@@ -28,14 +34,15 @@ class HardwareSpec:
     disk_read_gbs: float = 2.2  # through the runtime's I/O backend (kvikio compatibility mode)
     disk_write_gbs: float = 2.2
     disk_mixed_gbs: float = 0.0  # reads and writes at once, summed; 0: unknown (one direction at a time)
+    # the host AdamW into a speculative update's copies: its rate / the rate in place, and the DRAM bytes
+    # per parameter it moves beyond an update in place; of the one-pass kernel (tiertrain/optim/csrc: its
+    # stores streamed, none), as probed; the reference keeps torch's (TORCH_COPIES), which two of the three
+    # H200 hosts measured for the one-pass kernel too
+    out_of_place: float = TORCH_COPIES["out_of_place"]
+    out_of_place_dram_bytes: float = TORCH_COPIES["out_of_place_dram_bytes"]
     # Fitted on the llama-3b benchmark run (docs/performance.md): training compute runs at this fraction
     # of the matmul rate; AdamW overlapped with the next forward pass runs this much slower than alone
     # (DRAM shared with the H2D copies).
-    # the host AdamW into a speculative update's copies: its rate / the rate in place, and the DRAM bytes
-    # per parameter it moves beyond an update in place; of the one-pass kernel (tiertrain/optim/csrc: its
-    # stores streamed, none), or torch's where that one does not build (TORCH_OUT_OF_PLACE, 12 B: a copy first)
-    out_of_place: float = 0.5
-    out_of_place_dram_bytes: float = 12.0
     compute_efficiency: float = 0.54
     adam_contention: float = 1.18
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
@@ -67,6 +74,3 @@ class HardwareSpec:
 
 
 REFERENCE = HardwareSpec()
-# torch's fused kernel into copies (a copy, then the kernel in place) / in place: 2.05-2.23 / 3.83-4.26 G
-# params/s on the H200 host (bench/results/2026-11-22-H200-host-adam-out-of-place.md)
-TORCH_OUT_OF_PLACE = 0.5

@@ -156,13 +156,14 @@ def _evict(fd: int) -> None:
 
 def spec_of(m: dict, host_ram_gb: float, source: str):
     """The HardwareSpec of probe()'s figures `m` (the reference's where it measured none)."""
-    from .hardware import REFERENCE, HardwareSpec
+    from .hardware import REFERENCE, TORCH_COPIES, HardwareSpec
 
     spec = HardwareSpec(host_ram_gb=host_ram_gb, cpu_count=m["cpu_count"],
                         host_adam_params_per_s=m["host_adam_fp32_stream_params_per_s"],
                         host_adam_copy_params_per_s=m["host_adam_params_per_s"],
                         out_of_place=m["host_adam_into_copies_params_per_s"] / m["host_adam_fp32_stream_params_per_s"],  # of its kernel
-                        out_of_place_dram_bytes=0.0 if m["host_kernel"] == "tiertrain" else 12.0, source=source)
+                        out_of_place_dram_bytes=0.0 if m["host_kernel"] == "tiertrain"
+                        else TORCH_COPIES["out_of_place_dram_bytes"], source=source)
     if "gpu" in m:
         spec.gpu, spec.gpu_mem_gb = m["gpu"], m["gpu_mem_gb"]
         spec.h2d_gbs, spec.d2h_gbs, spec.bidir_gbs = m["h2d_gbs"], m["d2h_gbs"], m["bidir_gbs"]
