@@ -1,10 +1,10 @@
 """Where the host optimizer's time goes in a step, from OptimizerThread.timeline.
 
-The timeline holds (event, unit, seconds) marks: the trainer's "step" / "end", the optimizer's
-"backward" (the forward pass has waited for every update: the backward pass starts) and "norm" (the global norm is known, the update starts), each
-host job's "job" (the worker picks it up), "grad" (its gradient has landed) and "done", prefixed "spec "
-for a speculative update in the backward pass, and "wait" / "waited" where the next forward pass blocked
-on a unit. The update of step k runs beside the forward pass of step k+1, so a step is summarised only
+The timeline holds (event, unit, seconds) marks: the trainer's "step" and "backward" (the forward pass
+has waited for every update: the backward pass starts), the optimizer's "norm" (the global norm is known,
+the update starts), each host job's "job" (the worker picks it up), "grad" (its gradient has landed) and
+"done", prefixed "spec " for a speculative update in the backward pass, and "wait" / "waited" where the
+next forward pass blocked on a unit. The update of step k runs beside the forward pass of step k+1, so a step is summarised only
 when the next one's marks are there too.
 """
 from __future__ import annotations

@@ -16,8 +16,10 @@ import json
 import threading
 from pathlib import Path
 
+from tiertrain.engine.streams import Streams
+
 PHASES = ("forward", "backward")
-ROLES = ("compute", "h2d", "d2h", "spec", "back")  # engine.streams.Streams' streams
+ROLES = Streams.NAMES
 TAG = 1000  # a device-to-device copy of TAG + i bytes on a stream names it ROLES[i] in the trace
 
 

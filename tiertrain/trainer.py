@@ -275,7 +275,6 @@ class Trainer:
         opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
         loss = float(loss)
         dt = time.perf_counter() - t0
-        opt.mark("end")
         self.step += 1
         tokens = tgt.numel()
         tflops = self.cfg.model.flops_per_token(tgt.shape[1]) * tokens / dt / 1e12

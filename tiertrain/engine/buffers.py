@@ -150,12 +150,17 @@ class DeviceBuffers:
     def _update(self, unit: int, step: int, lr: float, clip: float) -> torch.Tensor:
         """The unit's AdamW on the GPU (H2D stream), its master and moments written back behind it (D2H
         stream); returns the updated fp32 master, on the device."""
-        st = self.sets[self._set_turn]
-        self._set_turn ^= 1
+        st = self._next_set()
         t = self._in_set(unit, st, UPDATED + ("grad",), (st.free, self.grad_ready.get(unit), self.written.get(unit)),
                          (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])
         self.host.version[unit] += 1
         return t["master"]
+
+    def _next_set(self) -> _State:
+        """The state set a GPU update uses next: the two take turns."""
+        st = self.sets[self._set_turn]
+        self._set_turn ^= 1
+        return st
 
     def _speculate(self, unit: int, st: _State, grad_in, step: int, lr: float, into: dict | None) -> None:
         """The unit's AdamW on the GPU as if the norm will not clip, from the gradient copied into `st`
@@ -235,12 +240,11 @@ class DeviceBuffers:
         done = self.s.record(self.s.compute)
         dst, landed = self.grad_sink(unit)
         job = self.speculation(unit)
-        st = self.sets[self._set_turn] if job else None
+        st = self._next_set() if job else None
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
             dst.copy_(acc, non_blocking=True)
             if st is not None:
-                self._set_turn ^= 1
                 self.s.wait(self.s.d2h, st.free)
                 st.t["grad"][:acc.numel()].copy_(acc)
             self._acc_at[unit].free = self.grad_ready[unit] = self.s.record(self.s.d2h)

@@ -13,6 +13,8 @@ import torch
 
 
 class Streams:
+    NAMES = ("compute", "h2d", "d2h", "spec", "back")
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         if self.cuda:
