@@ -50,33 +50,39 @@ def _kernel():
 
 
 @pytest.mark.parametrize("scale", [0.0, 3.0])
-@pytest.mark.parametrize("offset", [0, 3])  # outputs off their cache lines: no streamed stores
-def test_one_pass_kernel_in_place_and_into_copies(scale, offset):
-    """tiertrain's host AdamW kernel: into other buffers it leaves the state as it was and writes the
-    bits it writes in place; both are torch's fused AdamW to within rounding."""
+@pytest.mark.parametrize("stores", [0, 1, 2, 3])  # which outputs take streamed stores (kernel.STREAM_*)
+@pytest.mark.parametrize("offset,w_offset", [(0, 0), (3, 3), (0, 5)])  # elements off their cache lines
+def test_one_pass_kernel_in_place_and_into_copies(scale, stores, offset, w_offset):
+    """tiertrain's host AdamW kernel, with and without streamed stores and however its outputs sit in
+    their cache lines: into other buffers it leaves the state as it was and writes the bits it writes in
+    place; both are torch's fused AdamW to within rounding, the bf16 copy its rounding."""
     ext = _kernel()
     n = (1 << 20) + 77  # a tail after the streamed blocks
     g0 = torch.Generator().manual_seed(1)
     p, g, m, v = (torch.randn(n, generator=g0) for _ in range(4))
     v = v.abs()
-    args = (1e-3, 0.9, 0.95, 0.1, 1e-8, 7.0, scale)
+    args = (1e-3, 0.9, 0.95, 0.1, 1e-8, 7.0, scale, stores)
     want = [t.clone() for t in (p, m, v)]
     torch._fused_adamw_([want[0]], [g.clone()], [want[1]], [want[2]], [], [torch.tensor(7.0)], lr=1e-3, beta1=0.9,
                         beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
                         grad_scale=torch.tensor(scale) if scale else None)
     inplace = [t.clone() for t in (p, m, v)]
-    none = torch.empty(0, dtype=torch.bfloat16)
-    ext.adamw(inplace[0], g, inplace[1], inplace[2], *inplace, none, *args)
+    w_in = torch.empty(n + w_offset, dtype=torch.bfloat16)[w_offset:]
+    ext.adamw(inplace[0], g, inplace[1], inplace[2], *inplace, w_in, *args)
     state = [t.clone() for t in (p, m, v)]
     outs = [torch.empty(n + offset)[offset:] for _ in range(3)]
-    w = torch.empty(n + offset, dtype=torch.bfloat16)[offset:]
+    w = torch.empty(n + w_offset, dtype=torch.bfloat16)[w_offset:]
     ext.adamw(state[0], g, state[1], state[2], *outs, w, *args)
-    assert torch.equal(w, outs[0].to(torch.bfloat16))  # the copy rounded as torch rounds
+    assert torch.equal(w_in, inplace[0].to(torch.bfloat16))  # the copy rounded as torch rounds
+    assert torch.equal(w, outs[0].to(torch.bfloat16))
     for a, b, s, s0, w in zip(inplace, outs, state, (p, m, v), want):
         assert torch.equal(a, b)
         assert torch.equal(s, s0)
         torch.testing.assert_close(a, w, rtol=2e-6, atol=1e-6)
     assert not torch.equal(inplace[0], p)
+    alone = [t.clone() for t in (p, m, v)]  # no copy to write
+    ext.adamw(alone[0], g, alone[1], alone[2], *alone, torch.empty(0, dtype=torch.bfloat16), *args)
+    assert all(torch.equal(a, b) for a, b in zip(alone, inplace))
 
 
 def test_host_kernels_agree_and_copies_match_in_place():

@@ -55,6 +55,7 @@ class HostAdamW:
     def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
         self.kernel = kernel.wanted(cfg.host_kernel)  # None: torch's fused kernel
+        self.stores = kernel.STREAM_STATE  # the one-pass kernel's streamed stores
         self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
@@ -82,7 +83,7 @@ class HostAdamW:
                 if self.kernel is not None and not on_gpu:  # one pass, in place or into `out`
                     dst = [out[k][c] if out else x for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_))]
                     self.kernel.adamw(p_, grad[c], m_, v_, *dst, NO_COPY if w is None else w[c], lr, b1, b2, wd,
-                                      self.cfg.eps, float(step), 1.0 / clip if clip < 1.0 else 0.0)
+                                      self.cfg.eps, float(step), 1.0 / clip if clip < 1.0 else 0.0, self.stores)
                     continue
                 if out is not None:
                     p_, m_, v_ = (out[k][c].copy_(x) for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_)))

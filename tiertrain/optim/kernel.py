@@ -8,6 +8,8 @@ from pathlib import Path
 
 log = logging.getLogger("tiertrain")
 SOURCE = Path(__file__).parent / "csrc" / "adamw.cpp"
+# `stores` of the kernel: which outputs it writes with streamed (non-temporal) stores
+STREAM_STATE, STREAM_COPY = 1, 2  # the master and moments into other buffers; the bf16 copy
 _ext, _why = None, ""
 
 

@@ -66,10 +66,11 @@ def matmul_tflops(dtype_name: str = "bfloat16", n: int = 8192, reps: int = 10) -
 
 
 def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 3, into_copies: bool = False,
-                   host_kernel: str = "auto") -> float:
+                   host_kernel: str = "auto", stores: int | None = None) -> float:
     """Parameters per second of the runtime's host AdamW (its kernel, chunked, with the rounding into the
-    bf16 copy when `compute_copy`; into other buffers, as a speculative update writes, when `into_copies`),
-    over arrays far larger than the caches."""
+    bf16 copy when `compute_copy`; into other buffers, as a speculative update writes, when `into_copies`;
+    `stores`: the one-pass kernel's streamed stores, else the runtime's choice), over arrays far larger
+    than the caches."""
     import torch
 
     from ..config import OptimConfig
@@ -84,6 +85,8 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     if into_copies:
         host.add_copies([0])
     opt = HostAdamW(host, [lay], OptimConfig(host_kernel=host_kernel))
+    if stores is not None:
+        opt.stores = stores
     opt.update_unit(0, 1, 1e-4, 1.0, into_copies)
     times = []
     for step in range(2, 2 + reps):

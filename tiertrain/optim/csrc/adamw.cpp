@@ -23,6 +23,7 @@ namespace {
 
 constexpr int64_t BLOCK = 64;  // elements: four cache lines of each array
 constexpr int64_t LINE = 64;   // bytes
+constexpr int64_t STREAM_STATE = 1, STREAM_COPY = 2;  // `stores`: which outputs take streamed stores
 
 inline uint16_t bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN: the quiet NaN)
   if (std::isnan(f)) return 0x7FC0;
@@ -63,20 +64,44 @@ inline void stream_out(float* dst, const float* src) {  // BLOCK floats, dst LIN
 #endif
 }
 
+inline void stream_out(uint16_t* dst, const uint16_t* src) {  // BLOCK bf16, dst LINE-aligned
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < BLOCK; i += 32)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_load_si512(src + i));
+#elif defined(__AVX__)
+  for (int64_t i = 0; i < BLOCK; i += 16)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_load_si256(reinterpret_cast<const __m256i*>(src + i)));
+#else
+  std::memcpy(dst, src, BLOCK * sizeof(uint16_t));
+#endif
+}
+
+// elements up to the first LINE-aligned one
+template <typename T>
+inline int64_t to_line(const T* x) {
+  return int64_t((LINE - reinterpret_cast<uintptr_t>(x) % LINE) % LINE / sizeof(T));
+}
+
+// state: stream the new master and moments (into other buffers); copy: stream the bf16 copy. Both need
+// their first aligned elements to coincide (the caller checks).
 void range(const float* p, const float* g, const float* m, const float* v, float* po, float* mo, float* vo,
-           uint16_t* w, int64_t n, const Coef& c, bool stream) {
-  if (!stream) return compute(p, g, m, v, po, mo, vo, w, n, c);
-  // up to the outputs' first aligned line, then whole blocks streamed, then the tail
-  int64_t head = ((LINE - reinterpret_cast<uintptr_t>(po) % LINE) % LINE) / sizeof(float);
-  head = std::min(head, n);
+           uint16_t* w, int64_t n, const Coef& c, bool state, bool copy) {
+  if (!state && !copy) return compute(p, g, m, v, po, mo, vo, w, n, c);
+  // up to the first aligned line, then whole blocks streamed, then the tail
+  int64_t head = std::min(copy ? to_line(w) : to_line(po), n);
   compute(p, g, m, v, po, mo, vo, w, head, c);
   int64_t i = head;
   alignas(LINE) float tp[BLOCK], tm[BLOCK], tv[BLOCK];
+  alignas(LINE) uint16_t tw[BLOCK];
   for (; i + BLOCK <= n; i += BLOCK) {
-    compute(p + i, g + i, m + i, v + i, tp, tm, tv, w ? w + i : nullptr, BLOCK, c);  // w: plain stores
-    stream_out(po + i, tp);
-    stream_out(mo + i, tm);
-    stream_out(vo + i, tv);
+    compute(p + i, g + i, m + i, v + i, state ? tp : po + i, state ? tm : mo + i, state ? tv : vo + i,
+            copy ? tw : w ? w + i : nullptr, BLOCK, c);
+    if (state) {
+      stream_out(po + i, tp);
+      stream_out(mo + i, tm);
+      stream_out(vo + i, tv);
+    }
+    if (copy) stream_out(w + i, tw);
   }
   compute(p + i, g + i, m + i, v + i, po + i, mo + i, vo + i, w ? w + i : nullptr, n - i, c);
 #if defined(__AVX__)
@@ -94,10 +119,11 @@ void check(const torch::Tensor& t, const torch::Tensor& like, const char* name) 
 
 // master, grad, exp_avg, exp_avg_sq: the state read; *_out: where the new master and moments go (the
 // same tensors for in place); w: the bf16 copy of the new master, rounded in the same pass (empty: none).
-// step: the step number (bias correction); grad_scale 0: none.
+// step: the step number (bias correction); grad_scale 0: none; stores: STREAM_STATE | STREAM_COPY, which
+// outputs are written with streamed (non-temporal) stores where their alignment allows.
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor po, torch::Tensor mo,
            torch::Tensor vo, torch::Tensor w, double lr, double beta1, double beta2, double weight_decay, double eps, double step,
-           double grad_scale) {
+           double grad_scale, int64_t stores) {
   for (auto [t, name] : {std::pair{g, "grad"}, {m, "exp_avg"}, {v, "exp_avg_sq"}, {po, "master out"},
                          {mo, "exp_avg out"}, {vo, "exp_avg_sq out"}, {p, "master"}})
     check(t, p, name);
@@ -112,13 +138,18 @@ void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, t
   TORCH_CHECK(in_place == (mo.data_ptr() == m.data_ptr()) && in_place == (vo.data_ptr() == v.data_ptr()),
               "the master and moments go all in place or all elsewhere");
   auto off = [](const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % LINE; };
-  const bool stream = !in_place && off(po) == off(mo) && off(po) == off(vo);
+  // streamed stores where asked and possible: the state only into other buffers (in place, its lines
+  // were just read), each at the same offset in its line, and the copy's first aligned element theirs
+  bool state = (stores & STREAM_STATE) && !in_place && off(po) == off(mo) && off(po) == off(vo);
+  bool stream_copy = (stores & STREAM_COPY) && copy;
+  if (state && stream_copy && off(w) / 2 % (LINE / 4) != off(po) / 4) stream_copy = false;
   const float *pp = p.data_ptr<float>(), *gp = g.data_ptr<float>(), *mp = m.data_ptr<float>(),
               *vp = v.data_ptr<float>();
   float *pop = po.data_ptr<float>(), *mop = mo.data_ptr<float>(), *vop = vo.data_ptr<float>();
   uint16_t* wp = copy ? reinterpret_cast<uint16_t*>(w.data_ptr()) : nullptr;
   at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t a, int64_t b) {
-    range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, wp ? wp + a : nullptr, b - a, c, stream);
+    range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, wp ? wp + a : nullptr, b - a, c, state,
+          stream_copy);
   });
 }
 
