@@ -1,10 +1,11 @@
 """Host AdamW over slabs, global-norm clipping, and the learning-rate schedule.
 
-Semantics are torch.optim.AdamW's (decoupled weight decay, bias correction) applied with torch's fused
-CPU kernel, one call per contiguous range of a unit's slabs: the decayed tensors (2 or more dims) and
-the rest. Clipping follows torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6),
-applied when below 1 (inside the fused kernel). A unit is updated a chunk at a time (clip, AdamW, rounding into the compute-dtype
-copy) so that each chunk is still in cache for the next pass over it.
+Semantics are torch.optim.AdamW's (decoupled weight decay, bias correction), applied per contiguous
+range of a unit's slabs (the decayed tensors, 2 or more dims, and the rest) by tiertrain's one-pass
+kernel (optim.kernel: AdamW and the rounding into the compute-dtype copy in one pass, a call per range)
+or by torch's fused CPU kernel (a chunk at a time, each chunk still in cache for the rounding). Clipping
+follows torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), applied when below 1
+(inside the kernel).
 """
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ class HostAdamW:
 
     def apply(self, unit: int, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
               w: torch.Tensor | None, step: int, lr: float, clip: float, out: dict | None = None) -> None:
-        """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on the
-        host a chunk at a time (each chunk still in cache for the rounding into the copy `w`), on a GPU
-        whole ranges. Scalars are made by fill kernels: a copy from host memory would block this thread
+        """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on a GPU
+        or by the one-pass kernel whole ranges, by torch's kernel a chunk at a time (each chunk still in
+        cache for the rounding into the copy `w`). Scalars are made by fill kernels: a copy from host memory would block this thread
         until the stream's earlier work is done. `out` (host only): the master and moments to write
         ({kind: slab}), the given ones left as they were: by the one-pass kernel (optim.kernel) where it
         built, else each chunk copied there first (torch's fused kernel works in place); the same
@@ -76,7 +77,9 @@ class HostAdamW:
         scale = torch.full((), 1.0 / clip, device=dev) if clip < 1.0 else None
         for a, b, decay in self.layouts[unit].ranges():
             wd = self.cfg.weight_decay if decay else 0.0
-            step_by = b - a if on_gpu else CHUNK
+            # the one-pass kernel takes a whole range: each call takes the GIL back, which the main thread
+            # holds while it launches GPU work (up to the 5 ms switch interval per call)
+            step_by = b - a if on_gpu or self.kernel is not None else CHUNK
             for c0 in range(a, b, step_by):
                 c = slice(c0, min(c0 + step_by, b))
                 p_, m_, v_ = master[c], m[c], v[c]
@@ -94,8 +97,7 @@ class HostAdamW:
                     w[c].copy_(p_)
 
     def update_unit(self, unit: int, step: int, lr: float, clip: float, into_copies: bool = False) -> None:
-        """One unit's update, where its slabs are: the host (a chunk at a time, so each chunk is still in
-        cache for the rounding into the bf16 copy) or, for a resident unit, the GPU (whole ranges, on a
+        """One unit's update, where its slabs are: the host or, for a resident unit, the GPU (whole ranges, on a
         stream of this thread's own, synchronized before the unit counts as updated: the next load of its
         weights runs on another stream). `into_copies`: a speculative update, written into the host's
         copies of the unit's master and moments (the bf16 copy in place: nothing reads it before the

@@ -12,6 +12,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +25,7 @@ namespace {
 
 constexpr int64_t BLOCK = 64;  // elements: four cache lines of each array
 constexpr int64_t LINE = 64;   // bytes
+constexpr int64_t PIECE = 1 << 16;  // elements a thread takes at a time: 256 KiB of each fp32 array
 constexpr int64_t STREAM_STATE = 1, STREAM_COPY = 2;  // `stores`: which outputs take streamed stores
 
 inline uint16_t bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN: the quiet NaN)
@@ -147,9 +150,16 @@ void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, t
               *vp = v.data_ptr<float>();
   float *pop = po.data_ptr<float>(), *mop = mo.data_ptr<float>(), *vop = vo.data_ptr<float>();
   uint16_t* wp = copy ? reinterpret_cast<uint16_t*>(w.data_ptr()) : nullptr;
-  at::parallel_for(0, p.numel(), 1 << 16, [&](int64_t a, int64_t b) {
-    range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, wp ? wp + a : nullptr, b - a, c, state,
-          stream_copy);
+  // pieces handed out one at a time rather than an even split: a thread the scheduler parks (the
+  // main thread launching GPU work, a copy thread) delays one piece, not the whole call
+  const int64_t n = p.numel(), pieces = (n + PIECE - 1) / PIECE;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), pieces), 1, [&](int64_t, int64_t) {
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
+      int64_t a = k * PIECE, len = std::min(PIECE, n - a);
+      range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, wp ? wp + a : nullptr, len, c, state,
+            stream_copy);
+    }
   });
 }
 
