@@ -2,6 +2,8 @@
 not clip, kept when it does not, redone from the untouched state when it does: never a different bit."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -88,6 +90,39 @@ def test_clipping_off_speculates_in_place(token_file):
         tr.train_step()
     tr.close()
     assert started == [set(range(len(tr.units)))] * 2
+
+
+def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_file):
+    """The worker held in the first speculated update until the norm is known: the speculations queued
+    behind it become plain updates, after the first units (the next forward pass needs those first),
+    and the run keeps every bit of the one that does not speculate."""
+    sets = [*VARIANTS["llama"], "optim.grad_clip=100"]
+    want = _run(tiny_config(token_file, *sets, "optim.speculate_units=0"), steps=3)
+    tr = Trainer(tiny_config(token_file, *sets, "optim.speculate_units=99"))
+    calls, gates = [], [threading.Event()]
+    update, start = tr.optim.opt.update_unit, tr.optim.start
+
+    def held(unit, step, lr, clip, into_copies=False):
+        calls.append((step, unit, into_copies))
+        if into_copies:
+            gates[-1].wait(30)
+        update(unit, step, lr, clip, into_copies)
+
+    def released(*a):
+        start(*a)
+        gates.append(threading.Event())
+        gates[-2].set()
+
+    tr.optim.opt.update_unit, tr.optim.start = held, released
+    recs = [tr.train_step() for _ in range(3)]
+    tr.optim.wait_all()
+    got = (recs, tr.state_dict())
+    n, kept = len(tr.units), tr.optim.kept
+    tr.close()
+    _same(got, want)
+    assert kept == 3
+    for step in (1, 2, 3):  # the first speculated (the last unit) into copies, then the rest in unit order
+        assert [c[1:] for c in calls if c[0] == step] == [(n - 1, True)] + [(u, False) for u in range(n - 1)]
 
 
 def test_only_the_last_units_speculate_and_spilled_ones_never(token_file, tmp_path):
@@ -208,13 +243,14 @@ def test_timeline_accounts_for_every_host_update(token_file):
     assert len(early) == 2
     backs, norms = _marks(ev, "backward"), _marks(ev, "norm")
     assert len(backs) == len(norms) == len(_marks(ev, "step")) == 4
-    for k in range(3):
+    plain = []
+    for k in range(3):  # a speculation not started at the norm runs as a plain update
         spec = _jobs(ev, "spec ", backs[k], backs[k + 1])
-        assert sorted(u for u, *_ in spec) == sorted(early)
-        assert all(j <= g <= d for _, j, g, d in spec)
+        assert {u for u, *_ in spec} <= early and all(j <= g <= d for _, j, g, d in spec)
         upd = _jobs(ev, "", norms[k], backs[k + 1])
-        assert sorted(u for u, *_ in upd) == [u for u in range(len(numels)) if u not in early]
+        assert sorted(u for u, *_ in spec + upd) == list(range(len(numels)))
+        plain.append({u for u, *_ in upd})
     s = summarize(ev, numels)
     assert s["bwd_s"] > 0 and s["spec_busy_s"] > 0 and s["upd_busy_s"] > 0
     assert s["upd_gparams_s"] == pytest.approx(
-        sum(n for u, n in enumerate(numels) if u not in early) / 1e9 / s["upd_busy_s"], rel=0.5)
+        sum(n for u, n in enumerate(numels) if u in plain[-1]) / 1e9 / s["upd_busy_s"], rel=0.5)

@@ -133,8 +133,9 @@ class OptimizerThread:
     `early` units are speculated: `begin(lr)` before the backward pass, then `drained(u, event)` as the
     backward pass sends each gradient down, starts the unit's update at once as if the global norm will
     not clip (into the host's copies of its master and moments where it has them; else, clipping being
-    off, in place). `start` keeps those updates when the norm did not clip (the copies swapped in) and otherwise
-    runs the update again from the untouched state with the clip factor: the same numbers either way. A
+    off, in place). `start` keeps those updates when the norm did not clip (the copies swapped in; one not
+    yet started runs in place, in unit order) and otherwise runs the update again from the untouched state
+    with the clip factor: the same numbers either way. A
     step after a clipped one does not speculate (clipping tends to persist: early training, spikes).
     `gpu_early` deferred units are speculated the same way, on the GPU: the device buffers ask
     `speculation(u)` for the job as they drain the unit's gradient; a redone one runs as deferred."""
@@ -192,15 +193,17 @@ class OptimizerThread:
             raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
         self.kept, self.redone = self.kept + keep, self.redone + (speculated and not keep)
         self.last_clip, self.guess = clip, None
-        for f in spec.values() if not keep else ():
-            f.cancel()  # one already running writes copies nobody reads
+        # one already running when redone writes copies nobody reads. Kept, those not yet started become
+        # plain updates (in place, the same numbers), queued in unit order with the rest: the next forward
+        # pass needs the first units first, and the speculated are the last
+        started = {u: f for u, f in spec.items() if not f.cancel()}
         for u in range(len(self.futures)):
             if keep and u in on_gpu:
                 self.opt.host.kept(u)  # loads of the unit wait for the copy's event (DeviceBuffers.written)
             elif u in self.deferred:
                 self.pending[u] = (step, lr, clip)
-            elif keep and u in spec:
-                self.futures[u] = self.pool.submit(self._keep, u, spec[u]) if self.copies else spec[u]
+            elif keep and u in started:
+                self.futures[u] = self.pool.submit(self._keep, u, started[u]) if self.copies else started[u]
             else:
                 self.futures[u] = self.pool.submit(self._job, u, step, lr, clip, grad_ready(u))
         if not self.overlap:
