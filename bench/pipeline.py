@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from bench import timeline
+from bench import dram, timeline
 
 # (stream, activation checkpoints, tiers.gpu_resident_gb, tiers.gpu_update_units). tiertrain: fp32 master
 # streamed and cast on the GPU, checkpoints on the host (the least host DRAM traffic and GPU memory),
@@ -317,6 +317,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
            if r["system"].startswith("tiertrain") and ("all-in-GPU PyTorch", r["batch"]) in by]
     if mem:
         lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
+    lines += dram.table(rows, probe)
     lines += timeline.table(rows)
     return "\n".join(lines) + "\n"
 
