@@ -2,13 +2,13 @@
 
 Every byte of a step's state passes through one host's DRAM: the PCIe copies (weights in, gradients and
 the GPU updates' state out) and the host AdamW (28 bytes per parameter: master, moments and gradient
-read, master and moments written; with a bf16 copy streamed, 4 more: its write and the read for
-ownership of its lines). The DRAM ceiling is the kernel's own standalone traffic: its fp32 rate in the
+read, master and moments written; with a bf16 copy streamed to the GPU, 2 more: its write, with
+streamed stores, so no read for ownership of its lines). The DRAM ceiling is the kernel's own standalone traffic: its fp32 rate in the
 probe times 28 bytes. The issue's floor leaves DRAM out; this table says how near a step is to it."""
 from __future__ import annotations
 
 ADAM_BYTES = 28  # per host-updated parameter, fp32 stream
-COPY_BYTES = 4   # and with a bf16 copy: written, and its lines read for ownership first
+COPY_BYTES = 2   # and with a bf16 copy: written (streamed stores: its lines are not read first)
 
 
 def step_bytes(row: dict) -> float:

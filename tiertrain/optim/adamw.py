@@ -56,7 +56,9 @@ class HostAdamW:
     def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
         self.kernel = kernel.wanted(cfg.host_kernel)  # None: torch's fused kernel
-        self.stores = kernel.STREAM_STATE  # the one-pass kernel's streamed stores
+        # the one-pass kernel's streamed stores: the new state into copies, and the bf16 copy (no read for
+        # ownership of its lines: 2 B of a parameter's 32 through DRAM; bench/results/*-copy-stores-ab8k.md)
+        self.stores = kernel.STREAM_STATE | kernel.STREAM_COPY
         self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 

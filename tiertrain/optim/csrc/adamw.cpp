@@ -2,9 +2,10 @@
 //
 // Why: torch's fused CPU kernel works in place, so an update into copies was a copy and then the kernel:
 // about half the in-place rate (bench/results/2026-11-22-H200-host-adam-out-of-place.md). Here the new
-// master and moments are computed from the old ones and stored once; into other buffers the stores are
-// non-temporal (no read-for-ownership of lines that are only written), so an update into copies moves the
-// bytes of one in place: 16 read and 12 written per parameter.
+// master and moments are computed from the old ones and stored once. Lines that are only written (the state
+// into other buffers, the bf16 copy) take non-temporal stores where asked (`stores`): no read for
+// ownership, so an update into copies moves the bytes of one in place, 16 read and 12 written per
+// parameter, and the copy 2 more. Threads take pieces of the range one at a time (see adamw()).
 //
 // The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias correction, the gradient divided by
 // grad_scale when given), one IEEE operation at a time: built with -ffp-contract=off, so a parameter gets
