@@ -66,10 +66,11 @@ class HostAdamW:
               w: torch.Tensor | None, step: int, lr: float, clip: float, out: dict | None = None) -> None:
         """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on a GPU
         or by the one-pass kernel whole ranges, by torch's kernel a chunk at a time (each chunk still in
-        cache for the rounding into the copy `w`). Scalars are made by fill kernels: a copy from host memory would block this thread
-        until the stream's earlier work is done. `out` (host only): the master and moments to write
-        ({kind: slab}), the given ones left as they were: by the one-pass kernel (optim.kernel) where it
-        built, else each chunk copied there first (torch's fused kernel works in place); the same
+        cache for the rounding into the copy `w`). Scalars are made by fill kernels: a copy from host
+        memory would block this thread until the stream's earlier work is done. `out` (host only): the
+        master and moments to write ({kind: slab}), the given ones left as they were: by the one-pass
+        kernel (optim.kernel) where it built, else each chunk copied there first (torch's fused kernel
+        works in place); the same
         arithmetic either way."""
         dev, on_gpu = master.device, master.is_cuda
         b1, b2 = self.cfg.betas
@@ -99,8 +100,8 @@ class HostAdamW:
                     w[c].copy_(p_)
 
     def update_unit(self, unit: int, step: int, lr: float, clip: float, into_copies: bool = False) -> None:
-        """One unit's update, where its slabs are: the host or, for a resident unit, the GPU (whole ranges, on a
-        stream of this thread's own, synchronized before the unit counts as updated: the next load of its
+        """One unit's update, where its slabs are: the host or, for a resident unit, the GPU (on a stream
+        of this thread's own, synchronized before the unit counts as updated: the next load of its
         weights runs on another stream). `into_copies`: a speculative update, written into the host's
         copies of the unit's master and moments (the bf16 copy in place: nothing reads it before the
         update is kept or redone); it counts once the host swaps them in."""
@@ -137,8 +138,8 @@ class OptimizerThread:
     not clip (into the host's copies of its master and moments where it has them; else, clipping being
     off, in place). `start` keeps those updates when the norm did not clip (the copies swapped in; one not
     yet started runs in place, in unit order) and otherwise runs the update again from the untouched state
-    with the clip factor: the same numbers either way. A
-    step after a clipped one does not speculate (clipping tends to persist: early training, spikes).
+    with the clip factor: the same numbers either way. A step after a clipped one does not speculate
+    (clipping tends to persist: early training, spikes).
     `gpu_early` deferred units are speculated the same way, on the GPU: the device buffers ask
     `speculation(u)` for the job as they drain the unit's gradient; a redone one runs as deferred."""
 
