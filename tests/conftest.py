@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -10,6 +11,13 @@ import torch
 from tiertrain.config import Config, load_config
 from tiertrain.model.reference import ReferenceLM
 from tiertrain.optim.adamw import lr_at
+from tiertrain.plan.hardware import REFERENCE, TORCH_COPIES
+
+# the reference H200 as measured before the one-pass host AdamW in pieces: a host whose AdamW is slow and
+# half as fast into a speculation's copies; the planner's scenarios that need AdamW to be the bottleneck
+# (GPU updates paying off, clipping costing copies) plan on it
+SLOW_HOST = dataclasses.replace(REFERENCE, host_adam_params_per_s=3.78e9, host_adam_copy_params_per_s=2.81e9,
+                                compute_efficiency=0.54, host_dram_gbs=120.0, source="slow host", **TORCH_COPIES)
 
 TINY = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_hidden_layers=3",
         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=97",

@@ -1,7 +1,8 @@
 """HardwareSpec: the machine figures the planner reasons with, as JSON. Pure Python (no torch).
 
 `tiertrain probe` measures them with the runtime's own code paths; without a probe file the planner
-uses REFERENCE, measured on one H200 machine (bench/results/2026-11-22-H200-llama3b.*) and says so.
+uses REFERENCE, measured on the H200 machines of bench/results/2026-11-22-H200-llama3b-pieces-*, and
+says so.
 """
 from __future__ import annotations
 
@@ -29,29 +30,31 @@ class HardwareSpec:
     bidir_gbs: float = 101.3  # both directions at once, summed
     bf16_tflops: float = 776.0  # large bf16 matmul
     fp32_tflops: float = 51.1
-    host_adam_params_per_s: float = 3.78e9  # fused AdamW, fp32 master streamed (no bf16 rounding)
-    host_adam_copy_params_per_s: float = 2.81e9  # with the rounding into a host bf16 copy
+    # the runtime's host AdamW (the one-pass kernel), medians of the probes of ten benchmark runs
+    # (bench/results/2026-11-22-H200-llama3b-{pieces,final,copy-stores}-*.json)
+    host_adam_params_per_s: float = 5.3e9  # fp32 master streamed (no bf16 rounding)
+    host_adam_copy_params_per_s: float = 4.7e9  # with the rounding into a host bf16 copy
     disk_read_gbs: float = 2.2  # through the runtime's I/O backend (kvikio compatibility mode)
     disk_write_gbs: float = 2.2
     disk_mixed_gbs: float = 0.0  # reads and writes at once, summed; 0: unknown (one direction at a time)
     # the host AdamW into a speculative update's copies: its rate / the rate in place, and the DRAM bytes
-    # per parameter it moves beyond an update in place; of the one-pass kernel (tiertrain/optim/csrc: its
-    # stores streamed, none), as probed; the reference keeps torch's (TORCH_COPIES), which two of the three
-    # H200 hosts measured for the one-pass kernel too
-    out_of_place: float = TORCH_COPIES["out_of_place"]
-    out_of_place_dram_bytes: float = TORCH_COPIES["out_of_place_dram_bytes"]
-    # Fitted on the llama-3b benchmark run (docs/performance.md): training compute runs at this fraction
-    # of the matmul rate; AdamW overlapped with the next forward pass runs this much slower than alone
-    # (DRAM shared with the H2D copies).
-    compute_efficiency: float = 0.54
+    # per parameter it moves beyond an update in place; of the one-pass kernel (its stores streamed: none),
+    # the same probes' median (0.90-1.13); with torch's kernel TORCH_COPIES
+    out_of_place: float = 0.98
+    out_of_place_dram_bytes: float = 0.0
+    # Fitted (docs/performance.md): training compute runs at this fraction of the matmul rate (refitted on
+    # the ten runs above, each planned on its own probe: the predicted steps 0.88-1.07x the measured, from
+    # 0.89-1.21x with 0.54 and 120 GB/s); AdamW overlapped with the next forward pass runs this much
+    # slower than alone (DRAM shared with the H2D copies; the refit does not move it).
+    compute_efficiency: float = 0.50
     adam_contention: float = 1.18
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
-    # AdamW together, fitted on bench/results/2026-11-22-H200-llama3b-gpu-updates.json; not probed.
-    host_dram_gbs: float = 120.0
+    # AdamW together; the same refit (not probed: bench.dram measures what the steps reached, 134-153).
+    host_dram_gbs: float = 135.0
     # copies both ways at once in the forward pass (weights and GPU updates' state in, state and
     # checkpoints out, interleaved with compute) reach this fraction of bidir_gbs; same fit
     copy_efficiency: float = 0.75
-    source: str = "reference: one H200 machine, 2026-11-22 (bench/results/2026-11-22-H200-llama3b.json)"
+    source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareSpec":
