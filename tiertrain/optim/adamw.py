@@ -70,8 +70,7 @@ class HostAdamW:
         memory would block this thread until the stream's earlier work is done. `out` (host only): the
         master and moments to write ({kind: slab}), the given ones left as they were: by the one-pass
         kernel (optim.kernel) where it built, else each chunk copied there first (torch's fused kernel
-        works in place); the same
-        arithmetic either way."""
+        works in place); the same arithmetic either way."""
         dev, on_gpu = master.device, master.is_cuda
         b1, b2 = self.cfg.betas
         st = torch.full((), float(step), device=dev)

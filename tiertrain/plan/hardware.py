@@ -49,7 +49,7 @@ class HardwareSpec:
     compute_efficiency: float = 0.50
     adam_contention: float = 1.18
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
-    # AdamW together; the same refit (not probed: bench.dram measures what the steps reached, 134-153).
+    # AdamW together; the same refit (not probed: bench.dram measures what the steps reached, 125-148).
     host_dram_gbs: float = 135.0
     # copies both ways at once in the forward pass (weights and GPU updates' state in, state and
     # checkpoints out, interleaved with compute) reach this fraction of bidir_gbs; same fit

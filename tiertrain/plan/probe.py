@@ -67,10 +67,10 @@ def matmul_tflops(dtype_name: str = "bfloat16", n: int = 8192, reps: int = 10) -
 
 def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 3, into_copies: bool = False,
                    host_kernel: str = "auto", stores: int | None = None) -> float:
-    """Parameters per second of the runtime's host AdamW (its kernel, chunked, with the rounding into the
-    bf16 copy when `compute_copy`; into other buffers, as a speculative update writes, when `into_copies`;
-    `stores`: the one-pass kernel's streamed stores, else the runtime's choice), over arrays far larger
-    than the caches."""
+    """Parameters per second of the runtime's host AdamW (its kernel, called as the runtime calls it; with
+    the rounding into the bf16 copy when `compute_copy`; into other buffers, as a speculative update
+    writes, when `into_copies`; `stores`: the one-pass kernel's streamed stores, else the runtime's
+    choice), over arrays far larger than the caches."""
     import torch
 
     from ..config import OptimConfig
