@@ -3,6 +3,8 @@ not clip, kept when it does not, redone from the untouched state when it does: n
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from conftest import SLOW_HOST, VARIANTS, tiny_config
 from test_nvme import DEEP
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
+from tiertrain.optim.adamw import OptimizerThread
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import Budgets, _layouts, evaluate, plan
 from tiertrain.tiers.placement import RING_SLOTS, gpu_updated
@@ -121,13 +124,67 @@ def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_f
     tr.close()
     _same(got, want)
     assert kept == 3
-    for step in (1, 2, 3):  # the first speculated (the last unit) into copies, then the rest in unit order
-        assert [c[1:] for c in calls if c[0] == step] == [(n - 1, True)] + [(u, False) for u in range(n - 1)]
+    for step in (1, 2, 3):  # the first speculated into copies (on CPU every gradient has landed at once:
+        # the first unit drained so far), then the rest in unit order
+        first, *rest = [c[1:] for c in calls if c[0] == step]
+        assert first[1] and rest == [(u, False) for u in range(n) if u != first[0]]
 
 
-def test_only_the_last_units_speculate_and_spilled_ones_never(token_file, tmp_path):
-    """With moments of the last units on NVMe, the units speculated are the last ones wholly in RAM, and
-    the spilled run is bit-identical to the same placement without speculation."""
+class Landing:
+    """A gradient's D2H event, landed when the test says."""
+    def __init__(self):
+        self.landed = threading.Event()
+
+    def query(self) -> bool:
+        return self.landed.is_set()
+
+    def synchronize(self) -> None:
+        assert self.landed.wait(30)
+
+
+def test_speculation_takes_the_first_landed_unit_in_forward_order():
+    """Of the drained units whose gradient has landed, the worker takes the first in forward order; with
+    none landed it waits for the next to land, then takes the first of those landed by then."""
+    calls = []
+
+    class Opt:
+        step_count = 0
+        host = SimpleNamespace(copies={})  # clipping off: speculated updates run in place
+
+        def update_unit(self, unit, step, lr, clip, into_copies=False):
+            calls.append(unit)
+
+    th = OptimizerThread(Opt(), 6, overlap=True, early=frozenset(range(6)))
+    th.begin(1e-3)
+    ev = {u: Landing() for u in range(6)}
+    for u in (5, 4, 3, 2, 1, 0):  # the backward pass's order; the worker waits for unit 5's gradient
+        th.drained(u, ev[u])
+    for u in (4, 2, 5):
+        ev[u].landed.set()
+
+    def until(n):
+        for _ in range(3000):
+            if len(calls) >= n:
+                return
+            time.sleep(0.01)
+
+    until(3)
+    assert calls == [2, 4, 5]
+    ev[3].landed.set()  # the next drained, waited for
+    until(4)
+    for u in (0, 1):  # the worker waits for unit 1's gradient, then takes unit 0 first
+        ev[u].landed.set()
+    until(6)
+    th.start(1e-3, 1.0, lambda u: None)
+    th.wait_all()
+    th.close()
+    assert calls == [2, 4, 5, 3, 0, 1] and th.kept == 1
+    assert [u for e, u, _ in th.timeline if e == "spec job"] == calls
+
+
+def test_units_in_ram_speculate_every_other_from_the_last_and_spilled_ones_never(token_file, tmp_path):
+    """With moments of the last units on NVMe, the units speculated are every other one of those wholly
+    in RAM, from the last, and the spilled run is bit-identical to the same placement without speculation."""
     tr = Trainer(tiny_config(token_file, *DEEP))
     sizes = [lay.numel for lay in tr.layouts]
     tr.close()
@@ -140,7 +197,7 @@ def test_only_the_last_units_speculate_and_spilled_ones_never(token_file, tmp_pa
     tr = Trainer(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "c"}"'))
     ram = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
     tr.close()
-    assert RING_SLOTS < len(sizes) - len(ram) < len(sizes) and got[2] == set(ram[-3:])
+    assert RING_SLOTS < len(sizes) - len(ram) < len(sizes) and got[2] == {ram[-1], ram[-3], ram[-5]}
 
 
 def test_copies_must_fit_the_host_budget(token_file):

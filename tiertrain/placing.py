@@ -15,7 +15,7 @@ from .plan.hardware import REFERENCE, TORCH_COPIES, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, make_io
-from .tiers.placement import (RING_SLOTS, copy_bytes, disk_bytes, gpu_updated, host_state_bytes, kind_bytes, least_host, place,
+from .tiers.placement import (RING_SLOTS, alternate_from_last, copy_bytes, disk_bytes, gpu_updated, host_state_bytes, kind_bytes, least_host, place,
                               place_within, resident_units, ring_bytes, ring_widths, spilled_bytes, update_candidates)
 from .tiers.slab import host_cost, torch_pinned_cost
 
@@ -132,13 +132,14 @@ def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: 
 def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferred: frozenset[int],
                      pin: bool) -> tuple[frozenset[int], frozenset[int]]:
     """(units whose update starts on the host in the backward pass, GPU-updated units whose update starts
-    on the GPU there). The first: optim.speculate_units of the last units the host updates with every slab
-    in RAM (their gradients land first); the second: every GPU-updated unit when
+    on the GPU there). The first: optim.speculate_units of the units the host updates with every slab in
+    RAM, every other one from the last first (tiers.placement.alternate_from_last); the second: every
+    GPU-updated unit when
     optim.speculate_gpu_updates is on. With clipping on each needs copies of its master and moments:
     refused when --host-gb cannot hold them beside the state."""
     n = cfg.optim.speculate_units
     ram = [u for u in update_candidates(where, kinds, len(numels)) if u not in deferred]
-    units = frozenset(ram[len(ram) - min(n, len(ram)):] if n > 0 else [])
+    units = frozenset(alternate_from_last(ram, max(n, 0)))
     on_gpu = deferred if cfg.optim.speculate_gpu_updates else frozenset()
     t, tc = cfg.tiers, cfg.train
     if (units or on_gpu) and cfg.optim.grad_clip > 0 and t.host_gb:

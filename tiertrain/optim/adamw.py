@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -133,12 +134,16 @@ class OptimizerThread:
     buffers take it (`take`) and run the update on the GPU as the unit's weights are loaded next.
 
     `early` units are speculated: `begin(lr)` before the backward pass, then `drained(u, event)` as the
-    backward pass sends each gradient down, starts the unit's update at once as if the global norm will
-    not clip (into the host's copies of its master and moments where it has them; else, clipping being
-    off, in place). `start` keeps those updates when the norm did not clip (the copies swapped in; one not
-    yet started runs in place, in unit order) and otherwise runs the update again from the untouched state
-    with the clip factor: the same numbers either way. A step after a clipped one does not speculate
-    (clipping tends to persist: early training, spikes).
+    backward pass sends each gradient down queues the unit's update as if the global norm will not clip
+    (into the host's copies of its master and moments where it has them; else, clipping being off, in
+    place). The worker takes the queued unit that comes first in forward order among those whose gradient
+    has landed (else waits for the next to land): when the host is slower than the backward pass, its
+    speculated updates fall between the units left to the next forward pass, which then overlaps the
+    host's work instead of running idle through a tail of units already updated. `start` keeps those
+    updates when the norm did not clip (the copies swapped in; one not yet started runs in place, in unit
+    order) and otherwise runs the update again from the untouched state with the clip factor: the same
+    numbers either way. A step after a clipped one does not speculate (clipping tends to persist: early
+    training, spikes).
     `gpu_early` deferred units are speculated the same way, on the GPU: the device buffers ask
     `speculation(u)` for the job as they drain the unit's gradient; a redone one runs as deferred."""
 
@@ -155,15 +160,17 @@ class OptimizerThread:
         self.futures: list[Future | None] = [None] * n_units
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
         self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
-        self.spec: dict[int, Future] = {}
+        self.spec: dict[int, Future] = {}  # the speculated units' updates, done by _speculate
+        self.landing: dict[int, tuple] = {}  # (grad event, step, lr) of those not yet taken, as drained
+        self.lock = threading.Lock()
         self.last_clip = 1.0
         self.kept = self.redone = 0  # steps whose speculation was kept, was redone
         # (event, unit, time.perf_counter()): when each update waited, ran and finished, and the step's
         # marks (the trainer's too); what shows where the optimizer's time goes (bench.timeline)
         self.timeline: deque[tuple[str, int, float]] = deque(maxlen=1 << 14)
 
-    def mark(self, event: str, unit: int = -1) -> None:
-        self.timeline.append((event, unit, time.perf_counter()))
+    def mark(self, event: str, unit: int = -1, at: float | None = None) -> None:
+        self.timeline.append((event, unit, time.perf_counter() if at is None else at))
 
     def begin(self, lr: float) -> None:
         """A step starts: its backward pass's gradients may start the next update (none after a clipped step)."""
@@ -172,8 +179,38 @@ class OptimizerThread:
     def drained(self, unit: int, grad_event) -> None:
         """The unit's gradient is on its way to the host (`grad_event`: once it has landed)."""
         if self.guess and unit in self.early:
-            step, lr = self.guess
-            self.spec[unit] = self.pool.submit(self._job, unit, step, lr, 1.0, grad_event, self.copies, "spec ")
+            with self.lock:
+                self.spec[unit] = Future()
+                self.landing[unit] = (grad_event, *self.guess)
+            self.pool.submit(self._speculate)
+
+    def _speculate(self) -> None:
+        """One speculated update (a job per drained unit): the first unit in forward order whose gradient
+        has landed, else the next to land; none once the norm has taken them (start)."""
+        t0 = time.perf_counter()
+        while True:
+            with self.lock:
+                if not self.landing:
+                    return
+                landed = [u for u, (ev, *_) in self.landing.items() if ev is None or ev.query()]
+                if landed:
+                    unit = min(landed)
+                    _, step, lr = self.landing.pop(unit)
+                    f = self.spec[unit]
+                    break
+                ev = next(iter(self.landing.values()))[0]  # the D2H stream lands them in the order drained
+            ev.synchronize()
+        if not f.set_running_or_notify_cancel():  # taken by the norm in between: a plain update now
+            return
+        self.mark("spec job", unit, t0)
+        self.mark("spec grad", unit)
+        try:
+            self.opt.update_unit(unit, step, lr, 1.0, self.copies)
+        except BaseException as e:
+            f.set_exception(e)
+        else:
+            f.set_result(None)
+        self.mark("spec done", unit)
 
     def speculation(self, unit: int) -> tuple[int, float, dict | None] | None:
         """(step, lr, where the master and moments go: the host's copies, or None for in place) of the
@@ -187,7 +224,9 @@ class OptimizerThread:
         self.mark("norm")
         self.opt.step_count += 1
         step = self.opt.step_count
-        spec, self.spec = self.spec, {}
+        with self.lock:  # the worker takes no more speculations
+            spec, self.spec = self.spec, {}
+            self.landing.clear()
         on_gpu, self.on_gpu = self.on_gpu, set()
         speculated = bool(spec or on_gpu)
         keep = speculated and clip == 1.0 and self.guess == (step, lr)
@@ -211,14 +250,13 @@ class OptimizerThread:
         if not self.overlap:
             self.wait_all()
 
-    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event, into_copies: bool = False,
-             kind: str = "") -> None:
-        self.mark(kind + "job", unit)
+    def _job(self, unit: int, step: int, lr: float, clip: float, grad_event) -> None:
+        self.mark("job", unit)
         if grad_event is not None:
             grad_event.synchronize()  # the gradient's D2H copy has landed in the host slab
-            self.mark(kind + "grad", unit)
-        self.opt.update_unit(unit, step, lr, clip, into_copies)
-        self.mark(kind + "done", unit)
+            self.mark("grad", unit)
+        self.opt.update_unit(unit, step, lr, clip)
+        self.mark("done", unit)
 
     def _keep(self, unit: int, speculated: Future) -> None:
         speculated.result()  # done (the pool runs in order); raises its error
@@ -244,7 +282,9 @@ class OptimizerThread:
             self.wait(u)
 
     def close(self) -> None:
-        for f in self.spec.values():  # a step stopped between its backward pass and its update
+        with self.lock:  # a step stopped between its backward pass and its update
+            self.landing.clear()
+        for f in self.spec.values():
             f.cancel()
         self.pool.shutdown(wait=True)
         self.wait_all()

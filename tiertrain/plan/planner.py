@@ -12,7 +12,7 @@ layout and spill policy, and the schedule's cost model (docs/performance.md):
 The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
 forward pass and take their parameters off the host AdamW; by default the plan takes the number of
 them that gives the shortest step. A speculative update (optim.speculate_units) moves the host AdamW of
-the last units in RAM into the backward pass, at hw.out_of_place its rate when it writes copies (clipping on):
+units in RAM (every other one from the last first) into the backward pass, at hw.out_of_place its rate when it writes copies (clipping on):
 the plan takes the number that balances the two phases best, for the steps whose norm does not clip.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..model.spec import ModelSpec
-from ..tiers.placement import copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import alternate_from_last, copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 
@@ -62,7 +62,7 @@ class Plan:
     activations: str = ""
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
-    speculated: int = 0  # the last units the host updates from RAM, updated in the backward pass
+    speculated: int = 0  # units the host updates from RAM in the backward pass (alternate_from_last)
     gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
     fits: bool = False
@@ -175,10 +175,11 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         sets = 2 * 16 * max((numels[u] for u in gpu), default=0)  # two (master, grad, moments) sets
         if p.gpu_total + sets > gpu_budget:
             continue
-        host = [u for u in in_ram if u not in gpu]  # units the host updates from RAM
-        # copies[n]: host bytes of the copies of the last n, after those of the GPU updates if speculated
+        # units the host updates from RAM, in the order the speculated ones are taken
+        host = alternate_from_last([u for u in in_ram if u not in gpu], len(in_ram))
+        # copies[n]: host bytes of the copies of the first n, after those of the GPU updates if speculated
         copies = [sum(copy_bytes(numels[u], host_cost) for u in gpu) if ge and clipping else 0]
-        for u in reversed(host):
+        for u in host:
             copies.append(copies[-1] + (copy_bytes(numels[u], host_cost) if clipping else 0))
         if copies[0] > room:
             short = copies[0] - room
@@ -187,7 +188,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
 
         def step(n: int):
             t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in gpu),
-                                 sum(numels[u] for u in host[len(host) - n:]) if n else 0, clipping, ck_bytes, kb, hw,
+                                 sum(numels[u] for u in host[:n]), clipping, ck_bytes, kb, hw,
                                  gpu_early=ge)
             return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n], ge)
 

@@ -74,16 +74,24 @@ def update_candidates(where: dict[tuple[int, str], str], kinds, n_units: int) ->
     return [u for u in range(n_units) if all(where.get((u, k), "host") == "host" for k in kinds)]
 
 
+def alternate_from_last(units: list[int], k: int) -> list[int]:
+    """`k` of `units`, in the order they are taken: every other one from the last, then those between
+    (from the last too). Speculated updates take their units so: the host's and the GPU's work in the
+    backward pass then falls between units left to the next forward pass, which overlaps it instead of
+    waiting for it at its start and running idle through its end."""
+    back = units[::-1]
+    return (back[0::2] + back[1::2])[:k]
+
+
 def gpu_updated(ram: list[int], k: int, speculated: bool) -> list[int]:
     """The `k` units of `ram` (update_candidates) updated on the GPU. The first ones when they update as
     their weights load in the next forward pass (the host optimizer then starts on the units that pass
     reaches last); every other one from the last when their update is speculated in the backward pass:
-    their gradients land first, and the host's speculated units, taken from the last of the rest, fall
+    their gradients land first, and the host's speculated units, taken the same way from the rest, fall
     between them, so the PCIe copies and the host AdamW both start early in that pass."""
     if not speculated:
         return ram[:k]
-    back = ram[::-1]
-    return sorted((back[0::2] + back[1::2])[:k])
+    return sorted(alternate_from_last(ram, k))
 
 
 def ring_bytes(widths: dict[str, int], kb: dict[str, int], cost) -> int:
