@@ -50,6 +50,10 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-res6-torchadam": ("auto", "auto", 6.0, -1, -1, None, "torch"),
              # with the fp32 master streamed whatever the plan says
              "tiertrain-auto-res6-fp32": ("master", "auto", 6.0, -1, -1),
+             # the fp32 master streamed with 6 units updated on the GPU as their weights load, or 8 speculated
+             # in the backward pass: what the plan chose at 8k on some probes (the planner's check)
+             "tiertrain-res6-gpu6": ("master", "gpu", 6.0, 6, -1, 0),
+             "tiertrain-res6-gpu8-spec": ("master", "gpu", 6.0, 8, -1, 1),
              # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
              "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
 SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")

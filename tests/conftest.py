@@ -17,7 +17,8 @@ from tiertrain.plan.hardware import REFERENCE, TORCH_COPIES
 # half as fast into a speculation's copies; the planner's scenarios that need AdamW to be the bottleneck
 # (GPU updates paying off, clipping costing copies) plan on it
 SLOW_HOST = dataclasses.replace(REFERENCE, host_adam_params_per_s=3.78e9, host_adam_copy_params_per_s=2.81e9,
-                                compute_efficiency=0.54, host_dram_gbs=120.0, source="slow host", **TORCH_COPIES)
+                                compute_efficiency=0.54, host_dram_gbs=120.0, adam_contention=1.18, source="slow host",
+                                **TORCH_COPIES)
 
 TINY = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_hidden_layers=3",
         "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=97",

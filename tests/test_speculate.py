@@ -16,7 +16,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.optim.adamw import OptimizerThread
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import Budgets, _layouts, evaluate, plan
-from tiertrain.tiers.placement import RING_SLOTS, gpu_updated
+from tiertrain.tiers.placement import RING_SLOTS, alternate_from_last, gpu_updated
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
 
@@ -277,9 +277,13 @@ def test_planner_speculates_gpu_updates_in_the_backward_pass():
     rate = SLOW_HOST.h2d_gbs * 1e9
     assert b.times["H2D fwd"] == none.times["H2D fwd"]  # the kept masters stream like the host's
     assert (b.times["H2D bwd"] - none.times["H2D bwd"]) * rate == pytest.approx(12 * params, rel=1e-9)
+    # their state shares PCIe with the weights the compute waits for: at spec_copy_efficiency of the copies' rate
+    for p, eff in ((b, SLOW_HOST.spec_copy_efficiency), (none, 1.0)):
+        both = (p.times["H2D bwd"] * SLOW_HOST.h2d_gbs + p.times["D2H"] * SLOW_HOST.d2h_gbs) * 1e9
+        assert p.times["PCIe both bwd"] * SLOW_HOST.bidir_gbs * SLOW_HOST.copy_efficiency * eff * 1e9 == pytest.approx(both)
     gpu = gpu_updated(list(range(len(numels))), k, True)
     host = [u for u in range(len(numels)) if u not in gpu]
-    assert b.host_fixed["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + host[len(host) - n:])
+    assert b.host_fixed["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + alternate_from_last(host, n))
     assert "update copies" not in evaluate(*args, gpu_updates=k, speculate=0, speculate_gpu=True,
                                            clipping=False).host_fixed
 

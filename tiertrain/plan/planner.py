@@ -285,7 +285,8 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
          "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
          "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
-         "PCIe both bwd": (h2d_bwd + d2h_bwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
+         "PCIe both bwd": (h2d_bwd + d2h_bwd)
+         / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
          "host AdamW bwd": early / (adam_rate * (hw.out_of_place if copies else 1.0)) * hw.adam_contention,
          # the copies and the host AdamW share the host's DRAM
