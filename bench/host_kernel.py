@@ -92,7 +92,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         for load in loads:
             def rates():
-                return [host_adam_rate(a.params, True, 3, into, stores=st) / 1e9 for _, into, st in MODES]
+                return [host_adam_rate(a.params, True, 3, into, stores=st, threads=threads) / 1e9 for _, into, st in MODES]
 
             if load == "alone":
                 r, gbs = rates(), "-"

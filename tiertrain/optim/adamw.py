@@ -53,6 +53,12 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
     return total, min(1.0, max_norm / (total + 1e-6))
 
 
+def adam_threads() -> int:
+    """Threads of the host AdamW: memory-bound, two cores fewer lose nothing, and leave the main thread
+    free to launch kernels."""
+    return max(1, (os.cpu_count() or 2) - 2)
+
+
 class HostAdamW:
     def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
@@ -153,10 +159,8 @@ class OptimizerThread:
         self.on_gpu: set[int] = set()  # the gpu_early units speculated this step
         self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
         self.pending: dict[int, tuple[int, float, float]] = {}
-        # memory-bound: two cores fewer lose nothing, and leave the main thread free to launch kernels
-        threads = max(1, (os.cpu_count() or 2) - 2)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-adamw",
-                                       initializer=torch.set_num_threads, initargs=(threads,))
+                                       initializer=torch.set_num_threads, initargs=(adam_threads(),))
         self.futures: list[Future | None] = [None] * n_units
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
         self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step

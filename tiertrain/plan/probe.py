@@ -65,21 +65,27 @@ def matmul_tflops(dtype_name: str = "bfloat16", n: int = 8192, reps: int = 10) -
     return 2 * n ** 3 / _timed_cuda(lambda: a @ b, reps) / 1e12
 
 
-def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 3, into_copies: bool = False,
-                   host_kernel: str = "auto", stores: int | None = None) -> float:
-    """Parameters per second of the runtime's host AdamW (its kernel, called as the runtime calls it; with
-    the rounding into the bf16 copy when `compute_copy`; into other buffers, as a speculative update
-    writes, when `into_copies`; `stores`: the one-pass kernel's streamed stores, else the runtime's
-    choice), over arrays far larger than the caches."""
+def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 5, into_copies: bool = False,
+                   host_kernel: str = "auto", stores: int | None = None, threads: int | None = None,
+                   pin: bool | None = None) -> float:
+    """Parameters per second of the runtime's host AdamW, run as the runtime runs it: its kernel, called
+    on a worker thread with the runtime's thread count (`threads`, else optim.adamw.adam_threads), on
+    slabs pinned where a GPU is (`pin`, else so); with the rounding into the bf16 copy when
+    `compute_copy`; into other buffers, as a speculative update writes, when `into_copies`; `stores`: the
+    one-pass kernel's streamed stores, else the runtime's choice. Over arrays far larger than the
+    caches; the median of `reps` updates after one to warm up."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     from ..config import OptimConfig
-    from ..optim.adamw import HostAdamW
+    from ..optim.adamw import HostAdamW, adam_threads
     from ..tiers.host import HostStore
     from ..tiers.slab import SlabLayout
 
     lay = SlabLayout.build([("w", (n_params // 1024, 1024))])
-    host = HostStore([lay], torch.bfloat16, pin=False, compute_copy=compute_copy)
+    pin = torch.cuda.is_available() if pin is None else pin
+    host = HostStore([lay], torch.bfloat16, pin=pin, compute_copy=compute_copy)
     for k in ("master", "grad"):
         host.slab(0, k).uniform_(-1, 1)
     if into_copies:
@@ -87,12 +93,18 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     opt = HostAdamW(host, [lay], OptimConfig(host_kernel=host_kernel))
     if stores is not None:
         opt.stores = stores
-    opt.update_unit(0, 1, 1e-4, 1.0, into_copies)
-    times = []
-    for step in range(2, 2 + reps):
-        t0 = time.perf_counter()
-        opt.update_unit(0, step, 1e-4, 1.0 if into_copies else 0.5, into_copies)
-        times.append(time.perf_counter() - t0)
+
+    def timed() -> list[float]:
+        opt.update_unit(0, 1, 1e-4, 1.0, into_copies)
+        times = []
+        for step in range(2, 2 + reps):
+            t0 = time.perf_counter()
+            opt.update_unit(0, step, 1e-4, 1.0 if into_copies else 0.5, into_copies)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads or adam_threads(),)) as pool:
+        times = pool.submit(timed).result()
     return lay.numel / sorted(times)[len(times) // 2]
 
 
