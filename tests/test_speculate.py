@@ -249,6 +249,12 @@ def test_planner_balances_the_speculated_units():
     assert b.times["host AdamW bwd"] == pytest.approx(params / (rate * REFERENCE.out_of_place) * REFERENCE.adam_contention)
     assert b.host_fixed["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
     assert "update copies" not in a.host_fixed
+    # while the norm clips nothing speculates: the same plan without its speculation; clipping off, never
+    assert b.clipped_step_s == pytest.approx(evaluate(*args, clipping=True, speculate=0, gpu_updates=0).step_s)
+    assert a.clipped_step_s == a.step_s
+    at8k = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=120), REFERENCE, gpu_updates=0)
+    assert at8k.speculated and at8k.clipped_step_s > at8k.step_s * 1.1
+    assert at8k.clipped_times["host AdamW"] > at8k.times["host AdamW"]
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
     tight = Budgets(host_gb=sum(off.host_bytes.values()) / 1e9 + off.host_fixed["host checkpoints"] / 1e9 + 2)
     miss = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
@@ -315,3 +321,16 @@ def test_timeline_accounts_for_every_host_update(token_file):
     assert s["bwd_s"] > 0 and s["spec_busy_s"] > 0 and s["upd_busy_s"] > 0
     assert s["upd_gparams_s"] == pytest.approx(
         sum(n for u, n in enumerate(numels) if u in plain[-1]) / 1e9 / s["upd_busy_s"], rel=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip, kept", [(1e6, True), (1e-6, False)])
+def test_the_step_prediction_follows_whether_the_last_update_was_speculated(token_file, clip, kept):
+    """A step's forward pass waits for the last update: its prediction is the plan's step when that update
+    was speculated and kept, and the plan's step without speculation when the norm clipped."""
+    tr = Trainer(tiny_config(token_file, 'train.device="cuda"', f"optim.grad_clip={clip}", "optim.speculate_units=99"))
+    assert tr.plan is not None and tr.optim.early
+    tr.plan.step_s, tr.plan.clipped_step_s = 1.0, 2.0  # apart, whatever the tiny model's times
+    recs = [tr.train_step() for _ in range(3)]
+    tr.close()
+    assert [r["pred_step_s"] for r in recs[1:]] == [1.0 if kept else 2.0] * 2

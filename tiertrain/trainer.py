@@ -257,6 +257,7 @@ class Trainer:
         buf, ck, opt = self.buffers, self.checkpoints, self.optim
         moved = (buf.h2d_bytes + ck.h2d_bytes, buf.d2h_bytes + ck.d2h_bytes)
         opt.wait_s = 0.0
+        spec_kept = opt.last_kept
         opt.mark("step")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -295,9 +296,11 @@ class Trainer:
         if self.device.type == "cuda":
             rec["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
-        if self.plan and tgt.shape == (tc.batch_size, tc.seq_len):  # what the plan predicted for this step
-            pt = self.plan.times
-            rec.update(pred_step_s=self.plan.step_s, pred_forward_s=pt["compute fwd"],
+        if self.plan and tgt.shape == (tc.batch_size, tc.seq_len):  # what the plan predicted for this step:
+            # its forward pass waited for the last update, speculated beside a backward pass unless a norm clipped
+            p = self.plan
+            pt, ps = (p.times, p.step_s) if spec_kept else (p.clipped_times, p.clipped_step_s)
+            rec.update(pred_step_s=ps, pred_forward_s=pt["compute fwd"],
                        pred_backward_s=pt["compute bwd"], pred_opt_wait_s=pt["exposed update"])
         return rec
 
@@ -321,7 +324,10 @@ class Trainer:
                + ", ".join(f"{k} {human_bytes(v)}" for k, v in nv.items())
                + f") in {self.tiers.store.root} via {self.tiers.store.io.name}, staging ring "
                + human_bytes(self.tiers.ring_nbytes())] if self.tiers else []),
-            *([f"plan: step {self.plan.step_s:.2f} s, {self.plan.tokens_per_s:,.0f} tok/s, bottleneck "
+            *([f"plan: step {self.plan.step_s:.2f} s"
+               + (f" ({self.plan.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
+                  if self.plan.clipped_step_s > self.plan.step_s * 1.005 else "")
+               + f", {self.plan.tokens_per_s:,.0f} tok/s, bottleneck "
                f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
               if self.plan else []),
             f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "

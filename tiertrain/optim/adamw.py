@@ -169,6 +169,7 @@ class OptimizerThread:
         self.lock = threading.Lock()
         self.last_clip = 1.0
         self.kept = self.redone = 0  # steps whose speculation was kept, was redone
+        self.last_kept = False  # the last update's speculation was kept (it ran beside a backward pass)
         # (event, unit, time.perf_counter()): when each update waited, ran and finished, and the step's
         # marks (the trainer's too); what shows where the optimizer's time goes (bench.timeline)
         self.timeline: deque[tuple[str, int, float]] = deque(maxlen=1 << 14)
@@ -237,6 +238,7 @@ class OptimizerThread:
         if speculated and not keep and not self.copies:
             raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
         self.kept, self.redone = self.kept + keep, self.redone + (speculated and not keep)
+        self.last_kept = keep
         self.last_clip, self.guess = clip, None
         # one already running when redone writes copies nobody reads. Kept, those not yet started become
         # plain updates (in place, the same numbers), queued in unit order with the rest: the next forward

@@ -76,6 +76,9 @@ class Plan:
     gpu: dict = field(default_factory=dict)  # part -> bytes
     times: dict = field(default_factory=dict)  # link -> seconds
     step_s: float = math.inf
+    # the same plan while the global norm clips: nothing speculates (a step after a clipped one does not)
+    clipped_times: dict = field(default_factory=dict)
+    clipped_step_s: float = math.inf
     bottleneck: str = ""
     tokens_per_s: float = 0.0
     model_tflops: float = 0.0
@@ -211,6 +214,11 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     best = best[:5]
     p.gpu_updates, bwd, fwd, t, p.gpu["GPU update sets"] = best
     p.times, p.step_s = t, bwd + fwd
+    p.clipped_times, p.clipped_step_s = t, p.step_s
+    if clipping and (p.speculated or p.gpu_speculated):
+        on_gpu = sum(numels[u] for u in gpu_updated(cands, p.gpu_updates, p.gpu_speculated))
+        ct, cb, cf = _times(spec, p, numels, on_gpu, 0, clipping, ck_bytes, kb, hw)
+        p.clipped_times, p.clipped_step_s = ct, cb + cf
     # what limits each phase: the backward pass, then the forward pass with the update beside it
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
               "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),

@@ -68,8 +68,9 @@ def _updates(p: Plan) -> str:
     if not (p.speculated or p.gpu_speculated):
         return gpu
     how = ("kept when the global norm does not clip, redone when it does; the times below are those of a step "
-           "that does not clip" if p.clipping else "in place: clipping is off, so there is nothing to undo")
-    host = (f" The last {p.speculated} unit{'s' * (p.speculated != 1)} the host updates start"
+           f"that does not clip (while the norm clips, as early in training, nothing speculates: "
+           f"{p.clipped_step_s:.2f} s a step)" if p.clipping else "in place: clipping is off, so there is nothing to undo")
+    host = (f" {p.speculated} of the units the host updates (every other one from the last first) start"
             f"{'s' * (p.speculated == 1)} their update in the backward pass, as their gradients land."
             if p.speculated else "")
     return f"{gpu}{host} Speculated updates: {how}."
