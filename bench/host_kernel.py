@@ -19,6 +19,7 @@ import time
 import torch
 
 from tiertrain.optim import kernel
+from tiertrain.optim.adamw import adam_threads
 from tiertrain.plan.probe import host_adam_rate
 
 MODES = [  # (label, into_copies, stores)
@@ -72,7 +73,7 @@ class Traffic:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=int, default=1 << 27)
-    ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 2, max(1, (os.cpu_count() or 2) - 2)])
+    ap.add_argument("--threads", type=int, nargs="+", default=[os.cpu_count() or 2, adam_threads()])
     ap.add_argument("--out", default=None, help="markdown file to write")
     a = ap.parse_args()
     if kernel.load() is None:
@@ -89,7 +90,6 @@ def main() -> None:
              "| --- | --- | " + " | ".join("---" for _ in MODES) + " | --- |"]
     print("\n".join(lines), flush=True)
     for threads in a.threads:
-        torch.set_num_threads(threads)
         for load in loads:
             def rates():
                 return [host_adam_rate(a.params, True, 3, into, stores=st, threads=threads) / 1e9 for _, into, st in MODES]

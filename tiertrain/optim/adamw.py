@@ -59,6 +59,12 @@ def adam_threads() -> int:
     return max(1, (os.cpu_count() or 2) - 2)
 
 
+def adam_pool(threads: int | None = None) -> ThreadPoolExecutor:
+    """The one worker thread host updates run on, with `threads` intra-op threads (else adam_threads)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="tiertrain-adamw", initializer=torch.set_num_threads,
+                              initargs=(threads or adam_threads(),))
+
+
 class HostAdamW:
     def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
@@ -159,8 +165,7 @@ class OptimizerThread:
         self.on_gpu: set[int] = set()  # the gpu_early units speculated this step
         self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
         self.pending: dict[int, tuple[int, float, float]] = {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-adamw",
-                                       initializer=torch.set_num_threads, initargs=(adam_threads(),))
+        self.pool = adam_pool()
         self.futures: list[Future | None] = [None] * n_units
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
         self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
@@ -242,7 +247,7 @@ class OptimizerThread:
         self.last_clip, self.guess = clip, None
         # one already running when redone writes copies nobody reads. Kept, those not yet started become
         # plain updates (in place, the same numbers), queued in unit order with the rest: the next forward
-        # pass needs the first units first, and the speculated are the last
+        # pass needs the first units first, and a speculation's place in the queue was its gradient's
         started = {u: f for u, f in spec.items() if not f.cancel()}
         for u in range(len(self.futures)):
             if keep and u in on_gpu:

@@ -47,7 +47,7 @@ class HardwareSpec:
     # 0.89-1.21x with 0.54 and 120 GB/s); the host AdamW in a step runs this much slower than alone: 1,
     # since the speculated updates fall between the units of the next forward pass (the updates after the
     # norm ran at 1.0-1.3x the probe's rate, and a step's host AdamW at 0.98-1.0x it in all; 1.18 before,
-    # which made the plan take GPU updates at 8k that ran 7-13% slower than the host's:
+    # which made the plan take GPU updates at 8k that ran 11-16% slower than the host's:
     # bench/results/2026-11-23-H200-llama3b-gpu-updates-8k.md). The host DRAM term still prices its
     # sharing of DRAM with the PCIe copies.
     compute_efficiency: float = 0.50
@@ -60,9 +60,9 @@ class HardwareSpec:
     copy_efficiency: float = 0.75
     # GPU updates speculated in the backward pass: their state's copies (12 B per parameter each way) share
     # PCIe with the weights the compute waits for; that pass then reaches this fraction of the copies'
-    # rate above. Fitted on the one run of that plan with the kernel in pieces (backward 0.726 s against
-    # 0.570 s predicted, bench/results/2026-11-23-H200-llama3b-front-ab.md); the 16k runs of
-    # ...-gpu-spec-ab16k.md (no probe) fell short of the plan by more
+    # rate above. Fitted on the two runs of that plan with the kernel in pieces: 0.785 and 0.81 (backward
+    # 0.726 s against 0.570 s predicted in bench/results/2026-11-23-H200-llama3b-front-ab.md, 0.703 in
+    # ...-gpu-updates-8k.md); the 16k runs of ...-gpu-spec-ab16k.md (no probe) fell short of the plan by more
     spec_copy_efficiency: float = 0.80
     source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
 

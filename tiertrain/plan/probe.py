@@ -74,12 +74,10 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     `compute_copy`; into other buffers, as a speculative update writes, when `into_copies`; `stores`: the
     one-pass kernel's streamed stores, else the runtime's choice. Over arrays far larger than the
     caches; the median of `reps` updates after one to warm up."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     from ..config import OptimConfig
-    from ..optim.adamw import HostAdamW, adam_threads
+    from ..optim.adamw import HostAdamW, adam_pool
     from ..tiers.host import HostStore
     from ..tiers.slab import SlabLayout
 
@@ -103,7 +101,7 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
             times.append(time.perf_counter() - t0)
         return times
 
-    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads or adam_threads(),)) as pool:
+    with adam_pool(threads) as pool:
         times = pool.submit(timed).result()
     return lay.numel / sorted(times)[len(times) // 2]
 
