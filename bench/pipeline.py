@@ -42,6 +42,8 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-nospec": ("auto", "auto", 0.0, -1, 0),
              # with 6 GB resident: the plan's GPU total stays under a third of the all-in-GPU run's at 8k
              "tiertrain-auto-res6": ("auto", "auto", 6.0, -1, -1),
+             # and 10 GB: at 8k about all a third of the all-in-GPU run's peak (17.2 GB) leaves room for
+             "tiertrain-auto-res10": ("auto", "auto", 10.0, -1, -1),
              # the same with the GPU updates as their weights load (as before they could be speculated)
              "tiertrain-auto-res6-fwdgpu": ("auto", "auto", 6.0, -1, -1, 0),
              # and with them speculated in the backward pass whatever the plan says
@@ -283,7 +285,9 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
                      f"{r['model_tflops']:.0f} | {r['gpu_peak_gb']:.1f} | {r['host_peak_rss_gb']:.1f} |")
     lines += ["", "## tiertrain against baselines and its floor", "",
               "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate), with "
-              "the AdamW rate of the variant (fp32 stream: no bf16 rounding); "
+              "the AdamW rate of the variant (fp32 stream: no bf16 rounding): the probe's, or, marked *, the rate "
+              "the step's own updates after the norm reached where higher (a ceiling is at least what was reached; "
+              "'AdamW G/s'); "
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
               "update can only overlap the next forward pass (speculated units' updates overlap the backward pass: "
@@ -291,13 +295,13 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "AdamW s counts the parameters the host updates (not those of units updated on the GPU, "
               "'GPU upd.'); their state's bytes are in H2D and D2H.", "",
               "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | GPU upd. | fwd s | bwd s | H2D s | D2H s "
-              "| AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
-              "| --- | " + "--- | " * 17]
+              "| AdamW G/s | AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
+              "| --- | " + "--- | " * 18]
     by = {(r["system"], r["batch"]): r for r in rows}
     for r in rows:
         if not r["system"].startswith("tiertrain"):
             continue
-        rate = probe.get("host_adam_fp32_stream_params_per_s" if "fp32" in r["system"] else "host_adam_params_per_s")
+        rate, reached = dram.adam_rate(r, probe)
         adam = r.get("host_adam_params", n) / rate if rate else float("nan")
         B = r["batch"]
         gpu = by.get(("all-in-GPU PyTorch", B))
@@ -310,7 +314,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
         ratio = lambda o: f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x" if o else "n/a"
         pred = f"{r['pred_step_s']:.3f}" if r.get("pred_step_s") else "n/a"
         lines.append(f"| {r['system']} | {B} | {r['step_s']:.3f} | {ratio(gpu)} | {ratio(ds)} | {r.get('gpu_updates', 0)} | "
-                     f"{r['forward_s']:.3f} | {r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {adam:.3f} | {floor:.3f} | "
+                     f"{r['forward_s']:.3f} | {r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {rate / 1e9:.2f}{'*' if reached else ''} | "
+                     f"{adam:.3f} | {floor:.3f} | "
                      f"{r['step_s'] / floor:.2f} | {sched:.3f} | {r['step_s'] / sched:.2f} | "
                      f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} | {pred} | "
                      + (f"{r['speculated']}{'+%dg' % r['gpu_speculated'] if r.get('gpu_speculated') else ''}: "

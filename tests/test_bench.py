@@ -47,5 +47,25 @@ def test_dram_table_counts_the_copy_bytes_and_the_host_adamw():
                   {"host_adam_fp32_stream_params_per_s": 4e9})  # 112 GB/s
     cells = [ln.split(" | ") for ln in lines if ln.startswith("| tiertrain")]
     assert [c[3] for c in cells] == ["46.0", "44.0"] and [c[4] for c in cells] == ["23", "22"]
-    assert [float(c[5]) for c in cells] == pytest.approx([46 / 112, 44 / 112], abs=1e-3)
+    assert [c[5] for c in cells] == ["112", "112"]
+    assert [float(c[6]) for c in cells] == pytest.approx([46 / 112, 44 / 112], abs=1e-3)
     assert table([row], {}) == []
+
+
+def test_adamw_ceiling_is_at_least_what_the_step_reached():
+    from bench.dram import adam_rate, dram_rate, table
+
+    probe = {"host_adam_params_per_s": 4e9, "host_adam_fp32_stream_params_per_s": 5e9}
+    row = {"system": "tiertrain (bf16 copy stream, gpu ckpt)", "batch": 4, "step_s": 1.0, "h2d_gb": 10.0,
+           "d2h_gb": 6.0, "host_adam_params": 1e9, "timeline": {"upd_gparams_s": 4.5}}
+    fp32 = dict(row, system="tiertrain (fp32 stream, host ckpt)")
+    # the bf16 variant's probe (4.0) is below the step's 4.5; the fp32 variant's (5.0) is not
+    assert adam_rate(row, probe) == (pytest.approx(4.5e9), True)
+    assert adam_rate(fp32, probe) == (5e9, False)
+    assert adam_rate(dict(row, timeline=None), probe) == (4e9, False)
+    # DRAM: the probe's fp32 rate x 28 B (140 GB/s) against the step's 4.5 x 30 B (135) and x 28 B (126)
+    assert dram_rate(row, probe) == pytest.approx(140e9)
+    assert dram_rate(dict(row, timeline={"upd_gparams_s": 5.0}), probe) == pytest.approx(150e9)
+    cells = [ln.split(" | ") for ln in table([dict(row, timeline={"upd_gparams_s": 5.0})], probe)
+             if ln.startswith("| tiertrain")]
+    assert [c[5] for c in cells] == ["150"] and float(cells[0][6]) == pytest.approx(46 / 150, abs=1e-3)
