@@ -334,17 +334,3 @@ def test_the_step_prediction_follows_whether_the_last_update_was_speculated(toke
     recs = [tr.train_step() for _ in range(3)]
     tr.close()
     assert [r["pred_step_s"] for r in recs[1:]] == [1.0 if kept else 2.0] * 2
-
-
-def test_the_worker_gets_the_gil_back_quickly_while_the_thread_runs():
-    """Between kernel calls the worker needs the GIL, which the main thread holds while it launches the
-    backward pass: the switch interval is short while an OptimizerThread is open, and restored after."""
-    import sys
-
-    from tiertrain.optim.adamw import SWITCH_INTERVAL_S
-
-    before = sys.getswitchinterval()
-    th = OptimizerThread(SimpleNamespace(step_count=0, host=SimpleNamespace(copies={})), 2, overlap=True)
-    assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S) and SWITCH_INTERVAL_S < before
-    th.close()
-    assert sys.getswitchinterval() == before

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
 import time
 from collections import deque
@@ -28,12 +27,6 @@ from ..tiers.slab import SlabLayout
 from . import kernel
 
 CHUNK = 1 << 22  # elements: 16 MiB per fp32 array
-# The interpreter's GIL switch interval while an OptimizerThread runs (Python's default: 5 ms). The worker
-# needs the GIL back after every kernel call (two per unit) and between jobs; in the backward pass the main
-# thread holds it, launching GPU work op after op, and gives it up only when the interval forces it. At 5
-# ms that idled the host AdamW's threads about 10 ms of each unit's 25-35 (llama-3b at 8k: speculated
-# updates at 3.3 G params/s in the backward pass against 4.9 after it, when the main thread mostly waits).
-SWITCH_INTERVAL_S = 2e-4
 NO_COPY = torch.empty(0, dtype=torch.bfloat16)  # the one-pass kernel's "no bf16 copy to write"
 
 
@@ -173,8 +166,6 @@ class OptimizerThread:
         self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
         self.pending: dict[int, tuple[int, float, float]] = {}
         self.pool = adam_pool()
-        self.switch_interval = sys.getswitchinterval()  # restored by close()
-        sys.setswitchinterval(min(self.switch_interval, SWITCH_INTERVAL_S))
         self.futures: list[Future | None] = [None] * n_units
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
         self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
@@ -307,5 +298,4 @@ class OptimizerThread:
         for f in self.spec.values():
             f.cancel()
         self.pool.shutdown(wait=True)
-        sys.setswitchinterval(self.switch_interval)
         self.wait_all()
