@@ -28,6 +28,9 @@ MODES = [  # (label, into_copies, stores)
     ("into copies, all plain", True, 0),
     ("into copies, state streamed", True, kernel.STREAM_STATE),
     ("into copies, all streamed", True, kernel.STREAM_STATE | kernel.STREAM_COPY),
+    # software prefetch of master, gradient and moments N blocks (256 B of each) ahead
+    *((f"in place, copy streamed, prefetch {n}", False, kernel.STREAM_COPY | n << 8) for n in (4, 16, 64)),
+    ("into copies, all streamed, prefetch 16", True, kernel.STREAM_STATE | kernel.STREAM_COPY | 16 << 8),
 ]
 
 

@@ -28,6 +28,7 @@ constexpr int64_t BLOCK = 64;  // elements: four cache lines of each array
 constexpr int64_t LINE = 64;   // bytes
 constexpr int64_t PIECE = 1 << 16;  // elements a thread takes at a time: 256 KiB of each fp32 array
 constexpr int64_t STREAM_STATE = 1, STREAM_COPY = 2;  // `stores`: which outputs take streamed stores
+constexpr int64_t PREFETCH_SHIFT = 8;  // `stores` >> 8: software prefetch distance in blocks (0: none)
 
 inline uint16_t bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN: the quiet NaN)
   if (std::isnan(f)) return 0x7FC0;
@@ -89,8 +90,8 @@ inline int64_t to_line(const T* x) {
 // state: stream the new master and moments (into other buffers); copy: stream the bf16 copy. Both need
 // their first aligned elements to coincide (the caller checks).
 void range(const float* p, const float* g, const float* m, const float* v, float* po, float* mo, float* vo,
-           uint16_t* w, int64_t n, const Coef& c, bool state, bool copy) {
-  if (!state && !copy) return compute(p, g, m, v, po, mo, vo, w, n, c);
+           uint16_t* w, int64_t n, const Coef& c, bool state, bool copy, int64_t ahead) {
+  if (!state && !copy && !ahead) return compute(p, g, m, v, po, mo, vo, w, n, c);
   // up to the first aligned line, then whole blocks streamed, then the tail
   int64_t head = std::min(copy ? to_line(w) : to_line(po), n);
   compute(p, g, m, v, po, mo, vo, w, head, c);
@@ -98,6 +99,11 @@ void range(const float* p, const float* g, const float* m, const float* v, float
   alignas(LINE) float tp[BLOCK], tm[BLOCK], tv[BLOCK];
   alignas(LINE) uint16_t tw[BLOCK];
   for (; i + BLOCK <= n; i += BLOCK) {
+#if defined(__AVX__)
+    if (ahead && i + ahead < n)
+      for (int64_t l = 0; l < BLOCK; l += LINE / 4)
+        for (const float* x : {p, g, m, v}) _mm_prefetch(reinterpret_cast<const char*>(x + i + ahead + l), _MM_HINT_T0);
+#endif
     compute(p + i, g + i, m + i, v + i, state ? tp : po + i, state ? tm : mo + i, state ? tv : vo + i,
             copy ? tw : w ? w + i : nullptr, BLOCK, c);
     if (state) {
@@ -153,13 +159,14 @@ void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, t
   uint16_t* wp = copy ? reinterpret_cast<uint16_t*>(w.data_ptr()) : nullptr;
   // pieces handed out one at a time rather than an even split: a thread the scheduler parks (the
   // main thread launching GPU work, a copy thread) delays one piece, not the whole call
+  const int64_t ahead = (stores >> PREFETCH_SHIFT) * BLOCK;
   const int64_t n = p.numel(), pieces = (n + PIECE - 1) / PIECE;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), pieces), 1, [&](int64_t, int64_t) {
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < pieces;) {
       int64_t a = k * PIECE, len = std::min(PIECE, n - a);
       range(pp + a, gp + a, mp + a, vp + a, pop + a, mop + a, vop + a, wp ? wp + a : nullptr, len, c, state,
-            stream_copy);
+            stream_copy, ahead);
     }
   });
 }
