@@ -29,8 +29,8 @@ MODES = [  # (label, into_copies, stores)
     ("into copies, state streamed", True, kernel.STREAM_STATE),
     ("into copies, all streamed", True, kernel.STREAM_STATE | kernel.STREAM_COPY),
     # software prefetch of master, gradient and moments N blocks (256 B of each) ahead
-    *((f"in place, copy streamed, prefetch {n}", False, kernel.STREAM_COPY | n << 8) for n in (4, 16, 64)),
-    ("into copies, all streamed, prefetch 16", True, kernel.STREAM_STATE | kernel.STREAM_COPY | 16 << 8),
+    *((f"in place, copy streamed, prefetch {n}", False, kernel.STREAM_COPY | kernel.prefetch(n)) for n in (4, 16, 64)),
+    ("into copies, all streamed, prefetch 16", True, kernel.STREAM_STATE | kernel.STREAM_COPY | kernel.prefetch(16)),
 ]
 
 

@@ -70,8 +70,9 @@ class HostAdamW:
         self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
         self.kernel = kernel.wanted(cfg.host_kernel)  # None: torch's fused kernel
         # the one-pass kernel's streamed stores: the new state into copies, and the bf16 copy (no read for
-        # ownership of its lines: 2 B of a parameter's 32 through DRAM; bench/results/*-copy-stores-ab8k.md)
-        self.stores = kernel.STREAM_STATE | kernel.STREAM_COPY
+        # ownership of its lines: 2 B of a parameter's 32 through DRAM; bench/results/*-copy-stores-ab8k.md);
+        # and its software prefetch (optim.kernel.AHEAD)
+        self.stores = kernel.STREAM_STATE | kernel.STREAM_COPY | kernel.prefetch(kernel.AHEAD)
         self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 

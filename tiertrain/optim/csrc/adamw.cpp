@@ -5,7 +5,8 @@
 // master and moments are computed from the old ones and stored once. Lines that are only written (the state
 // into other buffers, the bf16 copy) take non-temporal stores where asked (`stores`): no read for
 // ownership, so an update into copies moves the bytes of one in place, 16 read and 12 written per
-// parameter, and the copy 2 more. Threads take pieces of the range one at a time (see adamw()).
+// parameter, and the copy 2 more. Threads take pieces of the range one at a time (see adamw()). Where
+// asked, each block prefetches the inputs some blocks ahead: the cores' own prefetchers stop at 4 KiB pages.
 //
 // The arithmetic is torch.optim.AdamW's (decoupled weight decay, bias correction, the gradient divided by
 // grad_scale when given), one IEEE operation at a time: built with -ffp-contract=off, so a parameter gets
@@ -28,7 +29,7 @@ constexpr int64_t BLOCK = 64;  // elements: four cache lines of each array
 constexpr int64_t LINE = 64;   // bytes
 constexpr int64_t PIECE = 1 << 16;  // elements a thread takes at a time: 256 KiB of each fp32 array
 constexpr int64_t STREAM_STATE = 1, STREAM_COPY = 2;  // `stores`: which outputs take streamed stores
-constexpr int64_t PREFETCH_SHIFT = 8;  // `stores` >> 8: software prefetch distance in blocks (0: none)
+constexpr int64_t PREFETCH_SHIFT = 8;  // `stores` >> 8: software prefetch distance in blocks (0: none; optim.kernel.AHEAD)
 
 inline uint16_t bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN: the quiet NaN)
   if (std::isnan(f)) return 0x7FC0;
@@ -130,7 +131,8 @@ void check(const torch::Tensor& t, const torch::Tensor& like, const char* name) 
 // master, grad, exp_avg, exp_avg_sq: the state read; *_out: where the new master and moments go (the
 // same tensors for in place); w: the bf16 copy of the new master, rounded in the same pass (empty: none).
 // step: the step number (bias correction); grad_scale 0: none; stores: STREAM_STATE | STREAM_COPY, which
-// outputs are written with streamed (non-temporal) stores where their alignment allows.
+// outputs are written with streamed (non-temporal) stores where their alignment allows, and above bit
+// PREFETCH_SHIFT how many blocks ahead the inputs are prefetched.
 void adamw(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor po, torch::Tensor mo,
            torch::Tensor vo, torch::Tensor w, double lr, double beta1, double beta2, double weight_decay, double eps, double step,
            double grad_scale, int64_t stores) {
