@@ -50,7 +50,8 @@ def _kernel():
 
 
 @pytest.mark.parametrize("scale", [0.0, 3.0])
-@pytest.mark.parametrize("stores", [0, 1, 2, 3])  # which outputs take streamed stores (kernel.STREAM_*)
+# which outputs take streamed stores (kernel.STREAM_*), and a prefetch (16 blocks: the runtime's; 4096: past the end)
+@pytest.mark.parametrize("stores", [0, 1, 2, 3, 3 | 16 << 8, 4096 << 8])
 @pytest.mark.parametrize("offset,w_offset", [(0, 0), (3, 3), (0, 5)])  # elements off their cache lines
 def test_one_pass_kernel_in_place_and_into_copies(scale, stores, offset, w_offset):
     """tiertrain's host AdamW kernel, with and without streamed stores and however its outputs sit in
@@ -83,6 +84,9 @@ def test_one_pass_kernel_in_place_and_into_copies(scale, stores, offset, w_offse
     alone = [t.clone() for t in (p, m, v)]  # no copy to write
     ext.adamw(alone[0], g, alone[1], alone[2], *alone, torch.empty(0, dtype=torch.bfloat16), *args)
     assert all(torch.equal(a, b) for a, b in zip(alone, inplace))
+    plain = [t.clone() for t in (p, m, v)]  # neither streamed stores nor prefetch change a bit
+    ext.adamw(plain[0], g, plain[1], plain[2], *plain, torch.empty(0, dtype=torch.bfloat16), *args[:-1], 0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, inplace))
 
 
 def test_host_kernels_agree_and_copies_match_in_place():
