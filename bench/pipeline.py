@@ -44,6 +44,9 @@ TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam":
              "tiertrain-auto-res6": ("auto", "auto", 6.0, -1, -1),
              # and 10 GB: at 8k about all a third of the all-in-GPU run's peak (17.2 GB) leaves room for
              "tiertrain-auto-res10": ("auto", "auto", 10.0, -1, -1),
+             # with 14 or 16 units speculated whatever the plan says (the planner's check at 8k)
+             "tiertrain-auto-res6-spec14": ("auto", "auto", 6.0, -1, 14, -1),
+             "tiertrain-auto-res6-spec16": ("auto", "auto", 6.0, -1, 16, -1),
              # the same with the GPU updates as their weights load (as before they could be speculated)
              "tiertrain-auto-res6-fwdgpu": ("auto", "auto", 6.0, -1, -1, 0),
              # and with them speculated in the backward pass whatever the plan says
