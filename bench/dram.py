@@ -23,15 +23,20 @@ def step_bytes(row: dict) -> float:
     return (row["h2d_gb"] + row["d2h_gb"]) * 1e9 + row["host_adam_params"] * adam_bytes(row)
 
 
+def reached_rate(row: dict) -> float:
+    """Params/s the step's own host updates after the norm reached (its timeline's upd_gparams_s; 0: none)."""
+    return (row.get("timeline") or {}).get("upd_gparams_s", 0.0) * 1e9
+
+
 def adam_rate(row: dict, probe: dict) -> tuple[float, bool]:
     """(params/s, taken from the step) of the host AdamW ceiling for a row's variant (fp32 stream: no bf16
     copy): the probe's rate, or the rate the step's own updates after the norm reached (its timeline's
     upd_gparams_s: the same kernel and variant, in place, beside the forward pass's copies) where that is
     higher. A ceiling is at least what was reached: the probe runs minutes away from the step, on a host
-    whose DRAM other tenants share (it read 4.1-5.7 G params/s on one day)."""
+    whose DRAM other tenants share (it read 3.7-5.9 G params/s on one day)."""
     fp32 = "fp32 stream" in row["system"]
     probed = probe.get("host_adam_fp32_stream_params_per_s" if fp32 else "host_adam_params_per_s", 0.0)
-    reached = (row.get("timeline") or {}).get("upd_gparams_s", 0.0) * 1e9
+    reached = reached_rate(row)
     return max(probed, reached), reached > probed
 
 
@@ -39,8 +44,7 @@ def dram_rate(row: dict, probe: dict) -> float:
     """The host DRAM ceiling, bytes/s: the AdamW kernel's own traffic, at the probe's fp32 rate or at the
     rate the step's updates reached (adam_rate), whichever moved more."""
     probed = probe.get("host_adam_fp32_stream_params_per_s", 0.0) * ADAM_BYTES
-    reached = (row.get("timeline") or {}).get("upd_gparams_s", 0.0) * 1e9 * adam_bytes(row)
-    return max(probed, reached)
+    return max(probed, reached_rate(row) * adam_bytes(row))
 
 
 def table(rows: list[dict], probe: dict) -> list[str]:
