@@ -15,7 +15,7 @@ from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.optim.adamw import OptimizerThread
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import Budgets, _layouts, evaluate, plan
+from tiertrain.plan.planner import SPEC_MARGIN, Budgets, _layouts, evaluate, plan
 from tiertrain.tiers.placement import RING_SLOTS, alternate_from_last, gpu_updated
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
@@ -263,6 +263,31 @@ def test_planner_balances_the_speculated_units():
     few = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
                advise=False, gpu_updates=0)
     assert few.fits and 0 < few.speculated < 28 and few.host_fixed["update copies"] <= 2e9
+
+
+def test_planner_queues_more_than_the_backward_pass_has_room_for():
+    """llama-3b at 8k tokens (reference H200, a bf16 copy streamed): the backward pass's DRAM has room for
+    some of the host's updates. Those queued beyond it run after the norm (the runtime starts none after
+    it), so more never lengthen the plan's step; the plan queues SPEC_MARGIN times the least number that
+    gives its shortest step (the host's rate varies between runs), at the same predicted step."""
+    spec = load_config("llama-3b").model
+    args = (spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=200), REFERENCE)
+    steps = [evaluate(*args, speculate=n, gpu_updates=0).step_s for n in range(29)]
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))
+    least = next(n for n, s in enumerate(steps) if s <= min(steps) * (1 + 1e-9))
+    assert 0 < least < 20 and steps[0] > min(steps) * 1.1
+    auto = evaluate(*args, gpu_updates=0)
+    numels = _layouts(spec)
+    params = [sum(numels[u] for u in alternate_from_last(list(range(len(numels))), n)) for n in range(29)]
+    assert params[auto.speculated - 1] < SPEC_MARGIN * params[least] <= params[auto.speculated]
+    assert auto.step_s == pytest.approx(min(steps))
+    # all queued: the backward pass takes what it has room for, in its time, the rest after the norm
+    every = evaluate(*args, speculate=28, gpu_updates=0)
+    t, bwd = every.times, every.times["compute bwd"]
+    assert t["host DRAM bwd"] == pytest.approx(bwd) and t["host AdamW bwd"] < bwd
+    rate = REFERENCE.host_adam_copy_params_per_s / REFERENCE.adam_contention
+    done = t["host AdamW bwd"] * rate * REFERENCE.out_of_place
+    assert (t["host AdamW"] * rate + done) == pytest.approx(sum(numels))
 
 
 def test_planner_speculates_gpu_updates_in_the_backward_pass():

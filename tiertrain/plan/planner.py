@@ -12,8 +12,9 @@ layout and spill policy, and the schedule's cost model (docs/performance.md):
 The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
 forward pass and take their parameters off the host AdamW; by default the plan takes the number of
 them that gives the shortest step. A speculative update (optim.speculate_units) moves the host AdamW of
-units in RAM (every other one from the last first) into the backward pass, at hw.out_of_place its rate when it writes copies (clipping on):
-the plan takes the number that balances the two phases best, for the steps whose norm does not clip.
+units in RAM (every other one from the last first) into the backward pass, at hw.out_of_place its rate when it writes copies (clipping on),
+as many as that pass has room for (the runtime runs the others after the norm): the plan takes SPEC_MARGIN
+times the number that balances the two phases best, for the steps whose norm does not clip.
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ from .hardware import HardwareSpec
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
+# the plan speculates this many times the parameters it finds room for in the backward pass: the host's
+# rate varies 10-15% between runs (bench/results/2026-11-23-H200-llama3b-8k-floor-recheck.md), and the
+# runtime runs those it has not started by the norm with the others after it, so more cost only the copies'
+# host memory (at 8k 16 units ran 3% faster than the 12 that balanced the plan: ...-spec-count-8k.md)
+SPEC_MARGIN = 1.25
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 
 
@@ -199,6 +205,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
             short = copies[min(speculate, len(host))] - room
             continue
         for _, c in [step(min(speculate, len(host)))] if speculate is not None else _least(step, fit):
+            if speculate is None and c[5]:  # a margin: the step is the same, and the host may be faster
+                params = [sum(numels[u] for u in host[:n]) for n in range(fit + 1)]
+                c = step(next((n for n in range(c[5], fit + 1) if params[n] >= SPEC_MARGIN * params[c[5]]), fit))[1]
             if best is None or c[1] + c[2] < (best[1] + best[2]) * (1 - 1e-9):
                 best = c
     if best is None and short is not None:
@@ -270,8 +279,9 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
 def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int, copies: bool, ck_bytes: int,
            kb: dict[str, int], hw: HardwareSpec, gpu_early: bool = False) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
-    `on_gpu` parameters updated on the GPU and `early` updated on the host during the backward pass
-    (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM traffic).
+    `on_gpu` parameters updated on the GPU and `early` queued for the host during the backward pass
+    (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM
+    traffic), as many as that pass has room for (the rest after the norm: "host AdamW" counts them).
     `gpu_early`: the GPU updates are speculated too, in the backward pass, their state's copies with it
     (the gradient is already there; the kept master streams in the next forward pass like the others)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
@@ -285,9 +295,20 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
     h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
     h2d_bwd = sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io + 12 * bwd_gpu
     d2h_bwd = 4 * sum(numels) + 12 * bwd_gpu
-    on_host = sum(numels) - on_gpu - early
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
-    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
+    compute = T * F / rate
+    bwd = max(compute, h2d_bwd / (hw.h2d_gbs * 1e9), d2h_bwd / (hw.d2h_gbs * 1e9),
+              disk_time(p.nvme_bwd_reads, bwd_writes, hw),
+              (h2d_bwd + d2h_bwd) / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9))
+    # of the `early` parameters, those the host gets through within the backward pass: at its rate into
+    # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
+    # (OptimizerThread.start): those left run after it with the others
+    spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
+    spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
+    room = min(bwd * spec_rate, max(0.0, bwd * hw.host_dram_gbs * 1e9 - h2d_bwd - d2h_bwd) / spec_bytes)
+    queued, early = early, min(early, room)
+    on_host = sum(numels) - on_gpu - early
+    t = {"compute fwd": compute / 3, "compute bwd": compute,
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
@@ -296,18 +317,15 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
          "PCIe both bwd": (h2d_bwd + d2h_bwd)
          / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
          "host AdamW": on_host / adam_rate * hw.adam_contention,
-         "host AdamW bwd": early / (adam_rate * (hw.out_of_place if copies else 1.0)) * hw.adam_contention,
+         "host AdamW bwd": early / spec_rate,
          # the copies and the host AdamW share the host's DRAM
          "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / (hw.host_dram_gbs * 1e9),
-         "host DRAM bwd": (h2d_bwd + d2h_bwd + (adam_bytes + hw.out_of_place_dram_bytes * copies) * early)
-         / (hw.host_dram_gbs * 1e9),
+         "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * early) / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
-    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"])
-    bwd = max(bwd, t["PCIe both bwd"])
-    if early or bwd_gpu:
-        bwd = max(bwd, t["host AdamW bwd"], t["host DRAM bwd"])
+    if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
+        bwd = max(bwd, t["host DRAM bwd"])
     update = max(t["host AdamW"], t["NVMe"])
     t["exposed update"] = max(0.0, update - fwd)
     return t, bwd, max(fwd, update)
