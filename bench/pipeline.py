@@ -109,8 +109,8 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
     S, V = cfg.train.seq_len, cfg.model.vocab_size
     auto = "the plan's choice: " if stream == "auto" else ""
     stream, activations, resident_gb = tr.cfg.tiers.stream, tr.cfg.tiers.activations, tr.cfg.tiers.gpu_resident_gb
-    host_params = sum(lay.numel for u, lay in enumerate(tr.layouts)
-                      if tr.where[(u, "master")] != "gpu" and u not in tr.deferred)
+    host = [u for u in range(len(tr.layouts)) if tr.where[(u, "master")] != "gpu" and u not in tr.deferred]
+    host_params = sum(tr.layouts[u].numel for u in host)
     rows = []
     for B in a.batches:
         before = (tr.optim.kept, tr.optim.redone)
@@ -138,7 +138,8 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
                          gpu_speculated=len(tr.optim.gpu_early),
                          kept=tr.optim.kept - before[0], redone=tr.optim.redone - before[1],
                          pred_step_s=tr.plan.step_s if tr.plan and B == cfg.train.batch_size else None,
-                         timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts]), timeline_events=ev,
+                         timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
+                         timeline_events=ev, host_units=host,
                          **med))
     tr.close()
     return rows
@@ -289,7 +290,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
     lines += ["", "## tiertrain against baselines and its floor", "",
               "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate), with "
               "the AdamW rate of the variant (fp32 stream: no bf16 rounding): the probe's, or, marked *, the rate "
-              "the step's own updates after the norm reached where higher (a ceiling is at least what was reached; "
+              "the step's own host updates after the norm reached where higher (resident units' GPU updates left out) (a ceiling is at least what was reached; "
               "'AdamW G/s'); "
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
@@ -396,6 +397,14 @@ def main() -> None:
         a.batches, a.micro, a.warmup, a.steps = rec["args"]["batches"], rec["args"]["micro"], rec["args"]["warmup"], rec["args"]["steps"]
         a.grad_clip = rec["args"].get("grad_clip", 1.0)
         sys.argv = rec["args"]["argv"]
+        from tiertrain.config import load_config
+        from tiertrain.plan.planner import _layouts
+
+        numels = _layouts(load_config(a.config).model)
+        for r in rec["rows"]:  # the summary as the current code makes it, from the recorded marks
+            host = timeline.host_units(r, numels) if r.get("timeline_events") else None
+            if host is not None:
+                r["timeline"] = timeline.summarize(r["timeline_events"], numels, host)
         text = report(a, rec["probe"], rec["rows"], rec["errors"], rec["date"])
         Path(a.from_json).with_suffix(".md").write_text(text)
         return print(text)

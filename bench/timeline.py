@@ -43,14 +43,16 @@ def _jobs(events: list, prefix: str, lo: float, hi: float) -> list[tuple[int, fl
     return out
 
 
-def summarize(events: list, numels: list[int]) -> dict[str, float]:
-    """Medians over the steps whose update ran within the log (see the module's docstring)."""
+def summarize(events: list, numels: list[int], host: set[int] | None = None) -> dict[str, float]:
+    """Medians over the steps whose update ran within the log (see the module's docstring), of the updates
+    of the `host` units (None: all). The worker also runs the updates of resident units, on the GPU, in a
+    millisecond or two: counted, they would pass for a host AdamW many times faster than it is."""
     steps, backs, norms = _marks(events, "step"), _marks(events, "backward"), _marks(events, "norm")
     per: dict[str, list[float]] = {k: [] for k in FIELDS}
     for k in range(min(len(steps), len(backs), len(norms)) - 1):
         b, n, s1, b1 = backs[k], norms[k], steps[k + 1], backs[k + 1]
-        spec = _jobs(events, "spec ", b, b1)
-        upd = _jobs(events, "", n, b1)
+        spec, upd = ([j for j in _jobs(events, kind, lo, b1) if host is None or j[0] in host]
+                     for kind, lo in (("spec ", b), ("", n)))
         waits = [t for e, _, t in events if e in ("wait", "waited") and s1 <= t <= b1]
         per["bwd_s"].append(n - b)
         busy = sum(d - g for _, _, g, d in spec)
@@ -65,6 +67,17 @@ def summarize(events: list, numels: list[int]) -> dict[str, float]:
         per["upd_end_s"].append(max(d for *_, d in upd) - s1 if upd else 0.0)
         per["fwd_wait_s"].append(sum(waits[1::2]) - sum(waits[0::2]))
     return {k: median(v) for k, v in per.items() if v}
+
+
+def host_units(row: dict, numels: list[int]) -> set[int] | None:
+    """The units a recorded tiertrain row's host updated: as recorded, or for rows from before, all but the
+    first units whose parameters are those it did not (its resident units: none of its rows had both
+    resident units and GPU updates then); None when that does not add up."""
+    if "host_units" in row:
+        return set(row["host_units"])
+    off = sum(numels) - row.get("host_adam_params", 0)
+    first = [sum(numels[:k]) for k in range(len(numels) + 1)]
+    return set(range(first.index(off), len(numels))) if off in first and not row.get("gpu_updates") else None
 
 
 def table(rows: list[dict]) -> list[str]:

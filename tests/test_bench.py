@@ -69,3 +69,27 @@ def test_adamw_ceiling_is_at_least_what_the_step_reached():
     cells = [ln.split(" | ") for ln in table([dict(row, timeline={"upd_gparams_s": 5.0})], probe)
              if ln.startswith("| tiertrain")]
     assert [c[5] for c in cells] == ["150"] and float(cells[0][6]) == pytest.approx(46 / 150, abs=1e-3)
+
+
+def test_timeline_rates_count_only_the_host_units():
+    """The worker also runs the resident units' updates (on the GPU, in a millisecond or two): the host
+    AdamW's rates and busy times leave them out, or the step's host AdamW would pass for several times
+    faster than it ran (the floor's ceiling takes the rate after the norm). Rows recorded before
+    `host_units` was: all but the first units whose parameters the host did not update."""
+    from bench.timeline import host_units, summarize
+
+    M = 100_000_000
+    ev = [("step", -1, 0.0), ("backward", -1, 0.1), ("spec job", 2, 0.1), ("spec grad", 2, 0.12),
+          ("spec done", 2, 0.17), ("norm", -1, 0.2), ("job", 0, 0.2), ("done", 0, 0.202),  # resident: 2 ms
+          ("job", 1, 0.202), ("grad", 1, 0.202), ("done", 1, 0.252), ("step", -1, 0.21),
+          ("backward", -1, 0.3), ("norm", -1, 0.4)]
+    numels = [M, M, M]
+    s, every = summarize(ev, numels, {1, 2}), summarize(ev, numels)
+    assert s["upd_gparams_s"] == pytest.approx(0.1 / 0.05) and s["upd_busy_s"] == pytest.approx(0.05)
+    assert s["upd_queued_s"] == pytest.approx(0.002) and s["spec_gparams_s"] == pytest.approx(2.0)
+    assert every["upd_gparams_s"] == pytest.approx(0.2 / 0.052)
+    assert host_units({"host_units": [2]}, numels) == {2}
+    assert host_units({"host_adam_params": 2 * M, "gpu_updates": 0}, numels) == {1, 2}
+    assert host_units({"host_adam_params": 3 * M}, numels) == {0, 1, 2}
+    assert host_units({"host_adam_params": M + 5}, numels) is None
+    assert host_units({"host_adam_params": M, "gpu_updates": 1}, numels) is None
