@@ -290,8 +290,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
     lines += ["", "## tiertrain against baselines and its floor", "",
               "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate), with "
               "the AdamW rate of the variant (fp32 stream: no bf16 rounding): the probe's, or, marked *, the rate "
-              "the step's own host updates after the norm reached where higher (resident units' GPU updates left out) (a ceiling is at least what was reached; "
-              "'AdamW G/s'); "
+              "the step's own host updates after the norm reached (resident units' GPU updates left out) where higher "
+              "(a ceiling is at least what was reached; 'AdamW G/s'); "
               "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
               "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
               "update can only overlap the next forward pass (speculated units' updates overlap the backward pass: "

@@ -298,19 +298,8 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
     h2d_bwd = sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io + 12 * bwd_gpu
     d2h_bwd = 4 * sum(numels) + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
-    compute = T * F / rate
-    bwd = max(compute, h2d_bwd / (hw.h2d_gbs * 1e9), d2h_bwd / (hw.d2h_gbs * 1e9),
-              disk_time(p.nvme_bwd_reads, bwd_writes, hw),
-              (h2d_bwd + d2h_bwd) / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9))
-    # of the `early` parameters, those the host gets through within the backward pass: at its rate into
-    # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
-    # (OptimizerThread.start): those left run after it with the others
-    spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
-    spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
-    room = min(bwd * spec_rate, max(0.0, bwd * hw.host_dram_gbs * 1e9 - h2d_bwd - d2h_bwd) / spec_bytes)
-    queued, early = early, min(early, room)
-    on_host = sum(numels) - on_gpu - early
-    t = {"compute fwd": compute / 3, "compute bwd": compute,
+    dram = hw.host_dram_gbs * 1e9
+    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
@@ -318,13 +307,21 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
          "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
          "PCIe both bwd": (h2d_bwd + d2h_bwd)
          / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
-         "host AdamW": on_host / adam_rate * hw.adam_contention,
-         "host AdamW bwd": early / spec_rate,
-         # the copies and the host AdamW share the host's DRAM
-         "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / (hw.host_dram_gbs * 1e9),
-         "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * early) / (hw.host_dram_gbs * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
+    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"])
+    # of the `early` parameters, those the host gets through within the backward pass: at its rate into
+    # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
+    # (OptimizerThread.start): those left run after it with the others
+    spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
+    spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
+    room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
+    queued, early = early, min(early, room)
+    on_host = sum(numels) - on_gpu - early
+    t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": early / spec_rate,
+          # the copies and the host AdamW share the host's DRAM
+          "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
+          "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * early) / dram}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
     if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
         bwd = max(bwd, t["host DRAM bwd"])
