@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 from ..model.spec import ModelSpec
 from ..tiers.placement import alternate_from_last, copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
@@ -192,6 +193,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         copies = [sum(copy_bytes(numels[u], host_cost) for u in gpu) if ge and clipping else 0]
         for u in host:
             copies.append(copies[-1] + (copy_bytes(numels[u], host_cost) if clipping else 0))
+        params = [0, *accumulate(numels[u] for u in host)]  # params[n]: parameters of the first n
         if copies[0] > room:
             short = copies[0] - room
             continue
@@ -208,7 +210,6 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
             continue
         for _, c in [step(min(speculate, len(host)))] if speculate is not None else _least(step, fit):
             if speculate is None and c[5]:  # a margin: the step is the same, and the host may be faster
-                params = [sum(numels[u] for u in host[:n]) for n in range(fit + 1)]
                 c = step(next((n for n in range(c[5], fit + 1) if params[n] >= SPEC_MARGIN * params[c[5]]), fit))[1]
             if best is None or c[1] + c[2] < (best[1] + best[2]) * (1 - 1e-9):
                 best = c
