@@ -13,9 +13,14 @@ ADAM_BYTES = 28  # per host-updated parameter, fp32 stream
 COPY_BYTES = 2   # and with a bf16 copy: written (streamed stores: its lines are not read first)
 
 
+def fp32_stream(row: dict) -> bool:
+    """A tiertrain row's variant streams the fp32 master (no host bf16 copy to write)."""
+    return "fp32 stream" in row["system"]
+
+
 def adam_bytes(row: dict) -> int:
     """Host DRAM bytes of one parameter's host AdamW in a tiertrain row's variant."""
-    return ADAM_BYTES + (0 if "fp32 stream" in row["system"] else COPY_BYTES)
+    return ADAM_BYTES + (0 if fp32_stream(row) else COPY_BYTES)
 
 
 def step_bytes(row: dict) -> float:
@@ -34,8 +39,7 @@ def adam_rate(row: dict, probe: dict) -> tuple[float, bool]:
     upd_gparams_s: the same kernel and variant, in place, beside the forward pass's copies) where that is
     higher. A ceiling is at least what was reached: the probe runs minutes away from the step, on a host
     whose DRAM other tenants share (it read 3.7-5.9 G params/s on one day)."""
-    fp32 = "fp32 stream" in row["system"]
-    probed = probe.get("host_adam_fp32_stream_params_per_s" if fp32 else "host_adam_params_per_s", 0.0)
+    probed = probe.get("host_adam_fp32_stream_params_per_s" if fp32_stream(row) else "host_adam_params_per_s", 0.0)
     reached = reached_rate(row)
     return max(probed, reached), reached > probed
 
