@@ -34,7 +34,7 @@ GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fra
 # runtime runs those it has not started by the norm with the others after it, so more cost only the copies'
 # host memory. llama-3b at 8k on H200s, where the plan finds room for 12: 14 and 16 ran 0.4% and 3% faster
 # than 12 in one call (bench/results/2026-11-23-H200-llama3b-spec-count-8k.md), and every run with 18-21
-# came within 1.14-1.29x its floor, against 1.25-1.45x for 12 (...-floor-host-units.md)
+# came within 1.14-1.29x its floor, against 1.20-1.50x for 12 (...-floor-host-units.md)
 SPEC_MARGIN = 1.5
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 
