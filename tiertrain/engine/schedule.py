@@ -108,8 +108,13 @@ class StepEngine:
 
         with clock.computing("backward"):
             emb = self.layouts[0].views(buf.acc(0))["embed_tokens.weight"]
-            for tok, g in zip(inputs, grads):  # index_put_ sorts: deterministic on CUDA, unlike index_add_
-                emb.index_put_((tok.reshape(-1),), g.reshape(-1, g.shape[-1]), accumulate=True)
+            for tok, g in zip(inputs, grads):
+                # one order of additions on either device: CUDA's index_put_ sorts (its index_add_ uses atomics),
+                # the CPU's index_add_ is serial (its index_put_ adds atomically on several threads)
+                if emb.is_cuda:
+                    emb.index_put_((tok.reshape(-1),), g.reshape(-1, g.shape[-1]), accumulate=True)
+                else:
+                    emb.index_add_(0, tok.reshape(-1), g.reshape(-1, g.shape[-1]))
         norms[0] = buf.drain(0)
         drained(0)
         return loss, norms
