@@ -60,6 +60,7 @@ class ModelSpec:
     initializer_range: float = 0.02
     model_type: str = "llama"
     _units: tuple[UnitSpec, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _counts: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)  # with _units
 
     # ---- derived shape ------------------------------------------------------------------------
     @property
@@ -135,16 +136,24 @@ class ModelSpec:
         return tuple(units)
 
     # ---- counts -------------------------------------------------------------------------------
+    def _count(self) -> tuple[int, int]:
+        """(n_params, n_matmul_params), counted once: the planner asks for them in every candidate."""
+        if self._counts is None or self._units is None:
+            units = self.units()
+            matmul = sum(u.numel for u in units if u.kind != "embed")
+            self._counts = (sum(u.numel for u in units),
+                            matmul + (self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0))
+        return self._counts
+
     @property
     def n_params(self) -> int:
         """Trainable parameters; a tied embedding counts once."""
-        return sum(u.numel for u in self.units())
+        return self._count()[0]
 
     @property
     def n_matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: all but the embedding lookup."""
-        n = sum(u.numel for u in self.units() if u.kind != "embed")
-        return n + (self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0)
+        return self._count()[1]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls with weights, plus causal attention

@@ -18,6 +18,8 @@ times the number that balances the two phases best, for the steps whose norm doe
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
@@ -36,6 +38,8 @@ GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fra
 # than 12 in one call (bench/results/2026-11-23-H200-llama3b-spec-count-8k.md), and every run with 18-21
 # came within 1.14-1.29x its floor, against 1.20-1.50x for 12 (...-floor-host-units.md)
 SPEC_MARGIN = 1.5
+GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
+LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 
 
@@ -106,7 +110,12 @@ class Plan:
 
 
 def _layouts(spec: ModelSpec) -> list[int]:
-    return [SlabLayout.build([(t.name, t.shape) for t in u.tensors]).numel for u in spec.units()]
+    return [_slab_numel(tuple((t.name, t.shape) for t in u.tensors)) for u in spec.units()]
+
+
+@functools.lru_cache(maxsize=256)  # blocks share their table: a deep model builds one layout, not thousands
+def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
+    return SlabLayout.build(list(tensors)).numel
 
 
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
@@ -177,32 +186,34 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         return p
 
     # ---- time, for each number of units updated on the GPU that fits, speculating or not ----
+    reloaded = _reloaded(len(numels))
+    sums = (sum(numels), sum(numels[reloaded.start:reloaded.stop]))  # what crosses PCIe forward, backward
     in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
     cands = in_ram if "weights" not in kb else []
     room = host_budget - sum(p.host_bytes.values()) - ring - host_ck
     best, short = None, None
-    for k, ge in [(k, ge) for k in (range(len(cands) + 1) if gpu_updates < 0 else [min(gpu_updates, len(cands))])
+    for k, ge in [(k, ge) for k in (_counts(len(cands)) if gpu_updates < 0 else [min(gpu_updates, len(cands))])
                   for ge in ((False, True) if k and speculate_gpu is None else (bool(k and speculate_gpu),))]:
         gpu = gpu_updated(cands, k, ge)
         sets = 2 * 16 * max((numels[u] for u in gpu), default=0)  # two (master, grad, moments) sets
         if p.gpu_total + sets > gpu_budget:
             continue
         # units the host updates from RAM, in the order the speculated ones are taken
-        host = alternate_from_last([u for u in in_ram if u not in gpu], len(in_ram))
+        on_gpu_set = set(gpu)
+        host = alternate_from_last([u for u in in_ram if u not in on_gpu_set], len(in_ram))
         # copies[n]: host bytes of the copies of the first n, after those of the GPU updates if speculated
-        copies = [sum(copy_bytes(numels[u], host_cost) for u in gpu) if ge and clipping else 0]
-        for u in host:
-            copies.append(copies[-1] + (copy_bytes(numels[u], host_cost) if clipping else 0))
+        first = sum(copy_bytes(numels[u], host_cost) for u in gpu) if ge and clipping else 0
+        copies = [*accumulate((copy_bytes(numels[u], host_cost) if clipping else 0 for u in host), initial=first)]
         params = [0, *accumulate(numels[u] for u in host)]  # params[n]: parameters of the first n
         if copies[0] > room:
             short = copies[0] - room
             continue
         fit = max(n for n in range(len(copies)) if copies[n] <= room)
 
+        on_gpu = sum(numels[u] for u in gpu)
+
         def step(n: int):
-            t, bwd, fwd = _times(spec, p, numels, sum(numels[u] for u in gpu),
-                                 sum(numels[u] for u in host[:n]), clipping, ck_bytes, kb, hw,
-                                 gpu_early=ge)
+            t, bwd, fwd = _times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_early=ge)
             return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n], ge)
 
         if speculate is not None and copies[min(speculate, len(host))] > room:
@@ -229,7 +240,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.clipped_times, p.clipped_step_s = t, p.step_s
     if clipping and (p.speculated or p.gpu_speculated):
         on_gpu = sum(numels[u] for u in gpu_updated(cands, p.gpu_updates, p.gpu_speculated))
-        ct, cb, cf = _times(spec, p, numels, on_gpu, 0, clipping, ck_bytes, kb, hw)
+        ct, cb, cf = _times(spec, p, sums, on_gpu, 0, clipping, ck_bytes, kb, hw)
         p.clipped_times, p.clipped_step_s = ct, cb + cf
     # what limits each phase: the backward pass, then the forward pass with the update beside it
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
@@ -243,6 +254,13 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.model_tflops = F * T / p.step_s / 1e12
     p.fits, p.why = True, "fits"
     return p
+
+
+def _counts(n: int) -> list[int]:
+    """The numbers of GPU-updated units the search tries: each of 0..n up to GPU_UPDATE_COUNTS units, evenly
+    spaced counts for deeper models (each try costs O(units): thousands of layers must still plan in seconds)."""
+    most = max(16, min(GPU_UPDATE_COUNTS, 50_000 // max(n, 1)))
+    return list(range(n + 1)) if n <= GPU_UPDATE_COUNTS else sorted({round(i * n / most) for i in range(most + 1)})
 
 
 def _least(f, hi: int) -> list:
@@ -279,7 +297,7 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
     return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
 
 
-def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int, copies: bool, ck_bytes: int,
+def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, early: int, copies: bool, ck_bytes: int,
            kb: dict[str, int], hw: HardwareSpec, gpu_early: bool = False) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
     `on_gpu` parameters updated on the GPU and `early` queued for the host during the backward pass
@@ -295,9 +313,10 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
     fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_early else (on_gpu, 0)
-    h2d_fwd, d2h_fwd = sw * sum(numels) + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
-    h2d_bwd = sw * sum(numels[u] for u in _reloaded(len(numels))) + host_ck_io + 12 * bwd_gpu
-    d2h_bwd = 4 * sum(numels) + 12 * bwd_gpu
+    streamed, reloaded = sums
+    h2d_fwd, d2h_fwd = sw * streamed + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
+    h2d_bwd = sw * reloaded + host_ck_io + 12 * bwd_gpu
+    d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     dram = hw.host_dram_gbs * 1e9
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
@@ -318,7 +337,7 @@ def _times(spec: ModelSpec, p: Plan, numels: list[int], on_gpu: int, early: int,
     spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
     room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
     queued, early = early, min(early, room)
-    on_host = sum(numels) - on_gpu - early
+    on_host = streamed - on_gpu - early
     t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": early / spec_rate,
           # the copies and the host AdamW share the host's DRAM
           "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
@@ -408,14 +427,19 @@ def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> lis
 
 
 def _largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
-    """The most decoder layers of this shape that still fit the budgets (binary search)."""
+    """The most decoder layers of this shape that still fit the budgets (binary search, up to
+    LARGEST_LAYERS). Memory alone decides, so each try plans the plan's micro-batch with nothing
+    speculated or updated on the GPU (what costs the least memory): a few candidates, O(layers) each."""
     def fits(n: int) -> bool:
         s = replace(spec, num_hidden_layers=n)
-        return plan(s, p.batch, p.seq_len, p.dtype, budgets, hw, micro=p.micro_batch, advise=False).fits
+        return any(evaluate(s, p.batch, p.seq_len, p.dtype, p.micro_batch, stream, acts,
+                            replace(budgets, resident_gb=p.resident_gb), hw, gpu_updates=0, speculate=0).fits
+                   for stream in {p.stream, "master"} for acts in ("gpu", "host"))
 
     lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
-    while fits(hi) and hi < 1 << 16:
+    while hi <= LARGEST_LAYERS and fits(hi):
         lo, hi = hi, hi * 2
+    hi = min(hi, LARGEST_LAYERS + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from .planner import Plan
+from .planner import LARGEST_LAYERS, Plan
 
 
 def _gb(n: float) -> str:
@@ -53,7 +53,8 @@ def to_markdown(p: Plan) -> str:
     if p.advice:
         out += ["## What would help most", ""] + [f"- {a}" for a in p.advice] + [""]
     if p.largest_layers:
-        out += [f"Largest model of this shape that fits these budgets: {p.largest_layers} layers, "
+        most = "at least " if p.largest_layers >= LARGEST_LAYERS else ""  # the search stops there
+        out += [f"Largest model of this shape that fits these budgets: {most}{p.largest_layers} layers, "
                 f"{p.largest_params / 1e9:.1f} B parameters.", ""]
     return "\n".join(out)
 

@@ -12,6 +12,8 @@ Pure Python: the planner uses it too.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Iterator
 
 SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
@@ -48,6 +50,7 @@ def host_state_bytes(numels: list[int], kb: dict[str, int], where, cost, skip=()
     return out
 
 
+@functools.lru_cache(maxsize=4096)  # the planner asks for every unit of every candidate: blocks share a size
 def copy_bytes(numel: int, cost) -> int:
     """Host bytes of one unit's copies for a speculative update: its fp32 master and moments."""
     return len(COPIED) * cost(numel * 4)
