@@ -6,8 +6,9 @@ format, step, resolved config, data position, RNG states, optimizer hyperparamet
 the units' sizes and tiertrain's version. Plain `zarr` reads it. Gradients are not saved: a step
 starts from zero gradients. The compute-dtype copy is not saved either: it is the master, rounded.
 
-A checkpoint is written under a hidden temporary name, every file and directory fsynced, then
-renamed: a crash at any point leaves either the whole checkpoint or none (the previous one intact).
+A checkpoint is written under a hidden temporary name (`.step_N.tmp`), every file and directory fsynced,
+renamed `.step_N.new` (whole), then `step_N` (a step saved again moves aside as `.step_N.old` first): a crash
+at any point leaves the previous checkpoints whole, and recover() finishes a swap it interrupted.
 zarr writes the metadata; the chunk files (the slab's bytes, then their CRC32C as 4 little-endian
 bytes: what zarr's crc32c codec reads) are written and read here, straight between the slab and the
 disk with direct I/O, checksummed in place: no encode or decode copies.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import json
 import os
 import re
 import shutil
@@ -31,9 +33,11 @@ import torch
 from . import __version__
 from .errors import UserError
 
-FORMAT = "tiertrain-checkpoint/1"
+FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
+FORMATS = (FORMAT, "tiertrain-checkpoint/1")
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 STEP = re.compile(r"step_(\d+)$")
+LEFT = re.compile(r"\.(step_\d+)\.(tmp|new|old)$")  # what a killed save leaves (see save and recover)
 
 Source = Callable[[int, str], AbstractContextManager[torch.Tensor]]
 _IO: list = []  # one POSIX direct-I/O pool, made on first use
@@ -103,8 +107,37 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve(arg: str, out: Path | None) -> Path:
-    """`latest` (the newest checkpoint of --out), a checkpoint directory, or a run directory (its newest)."""
+def recover(run_dir: Path) -> None:
+    """Finishes what a save killed mid-way left in the run's checkpoints/ (only the run's own process may call
+    this: it deletes a save's temporaries). `.step_N.tmp`: a write that may be partial, deleted (the
+    checkpoints before it stand). `.step_N.new`: whole (named so only after its fsync), and the newest of its
+    step: it becomes step_N. `.step_N.old`: the step_N a re-save was replacing: deleted once step_N exists,
+    else it is step_N again."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return
+    left = sorted((("tmp", "new", "old").index(m.group(2)), m.group(1), p)
+                  for p in d.iterdir() if (m := LEFT.match(p.name)))
+    for _, name, p in left:
+        final, old = d / name, d / f".{name}.old"
+        if p.name.endswith(".tmp"):
+            shutil.rmtree(p)
+        elif p.name.endswith(".new"):
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
+            os.rename(p, final)
+        elif final.exists():
+            shutil.rmtree(p)
+        else:
+            os.rename(p, final)
+    if left:
+        _fsync(d)
+
+
+def resolve(arg: str, out: Path | None, recover_run: bool = False) -> Path:
+    """`latest` (the newest checkpoint of --out), a checkpoint directory, or a run directory (its newest).
+    `recover_run`: first finish a save that was killed in the run (the caller is the run's own process)."""
     if arg == "latest":
         if out is None:
             raise CheckpointError("--resume latest needs --out DIR, the run to continue")
@@ -116,6 +149,8 @@ def resolve(arg: str, out: Path | None) -> Path:
         run = p
     if not run.is_dir():
         raise CheckpointError(f"{run} does not exist; pass the run directory or a checkpoint to --resume")
+    if recover_run:
+        recover(run)
     found = checkpoints(run)
     if not found:
         raise CheckpointError(f"{run} holds no checkpoint (checkpoints/step_N); nothing to resume")
@@ -145,10 +180,13 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
     from zarr.codecs import Crc32cCodec
 
     path = Path(path)
-    tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a write that was killed
-    attrs = {"format": FORMAT, "tiertrain_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             "kinds": list(KINDS), "numels": list(numels), **meta}
+    tmp, new, old = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new", "old"))
+    if path.parent.is_dir():
+        recover(path.parent.parent)  # a save of this run killed before: finished first
+    attrs = json.loads(json.dumps({"format": FORMAT, "tiertrain_version": __version__,
+                                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                   "kinds": list(KINDS), "numels": list(numels), **meta}))
+    attrs[ATTRS_CRC] = _attrs_crc(attrs)
     try:
         tmp.parent.mkdir(parents=True, exist_ok=True)
         g = zarr.open_group(tmp, mode="w-", attributes=attrs)
@@ -167,10 +205,11 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
         with ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
             list(pool.map(write, sorted(arrays)))
         _fsync_tree(tmp)
+        os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
+        _fsync(path.parent)
         if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
-            shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
-        os.rename(tmp, path)
+        os.rename(new, path)
         _fsync(path.parent)
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
@@ -195,14 +234,38 @@ def read_meta(path: Path) -> dict:
         meta = dict(zarr.open_group(path, mode="r").attrs)
     except Exception as e:  # noqa: BLE001 - any unreadable group
         raise CheckpointError(f"{path} is an unreadable checkpoint ({e}); resume from another one") from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in FORMATS:
         raise CheckpointError(f"{path} is not a tiertrain checkpoint (format {meta.get('format')!r})")
+    if meta["format"] == FORMAT and meta.pop(ATTRS_CRC, None) != _attrs_crc(meta):
+        raise CheckpointError(f"{path} is corrupt: its attributes (zarr.json) fail their checksum, were they "
+                              "edited? Resume from another checkpoint")
+    bad = [k for k, ok in _SCHEMA.items() if not ok(meta.get(k))]
+    if bad:
+        raise CheckpointError(f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; resume from "
+                              "another checkpoint")
     for kind in meta["kinds"]:
         for u in range(len(meta["numels"])):
             if not _chunk(path, kind, u).is_file():
                 raise CheckpointError(f"{path} is corrupt: chunk {kind}/{u} is missing; resume from another "
                                       "checkpoint")
     return meta
+
+
+ATTRS_CRC = "attributes_crc32c"
+_SCHEMA = {  # what restore, resume and export read from the attributes
+    "step": lambda v: isinstance(v, int) and v >= 0,
+    "config": lambda v: isinstance(v, dict) and isinstance(v.get("model"), dict),
+    "kinds": lambda v: isinstance(v, list) and sorted(v) == sorted(KINDS),
+    "numels": lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, int) and n > 0 for n in v),
+    "rng": lambda v: isinstance(v, dict) and isinstance(v.get("torch"), str),
+    "optimizer": lambda v: isinstance(v, dict) and isinstance(v.get("step_count"), int),
+}
+
+
+def _attrs_crc(attrs: dict) -> int:
+    import google_crc32c
+
+    return google_crc32c.value(json.dumps(attrs, sort_keys=True).encode())
 
 
 def load(path: Path, kind: str, unit: int, out: torch.Tensor) -> None:
