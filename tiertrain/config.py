@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -201,19 +202,20 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
         ok = isinstance(value, bool)
     elif base is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-    elif base is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif base is float:  # inf and nan are TOML literals, and no setting means them
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         value = float(value) if ok else value
     elif base is str:
         ok = isinstance(value, str)
     elif base is list:
-        ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                             and math.isfinite(v) for v in value)
         value = [float(v) for v in value] if ok else value
     elif base is dict:
         ok = isinstance(value, dict)
     if not ok:
-        want = {bool: "true or false", int: "an integer", float: "a number", str: "a quoted string",
-                list: "a list of numbers", dict: "a table like {key = value}"}[base]
+        want = {bool: "true or false", int: "an integer", float: "a finite number", str: "a quoted string",
+                list: "a list of finite numbers", dict: "a table like {key = value}"}[base]
         raise ConfigError(f"{section}.{key} must be {want} (got {_show(value)}); "
                           f"fix it in the config file or with --set {section}.{key}=...")
     return value
@@ -264,9 +266,14 @@ def resolve_path(path: str | None) -> Path:
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     src = resolve_path(path)
     try:
-        data = tomllib.loads(src.read_text())
+        data = tomllib.loads(src.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{src} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8, as TOML "
+                          "requires") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {src}: {e.strerror}") from None
     return config_from_dict(data, overrides, str(src))
 
 

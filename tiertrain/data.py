@@ -37,8 +37,9 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
     if p.suffix == ".npy":
         try:
             arr = np.load(p, mmap_mode="r", allow_pickle=False)
-        except ValueError as e:
-            raise DataError(f"{p} is not a readable .npy array ({e}); rewrite it with numpy.save") from None
+        except (ValueError, EOFError, OSError) as e:  # an empty file is an EOFError
+            raise DataError(f"{p} is not a readable .npy array ({e or 'empty file'}); rewrite it with "
+                            "numpy.save") from None
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise DataError(f"{p} holds a {arr.ndim}-D {arr.dtype} array; it must be 1-D integer token ids")
         return arr
@@ -104,6 +105,21 @@ class Loader:
                             f"{seq_len + 1}, fewer than one batch of train.batch_size = {batch_size} rows "
                             f"({batch_size * seq_len + 1} tokens); use a longer file or lower those settings")
         self._perm: tuple[int, np.ndarray] | None = None
+        self._check_ids()
+
+    def _check_ids(self, block: int = 1 << 26) -> None:
+        """Every id of the file in [0, vocab): checked once, a block at a time (a pass over a memory map),
+        so a bad id stops the run before anything is allocated, not at the step that reaches it."""
+        lo, hi = 0, 0
+        for a in range(0, len(self.tokens), block):
+            part = np.asarray(self.tokens[a:a + block])
+            lo, hi = min(lo, int(part.min())), max(hi, int(part.max()))
+        if lo < 0:
+            raise DataError(f"{self.name} holds a negative token id ({lo}); token ids are 0 to model.vocab_size - 1: "
+                            "re-tokenize the data")
+        if hi >= self.V:
+            raise DataError(f"{self.name} holds token id {hi}, not below model.vocab_size = {self.V}; raise "
+                            "model.vocab_size or tokenize with a matching tokenizer")
 
     def _row(self, sample: int) -> int:
         epoch, r = divmod(sample, self.rows)
@@ -118,10 +134,6 @@ class Loader:
         S = self.S
         rows = [self._row(step * self.B + j) for j in range(self.B)]
         block = np.stack([np.asarray(self.tokens[r * S:r * S + S + 1], dtype=np.int64) for r in rows])
-        top = int(block.max())
-        if top >= self.V or int(block.min()) < 0:
-            raise DataError(f"{self.name} holds token id {top}, not below model.vocab_size = {self.V}; "
-                            "raise model.vocab_size or tokenize with a matching tokenizer")
         return block[:, :-1], block[:, 1:]
 
 
@@ -157,7 +169,11 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> tuple[
             raise DataError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from None
         if not Path(tokenizer).is_file():
             raise DataError(f"tokenizer file {tokenizer!r} not found; pass a Hugging Face tokenizer.json")
-        tok = Tokenizer.from_file(tokenizer)
+        try:
+            tok = Tokenizer.from_file(tokenizer)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception for a file it cannot parse
+            raise DataError(f"{tokenizer} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
+                            "pass the tokenizer.json of a tokenizers / transformers model") from None
         vocab = tok.get_vocab_size(with_added_tokens=True)
 
         def chunks():

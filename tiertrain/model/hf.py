@@ -45,6 +45,9 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     if not d.is_dir():
         raise HFError(f"--init-from {d}: not a directory; pass a local Hugging Face model directory")
     c = _read_json(d / "config.json", "--init-from needs a Hugging Face model directory with config.json")
+    if not isinstance(c, dict):
+        raise HFError(f"{d}/config.json holds a JSON {type(c).__name__}, not an object of model fields; pass a "
+                      "Hugging Face model directory")
     mt = c.get("model_type")
     if mt not in MODEL_TYPES:
         raise HFError(f"{d}: model_type {mt!r} is not supported; tiertrain trains {', '.join(MODEL_TYPES)}")
@@ -66,20 +69,32 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
         scaling = rp if rp.get("rope_type", "default") != "default" else None
     else:
         theta, scaling = c.get("rope_theta", 10000.0), c.get("rope_scaling")
-    heads = c["num_attention_heads"]
-    spec = ModelSpec(
-        hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"], rope_theta=float(theta),
-        rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
-        qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
-        initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt)
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in need if k not in c]
+    if missing:
+        raise HFError(f"{d}/config.json has no {', '.join(missing)}; it is not a complete {mt} config")
+    bad = [k for k in need if isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] <= 0]
+    if bad:
+        raise HFError(f"{d}/config.json: {', '.join(f'{k} = {c[k]!r}' for k in bad)}; each must be a positive integer")
+    try:
+        heads = c["num_attention_heads"]
+        spec = ModelSpec(
+            hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
+            rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
+            qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
+            initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt)
+    except (TypeError, ValueError) as e:  # a number given as a string, a table where a number belongs
+        raise HFError(f"{d}/config.json has a field of the wrong type ({e}); fix it or re-download the model") from None
     try:
         spec.validate()
     except UserError as e:
         raise HFError(f"{d}/config.json: {e}") from None
+    except TypeError as e:
+        raise HFError(f"{d}/config.json has a field of the wrong type ({e}); fix it or re-download the model") from None
     return spec
 
 

@@ -88,19 +88,27 @@ class ModelSpec:
             need(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
                  f"must be a multiple of model.num_attention_heads ({self.num_attention_heads}), "
                  "or set model.head_dim")
-        need(self.hd > 0 and self.hd % 2 == 0, "head_dim", "must be a positive even number (RoPE)")
+            need(self.hd % 2 == 0, "hidden_size", f"/ model.num_attention_heads = {self.hd}, the head size, must "
+                 "be even (RoPE rotates pairs); change either, or set model.head_dim")
+        need(isinstance(self.hd, int) and self.hd > 0 and self.hd % 2 == 0, "head_dim",
+             "must be a positive even number (RoPE)")
         need(self.rope_theta > 0, "rope_theta", "must be positive")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         need(self.initializer_range > 0, "initializer_range", "must be positive")
         need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
         rs = self.rope_scaling
         if rs is not None:
+            need(isinstance(rs, dict), "rope_scaling", "must be a table like {rope_type = \"llama3\", factor = 8.0, ...}")
             kind = rs.get("rope_type", rs.get("type", "default"))
             need(kind in ROPE_TYPES, "rope_scaling", f"rope_type must be one of {', '.join(ROPE_TYPES)}")
             if kind == "llama3":
-                missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                       "original_max_position_embeddings") if k not in rs]
+                keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                missing = [k for k in keys if k not in rs]
                 need(not missing, "rope_scaling", f"llama3 scaling needs {', '.join(missing)}")
+                bad = [k for k in keys if isinstance(rs[k], bool) or not isinstance(rs[k], (int, float)) or rs[k] <= 0]
+                need(not bad, "rope_scaling", f"{', '.join(bad)} must be positive numbers, not strings")
+                need(rs["high_freq_factor"] != rs["low_freq_factor"], "rope_scaling",
+                     "high_freq_factor must differ from low_freq_factor")
 
     # ---- units and tensor tables --------------------------------------------------------------
     def units(self) -> tuple[UnitSpec, ...]:
