@@ -43,7 +43,7 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
     """Train a model."""
     import json
 
-    from . import checkpoint
+    from . import checkpoint, rundir
     from .config import config_from_dict, load_config
     from .loop import fit
     from .trainer import Trainer
@@ -55,8 +55,9 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
         if resume:
             if init_from:
                 raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
-            ckpt = checkpoint.resolve(resume, Path(out) if out else None)
-            out_dir = Path(out) if out else ckpt.parent.parent
+            own = resume == "latest" or not out or Path(resume).resolve() == Path(out).resolve()
+            ckpt = checkpoint.resolve(resume, Path(out) if out else None, recover_run=own)  # its own run: heal it
+            out_dir = rundir.check_resume(ckpt, Path(out) if out else None)
             meta = checkpoint.read_meta(ckpt)
             cfg = load_config(config_path, list(overrides)) if config_path else \
                 config_from_dict(meta["config"], list(overrides), str(ckpt))
@@ -66,12 +67,15 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
             cfg = load_config(config_path, list(overrides))
             stem = Path(config_path).stem if config_path else "debug"
             out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-            if (out_dir / "metrics.jsonl").exists():
-                raise UserError(f"--out {out_dir} already holds a run (metrics.jsonl); pass a new --out directory, "
-                                "or continue it with --resume latest")
-        if out_dir.exists() and not out_dir.is_dir():
-            raise UserError(f"--out {out_dir} is a file; pass a directory")
-        fit(Trainer(cfg, run_name=out_dir.name, resume=ckpt), out_dir, echo=click.echo)
+            rundir.check_new(out_dir)
+        rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
+        made = rundir.claim(out_dir)
+        try:
+            trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt)
+        except UserError:
+            rundir.release(out_dir, made)
+            raise
+        fit(trainer, out_dir, echo=click.echo)
     except UserError as e:
         _fail(e)
 

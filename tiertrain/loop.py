@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Callable
 
 from . import checkpoint as ckpt
+from .errors import UserError
 from .metrics import MetricsLog, format_duration, progress_line, truncate_metrics
+from .rundir import why
 from .tiers.nvme import discard
 from .trainer import Trainer
 
@@ -17,14 +19,22 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
     SIGINT / SIGTERM finish the current step, save a checkpoint and return. A resumed trainer
     (step > 0) continues metrics.jsonl from its step."""
     tc, every = tr.cfg.train, tr.cfg.checkpoint.every
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(tr.cfg.to_toml())
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(tr.cfg.to_toml())
+        if tr.step:
+            truncate_metrics(out / "metrics.jsonl", tr.step)
+        log = MetricsLog(out / "metrics.jsonl")
+    except OSError as e:
+        _close(tr)
+        raise UserError(f"cannot write the run directory {out}: {why(e)}; free space or pass another --out") from None
+    except ValueError as e:
+        _close(tr)
+        raise UserError(f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out") from None
     if tr.step:
-        truncate_metrics(out / "metrics.jsonl", tr.step)
         echo(f"resumed at step {tr.step} of {tc.steps}")
     for line in tr.describe():
         echo(line)
-    log = MetricsLog(out / "metrics.jsonl")
     history, t_start, first = [], time.perf_counter(), tr.step
     with StopSignals() as stop:
         try:
@@ -45,9 +55,7 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
                 _checkpoint(tr, out, echo)
         finally:
             log.close()
-            tr.close()
-    if tr.tiers:  # the state is in the checkpoint now: the scratch store goes
-        discard(tr.tiers.store.root)
+            _close(tr)
     if stop.signal:
         echo(f"stopped by {stop.signal} after step {tr.step}; continue with: "
              f"tiertrain run --resume latest --out {out}")
@@ -55,6 +63,12 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}"
              + (f", final loss {history[-1]['loss']:.4f}" if history else "") + f"; metrics in {out / 'metrics.jsonl'}")
     return history
+
+
+def _close(tr: Trainer) -> None:
+    tr.close()
+    if tr.tiers:  # the state is in the checkpoint now (or lost with the error): the scratch store goes
+        discard(tr.tiers.store.root)
 
 
 def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None]) -> None:

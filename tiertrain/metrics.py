@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -34,33 +35,62 @@ def progress_line(rec: dict, total_steps: int, eta_s: float) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per step; flushed per line so a killed run keeps what it logged."""
+    """Appends one JSON object per step, whole or not at all: a write that fails (a full disk) is cut back
+    to the last whole line and stops the run with one line. Flushed per line so a killed run keeps what
+    it logged."""
 
     def __init__(self, path: Path):
         self.path = path
-        self._f = open(path, "a", encoding="utf-8")
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # unbuffered: no write held back
 
     def write(self, rec: dict) -> None:
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        from .errors import UserError
+        from .rundir import why
+
+        data = (json.dumps(rec) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, end)  # needs no space: the torn record goes
+            except OSError:
+                pass
+            raise UserError(f"writing {self.path} failed: {why(e)}; free space, then continue with "
+                            f"tiertrain run --resume latest --out {self.path.parent}") from None
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_metrics(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl. A torn last line (a write cut short by a crash or a full disk) is
+    dropped; any other line that is not JSON raises ValueError."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f.read().split("\n") if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"line {i + 1} is not JSON") from None
+    return out
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """Drops the records after `step` (logged by the interrupted run after its last checkpoint)."""
+    """Drops the records after `step` (logged by the interrupted run after its last checkpoint), and a torn
+    last line."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] <= step]
+    keep = "".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
+    tmp.write_text(keep)
     tmp.replace(path)
 
 

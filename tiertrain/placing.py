@@ -13,8 +13,9 @@ from .errors import ConfigError
 from .optim import kernel
 from .plan.hardware import REFERENCE, TORCH_COPIES, HardwareSpec
 from .plan.planner import Budgets, Plan, plan
+from .sizes import budget, gb
 from .tiers.manager import TierManager
-from .tiers.nvme import NvmeStore, discard, make_io
+from .tiers.nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
 from .tiers.placement import (RING_SLOTS, alternate_from_last, copy_bytes, disk_bytes, gpu_updated, host_state_bytes, kind_bytes, least_host, place,
                               place_within, resident_units, ring_bytes, ring_widths, spilled_bytes, update_candidates)
 from .tiers.slab import host_cost, torch_pinned_cost
@@ -94,17 +95,59 @@ def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:
         acts = _host_checkpoints(cfg, pin)
         where, ring, total = place_within(rest, kb, t.host_gb * 1e9, acts, host_cost)
         if where is None or ring:
-            least = least_host(rest, kb, acts, host_cost) / 1e9
+            least = least_host(rest, kb, acts, host_cost)
             if not t.nvme_dir:
-                raise ConfigError(f"the state needs {total / 1e9:.3g} GB of host memory and --host-gb is "
-                                  f"{t.host_gb:g}: raise --host-gb to {total / 1e9:.3g}, or pass --nvme-dir "
-                                  f"to spill part of it to disk (then --host-gb {least:.3g} is the least)")
+                raise ConfigError(f"the state needs {gb(total)} of host memory and --host-gb is "
+                                  f"{t.host_gb:g}: raise --host-gb to {budget(total)}, or pass --nvme-dir "
+                                  f"to spill part of it to disk (then --host-gb {budget(least)} is the least)")
             if where is None:
                 raise ConfigError(f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
                                   + (" and the host activation checkpoints" if acts else "")
-                                  + f" with all it can spill on NVMe: raise --host-gb to at least {least:.3g}")
+                                  + f" with all it can spill on NVMe: raise --host-gb to at least {budget(least)}")
     where.update({(u, k): "gpu" for u in resident for k in kb})
     return where
+
+
+def available_ram() -> int:
+    """Bytes of memory this process can still take: the machine's available RAM, within a cgroup's limit."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            avail = min(avail, int(Path(limit).read_text()) - int(Path(used).read_text()))
+        except (OSError, ValueError):  # no such cgroup file, or "max": no limit
+            continue
+    return avail
+
+
+def check_ram(cfg: Config, numels: list[int], where: Where, copied: frozenset[int], pin: bool) -> None:
+    """Refuses, before anything is allocated, a run whose host memory (the state placed in RAM, the staging
+    ring, host checkpoints, speculation's copies) is more than this machine has available, naming the
+    --host-gb and --nvme-dir that would fit: the kernel would kill it mid-run otherwise."""
+    t = cfg.tiers
+    kb = kind_bytes(cfg.train.compute_dtype, t.stream)
+    acts = _host_checkpoints(cfg, pin)
+    need = (sum(host_state_bytes(numels, kb, where, host_cost).values()) + acts
+            + ring_bytes(ring_widths(numels, where), kb, host_cost)
+            + sum(copy_bytes(numels[u], host_cost) for u in copied))
+    avail = available_ram()
+    if need <= avail:
+        return
+    rest = [0 if where.get((u, "master")) == "gpu" else n for u, n in enumerate(numels)]
+    least = least_host(rest, kb, acts, host_cost)
+    have = f"this machine has {gb(avail)} of RAM available"
+    if least > avail * 0.9:
+        raise ConfigError(f"the run needs {gb(need)} of host memory and {have}; even with every slab it can "
+                          f"spill on disk it needs {gb(least)}: use a machine with more RAM, or a smaller model or batch")
+    fit = f"{avail * 0.9 / 1e9:.3g}"  # a tenth left for the process itself
+    spill = f"--host-gb {fit}" + ("" if t.nvme_dir else " --nvme-dir DIR (a directory on a fast disk)")
+    if t.host_gb:
+        raise ConfigError(f"--host-gb {t.host_gb:g} is more than the RAM here, and the run needs {gb(need)} of it: "
+                          f"{have}; pass {spill} to spill the rest to disk")
+    raise ConfigError(f"the run needs {gb(need)} of host memory and {have}: pass {spill} to spill the rest "
+                      "to disk")
 
 
 def _host_checkpoints(cfg: Config, pin: bool) -> int:
@@ -152,28 +195,34 @@ def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferr
             who = [f"optim.speculate_units = {n}"] * bool(units) + ["optim.speculate_gpu_updates = 1"] * bool(on_gpu)
             fix = ["lower optim.speculate_units (-1: the plan's number)"] * bool(units) + \
                 ["set optim.speculate_gpu_updates = 0"] * bool(on_gpu)
-            raise ConfigError(f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of {copies / 1e9:.3g} GB "
-                              f"beside the state: raise --host-gb to {need:.3g}, or {', or '.join(fix)}")
+            raise ConfigError(f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of {gb(copies)} "
+                              f"beside the state: raise --host-gb to {budget(need * 1e9)}, or {', or '.join(fix)}")
     return units, on_gpu
 
 
 def nvme_tier(cfg: Config, numels: list[int], where: Where, dtypes: dict[str, torch.dtype], streamed: str,
               pin: bool, run_name: str, replace: bool) -> TierManager:
-    """The run's store under nvme_dir and its manager; `replace`: a resumed run's leftover store is
-    scratch, replaced."""
+    """The run's store, in a new directory under nvme_dir, and its manager; `replace`: a resumed run first
+    deletes the stores its killed processes left (scratch: the checkpoint holds the state)."""
     t = cfg.tiers
     kb = kind_bytes(cfg.train.compute_dtype, t.stream)
     disk = disk_bytes(numels, kb, where)
     if t.nvme_gb and disk > t.nvme_gb * 1e9:
-        raise ConfigError(f"the spilled state takes {disk / 1e9:.3g} GB on disk and --nvme-gb is "
+        raise ConfigError(f"the spilled state takes {gb(disk)} on disk and --nvme-gb is "
                           f"{t.nvme_gb:g}: raise --nvme-gb or --host-gb")
     kinds = sorted(spilled_bytes(numels, kb, where))
     # numpy has no bfloat16: the compute-dtype copy is stored as its bits
     meta = {"model": cfg.to_dict()["model"], "compute_dtype": cfg.train.compute_dtype,
             **({"weights": "bfloat16 bits, as uint16"} if "weights" in kinds else {})}
     if replace:
-        discard(Path(t.nvme_dir) / run_name)
+        discard_stale(t.nvme_dir, run_name)
     units = {k: [u for (u, kk), tier in where.items() if kk == k and tier == "nvme"] for k in kinds}
-    store = NvmeStore(Path(t.nvme_dir) / run_name, numels, {k: "uint16" if k == "weights" else "float32" for k in kinds},
-                      meta, make_io(t.io, t.io_threads), create=True, units=units)
+    io = make_io(t.io, t.io_threads)
+    root = new_scratch(t.nvme_dir, run_name)
+    try:
+        store = NvmeStore(root, numels, {k: "uint16" if k == "weights" else "float32" for k in kinds},
+                          meta, io, create=True, units=units)
+    except BaseException:
+        discard(root)
+        raise
     return TierManager(store, where, {k: dtypes[k] for k in kinds}, pin, depth=RING_SLOTS - 2, streamed=streamed)

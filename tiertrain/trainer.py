@@ -25,6 +25,7 @@ from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
 from .plan.hardware import HardwareSpec
 from .tiers.host import HostStore
+from .tiers.nvme import check_backend, discard
 from .tiers.placement import kind_bytes, spilled_bytes
 from .tiers.slab import SlabLayout
 
@@ -68,7 +69,6 @@ class Trainer:
         else:
             tokens, name = builtin_tokens(), "the built-in corpus"
         self.loader = Loader(tokens, tc.seq_len, tc.batch_size, spec.vocab_size, cfg.data.shuffle, tc.seed, name)
-        self.loader.batch(0)  # bad data stops the run here, before any large allocation
 
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
@@ -76,15 +76,31 @@ class Trainer:
         self.plan, self.chosen = placing.settle(cfg, self.device)
         numels = [lay.numel for lay in self.layouts]
         self.where, self.tiers = placing.place_state(cfg, numels, pin), None
+        kinds = tuple(self.kind_bytes())
+        self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, kinds, len(self.units))
+        early, gpu_early = placing.speculated_units(cfg, numels, self.where, kinds, self.deferred, pin)
+        copied = early | gpu_early if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them: copies
+        placing.check_ram(cfg, numels, self.where, copied, pin)
+        if "nvme" in self.where.values():
+            check_backend(cfg.tiers.io)
         self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
                               where=self.where, device=self.device)
         if "nvme" in self.where.values():
             self.tiers = placing.nvme_tier(cfg, numels, self.where, {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
-        self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, self.host.kinds, len(self.units))
-        early, gpu_early = placing.speculated_units(cfg, numels, self.where, self.host.kinds, self.deferred, pin)
-        if cfg.optim.grad_clip > 0:  # a speculation that clipping may undo writes copies
-            self.host.add_copies(early | gpu_early)
+        try:
+            self._build(cfg, resume, hf_reader, early, gpu_early, copied)
+        except BaseException:
+            if self.tiers:  # a refusal after the store was made (another model's checkpoint): it goes
+                discard(self.tiers.store.root)
+            raise
+
+    def _build(self, cfg: Config, resume: Path | None, hf_reader, early: frozenset[int], gpu_early: frozenset[int],
+               copied: frozenset[int]) -> None:
+        """The rest of __init__: the optimizer, the initial state, the device buffers and the step engine."""
+        spec, tc = cfg.model, cfg.train
+        pin = self.device.type == "cuda"
+        self.host.add_copies(copied)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
                                      tc.overlap, self.deferred, early, gpu_early)
         self.step = 0

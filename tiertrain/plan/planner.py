@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from ..model.spec import ModelSpec
+from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
@@ -143,13 +144,13 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     nvme_on = bool(budgets.nvme_gb)
     where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)
     if total > host_budget and not nvme_on:
-        p.why = (f"host: the state needs {total / 1e9:.1f} GB and the budget is {host_budget / 1e9:.1f} GB; "
+        p.why = (f"host: the state needs {gb(total)} and the budget is {gb(host_budget)}; "
                  "raise --host-gb or give an NVMe tier (--nvme-gb)")
         where = None
     elif where is None:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
-        p.why = (f"host: {host_budget / 1e9:.1f} GB cannot hold even the buffers of a spilled run; raise --host-gb "
-                 f"to at least {math.ceil(p.least_host / 1e8) / 10:.1f}")
+        p.why = (f"host: {gb(host_budget)} cannot hold even the buffers of a spilled run; raise --host-gb "
+                 f"to at least {budget(p.least_host)}")
     if where is None:
         return p
     p.host_bytes = host_state_bytes(numels, kb, where, host_cost, skip=set(resident))
@@ -167,7 +168,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         p.least_host = least_host(numels, kb, host_ck, host_cost)
     disk = disk_bytes(numels, kb, where)
     if nvme_on and disk > budgets.nvme_gb * 1e9:
-        p.why = (f"NVMe: the spilled state takes {disk / 1e9:.1f} GB on disk and --nvme-gb is {budgets.nvme_gb:g}; "
+        p.why = (f"NVMe: the spilled state takes {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "
                  "raise --nvme-gb or --host-gb")
         return p
 
@@ -182,7 +183,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              "working set": WORK_PER_TOKEN * (16 * H + 8 * FF) * micro * seq_len + 3 * (64 << 20)}
     gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
     if p.gpu_total > gpu_budget:
-        p.why = f"GPU: needs {p.gpu_total / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
+        p.why = f"GPU: needs {gb(p.gpu_total)} of {gb(gpu_budget)} usable"
         return p
 
     # ---- time, for each number of units updated on the GPU that fits, speculating or not ----
@@ -225,11 +226,11 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
             if best is None or c[1] + c[2] < (best[1] + best[2]) * (1 - 1e-9):
                 best = c
     if best is None and short is not None:
-        p.why = (f"host: the copies of the speculative update need {short / 1e9:.1f} GB more than the budget; "
+        p.why = (f"host: the copies of the speculative update need {gb(short)} more than the budget; "
                  "raise --host-gb or lower optim.speculate_units")
         return p
     if best is None:
-        p.why = f"GPU: needs {(p.gpu_total + sets) / 1e9:.1f} GB of {gpu_budget / 1e9:.1f} GB usable"
+        p.why = f"GPU: needs {gb(p.gpu_total + sets)} of {gb(gpu_budget)} usable"
         return p
     p.speculated, copies, p.gpu_speculated, p.clipping = best[5], best[6], best[7], clipping
     if copies:

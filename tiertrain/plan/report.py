@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
+from ..sizes import budget
 from .planner import LARGEST_LAYERS, Plan
 
 
@@ -42,7 +43,7 @@ def to_markdown(p: Plan) -> str:
             "optimizer's only), then gradients (written during the backward pass), and last the weights "
             "that stream (read twice a step); a unit whose ring buffers would cost more than its slabs "
             "stays in RAM. Host slabs take whole pages."
-            + (f" With this NVMe tier the least --host-gb for this choice is {p.least_host / 1e9:.1f}."
+            + (f" With this NVMe tier the least --host-gb for this choice is {budget(p.least_host)}."
                if p.least_host else ""), "",
             "| GPU | bytes |", "| --- | --- |"]
     out += [f"| {k} | {_gb(v)} |" for k, v in p.gpu.items()] + [f"| **total** | **{_gb(p.gpu_total)}** |", ""]

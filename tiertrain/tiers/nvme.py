@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..sizes import gb
 
 TASK_BYTES = 16 << 20
 FORMAT = "tiertrain-nvme/1"
@@ -116,6 +117,16 @@ class KvikioIO:
 _WAITERS = ThreadPoolExecutor(4, thread_name_prefix="tiertrain-io-wait")
 
 
+def check_backend(backend: str) -> None:
+    """tiers.io = "kvikio" needs the package: said before anything is allocated."""
+    if backend == "kvikio":
+        try:
+            import kvikio  # noqa: F401
+        except ImportError:
+            raise StoreError('tiers.io = "kvikio" but kvikio is not installed: pip install kvikio-cu12 (kvikio-cu13 '
+                             'for CUDA 13), or set tiers.io = "auto" (POSIX I/O where kvikio is missing)') from None
+
+
 def make_io(backend: str = "auto", threads: int = 16):
     """`auto`: kvikio when it imports and can do I/O here, else POSIX."""
     if backend in ("auto", "kvikio"):
@@ -181,10 +192,10 @@ class NvmeStore:
         except OSError as e:
             raise StoreError(f"cannot use --nvme-dir {self.root}: {e.strerror}; pass a writable directory") from None
         if need > free:
-            raise StoreError(f"--nvme-dir {self.root} has {free / 1e9:.1f} GB free, the spilled state needs "
-                             f"{need / 1e9:.1f} GB; free space, or raise --host-gb to spill less")
+            raise StoreError(f"--nvme-dir {self.root.parent} has {gb(free)} free, the spilled state needs "
+                             f"{gb(need)}; free space, or raise --host-gb to spill less")
         try:
-            g = zarr.open_group(self.root, mode="w", attributes=meta)
+            g = zarr.open_group(self.root, mode="a", attributes=meta)  # never "w": that empties the directory
             for kind, dt in self.kinds.items():
                 w = self.width[kind]
                 arr = g.create_array(kind, shape=(len(self.numels), w), chunks=(1, w), dtype=dt,
@@ -217,13 +228,55 @@ class NvmeStore:
         return self.io.write(self.path(kind, unit), buf)
 
 
-def discard(root: str | os.PathLike) -> None:
-    """Deletes a run's store, and only a tiertrain store: a resumed run replaces its scratch state from
-    the checkpoint, and a finished run leaves its state in its last checkpoint."""
-    root = Path(root)
+SCRATCH_MARKER = "tiertrain-scratch.json"  # in every directory new_scratch makes, and only there
+
+
+def new_scratch(parent: str | os.PathLike, run: str) -> Path:
+    """A new directory for a run's store inside `parent` (the user's --nvme-dir), with a unique name and the
+    marker that lets discard delete it: nothing that was there before is ever emptied or reused."""
+    import socket
+    import tempfile
+    import time
+
+    parent = Path(parent)
     try:
-        meta = json.loads((root / "zarr.json").read_text())
+        parent.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=f"tiertrain-{Path(run).name or 'run'}-", dir=parent))
+        (root / SCRATCH_MARKER).write_text(json.dumps(
+            {"format": FORMAT, "run": run, "host": socket.gethostname(), "pid": os.getpid(),
+             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    except OSError as e:
+        raise StoreError(f"cannot use --nvme-dir {parent}: {e.strerror}; pass a writable directory with room") from None
+    return root
+
+
+def _owner(root: Path) -> dict | None:
+    try:
+        found = json.loads((root / SCRATCH_MARKER).read_text())
     except (OSError, ValueError):
-        return
-    if meta.get("attributes", {}).get("format") == FORMAT:
+        return None
+    return found if isinstance(found, dict) and found.get("format") == FORMAT else None
+
+
+def discard(root: str | os.PathLike) -> None:
+    """Deletes a scratch store, and only a directory new_scratch made (it carries the marker): the state is
+    in the checkpoints, and a resumed run makes a new store."""
+    root = Path(root)
+    if _owner(root) is not None:
         shutil.rmtree(root)
+
+
+def discard_stale(parent: str | os.PathLike, run: str) -> None:
+    """Deletes the scratch stores of `run` left by processes of this host that are gone (killed): a resume
+    restores its state from a checkpoint, and the leftovers would only fill the disk."""
+    import socket
+
+    import psutil
+
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    for d in parent.glob("tiertrain-*"):
+        o = _owner(d)
+        if o and o.get("run") == run and o.get("host") == socket.gethostname() and not psutil.pid_exists(o.get("pid", 0)):
+            shutil.rmtree(d)

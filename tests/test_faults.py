@@ -1,0 +1,389 @@
+"""Faults a new or careless user meets: tiertrain never empties, overwrites or deletes what it did not create,
+a refusal is one line (exit 2, no traceback) before anything is allocated, a suggested budget runs, two runs
+with the default threads give the same bits, and a save killed at any moment resumes bit-identically."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import TINY, tiny_config
+from test_checkpoint import _same_run, _state
+from tiertrain.metrics import read_metrics
+from tiertrain.sizes import budget, gb
+from tiertrain.tiers.placement import least_host
+from tiertrain.tiers.slab import host_cost
+from tiertrain.trainer import Trainer
+
+SETS = [a for s in TINY for a in ("--set", s)]
+STEPS = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=5"]
+
+
+def cli(*args, cwd=None, fsize: int | None = None, env=None):
+    """`tiertrain ARGS` in a subprocess; `fsize`: a file size limit (bytes) standing in for a full disk."""
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))) if fsize is not None else None
+    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True, cwd=cwd,
+                          preexec_fn=limit, env=env)
+
+
+def tiny(token_file, *more):
+    return [*SETS, "--set", f'data.path="{token_file}"', *more]
+
+
+def refused(r, *words):
+    """A refusal as the issue asks: exit 2, one line naming what to change, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def user_files(root: Path) -> dict[str, str]:
+    """A directory of a user's own files, and their hashes."""
+    (root / "sub").mkdir(parents=True)
+    (root / "notes.txt").write_text("my notes\n")
+    (root / "sub" / "data.bin").write_bytes(os.urandom(4096))
+    return tree_hash(root)
+
+
+DEEP = ["--set", "model.num_hidden_layers=12"]  # enough state that spilling saves host memory (test_nvme.DEEP)
+
+
+def _same_state(a: Path, b: Path) -> bool:
+    sa, sb = (_state(d / "checkpoints" / "step_8") for d in (a, b))
+    return all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def least_gb(token_file) -> str:
+    """The least --host-gb of the DEEP tiny model with an NVMe tier: every slab it can spill on disk."""
+    cfg = tiny_config(token_file, "model.num_hidden_layers=12")
+    tr = Trainer(cfg)
+    least = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost)
+    tr.close()
+    return budget(least)
+
+
+# ---- data loss and overwrites -------------------------------------------------------------------
+def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
+    """--out inside --nvme-dir, an --out whose name a user's directory there shares, another run's store
+    there, --out . and --out ..: the run spills through a new marked directory, removed at its end, and
+    nothing else under the NVMe directory changes."""
+    nvme = tmp_path / "nvme"
+    mine = user_files(nvme / "Documents")
+    other = nvme / "tiertrain-other-abc"  # a live run's store: its marker names a process that exists
+    other.mkdir()
+    (other / "tiertrain-scratch.json").write_text(json.dumps(
+        {"format": "tiertrain-nvme/1", "run": "/x/other", "host": os.uname().nodename, "pid": os.getpid()}))
+    spill = tiny(token_file, *DEEP, "--host-gb", least_gb(token_file), "--nvme-dir", str(nvme))
+    r = cli("run", *spill, "--out", str(nvme / "myrun"))
+    assert r.returncode == 0, r.stderr
+    assert "NVMe tier" in r.stdout and "tiertrain-myrun-" in r.stdout  # it did spill, to its own directory
+    assert (nvme / "myrun" / "checkpoints" / "step_12").is_dir() and (nvme / "myrun" / "metrics.jsonl").is_file()
+    r = cli("run", *spill, "--out", str(tmp_path / "runs" / "Documents"))
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "cwd").mkdir()
+    r = cli("run", *spill, "--out", ".", cwd=tmp_path / "cwd")
+    assert r.returncode == 0, r.stderr
+    assert tree_hash(nvme / "Documents") == mine and (other / "tiertrain-scratch.json").is_file()
+    assert sorted(p.name for p in nvme.iterdir()) == ["Documents", "myrun", "tiertrain-other-abc"]
+    (nvme / "sub").mkdir()
+    before = tree_hash(nvme)
+    refused(cli("run", *spill, "--out", "..", cwd=nvme / "sub"), "--out ..")
+    assert tree_hash(nvme) == before
+
+
+def test_out_and_nvme_store_stay_apart(token_file, tmp_path):
+    spill = tiny(token_file, *DEEP, "--host-gb", least_gb(token_file))
+    refused(cli("run", *spill, "--nvme-dir", str(tmp_path / "run" / "nvme"), "--out", str(tmp_path / "run")),
+            "inside --out")
+    store = tmp_path / "nvme" / "tiertrain-x-1"
+    store.mkdir(parents=True)
+    (store / "tiertrain-scratch.json").write_text("{}")
+    refused(cli("run", *spill, "--nvme-dir", str(tmp_path / "nvme"), "--out", str(store / "run")),
+            "inside tiertrain's scratch store")
+
+
+def test_an_out_that_is_not_a_run_is_never_written(token_file, tmp_path):
+    """A hand-written config.toml in --out, and a directory of other files: refused, untouched."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.toml").write_text("# my own notes\n")
+    before = tree_hash(out)
+    refused(cli("run", *tiny(token_file), "--out", str(out)), "not a tiertrain run")
+    assert tree_hash(out) == before
+    r = cli("run", *tiny(token_file), "--out", str(tmp_path / "file.txt"))  # missing: made; a file: refused
+    assert r.returncode == 0
+    (tmp_path / "f").write_text("x")
+    refused(cli("run", *tiny(token_file), "--out", str(tmp_path / "f")), "is a file")
+
+
+def test_a_resume_writes_only_into_its_own_run(token_file, tmp_path):
+    """--resume A/checkpoints/step_N --out B, B another run (or a directory of checkpoints without metrics):
+    refused, B untouched; into a new empty --out it is a new run from that checkpoint."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(a)).returncode == 0
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(b)).returncode == 0
+    before = tree_hash(b)
+    refused(cli("run", "--resume", str(a / "checkpoints" / "step_3"), "--out", str(b)), "holds another run")
+    assert tree_hash(b) == before
+    (b / "metrics.jsonl").unlink()
+    (b / "tiertrain-run.json").unlink()  # a run directory written before the marker: checkpoints are enough
+    before = tree_hash(b)
+    refused(cli("run", "--resume", str(a / "checkpoints" / "step_3"), "--out", str(b)), "holds another run")
+    assert tree_hash(b) == before
+    fork = tmp_path / "fork"
+    r = cli("run", "--resume", str(a / "checkpoints" / "step_3"), "--out", str(fork))
+    assert r.returncode == 0, r.stderr
+    ra, rf = (read_metrics(d / "metrics.jsonl") for d in (a, fork))
+    assert [(x["step"], x["loss"], x["grad_norm"]) for x in rf] == \
+        [(x["step"], x["loss"], x["grad_norm"]) for x in ra[3:]]  # the fork logs from step 4, as a did
+    assert _same_state(a, fork)
+
+
+def test_a_torn_metrics_line_does_not_stop_a_resume(token_file, tmp_path):
+    out = tmp_path / "run"
+    assert cli("run", *tiny(token_file), *STEPS, "--set", "train.steps=6", "--out", str(out)).returncode == 0
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 2.1')  # a write cut short
+    r = cli("run", "--resume", "latest", "--out", str(out), "--set", "train.steps=8")
+    assert r.returncode == 0, r.stderr
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
+def test_a_full_disk_while_logging_leaves_whole_lines(token_file, tmp_path):
+    """The metrics file hits the size limit mid-run (checkpoints only at the end): one line, every line
+    left in metrics.jsonl whole."""
+    out = tmp_path / "run"
+    out.mkdir()
+    r = cli("run", *tiny(token_file), "--out", str(out), fsize=2500)  # config.toml fits, 12 records do not
+    refused(r, "metrics.jsonl", "file size limit")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert lines and all(line.endswith("\n") and json.loads(line) for line in lines)
+
+
+def test_a_disk_full_at_start_is_one_line(token_file, tmp_path):
+    refused(cli("run", *tiny(token_file), "--out", str(tmp_path / "run"), fsize=0), "cannot write", "--out")
+
+
+# ---- budgets and sizes --------------------------------------------------------------------------
+def test_the_least_host_budget_named_runs(token_file, tmp_path):
+    r = cli("run", *tiny(token_file, *DEEP), "--host-gb", "0.0001", "--nvme-dir", str(tmp_path / "nvme"),
+            "--out", str(tmp_path / "a"))
+    least = re.search(r"raise --host-gb to at least ([0-9.]+)", refused(r, "--host-gb")).group(1)
+    assert float(least) * 1e9 >= float(least_gb(token_file)) * 1e9 - 1e3
+    r = cli("run", *tiny(token_file, *DEEP), "--host-gb", least, "--nvme-dir", str(tmp_path / "nvme"),
+            "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_state_larger_than_the_machine_is_refused_before_allocation(tmp_path):
+    """llama-3b's state (tens of GB) on a machine with less RAM: one line naming the RAM and what fits;
+    no run directory is left behind."""
+    import psutil
+
+    if psutil.virtual_memory().available > 150e9:
+        pytest.skip("this machine holds llama-3b's state")
+    out = tmp_path / "run"
+    line = refused(cli("run", "--config", "llama-3b", "--set", 'train.device="cpu"', "--out", str(out)),
+                   "RAM available", "--nvme-dir", "--host-gb")
+    assert not out.exists()
+    refused(cli("run", "--config", "llama-3b", "--set", 'train.device="cpu"', "--host-gb", "100000", "--out",
+                str(out)), "is more than the RAM here")
+    fit = re.search(r"--host-gb ([0-9.]+)", line).group(1)
+    assert float(fit) * 1e9 < psutil.virtual_memory().available
+
+
+def test_sizes_have_enough_digits_and_budgets_round_up():
+    assert gb(5e6) == "4.8 MiB" and gb(12_328_960) == "11.8 MiB" and gb(58.3e9) == "58.30 GB"
+    assert gb(1000) == "1000 B" and gb(5000) == "4.9 KiB"
+    for n in (12_328_960, 1e9, 58.3e9 + 1, 999.5e9, 7.0):
+        assert float(budget(n)) * 1e9 >= n
+    assert budget(12_328_960) == "0.0124"
+
+
+def test_plan_of_the_debug_config_finishes():
+    """The largest-model search is bounded (a hang check, not a timing)."""
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "debug"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Largest model of this shape that fits these budgets: at least 4096 layers" in r.stdout
+
+
+# ---- the same bits every run ----------------------------------------------------------------------
+def test_two_runs_with_the_default_threads_are_bit_identical(tmp_path):
+    """The debug model (its embedding gradient is large enough for several OpenMP threads) on the built-in
+    corpus, twice, with the default thread count: the same losses and the same checkpoint bytes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    runs = []
+    for name in "ab":
+        r = cli("run", "--set", "train.steps=4", "--out", str(tmp_path / name), env=env)
+        assert r.returncode == 0, r.stderr
+        runs.append(tmp_path / name)
+    la, lb = ([json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()] for d in runs)
+    assert la == lb
+    ha, hb = (tree_hash(d / "checkpoints" / "step_4") for d in runs)
+    chunks = [k for k in ha if "/c/" in k]
+    assert chunks and all(ha[k] == hb[k] for k in chunks)
+
+
+# ---- a save killed at any moment -------------------------------------------------------------------
+KILLER = r"""
+import os, shutil, signal, sys
+import tiertrain.checkpoint as ckpt
+from tiertrain.cli import main
+
+what, nth, step = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+seen = [0]
+
+def hit(path):
+    if step in str(path):
+        seen[0] += 1
+        if seen[0] == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+if what == "chunk":  # killed before the nth chunk file of the save: a torn .tmp
+    write = ckpt._write_chunk
+    ckpt._write_chunk = lambda file, t: (hit(file), write(file, t))
+else:  # "before" / "after" the nth rename of the save
+    rename = os.rename
+    def patched(a, b):
+        if what == "before":
+            hit(a)
+        rename(a, b)
+        if what == "after":
+            hit(a)
+    ckpt.os = type(os)("os")
+    ckpt.os.__dict__.update(os.__dict__)
+    ckpt.os.rename = patched
+sys.argv = ["tiertrain", *sys.argv[4:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("resave, what, nth", [
+    (False, "chunk", 7), (False, "before", 1), (False, "before", 2), (False, "after", 2),
+    (True, "chunk", 7), (True, "before", 1), (True, "before", 2), (True, "before", 3), (True, "after", 3)])
+def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_path, resave, what, nth):
+    """SIGKILL inside the save of step 6: while its chunks are written, before or after each rename (a
+    re-save, of a step resumed from before it, moves the old step_6 aside between them). --resume latest
+    then finishes as the run that never stopped: the same losses, master weights and moments."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(whole)).returncode == 0
+    if resave:  # step 6 saved already: the resumed run from step 3 saves it again
+        shutil.copytree(whole, cut)
+        shutil.rmtree(cut / "checkpoints" / "step_8")
+        args = ["run", "--resume", str(cut / "checkpoints" / "step_3"), "--out", str(cut)]
+    else:
+        args = ["run", *tiny(token_file), *STEPS, "--out", str(cut)]
+    r = subprocess.run([sys.executable, "-c", KILLER, what, str(nth), "step_6", *args], capture_output=True,
+                       text=True)
+    assert r.returncode == -9, r.stderr  # killed where asked
+    r = cli("run", "--resume", "latest", "--out", str(cut))
+    assert r.returncode == 0, r.stderr
+    _same_run(whole, cut)
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_3", "step_6", "step_8"]
+
+
+# ---- one line, not a traceback ------------------------------------------------------------------
+def _hf_dir(tmp_path: Path, config) -> str:
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "vocab_size": 97}
+
+
+@pytest.mark.parametrize("case, words", [
+    ("not-utf8", "not UTF-8"),
+    ("rope-string", "model.rope_scaling"),
+    ("hf-no-hidden", "has no hidden_size"),
+    ("hf-zero-heads", "num_attention_heads = 0"),
+    ("hf-list", "holds a JSON list"),
+    ("empty-npy", "not a readable .npy"),
+    ("negative-id", "negative token id (-5)"),
+    ("late-oov", "token id 5000"),
+    ("lr-inf", "optim.lr must be a finite number"),
+    ("odd-head", "the head size, must be even"),
+    ("kvikio", "pip install kvikio"),
+])
+def test_bad_input_is_one_line(token_file, tmp_path, case, words):
+    out = tmp_path / "run"
+    args = tiny(token_file)
+    if case == "not-utf8":
+        (tmp_path / "c.toml").write_bytes(b"[train]\nsteps = 3 # caf\xe9\n")
+        args = ["--config", str(tmp_path / "c.toml")]
+    elif case == "rope-string":
+        args += ["--set", 'model.rope_scaling={rope_type="llama3",factor="8",low_freq_factor=1,'
+                 'high_freq_factor=4,original_max_position_embeddings=8192}']
+    elif case.startswith("hf-"):
+        cfg = {"hf-no-hidden": {k: v for k, v in LLAMA.items() if k != "hidden_size"},
+               "hf-zero-heads": {**LLAMA, "num_attention_heads": 0}, "hf-list": [LLAMA]}[case]
+        args += ["--init-from", _hf_dir(tmp_path, cfg)]
+    elif case in ("empty-npy", "negative-id", "late-oov"):
+        toks = np.arange(40_000) % 97
+        if case == "negative-id":
+            toks[30_000] = -5
+        if case == "late-oov":
+            toks[39_000] = 5000  # far past the first batch
+        path = tmp_path / "t.npy"
+        path.write_bytes(b"") if case == "empty-npy" else np.save(path, toks)
+        args += ["--set", f'data.path="{path}"']
+    elif case == "lr-inf":
+        args += ["--set", "optim.lr=inf"]
+    elif case == "odd-head":
+        args += ["--set", "model.hidden_size=100"]  # 4 heads of 25
+    elif case == "kvikio":
+        try:
+            import kvikio  # noqa: F401
+            pytest.skip("kvikio is installed here")
+        except ImportError:
+            pass
+        args += [*DEEP, "--host-gb", least_gb(token_file), "--nvme-dir", str(tmp_path / "nvme"),
+                 "--set", 'tiers.io="kvikio"']
+    refused(cli("run", *args, "--out", str(out)), words)
+    assert not out.exists()
+
+
+def test_a_tokenizer_that_is_not_json_is_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    (tmp_path / "tok.json").write_text("this is not json")
+    refused(cli("prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "a.bin"), "--tokenizer",
+                str(tmp_path / "tok.json")), "not a Hugging Face tokenizer.json")
+
+
+@pytest.mark.parametrize("edit", ["no-rng", "no-kinds", "edited-lr"])
+def test_checkpoint_attributes_are_checked_and_checksummed(token_file, tmp_path, edit):
+    out = tmp_path / "run"
+    assert cli("run", *tiny(token_file), *STEPS, "--set", "train.steps=3", "--out", str(out)).returncode == 0
+    meta_file = out / "checkpoints" / "step_3" / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    attrs = meta["attributes"]
+    if edit == "edited-lr":
+        attrs["optimizer"]["lr"] = 1.0
+    else:
+        del attrs["rng" if edit == "no-rng" else "kinds"]
+        del attrs["attributes_crc32c"]  # as a checkpoint of the format before the checksum: its keys are checked
+        attrs["format"] = "tiertrain-checkpoint/1"
+    meta_file.write_text(json.dumps(meta))
+    words = "fail their checksum" if edit == "edited-lr" else ("rng" if edit == "no-rng" else "kinds")
+    refused(cli("run", "--resume", "latest", "--out", str(out), "--set", "train.steps=5"), "corrupt", words)

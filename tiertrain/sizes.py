@@ -1,0 +1,25 @@
+"""Sizes in messages: enough digits to tell two sizes apart, and suggested budgets that themselves work."""
+from __future__ import annotations
+
+import math
+
+
+def gb(nbytes: float) -> str:
+    """A size for people: GB (1e9 B) with two decimals, MiB or KiB below (a small size never reads 0.0)."""
+    if abs(nbytes) >= 1e9:
+        return f"{nbytes / 1e9:,.2f} GB"
+    if abs(nbytes) >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB" if abs(nbytes) >= 2**10 else f"{int(nbytes)} B"
+
+
+def budget(nbytes: float) -> str:
+    """`nbytes` as a --host-gb / --nvme-gb value, rounded up to three significant digits: passed back as it
+    is printed, it is at least `nbytes` (a budget rounded down would be refused again)."""
+    x = max(nbytes, 1.0) / 1e9
+    digits = max(0, 2 - math.floor(math.log10(x)))
+    text = f"{math.ceil(x * 10 ** digits - 1e-9) / 10 ** digits:.{digits}f}"
+    while float(text) * 1e9 < nbytes:  # float rounding in the line above
+        digits += 1
+        text = f"{math.ceil(x * 10 ** digits) / 10 ** digits:.{digits}f}"
+    return text
