@@ -194,20 +194,24 @@ def test_the_least_host_budget_named_runs(token_file, tmp_path):
 
 
 def test_a_state_larger_than_the_machine_is_refused_before_allocation(tmp_path):
-    """llama-3b's state (tens of GB) on a machine with less RAM: one line naming the RAM and what fits;
-    no run directory is left behind."""
+    """llama-7b's state (about 200 GB with speculation's copies) on a machine with less RAM: one line naming
+    the RAM and a --host-gb that fits with --nvme-dir; llama-70b's, whose staging ring alone is 84 GB: one
+    line saying no budget fits. No run directory is left behind."""
     import psutil
 
-    if psutil.virtual_memory().available > 150e9:
-        pytest.skip("this machine holds llama-3b's state")
-    out = tmp_path / "run"
-    line = refused(cli("run", "--config", "llama-3b", "--set", 'train.device="cpu"', "--out", str(out)),
-                   "RAM available", "--nvme-dir", "--host-gb")
+    avail = psutil.virtual_memory().available
+    if avail > 180e9:
+        pytest.skip("this machine holds llama-7b's state")
+    out, cpu = tmp_path / "run", ["--set", 'train.device="cpu"']
+    line = refused(cli("run", "--config", "llama-7b", *cpu, "--out", str(out)), "RAM available", "--nvme-dir")
     assert not out.exists()
-    refused(cli("run", "--config", "llama-3b", "--set", 'train.device="cpu"', "--host-gb", "100000", "--out",
-                str(out)), "is more than the RAM here")
-    fit = re.search(r"--host-gb ([0-9.]+)", line).group(1)
-    assert float(fit) * 1e9 < psutil.virtual_memory().available
+    fit = float(re.search(r"pass --host-gb ([0-9.]+)", line).group(1))
+    assert 0 < fit * 1e9 < avail
+    refused(cli("run", "--config", "llama-7b", *cpu, "--host-gb", "100000", "--out", str(out)),
+            "is more than the RAM here", "pass --host-gb")
+    if avail < 80e9:
+        refused(cli("run", "--config", "llama-70b", *cpu, "--out", str(out)), "use a machine with more RAM")
+    assert not out.exists()
 
 
 def test_sizes_have_enough_digits_and_budgets_round_up():
