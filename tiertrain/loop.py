@@ -22,6 +22,7 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(tr.cfg.to_toml())
+        (out / "plan.json").write_text(tr.plan_json())
         if tr.step:
             truncate_metrics(out / "metrics.jsonl", tr.step)
         log = MetricsLog(out / "metrics.jsonl")

@@ -24,6 +24,7 @@ from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
 from .plan.hardware import HardwareSpec
+from .plan.runplan import RunPlan, unit_plans
 from .tiers.host import HostStore
 from .tiers.nvme import check_backend, discard
 from .tiers.placement import kind_bytes, spilled_bytes
@@ -77,8 +78,16 @@ class Trainer:
         numels = [lay.numel for lay in self.layouts]
         self.where, self.tiers = placing.place_state(cfg, numels, pin), None
         kinds = tuple(self.kind_bytes())
-        self.deferred = placing.gpu_update_units(cfg, self.plan, self.where, kinds, len(self.units))
-        early, gpu_early = placing.speculated_units(cfg, numels, self.where, kinds, self.deferred, pin)
+        deferred = placing.gpu_update_units(cfg, self.plan, self.where, kinds, len(self.units))
+        early, _ = placing.speculated_units(cfg, numels, self.where, kinds, deferred, pin)
+        resident = [u for u in range(len(self.units)) if self.where[(u, "master")] == "gpu"]
+        self.run_plan = RunPlan(tc.micro_batch_size, cfg.tiers.stream, cfg.tiers.activations,
+                                unit_plans([u.name for u in self.units], self.where, resident, deferred,
+                                           bool(cfg.optim.speculate_gpu_updates), early))
+        # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
+        self.where = self.run_plan.where()
+        self.deferred = self.run_plan.updated("gpu", "gpu-speculated")
+        early, gpu_early = self.run_plan.updated("host-speculated"), self.run_plan.updated("gpu-speculated")
         copied = early | gpu_early if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them: copies
         placing.check_ram(cfg, numels, self.where, copied, pin)
         if "nvme" in self.where.values():
@@ -121,6 +130,16 @@ class Trainer:
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
                                  Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
+
+    def plan_json(self) -> str:
+        """<out>/plan.json: the RunPlan this run obeys (run-wide choices, every unit's update and homes), with
+        the cost model's prediction on a GPU, in the keys of `tiertrain plan --format json`."""
+        import json
+        from dataclasses import asdict
+
+        out = asdict(self.plan) if self.plan else {}
+        out.update(self.run_plan.to_dict())
+        return json.dumps(out, indent=1, default=float) + "\n"
 
     def hardware(self) -> HardwareSpec:
         return placing.hardware(self.device)

@@ -29,6 +29,7 @@ from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
+from .runplan import unit_plans
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
@@ -100,6 +101,7 @@ class Plan:
     largest_layers: int = 0
     largest_params: int = 0
     hardware: str = ""
+    units: list = field(default_factory=list)  # one RunPlan entry per unit (plan.runplan.UnitPlan.to_dict)
 
     @property
     def host_total(self) -> float:
@@ -254,6 +256,10 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.tokens_per_s = T / p.step_s
     p.model_tflops = F * T / p.step_s / 1e12
     p.fits, p.why = True, "fits"
+    gpu = gpu_updated(cands, p.gpu_updates, p.gpu_speculated)  # the units of each update mode, as the runtime takes them
+    host = alternate_from_last([u for u in in_ram if u not in set(gpu)], len(in_ram))
+    p.units = [u.to_dict() for u in unit_plans([u.name for u in spec.units()], where, resident, gpu, p.gpu_speculated,
+                                               host[:p.speculated])]
     return p
 
 

@@ -1,0 +1,61 @@
+"""The RunPlan: one entry per unit (its update and the home of each kind), in the plan's JSON and in a run's
+plan.json, and the runtime obeys it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+from conftest import tiny_config
+from test_nvme import DEEP, _budget_for
+from tiertrain.loop import fit
+from tiertrain.plan.runplan import UPDATES, unit_plans
+from tiertrain.trainer import Trainer
+
+
+def test_unit_plans_take_each_update_mode_from_its_set():
+    where = {(u, k): "nvme" if (u, k) == (3, "exp_avg") else "host" for u in range(5) for k in ("master", "exp_avg")}
+    units = unit_plans(["embed", "a", "b", "c", "head"], where, resident=[0], gpu=[1], gpu_speculated=True,
+                       host_speculated=[3, 4])
+    assert [u.update for u in units] == ["resident", "gpu-speculated", "host", "host-speculated", "host-speculated"]
+    assert dict(units[0].homes) == {"exp_avg": "gpu", "master": "gpu"}  # a resident unit's state is on the GPU
+    assert dict(units[3].homes) == {"exp_avg": "nvme", "master": "host"}
+    assert unit_plans(["a"], {(0, "master"): "host"}, [], [0], False, [])[0].update == "gpu"
+
+
+def test_plan_json_lists_every_unit():
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-3b", "--host-gb", "40",
+                        "--nvme-gb", "200", "--set", "tiers.gpu_resident_gb=6", "--format", "json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    units = p["units"]
+    assert [u["index"] for u in units] == list(range(28)) and units[0]["name"] == "embed" and units[-1]["name"] == "head"
+    n = Counter(u["update"] for u in units)
+    assert set(n) <= set(UPDATES) and n["host-speculated"] == p["speculated"]
+    assert n["gpu"] + n["gpu-speculated"] == p["gpu_updates"] and n["resident"] >= 1
+    homes = Counter(h for u in units for h in u["homes"].values())
+    assert homes["nvme"] == sum(v["nvme"] for v in p["placement"].values())  # the report's counts, unit by unit
+    assert all(set(u["homes"].values()) == {"gpu"} for u in units if u["update"] == "resident")
+
+
+def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
+    """GPU-updated units and a resident unit; then spilled moments: plan.json says so unit by unit, and the
+    trainer's placement and update sets are the RunPlan's."""
+    sets = ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=0", "tiers.gpu_resident_gb=0.0002", "train.steps=2"]
+    tr = Trainer(tiny_config(token_file, *sets))
+    fit(tr, tmp_path / "run", echo=lambda s: None)
+    p = json.loads((tmp_path / "run" / "plan.json").read_text())
+    units = p["units"]
+    assert len(units) == len(tr.units) and p["micro_batch"] == tr.cfg.train.micro_batch_size
+    # without a host budget the CPU speculates every unit the host updates from RAM
+    assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
+    assert {u["index"] for u in units if u["update"] == "gpu"} == tr.deferred
+    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where
+    gb = _budget_for(tiny_config(token_file, *DEEP))
+    tr = Trainer(tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"'))
+    units = json.loads(tr.plan_json())["units"]
+    tr.close()
+    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where
+    assert {u["homes"]["exp_avg"] for u in units[1:-1]} == {"nvme"}  # the moments spill first

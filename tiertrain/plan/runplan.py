@@ -1,0 +1,66 @@
+"""RunPlan: what happens to every unit of a run, as data. The planner writes one entry per unit into its plan
+(`tiertrain plan --format json`), the runtime builds the same entries from its own choices, obeys them and
+writes them to `<out>/plan.json`. Pure Python.
+
+A unit's `update` says where and when its AdamW runs:
+  host             on the host, after the global norm, beside the next forward pass
+  host-speculated  on the host, started in the backward pass as if the norm will not clip (kept or redone)
+  gpu              on the GPU as its weights load in the next forward pass (its state crosses PCIe)
+  gpu-speculated   on the GPU in the backward pass, as its gradient is accumulated (kept or redone)
+  resident         on the GPU, where its whole state lives
+Its `homes` say where each kind of its state lives: gpu (resident units), host (RAM) or nvme (the disk tier).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+UPDATES = ("host", "host-speculated", "gpu", "gpu-speculated", "resident")
+HOMES = ("gpu", "host", "nvme")
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    index: int
+    name: str
+    update: str  # one of UPDATES
+    homes: tuple[tuple[str, str], ...]  # (kind, home) for every kind of slab the run keeps
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes)}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The run-wide choices and one UnitPlan per unit, in unit order."""
+    micro_batch: int
+    stream: str  # "compute": a compute-dtype copy streams; "master": the fp32 master, cast on the GPU
+    activations: str  # where activation checkpoints live: "gpu" (the device's memory) or "host"
+    units: tuple[UnitPlan, ...]
+
+    def where(self) -> dict[tuple[int, str], str]:
+        """{(unit, kind): home}: the placement the tiers obey."""
+        return {(u.index, k): home for u in self.units for k, home in u.homes}
+
+    def updated(self, *updates: str) -> frozenset[int]:
+        """The units whose update is one of `updates`."""
+        return frozenset(u.index for u in self.units if u.update in updates)
+
+    def to_dict(self) -> dict:
+        return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
+                "units": [u.to_dict() for u in self.units]}
+
+
+def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],
+               gpu_speculated: bool, host_speculated: Iterable[int]) -> tuple[UnitPlan, ...]:
+    """The entries of units `names` from a placement and the sets of units each update mode takes (what the
+    planner and the runtime each decide, with the same helpers of tiers.placement)."""
+    resident, gpu, early = set(resident), set(gpu), set(host_speculated)
+    out = []
+    for u, name in enumerate(names):
+        kinds = sorted(k for (v, k) in where if v == u)
+        homes = tuple((k, "gpu" if u in resident else where[(u, k)]) for k in kinds)
+        update = ("resident" if u in resident else ("gpu-speculated" if gpu_speculated else "gpu") if u in gpu
+                  else "host-speculated" if u in early else "host")
+        out.append(UnitPlan(u, name, update, homes))
+    return tuple(out)
