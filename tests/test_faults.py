@@ -194,9 +194,9 @@ def test_the_least_host_budget_named_runs(token_file, tmp_path):
 
 
 def test_a_state_larger_than_the_machine_is_refused_before_allocation(tmp_path):
-    """llama-7b's state (about 200 GB with speculation's copies) on a machine with less RAM: one line naming
-    the RAM and a --host-gb that fits with --nvme-dir; llama-70b's, whose staging ring alone is 84 GB: one
-    line saying no budget fits. No run directory is left behind."""
+    """llama-7b's state (about 190 GB with speculation's copies) on a machine with less RAM: one line naming
+    the RAM and a --host-gb that fits with --nvme-dir; llama-70b's under --host-gb 100000 (1.1 TB of state):
+    one line naming the RAM. No run directory is left behind."""
     import psutil
 
     avail = psutil.virtual_memory().available
@@ -207,10 +207,7 @@ def test_a_state_larger_than_the_machine_is_refused_before_allocation(tmp_path):
     assert not out.exists()
     fit = float(re.search(r"pass --host-gb ([0-9.]+)", line).group(1))
     assert 0 < fit * 1e9 < avail
-    refused(cli("run", "--config", "llama-7b", *cpu, "--host-gb", "100000", "--out", str(out)),
-            "is more than the RAM here", "pass --host-gb")
-    if avail < 80e9:
-        refused(cli("run", "--config", "llama-70b", *cpu, "--out", str(out)), "use a machine with more RAM")
+    refused(cli("run", "--config", "llama-70b", *cpu, "--host-gb", "100000", "--out", str(out)), "RAM available")
     assert not out.exists()
 
 
