@@ -64,8 +64,9 @@ def _predict(tr, B: int) -> dict:
     if tr.device.type != "cuda":
         return {}
     hw = tr.hardware()
-    p = evaluate(c.model, B, c.train.seq_len, c.train.compute_dtype, c.train.micro_batch_size, t.stream,
-                 t.activations, Budgets(t.host_gb, hw.gpu_mem_gb, 1e9), hw, name="bench")
+    rp = tr.run_plan
+    p = evaluate(c.model, B, c.train.seq_len, c.train.compute_dtype, rp.micro_batch, rp.stream,
+                 rp.activations, Budgets(t.host_gb, hw.gpu_mem_gb, 1e9), hw, name="bench")
     return {"pred_step_s": p.step_s, "pred_bottleneck": p.bottleneck, "pred_nvme_s": p.times.get("NVMe", 0),
             "pred_fits": p.fits}
 

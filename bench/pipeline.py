@@ -88,12 +88,18 @@ def tiertrain_config(a, batch: int, stream: str, activations: str, resident_gb: 
     """The config of a TIERTRAIN system (its tuple's fields) at this batch size."""
     from tiertrain.config import load_config
 
-    return load_config(a.config, [f"train.micro_batch_size={a.micro}", f"train.batch_size={batch}",
+    def auto(v, none=-1):  # the tuples' -1 (0 for the micro-batch): "auto" in the config
+        return '"auto"' if v == none else v
+
+    spec_gpu = speculate if gpu_spec is None else gpu_spec
+    return load_config(a.config, [f"train.micro_batch_size={auto(a.micro, 0)}", f"train.batch_size={batch}",
                                   'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
                                   f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
-                                  f"tiers.gpu_resident_gb={resident_gb}", f"tiers.gpu_update_units={gpu_updates}",
-                                  f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={speculate}",
-                                  f"optim.speculate_gpu_updates={speculate if gpu_spec is None else gpu_spec}",
+                                  f"tiers.gpu_resident_gb={auto(resident_gb)}",
+                                  f"tiers.gpu_update_units={auto(gpu_updates)}",
+                                  f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={auto(speculate)}",
+                                  "optim.speculate_gpu_updates="
+                                  + (auto(spec_gpu) if spec_gpu == -1 else str(bool(spec_gpu)).lower()),
                                   f'optim.host_kernel="{host_kernel}"'])
 
 
@@ -108,7 +114,7 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
     setup_s = time.perf_counter() - t0
     S, V = cfg.train.seq_len, cfg.model.vocab_size
     auto = "the plan's choice: " if stream == "auto" else ""
-    stream, activations, resident_gb = tr.cfg.tiers.stream, tr.cfg.tiers.activations, tr.cfg.tiers.gpu_resident_gb
+    stream, activations, resident_gb = tr.run_plan.stream, tr.run_plan.activations, tr.run_plan.resident_gb
     host = [u for u in range(len(tr.layouts)) if tr.where[(u, "master")] != "gpu" and u not in tr.deferred]
     host_params = sum(tr.layouts[u].numel for u in host)
     rows = []

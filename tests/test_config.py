@@ -60,7 +60,14 @@ def test_overrides_are_toml_literals():
     (['optim.schedule="linear"'], ["optim.schedule", "cosine"]),
     (["model.rope_scaling={rope_type=\"llama3\"}"], ["model.rope_scaling", "factor"]),
     (["steps=5"], ["section.key=value"]),
-    (["train.micro_batch_size=-1"], ["train.micro_batch_size", "0 (the plan chooses)"]),
+    (["train.micro_batch_size=-1"], ["train.micro_batch_size", '"auto" (the plan chooses)']),
+    # "auto" is the one spelling of "the plan decides": the numbers that used to mean it say so
+    (["train.micro_batch_size=0"], ["train.micro_batch_size", '"auto" (the plan chooses)']),
+    (["optim.speculate_units=-1"], ["optim.speculate_units", '"auto" (the plan chooses)']),
+    (["optim.speculate_gpu_updates=1"], ["optim.speculate_gpu_updates must be true or false or \"auto\""]),
+    (["tiers.gpu_resident_gb=-1"], ["tiers.gpu_resident_gb", '"auto" (the GPU memory the plan leaves free)']),
+    (["tiers.gpu_update_units=-1"], ["tiers.gpu_update_units", '"auto" (the plan chooses)']),
+    (["train.loss_chunk_tokens=0"], ["train.loss_chunk_tokens", '"auto"']),
     (["train.micro_batch_size=3"], ["train.batch_size", "multiple of train.micro_batch_size (3)"]),
 ])
 def test_bad_values_name_the_key_and_fix(sets, words):

@@ -97,7 +97,7 @@ def test_gpu_updates_change_no_bit(token_file, device, speculated):
     unit updated on the device (in as they load, the state replaces the master; speculated, the state
     comes in during the backward pass and the kept master streams like the host's)."""
     base = ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', f'train.device="{device}"', "train.steps=4",
-            "optim.grad_clip=100", "optim.speculate_units=0", f"optim.speculate_gpu_updates={int(speculated)}"]
+            "optim.grad_clip=100", "optim.speculate_units=0", f"optim.speculate_gpu_updates={str(speculated).lower()}"]
     runs = []
     for n in (0, 2, 5):
         tr, _, recs = _train(tiny_config(token_file, *base, f"tiers.gpu_update_units={n}"))
@@ -141,7 +141,7 @@ def test_micro_batching_does_not_change_the_step(token_file):
 def test_loss_chunking_does_not_change_the_step(token_file):
     """The chunked cross-entropy equals the unchunked one."""
     results = []
-    for chunk in (0, 7, 64):
+    for chunk in ("auto", 7, 64):
         tr, _, recs = _train(tiny_config(token_file, f"train.loss_chunk_tokens={chunk}", "train.steps=2"))
         results.append(([r["loss"] for r in recs], tr.state_dict()))
     for losses, sd in results[1:]:

@@ -84,11 +84,13 @@ def test_optimizer_errors_surface(token_file, monkeypatch):
 ])
 def test_auto_without_a_plan(token_file, sets, stream, acts):
     """On a CPU there is no plan: "auto" settles on the cheapest copies, and a set value stays; the
-    run's saved config holds what was settled, so a resume does the same."""
-    tr = Trainer(tiny_config(token_file, 'train.device="cpu"', *sets))
-    t = tr.cfg.tiers
+    run's RunPlan holds what was settled (the config stays what was asked for)."""
+    cfg = tiny_config(token_file, 'train.device="cpu"', *sets)
+    asked = cfg.to_dict()
+    tr = Trainer(cfg)
+    t = tr.run_plan
     tr.close()
-    assert (t.stream, t.activations) == (stream, acts)
+    assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
     assert ("weights" in tr.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
     assert tr.checkpoints.where == acts
     assert bool(tr.deferred) == ("tiers.gpu_update_units=2" in sets)
@@ -96,17 +98,17 @@ def test_auto_without_a_plan(token_file, sets, stream, acts):
 
 @pytest.mark.parametrize("batch,micro", [(8, 8), (12, 6), (7, 7), (18, 6)])
 def test_auto_micro_batch_without_a_plan(token_file, batch, micro):
-    """train.micro_batch_size = 0 on a CPU: the largest divisor of the batch up to 8 sequences; recorded."""
-    tr = Trainer(tiny_config(token_file, f"train.batch_size={batch}", "train.micro_batch_size=0"))
+    """train.micro_batch_size = "auto" on a CPU: the largest divisor of the batch up to 8 sequences; recorded."""
+    tr = Trainer(tiny_config(token_file, f"train.batch_size={batch}", 'train.micro_batch_size="auto"'))
     tr.close()
-    assert tr.cfg.train.micro_batch_size == micro and "micro-batch" in tr.chosen
+    assert tr.run_plan.micro_batch == micro and "micro-batch" in tr.chosen and tr.cfg.train.micro_batch_size == "auto"
 
 
 def test_resident_minus_one_without_a_plan(token_file):
-    """tiers.gpu_resident_gb = -1 on a CPU (no plan): no resident units; recorded."""
-    tr = Trainer(tiny_config(token_file, "tiers.gpu_resident_gb=-1"))
+    """tiers.gpu_resident_gb = "auto" on a CPU (no plan): no resident units; recorded."""
+    tr = Trainer(tiny_config(token_file, 'tiers.gpu_resident_gb="auto"'))
     tr.close()
-    assert tr.cfg.tiers.gpu_resident_gb == 0 and "gpu" not in tr.where.values() and "resident GB" in tr.chosen
+    assert tr.run_plan.resident_gb == 0 and "gpu" not in tr.where.values() and "resident GB" in tr.chosen
 
 
 @pytest.mark.gpu
@@ -129,20 +131,20 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
           "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {},
           "resident": {}}[case]
     monkeypatch.setattr(placing, "hardware", lambda device: dataclasses.replace(REFERENCE, **hw))
-    more = {"micro-batch": ["train.micro_batch_size=0"], "resident": ["tiers.gpu_resident_gb=-1"]}.get(case, [])
+    more = {"micro-batch": ['train.micro_batch_size="auto"'], "resident": ['tiers.gpu_resident_gb="auto"']}.get(case, [])
     tr = Trainer(tiny_config(token_file, *sets, *more))
     tr.train_step()
     tr.close()
     assert tr.plan is not None
-    assert (tr.plan.stream, tr.plan.activations) == (tr.cfg.tiers.stream, tr.cfg.tiers.activations)
-    assert tr.cfg.train.micro_batch_size == (tr.plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
+    assert (tr.plan.stream, tr.plan.activations) == (tr.run_plan.stream, tr.run_plan.activations)
+    assert tr.run_plan.micro_batch == (tr.plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
     if case == "small GPU":
-        assert tr.cfg.tiers.activations == "host"
+        assert tr.run_plan.activations == "host"
     elif case == "resident":  # the tiny model's whole state fits what the plan leaves: every unit resident
-        assert tr.cfg.tiers.gpu_resident_gb == tr.plan.resident_gb >= 1 and set(tr.where.values()) == {"gpu"}
+        assert tr.run_plan.resident_gb == tr.plan.resident_gb >= 1 and set(tr.where.values()) == {"gpu"}
     elif case == "micro-batch":
-        assert tc.batch_size % tr.cfg.train.micro_batch_size == 0 and "micro-batch" in tr.chosen
+        assert tc.batch_size % tr.run_plan.micro_batch == 0 and "micro-batch" in tr.chosen
     else:
-        assert tr.cfg.tiers.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
-    assert ("weights" in tr.host.kinds) == (tr.cfg.tiers.stream == "compute")
-    assert tr.checkpoints.where == tr.cfg.tiers.activations
+        assert tr.run_plan.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
+    assert ("weights" in tr.host.kinds) == (tr.run_plan.stream == "compute")
+    assert tr.checkpoints.where == tr.run_plan.activations

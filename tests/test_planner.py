@@ -193,8 +193,8 @@ def test_plan_keeps_what_the_config_sets(tmp_path):
                                       *[x for s in sets for x in ("--set", s)]])
         assert r.exit_code == 0, r.output
         return json.loads(r.output)["micro_batch"]
-    assert micro() == 4 and micro("train.micro_batch_size=2") == 2 and micro("train.micro_batch_size=0") == 16
-    assert micro("train.micro_batch_size=0", "train.batch_size=64") == 32  # at most 64k tokens per micro-batch
+    assert micro() == 4 and micro("train.micro_batch_size=2") == 2 and micro('train.micro_batch_size="auto"') == 16
+    assert micro('train.micro_batch_size="auto"', "train.batch_size=64") == 32  # at most 64k tokens per micro-batch
 
 
 def test_hardware_file_round_trip_and_errors(tmp_path):

@@ -51,12 +51,12 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
     redone, and the next step does not speculate), others do not (kept). GPU-updated units speculate on
     the GPU (optim.speculate_gpu_updates), with the host's speculation and alone."""
     sets = [*VARIANTS["qwen2"], f'train.device="{device}"', *variant]
-    none = ["optim.speculate_units=0", "optim.speculate_gpu_updates=0"]
+    none = ["optim.speculate_units=0", "optim.speculate_gpu_updates=false"]
     base = _run(tiny_config(token_file, *sets, *none))
     norms = sorted(r["grad_norm"] for r in base[0])
     clip = f"optim.grad_clip={norms[len(norms) // 2]}"
-    every = ["optim.speculate_units=99", "optim.speculate_gpu_updates=1"]  # every one it can
-    gpu_only = ["optim.speculate_units=0", "optim.speculate_gpu_updates=1"]
+    every = ["optim.speculate_units=99", "optim.speculate_gpu_updates=true"]  # every one it can
+    gpu_only = ["optim.speculate_units=0", "optim.speculate_gpu_updates=true"]
     # the same units updated on the GPU, never speculating (a CUDA kernel may round unlike the host's)
     want = _run(tiny_config(token_file, *sets, clip, *gpu_only), gpu_spec=False)
     assert want[3] == (0, 0)
@@ -208,7 +208,7 @@ def test_copies_must_fit_the_host_budget(token_file):
     with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
         Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
     tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # -1 without a plan: none
-    assert tr.optim.early == frozenset() and tr.cfg.optim.speculate_units == 0
+    assert tr.optim.early == frozenset() and not tr.run_plan.updated("host-speculated")
     tr.close()
 
 

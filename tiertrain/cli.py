@@ -60,7 +60,7 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
             out_dir = rundir.check_resume(ckpt, Path(out) if out else None)
             meta = checkpoint.read_meta(ckpt)
             cfg = load_config(config_path, list(overrides)) if config_path else \
-                config_from_dict(meta["config"], list(overrides), str(ckpt))
+                config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
             cfg.train.init_from = ""  # the checkpoint holds the weights
         else:
             ckpt = None
@@ -131,7 +131,7 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
     """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
     import shutil
 
-    from .config import load_config
+    from .config import AUTO, fixed, load_config
     from .plan.hardware import REFERENCE, HardwareSpec
     from .plan.planner import Budgets
     from .plan.planner import plan as make_plan
@@ -141,19 +141,18 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         sets = list(overrides) + [f"train.batch_size={batch_size}"] * bool(batch_size) + \
             [f"train.seq_len={seq_len}"] * bool(seq_len)
         if batch_size:
-            sets.append("train.micro_batch_size=0")  # the config's may not divide it: the planner chooses
+            sets.append('train.micro_batch_size="auto"')  # the config's may not divide it: the planner chooses
         cfg = load_config(config_path, sets)
+        t = cfg.tiers
         hw = HardwareSpec.load(hardware) if hardware else REFERENCE
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
         p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
-                      Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb), hw, name=Path(config_path).stem,
-                      gpu_updates=cfg.tiers.gpu_update_units, micro=cfg.train.micro_batch_size or None,
-                      clipping=cfg.optim.grad_clip > 0,
-                      speculate=None if cfg.optim.speculate_units < 0 else cfg.optim.speculate_units,
-                      speculate_gpu=None if (g := cfg.optim.speculate_gpu_updates) < 0 else bool(g),
-                      # "auto" and 0: the plan searches, as `run` does on a GPU
-                      **{k: v for k in ("stream", "activations") if (v := getattr(cfg.tiers, k)) != "auto"})
+                      Budgets(host_gb, gpu_gb, nvme_gb, t.gpu_resident_gb if t.gpu_resident_gb != AUTO else -1), hw,
+                      name=Path(config_path).stem, gpu_updates=-1 if t.gpu_update_units == AUTO else t.gpu_update_units,
+                      micro=fixed(cfg.train.micro_batch_size), clipping=cfg.optim.grad_clip > 0,
+                      speculate=fixed(cfg.optim.speculate_units), speculate_gpu=fixed(cfg.optim.speculate_gpu_updates),
+                      stream=fixed(t.stream), activations=fixed(t.activations))  # "auto": searched, as `run` does
     except UserError as e:
         _fail(e)
     except OSError as e:

@@ -18,6 +18,8 @@ from .errors import ConfigError
 from .model.spec import ModelSpec
 
 SHIPPED = Path(__file__).parent / "configs"
+AUTO = "auto"  # the one spelling of "the plan decides"
+Auto = typing.Literal["auto"]
 DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,26 +41,27 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100
     batch_size: int = 16  # sequences per optimizer step
-    micro_batch_size: int = 8  # sequences per forward/backward; 0: the plan's choice (on a CPU: at most 8)
+    micro_batch_size: int | Auto = 8  # sequences per forward/backward; "auto": the plan's (on a CPU: at most 8)
     seq_len: int = 256
     compute_dtype: str = "bfloat16"
     seed: int = 0
     device: str = "auto"
     log_every: int = 10
-    loss_chunk_tokens: int = 0  # tokens per cross-entropy chunk; 0: sized so a chunk's logits stay near 64 MiB
+    loss_chunk_tokens: int | Auto = "auto"  # tokens per cross-entropy chunk; "auto": a chunk's logits near 64 MiB
     overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
     init_from: str = ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "log_every"):
             _need(getattr(self, key) > 0, "train", key, self, "must be a positive integer")
-        _need(self.micro_batch_size >= 0, "train", "micro_batch_size", self,
-              "must be 0 (the plan chooses) or a positive integer")
-        _need(self.loss_chunk_tokens >= 0, "train", "loss_chunk_tokens", self, "must be 0 (auto) or positive")
+        _need(_auto_or(self.micro_batch_size, 1), "train", "micro_batch_size", self,
+              'must be "auto" (the plan chooses) or a positive integer')
+        _need(_auto_or(self.loss_chunk_tokens, 1), "train", "loss_chunk_tokens", self,
+              'must be "auto" or a positive integer')
         _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
         _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
-        _need(self.batch_size % (self.micro_batch_size or 1) == 0, "train", "batch_size", self,
+        _need(self.micro_batch_size == AUTO or self.batch_size % self.micro_batch_size == 0, "train", "batch_size", self,
               f"must be a multiple of train.micro_batch_size ({self.micro_batch_size})")
 
 
@@ -77,12 +80,12 @@ class OptimConfig:
     # a second copy of their master and moments, 12 B/param more host memory, kept when the norm does not
     # clip and redone when it does); -1: the plan's number (without a plan: all of them when clipping is off
     # or no host budget is set, else none); 0: none
-    speculate_units: int = -1
+    speculate_units: int | Auto = "auto"
     # 1: the units updated on the GPU (tiers.gpu_update_units) are speculated too, on the GPU in the backward
     # pass as their gradients are accumulated (their state crosses PCIe there instead of in the next forward
     # pass; into host copies of their master and moments when clipping is on); -1: the plan's choice
     # (without a plan: as speculate_units' default); 0: they update as their weights load in the forward pass
-    speculate_gpu_updates: int = -1
+    speculate_gpu_updates: bool | Auto = "auto"
     # the host AdamW's kernel: "tiertrain" (tiertrain/optim/csrc/adamw.cpp, one pass, also into a speculative
     # update's copies; built on first use: a C++ compiler and ninja), "torch" (torch's fused kernel, in place:
     # an update into copies copies first), "auto" (tiertrain's when it builds)
@@ -95,12 +98,10 @@ class OptimConfig:
         _need(self.eps > 0, "optim", "eps", self, "must be positive")
         _need(self.weight_decay >= 0, "optim", "weight_decay", self, "must be 0 or positive")
         _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
-        _need(self.speculate_units >= -1, "optim", "speculate_units", self,
-              "must be -1 (the plan chooses), 0 (none) or a number of units")
+        _need(_auto_or(self.speculate_units, 0), "optim", "speculate_units", self,
+              'must be "auto" (the plan chooses), 0 (none) or a number of units')
         _need(self.host_kernel in ("auto", "tiertrain", "torch"), "optim", "host_kernel", self,
               'must be "auto", "tiertrain" or "torch"')
-        _need(self.speculate_gpu_updates in (-1, 0, 1), "optim", "speculate_gpu_updates", self,
-              "must be -1 (the plan chooses), 0 (no) or 1 (yes)")
         _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")
         _need(self.warmup_steps >= 0, "optim", "warmup_steps", self, "must be 0 or positive")
         _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")
@@ -116,9 +117,9 @@ class TiersConfig:
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
-    gpu_resident_gb: float = 0.0  # GPU memory for the whole state of the first units (updated on the GPU);
-    # -1: what the plan leaves free
-    gpu_update_units: int = -1  # streamed units updated on the GPU as they load; -1: the plan's choice, 0: none
+    gpu_resident_gb: float | Auto = 0.0  # GPU memory for the whole state of the first units (updated there);
+    # "auto": what the plan leaves free
+    gpu_update_units: int | Auto = "auto"  # streamed units updated on the GPU as they load; 0: none
 
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
@@ -127,10 +128,10 @@ class TiersConfig:
         _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
         _need(1 <= self.io_threads <= 256, "tiers", "io_threads", self, "must be between 1 and 256")
-        _need(self.gpu_resident_gb >= 0 or self.gpu_resident_gb == -1, "tiers", "gpu_resident_gb", self,
-              "must be 0 (none), a number of GB, or -1 (the GPU memory the plan leaves free)")
-        _need(self.gpu_update_units >= -1, "tiers", "gpu_update_units", self,
-              "must be -1 (the plan chooses), 0 (none) or a number of units")
+        _need(_auto_or(self.gpu_resident_gb, 0), "tiers", "gpu_resident_gb", self,
+              'must be 0 (none), a number of GB, or "auto" (the GPU memory the plan leaves free)')
+        _need(_auto_or(self.gpu_update_units, 0), "tiers", "gpu_update_units", self,
+              'must be "auto" (the plan chooses), 0 (none) or a number of units')
 
 
 @dataclass
@@ -176,6 +177,16 @@ class Config:
         return tomli_w.dumps(self.to_dict())
 
 
+def _auto_or(v: object, least: float) -> bool:
+    """`v` is "auto" or a number of at least `least`."""
+    return v == AUTO or v >= least
+
+
+def fixed(v: object) -> object | None:
+    """A setting's value, None where it is "auto" (the plan decides)."""
+    return None if v == AUTO else v
+
+
 def _q(options: tuple[str, ...]) -> str:
     return ", ".join(f'"{o}"' for o in options)
 
@@ -194,6 +205,11 @@ def _show(v: object) -> str:
 def _coerce(section: str, key: str, value: object, hint: object) -> object:
     """Checks a TOML value against a field's type; ints are accepted where floats are expected."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
+    auto_ok = Auto in args
+    if auto_ok:  # int | "auto" and the like
+        if value == AUTO:
+            return value
+        args = [a for a in args if a is not Auto]
     if typing.get_origin(hint) in (typing.Union, type(int | None)) and len(args) == 1:
         hint = args[0]
     base = typing.get_origin(hint) or hint
@@ -216,6 +232,8 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
     if not ok:
         want = {bool: "true or false", int: "an integer", float: "a finite number", str: "a quoted string",
                 list: "a list of finite numbers", dict: "a table like {key = value}"}[base]
+        if auto_ok:
+            want += ' or "auto" (the plan decides)'
         raise ConfigError(f"{section}.{key} must be {want} (got {_show(value)}); "
                           f"fix it in the config file or with --set {section}.{key}=...")
     return value
@@ -277,9 +295,20 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     return config_from_dict(data, overrides, str(src))
 
 
-def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the config") -> Config:
-    """A config from parsed TOML (or a checkpoint's resolved config), then `--set` overrides."""
+# a checkpoint written before "auto" was the one spelling holds these numbers for "the plan decides"
+LEGACY = {("train", "micro_batch_size"): {0: AUTO}, ("train", "loss_chunk_tokens"): {0: AUTO},
+          ("optim", "speculate_units"): {-1: AUTO}, ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
+          ("tiers", "gpu_resident_gb"): {-1: AUTO, -1.0: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
+
+
+def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the config",
+                     legacy: bool = False) -> Config:
+    """A config from parsed TOML (or a checkpoint's config), then `--set` overrides. `legacy`: a checkpoint's,
+    whose older numbers for "auto" are read as it."""
     cfg = Config()
+    if legacy:
+        data = {sec: {k: LEGACY[(sec, k)].get(v, v) if (sec, k) in LEGACY and not isinstance(v, bool) else v
+                      for k, v in vals.items()} if isinstance(vals, dict) else vals for sec, vals in data.items()}
     _apply(cfg, data, origin)
     for o in overrides:
         _apply(cfg, parse_override(o), "--set")

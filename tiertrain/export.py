@@ -16,7 +16,7 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
     """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time."""
     path = ckpt.resolve(source, None)
     meta = ckpt.read_meta(path)
-    spec = config_from_dict(meta["config"], [], str(path)).model
+    spec = config_from_dict(meta["config"], [], str(path), legacy=True).model
     units = spec.units()
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,11 +4,13 @@ cannot run with a message that names the setting to change."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import Config
+from .config import AUTO, Config
+from .config import fixed as given
 from .errors import ConfigError
 from .optim import kernel
 from .plan.hardware import REFERENCE, TORCH_COPIES, HardwareSpec
@@ -33,21 +35,34 @@ def hardware(device: torch.device) -> HardwareSpec:
                                gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
 
 
-def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
-    """(the plan of this exact run, or None without a GPU or when it does not fit; the settings it
-    chose). Sets tiers.stream, tiers.activations, train.micro_batch_size, optim.speculate_units,
-    optim.speculate_gpu_updates and tiers.gpu_resident_gb where the config leaves them to the plan
-    ("auto", 0, -1, -1, -1): its choice on a GPU, else the cheapest copies, the largest micro-batch of at
-    most 8 sequences, every unit speculated when that costs no memory or no host budget is set, and no
-    resident units. On CUDA a run whose
-    GPU memory the plan says will not fit stops here, saying what to lower."""
+@dataclass(frozen=True)
+class Settled:
+    """What the config leaves to the plan ("auto", 0, -1), settled for this run. The Config is never written:
+    config.toml stays what the user asked for, and the RunPlan records what was chosen."""
+    stream: str  # "compute" or "master"
+    activations: str  # "gpu" or "host"
+    micro_batch: int
+    speculate_units: int  # how many of the units the host updates from RAM speculate
+    speculate_gpu: bool  # the GPU-updated units speculate too
+    resident_gb: float  # GPU memory for the whole state of the first units
+    chosen: tuple[str, ...]  # the settings the plan (or the CPU rules) chose
+
+
+def settle(cfg: Config, device: torch.device, micro: int | None = None) -> tuple[Plan | None, Settled]:
+    """(the plan of this exact run, or None without a GPU or when it does not fit; the settled choices).
+    Where the config leaves tiers.stream, tiers.activations, train.micro_batch_size, optim.speculate_units,
+    optim.speculate_gpu_updates and tiers.gpu_resident_gb to the plan ("auto"): its choice
+    on a GPU, else the cheapest copies, the largest micro-batch of at most 8 sequences, every unit
+    speculated when that costs no memory or no host budget is set, and no resident units. On CUDA a run
+    whose GPU memory the plan says will not fit stops here, saying what to lower. `micro`: the micro-batch
+    a resumed run ran with, kept where the config leaves it to the plan."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
-    fixed = {"stream": None if t.stream == "auto" else t.stream,
-             "activations": None if t.activations == "auto" else t.activations,
-             "micro": tc.micro_batch_size or None,
-             "speculate": None if o.speculate_units < 0 else o.speculate_units,
-             "speculate_gpu": None if o.speculate_gpu_updates < 0 else bool(o.speculate_gpu_updates)}
-    if t.gpu_update_units > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
+    fixed = {"stream": given(t.stream), "activations": given(t.activations),
+             "micro": given(tc.micro_batch_size) or micro, "speculate": given(o.speculate_units),
+             "speculate_gpu": given(o.speculate_gpu_updates)}
+    gpu_updates = -1 if t.gpu_update_units == AUTO else t.gpu_update_units  # the planner's -1: search
+    resident = -1 if t.gpu_resident_gb == AUTO else t.gpu_resident_gb
+    if gpu_updates > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
         fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
     p = None
     if device.type == "cuda":  # the cost model is the GPU pipeline's
@@ -55,44 +70,42 @@ def settle(cfg: Config, device: torch.device) -> tuple[Plan | None, list[str]]:
         if kernel.wanted(o.host_kernel) is None:  # torch's kernel: an update into copies copies first
             hw = dataclasses.replace(hw, **TORCH_COPIES)
         p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
-                 Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None),
-                         t.gpu_resident_gb),
-                 hw, name="run", advise=False, gpu_updates=t.gpu_update_units, clipping=o.grad_clip > 0, **fixed)
-    t.stream = fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master")
-    t.activations = fixed["activations"] or (p.activations if p else "gpu")
-    tc.micro_batch_size = fixed["micro"] or (p.micro_batch if p else
-                                             max(m for m in range(1, 9) if tc.batch_size % m == 0))
-    # without a plan: every unit speculates when that costs no memory (clipping off) or no host budget is set
-    free = o.grad_clip == 0 or not t.host_gb
-    if fixed["speculate"] is None:
-        o.speculate_units = p.speculated if p else len(cfg.model.units()) if free else 0
-    if fixed["speculate_gpu"] is None:
-        o.speculate_gpu_updates = int(p.gpu_speculated if p else free)
-    resident = t.gpu_resident_gb
-    if resident < 0:
-        t.gpu_resident_gb = p.resident_gb if p else 0.0
+                 Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None), resident),
+                 hw, name="run", advise=False, gpu_updates=gpu_updates, clipping=o.grad_clip > 0, **fixed)
     if p is not None and not p.fits and p.why.startswith("GPU"):
         fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident > 0 else []),
                  *(["lower train.micro_batch_size"] if fixed["micro"] else []),
                  *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
                  "lower train.seq_len"]
         raise ConfigError(f"{p.why}: " + ", or ".join(fixes))
+    # without a plan: every unit speculates when that costs no memory (clipping off) or no host budget is set
+    free = o.grad_clip == 0 or not t.host_gb
     names = {"stream": "stream", "activations": "activations", "micro": "micro-batch", "speculate": "speculation",
              "speculate_gpu": "GPU updates' speculation"}
-    chosen = [names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident < 0 else [])
-    return (p if p is not None and p.fits else None), chosen
+    chosen = tuple([names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident < 0 else []))
+    settled = Settled(
+        stream=fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master"),
+        activations=fixed["activations"] or (p.activations if p else "gpu"),
+        micro_batch=fixed["micro"] or (p.micro_batch if p else max(m for m in range(1, 9) if tc.batch_size % m == 0)),
+        speculate_units=fixed["speculate"] if fixed["speculate"] is not None else
+        p.speculated if p else len(cfg.model.units()) if free else 0,
+        speculate_gpu=fixed["speculate_gpu"] if fixed["speculate_gpu"] is not None else
+        (p.gpu_speculated if p else free),
+        resident_gb=(p.resident_gb if p else 0.0) if resident < 0 else resident,
+        chosen=chosen)
+    return (p if p is not None and p.fits else None), settled
 
 
-def place_state(cfg: Config, numels: list[int], pin: bool) -> Where:
+def place_state(cfg: Config, s: Settled, numels: list[int], pin: bool) -> Where:
     """Resident units' slabs on the GPU; every other slab under tiers.host_gb: all in RAM when it fits,
     else on NVMe by policy with the staging ring reserved. Refuses what cannot run."""
     t, tc = cfg.tiers, cfg.train
-    kb = kind_bytes(tc.compute_dtype, t.stream)
-    resident = resident_units(numels, kb, t.gpu_resident_gb * 1e9)
+    kb = kind_bytes(tc.compute_dtype, s.stream)
+    resident = resident_units(numels, kb, s.resident_gb * 1e9)
     rest = [0 if u in resident else n for u, n in enumerate(numels)]
     where = place(rest, kb)
     if t.host_gb:
-        acts = _host_checkpoints(cfg, pin)
+        acts = _host_checkpoints(cfg, s, pin)
         where, ring, total = place_within(rest, kb, t.host_gb * 1e9, acts, host_cost)
         if where is None or ring:
             least = least_host(rest, kb, acts, host_cost)
@@ -122,13 +135,13 @@ def available_ram() -> int:
     return avail
 
 
-def check_ram(cfg: Config, numels: list[int], where: Where, copied: frozenset[int], pin: bool) -> None:
+def check_ram(cfg: Config, s: Settled, numels: list[int], where: Where, copied: frozenset[int], pin: bool) -> None:
     """Refuses, before anything is allocated, a run whose host memory (the state placed in RAM, the staging
     ring, host checkpoints, speculation's copies) is more than this machine has available, naming the
     --host-gb and --nvme-dir that would fit: the kernel would kill it mid-run otherwise."""
     t = cfg.tiers
-    kb = kind_bytes(cfg.train.compute_dtype, t.stream)
-    acts = _host_checkpoints(cfg, pin)
+    kb = kind_bytes(cfg.train.compute_dtype, s.stream)
+    acts = _host_checkpoints(cfg, s, pin)
     need = (sum(host_state_bytes(numels, kb, where, host_cost).values()) + acts
             + ring_bytes(ring_widths(numels, where), kb, host_cost)
             + sum(copy_bytes(numels[u], host_cost) for u in copied))
@@ -150,29 +163,29 @@ def check_ram(cfg: Config, numels: list[int], where: Where, copied: frozenset[in
                       "to disk")
 
 
-def _host_checkpoints(cfg: Config, pin: bool) -> int:
+def _host_checkpoints(cfg: Config, s: Settled, pin: bool) -> int:
     """Host bytes of the activation checkpoints, when they live there."""
     tc, spec = cfg.train, cfg.model
-    if cfg.tiers.activations != "host":
+    if s.activations != "host":
         return 0
     return spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
         tc.batch_size * tc.seq_len * spec.hidden_size * 4)
 
 
-def gpu_update_units(cfg: Config, p: Plan | None, where: Where, kinds, n_units: int) -> frozenset[int]:
-    """Units whose update runs on the GPU (tiers.gpu_update_units; -1: the plan's choice, none without a
+def gpu_update_units(cfg: Config, s: Settled, p: Plan | None, where: Where, kinds, n_units: int) -> frozenset[int]:
+    """Units whose update runs on the GPU (tiers.gpu_update_units; "auto": the plan's choice, none without a
     plan): as their weights load, or speculated in the backward pass (optim.speculate_gpu_updates, settled):
     tiers.placement.gpu_updated says which."""
     n = cfg.tiers.gpu_update_units
-    if n < 0:
+    if n == AUTO:
         n = p.gpu_updates if p else 0
     if n and "weights" in kinds:
         raise ConfigError("tiers.gpu_update_units needs tiers.stream=\"master\" (the GPU update makes the "
                           "weights from the fp32 master); set it, or tiers.gpu_update_units=0")
-    return frozenset(gpu_updated(update_candidates(where, kinds, n_units), n, bool(cfg.optim.speculate_gpu_updates)))
+    return frozenset(gpu_updated(update_candidates(where, kinds, n_units), n, s.speculate_gpu))
 
 
-def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferred: frozenset[int],
+def speculated_units(cfg: Config, s: Settled, numels: list[int], where: Where, kinds, deferred: frozenset[int],
                      pin: bool) -> tuple[frozenset[int], frozenset[int]]:
     """(units whose update starts on the host in the backward pass, GPU-updated units whose update starts
     on the GPU there). The first: optim.speculate_units of the units the host updates with every slab in
@@ -180,32 +193,32 @@ def speculated_units(cfg: Config, numels: list[int], where: Where, kinds, deferr
     GPU-updated unit when
     optim.speculate_gpu_updates is on. With clipping on each needs copies of its master and moments:
     refused when --host-gb cannot hold them beside the state."""
-    n = cfg.optim.speculate_units
+    n = s.speculate_units
     ram = [u for u in update_candidates(where, kinds, len(numels)) if u not in deferred]
     units = frozenset(alternate_from_last(ram, max(n, 0)))
-    on_gpu = deferred if cfg.optim.speculate_gpu_updates else frozenset()
+    on_gpu = deferred if s.speculate_gpu else frozenset()
     t, tc = cfg.tiers, cfg.train
     if (units or on_gpu) and cfg.optim.grad_clip > 0 and t.host_gb:
-        kb = kind_bytes(tc.compute_dtype, t.stream)
+        kb = kind_bytes(tc.compute_dtype, s.stream)
         state = sum(host_state_bytes(numels, kb, where, host_cost).values())
         ring = ring_bytes(ring_widths(numels, where), kb, host_cost)
         copies = sum(copy_bytes(numels[u], host_cost) for u in units | on_gpu)
-        need = (state + ring + _host_checkpoints(cfg, pin) + copies) / 1e9
+        need = (state + ring + _host_checkpoints(cfg, s, pin) + copies) / 1e9
         if need > t.host_gb:
-            who = [f"optim.speculate_units = {n}"] * bool(units) + ["optim.speculate_gpu_updates = 1"] * bool(on_gpu)
-            fix = ["lower optim.speculate_units (-1: the plan's number)"] * bool(units) + \
-                ["set optim.speculate_gpu_updates = 0"] * bool(on_gpu)
+            who = [f"optim.speculate_units = {n}"] * bool(units) + ["optim.speculate_gpu_updates = true"] * bool(on_gpu)
+            fix = ['lower optim.speculate_units ("auto": the plan\'s number)'] * bool(units) + \
+                ["set optim.speculate_gpu_updates = false"] * bool(on_gpu)
             raise ConfigError(f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of {gb(copies)} "
                               f"beside the state: raise --host-gb to {budget(need * 1e9)}, or {', or '.join(fix)}")
     return units, on_gpu
 
 
-def nvme_tier(cfg: Config, numels: list[int], where: Where, dtypes: dict[str, torch.dtype], streamed: str,
-              pin: bool, run_name: str, replace: bool) -> TierManager:
+def nvme_tier(cfg: Config, s: Settled, numels: list[int], where: Where, dtypes: dict[str, torch.dtype],
+              streamed: str, pin: bool, run_name: str, replace: bool) -> TierManager:
     """The run's store, in a new directory under nvme_dir, and its manager; `replace`: a resumed run first
     deletes the stores its killed processes left (scratch: the checkpoint holds the state)."""
     t = cfg.tiers
-    kb = kind_bytes(cfg.train.compute_dtype, t.stream)
+    kb = kind_bytes(cfg.train.compute_dtype, s.stream)
     disk = disk_bytes(numels, kb, where)
     if t.nvme_gb and disk > t.nvme_gb * 1e9:
         raise ConfigError(f"the spilled state takes {gb(disk)} on disk and --nvme-gb is "

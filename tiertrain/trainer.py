@@ -12,7 +12,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import placing
-from .config import Config
+from .config import Config, fixed
 from .data import Loader, builtin_tokens, read_tokens
 from .engine.activations import Checkpoints
 from .engine.buffers import DeviceBuffers
@@ -74,28 +74,32 @@ class Trainer:
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         pin = self.device.type == "cuda"
-        self.plan, self.chosen = placing.settle(cfg, self.device)
+        # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
+        micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
+        self.plan, settled = placing.settle(cfg, self.device, micro)
+        self.chosen = settled.chosen
         numels = [lay.numel for lay in self.layouts]
-        self.where, self.tiers = placing.place_state(cfg, numels, pin), None
-        kinds = tuple(self.kind_bytes())
-        deferred = placing.gpu_update_units(cfg, self.plan, self.where, kinds, len(self.units))
-        early, _ = placing.speculated_units(cfg, numels, self.where, kinds, deferred, pin)
+        self.where, self.tiers = placing.place_state(cfg, settled, numels, pin), None
+        kinds = tuple(kind_bytes(tc.compute_dtype, settled.stream))
+        deferred = placing.gpu_update_units(cfg, settled, self.plan, self.where, kinds, len(self.units))
+        early, _ = placing.speculated_units(cfg, settled, numels, self.where, kinds, deferred, pin)
         resident = [u for u in range(len(self.units)) if self.where[(u, "master")] == "gpu"]
-        self.run_plan = RunPlan(tc.micro_batch_size, cfg.tiers.stream, cfg.tiers.activations,
+        self.run_plan = RunPlan(settled.micro_batch, settled.stream, settled.activations, settled.resident_gb,
                                 unit_plans([u.name for u in self.units], self.where, resident, deferred,
-                                           bool(cfg.optim.speculate_gpu_updates), early))
+                                           settled.speculate_gpu, early))
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.where = self.run_plan.where()
         self.deferred = self.run_plan.updated("gpu", "gpu-speculated")
         early, gpu_early = self.run_plan.updated("host-speculated"), self.run_plan.updated("gpu-speculated")
         copied = early | gpu_early if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them: copies
-        placing.check_ram(cfg, numels, self.where, copied, pin)
+        placing.check_ram(cfg, settled, numels, self.where, copied, pin)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
-        self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=cfg.tiers.stream == "compute",
+        self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",
                               where=self.where, device=self.device)
         if "nvme" in self.where.values():
-            self.tiers = placing.nvme_tier(cfg, numels, self.where, {k: self.host.dtype(k) for k in self.host.kinds},
+            self.tiers = placing.nvme_tier(cfg, settled, numels, self.where,
+                                           {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         try:
             self._build(cfg, resume, hf_reader, early, gpu_early, copied)
@@ -126,9 +130,9 @@ class Trainer:
                                      take_update=self.optim.take, apply=self.optim.opt.apply,
                                      reader=self.tiers if self.tiers and self.tiers.s_units else None,
                                      speculation=self.optim.speculation)
-        self.checkpoints = Checkpoints(cfg.tiers.activations, self.streams, self.clock, self.device, pin)
+        self.checkpoints = Checkpoints(self.run_plan.activations, self.streams, self.clock, self.device, pin)
         self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
-                                 Context.build(spec, tc.seq_len, self.dtype, self.device), tc.loss_chunk_tokens)
+                                 Context.build(spec, tc.seq_len, self.dtype, self.device), fixed(tc.loss_chunk_tokens))
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
 
     def plan_json(self) -> str:
@@ -145,7 +149,7 @@ class Trainer:
         return placing.hardware(self.device)
 
     def kind_bytes(self) -> dict[str, int]:
-        return kind_bytes(self.cfg.train.compute_dtype, self.cfg.tiers.stream)
+        return kind_bytes(self.cfg.train.compute_dtype, self.run_plan.stream)
 
     # ---- weights ------------------------------------------------------------------------------
     def _init_weights(self) -> None:
@@ -228,7 +232,7 @@ class Trainer:
                               "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                               "grad_clip": o.grad_clip, "schedule": o.schedule, "warmup_steps": o.warmup_steps,
                               "min_lr": o.min_lr},
-                "units": [u.name for u in self.units]}
+                "units": [u.name for u in self.units], "plan": self.run_plan.to_dict()}
         path = ckpt.step_path(run_dir, self.step)
         nbytes = ckpt.save(path, [lay.numel for lay in self.layouts],
                            lambda u, k: self._slab(u, k, read=True), meta)
@@ -296,8 +300,8 @@ class Trainer:
         opt.mark("step")
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        inputs = inp.to(self.device).split(tc.micro_batch_size)
-        targets = tgt.to(self.device).split(tc.micro_batch_size)
+        inputs = inp.to(self.device).split(self.run_plan.micro_batch)
+        targets = tgt.to(self.device).split(self.run_plan.micro_batch)
         tiers = self.tiers
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
         opt.begin(lr)
@@ -351,7 +355,7 @@ class Trainer:
         return [
             f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
-            f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {tc.micro_batch_size}, "
+            f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
             f"host tier: {human_bytes(sum(host.values()))} ("
             + ", ".join(f"{k} {human_bytes(v)}" for k, v in host.items()) + ")",
@@ -366,7 +370,7 @@ class Trainer:
                f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
               if self.plan else []),
             f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
-            f"plus activations (checkpoints on the {'host' if self.cfg.tiers.activations == 'host' else 'device'}); "
+            f"plus activations (checkpoints on the {'host' if self.run_plan.activations == 'host' else 'device'}); "
             f"weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}"
             + (f" ({', '.join(self.chosen)}: {'the plan' if self.plan else 'the CPU default'})"

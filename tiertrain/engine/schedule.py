@@ -27,7 +27,7 @@ from .streams import StallClock
 
 class StepEngine:
     def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], buffers: DeviceBuffers,
-                 checkpoints: Checkpoints, clock: StallClock, ctx: Context, loss_chunk_tokens: int):
+                 checkpoints: Checkpoints, clock: StallClock, ctx: Context, loss_chunk_tokens: int | None):
         self.units, self.layouts, self.buf, self.ck, self.clock, self.ctx = (
             units, layouts, buffers, checkpoints, clock, ctx)
         self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)  # ~64 MiB of fp32 logits

@@ -36,6 +36,7 @@ class RunPlan:
     micro_batch: int
     stream: str  # "compute": a compute-dtype copy streams; "master": the fp32 master, cast on the GPU
     activations: str  # where activation checkpoints live: "gpu" (the device's memory) or "host"
+    resident_gb: float  # GPU memory for the whole state of the first units (their update: "resident")
     units: tuple[UnitPlan, ...]
 
     def where(self) -> dict[tuple[int, str], str]:
@@ -48,7 +49,7 @@ class RunPlan:
 
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
-                "units": [u.to_dict() for u in self.units]}
+                "resident_gb": self.resident_gb, "units": [u.to_dict() for u in self.units]}
 
 
 def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],
