@@ -261,7 +261,7 @@ def hit(path):
 
 if what == "chunk":  # killed before the nth chunk file of the save: a torn .tmp
     write = ckpt._write_chunk
-    ckpt._write_chunk = lambda file, t: (hit(file), write(file, t))
+    ckpt._write_chunk = lambda file, t, io: (hit(file), write(file, t, io))
 else:  # "before" / "after" the nth rename of the save
     rename = os.rename
     def patched(a, b):

@@ -42,11 +42,13 @@ def least_budget(cfg) -> float:
     return gb
 
 
-def _train(cfg, steps=4):
+def _train(cfg, steps=4, close=True):
+    """`close`: shut the trainer's threads (the NVMe tier's too: then its slabs are read no more)."""
     tr = Trainer(cfg, run_name="r")
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
-    tr.close()
+    if close:
+        tr.close()
     return tr, recs, sd
 
 
@@ -143,7 +145,7 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
     spill = tiny_config(token_file, *sets, f"tiers.host_gb={least_budget(base)}", f'tiers.nvme_dir="{tmp_path}"',
                         f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
-    tr, got, sd = _train(spill)
+    tr, got, sd = _train(spill, close=False)
     assert set(tr.where.values()) == {"nvme"} and tr.host.nbytes() == {}
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for k in want_sd:
@@ -163,6 +165,7 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
         with tr._slab(u, "master", read=True) as m:
             want_w = m.to(torch.bfloat16)
         assert torch.equal(torch.from_numpy(arr[u, :sizes[u]]).view(torch.bfloat16), want_w)
+    tr.close()
 
 
 def _spilled(where):

@@ -23,9 +23,9 @@ import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -40,15 +40,18 @@ STEP = re.compile(r"step_(\d+)$")
 LEFT = re.compile(r"\.(step_\d+)\.(tmp|new|old)$")  # what a killed save leaves (see save and recover)
 
 Source = Callable[[int, str], AbstractContextManager[torch.Tensor]]
-_IO: list = []  # one POSIX direct-I/O pool, made on first use
 
 
-def _io():
+@contextmanager
+def _direct_io(threads: int = 8) -> Iterator:
+    """A POSIX direct-I/O pool for one save or load, its owner, shut when that ends."""
     from .tiers.nvme import PosixIO
 
-    if not _IO:
-        _IO.append(PosixIO(8))
-    return _IO[0]
+    io = PosixIO(threads)
+    try:
+        yield io
+    finally:
+        io.close()
 
 
 def _crc(t: torch.Tensor) -> int:
@@ -67,10 +70,10 @@ def _chunk(root: Path, kind: str, unit: int) -> Path:
     return Path(root) / kind / str(unit) / "c" / "0"
 
 
-def _body(file: Path, t: torch.Tensor, write: bool) -> None:
+def _body(file: Path, t: torch.Tensor, write: bool, io) -> None:
     """Moves the slab's bytes to or from the start of the chunk file: direct I/O when `t` is page-aligned."""
     if _direct(t):
-        (_io().write if write else _io().read)(file, t).result()
+        (io.write if write else io.read)(file, t).result()
         return
     with open(file, "r+b" if write else "rb") as f:
         data = t.view(torch.uint8).numpy().data
@@ -80,12 +83,12 @@ def _body(file: Path, t: torch.Tensor, write: bool) -> None:
             f.readinto(data)
 
 
-def _write_chunk(file: Path, t: torch.Tensor) -> None:
+def _write_chunk(file: Path, t: torch.Tensor, io) -> None:
     n = t.numel() * t.element_size()
     file.parent.mkdir(parents=True, exist_ok=True)
     with open(file, "wb") as f:
         f.truncate(n + 4)
-    _body(file, t, write=True)
+    _body(file, t, write=True, io=io)
     with open(file, "r+b") as f:
         f.seek(n)
         f.write(np.array([_crc(t)], dtype="<u4").tobytes())
@@ -198,11 +201,11 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
                                                      compressors=[Crc32cCodec()],
                                                      config={"write_empty_chunks": True})  # zeros too: whole
 
-        def write(key: tuple[int, str]) -> None:
-            with source(*key) as t:
-                _write_chunk(_chunk(tmp, key[1], key[0]), t)
+        with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+            def write(key: tuple[int, str]) -> None:
+                with source(*key) as t:
+                    _write_chunk(_chunk(tmp, key[1], key[0]), t, io)
 
-        with ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
             list(pool.map(write, sorted(arrays)))
         _fsync_tree(tmp)
         os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
@@ -268,14 +271,18 @@ def _attrs_crc(attrs: dict) -> int:
     return google_crc32c.value(json.dumps(attrs, sort_keys=True).encode())
 
 
-def load(path: Path, kind: str, unit: int, out: torch.Tensor) -> None:
-    """Reads one slab into `out` (contiguous, fp32), its checksum verified."""
+def load(path: Path, kind: str, unit: int, out: torch.Tensor, io=None) -> None:
+    """Reads one slab into `out` (contiguous, fp32), its checksum verified; `io`: a direct-I/O pool to use
+    (else one made for this read)."""
+    if io is None:
+        with _direct_io(2) as own:
+            return load(path, kind, unit, out, own)
     file = _chunk(path, kind, unit)
     n = out.numel() * out.element_size()
     if file.stat().st_size != n + 4:
         raise CheckpointError(f"{path} is corrupt: {kind}/{unit} holds {file.stat().st_size - 4} bytes, the model "
                               f"needs {n}; resume from another checkpoint")
-    _body(file, out, write=False)
+    _body(file, out, write=False, io=io)
     with open(file, "rb") as f:
         f.seek(n)
         stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
@@ -288,11 +295,11 @@ def load(path: Path, kind: str, unit: int, out: torch.Tensor) -> None:
 def load_all(path: Path, numels: list[int], target: Source, threads: int = 4) -> None:
     """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving the slab to
     fill), `threads` at a time, as save writes them."""
-    def one(key: tuple[int, str]) -> None:
-        with target(*key) as flat:
-            load(path, key[1], key[0], flat)
+    with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+        def one(key: tuple[int, str]) -> None:
+            with target(*key) as flat:
+                load(path, key[1], key[0], flat, io)
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
         list(pool.map(one, [(u, k) for u in range(len(numels)) for k in KINDS]))
 
 

@@ -344,9 +344,10 @@ class Trainer:
         return rec
 
     def close(self) -> None:
+        """The optimizer's thread, then the NVMe tier's threads (their writes landed first)."""
         self.optim.close()
         if self.tiers:
-            self.tiers.flush()
+            self.tiers.close()
 
     def describe(self) -> list[str]:
         spec, tc = self.cfg.model, self.cfg.train

@@ -165,13 +165,17 @@ class OptimizerThread:
         self.opt, self.overlap, self.deferred, self.early, self.gpu_early = opt, overlap, deferred, early, gpu_early
         self.on_gpu: set[int] = set()  # the gpu_early units speculated this step
         self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
-        self.pending: dict[int, tuple[int, float, float]] = {}
+        # threads: the main thread (the step) calls every method; the worker (self.pool, owned here and shut
+        # by close()) runs _job, _keep and _speculate. Shared between them: spec and landing (under
+        # self.lock), timeline (deque appends are atomic), the host slabs (a unit's, by one at a time:
+        # the main thread waits on its future before loading it)
+        self.pending: dict[int, tuple[int, float, float]] = {}  # main thread only
         self.pool = adam_pool()
-        self.futures: list[Future | None] = [None] * n_units
+        self.futures: list[Future | None] = [None] * n_units  # main thread only
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
         self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
-        self.spec: dict[int, Future] = {}  # the speculated units' updates, done by _speculate
-        self.landing: dict[int, tuple] = {}  # (grad event, step, lr) of those not yet taken, as drained
+        self.spec: dict[int, Future] = {}  # the speculated units' updates, done by _speculate (under lock)
+        self.landing: dict[int, tuple] = {}  # (grad event, step, lr) of those not yet taken (under lock)
         self.lock = threading.Lock()
         self.last_clip = 1.0
         self.kept = self.redone = 0  # steps whose speculation was kept, was redone

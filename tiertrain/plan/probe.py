@@ -129,14 +129,22 @@ def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto",
                threads: int = 16) -> tuple[float, float, float]:
     """GB/s of whole-file direct I/O in `directory` through the runtime's backend: (read, write, both at
     once: half the bytes read from one file while the other half is written to another, summed)."""
+    from ..tiers.nvme import make_io
+
+    io = make_io(backend, threads)
+    try:
+        return _disk_rates(directory, nbytes, io)
+    finally:
+        io.close()
+
+
+def _disk_rates(directory: str, nbytes: int, io) -> tuple[float, float, float]:
     import tempfile
 
     import torch
 
-    from ..tiers.nvme import make_io
     from ..tiers.slab import alloc_slab
 
-    io = make_io(backend, threads)
     buf = alloc_slab(nbytes // 4, torch.float32, pin=torch.cuda.is_available())
     buf.uniform_()
     half = buf.numel() // 2

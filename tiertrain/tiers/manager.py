@@ -57,6 +57,9 @@ class TierManager:
         self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
+        # threads: the main thread (the step: start, updating, sink, the streamed kind's reads), the optimizer's
+        # worker (acquire, release), checkpoint threads (borrowed: the free rings under _lock), and the
+        # gradient writer below (owned here, shut by close()), which runs sink's writes
         self._lock = threading.Lock()
         self.written: dict[int, Future] = {}  # unit -> the write of its gradient drained this pass
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-grad-out")
@@ -255,6 +258,12 @@ class TierManager:
                 fut, buf = self.busy[k].popleft()
                 fut.result()
                 self.free[k].append(buf)
+
+    def close(self) -> None:
+        """Every write landed, then the gradient writer's thread and the store's I/O threads shut."""
+        self.flush()
+        self._writer.shutdown(wait=True)
+        self.store.close()
 
 
 def _done() -> Future:

@@ -41,12 +41,16 @@ def _open(path: Path, write: bool) -> int:
 
 
 class PosixIO:
-    """pread/pwrite of whole chunk files in TASK_BYTES pieces on a thread pool."""
+    """pread/pwrite of whole chunk files in TASK_BYTES pieces on a thread pool, which close() shuts (its owner:
+    the NvmeStore, a checkpoint's save or load, the probe)."""
 
     name = "posix"
 
     def __init__(self, threads: int = 16):
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-io")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
     def _run(self, path: Path, buf: torch.Tensor, write: bool) -> Future:
         view = memoryview(buf.view(torch.uint8).numpy())
@@ -79,7 +83,8 @@ class PosixIO:
 
 
 class KvikioIO:
-    """kvikio's thread pool (compatibility mode without GPUDirect Storage); needs a CUDA driver."""
+    """kvikio's thread pool (compatibility mode without GPUDirect Storage); needs a CUDA driver. Its own
+    threads wait on kvikio's futures (close() shuts them)."""
 
     name = "kvikio"
 
@@ -89,6 +94,10 @@ class KvikioIO:
 
         kvikio.defaults.set({"num_threads": threads, "task_size": TASK_BYTES})
         self.kvikio = kvikio
+        self.waiters = ThreadPoolExecutor(4, thread_name_prefix="tiertrain-io-wait")
+
+    def close(self) -> None:
+        self.waiters.shutdown(wait=True)
 
     def _run(self, path: Path, buf: torch.Tensor, write: bool) -> Future:
         f = self.kvikio.CuFile(path, "r+" if write else "r")
@@ -104,7 +113,7 @@ class KvikioIO:
             finally:
                 f.close()
 
-        _WAITERS.submit(wait)
+        self.waiters.submit(wait)
         return done
 
     def read(self, path: Path, buf: torch.Tensor) -> Future:
@@ -113,8 +122,6 @@ class KvikioIO:
     def write(self, path: Path, buf: torch.Tensor) -> Future:
         return self._run(path, buf, write=True)
 
-
-_WAITERS = ThreadPoolExecutor(4, thread_name_prefix="tiertrain-io-wait")
 
 
 def check_backend(backend: str) -> None:
@@ -137,6 +144,9 @@ def make_io(backend: str = "auto", threads: int = 16):
             tmp.write_bytes(bytes(4096))
             try:
                 io.read(tmp, probe).result()
+            except BaseException:
+                io.close()
+                raise
             finally:
                 tmp.unlink()
             return io
@@ -226,6 +236,10 @@ class NvmeStore:
 
     def write(self, unit: int, kind: str, buf: torch.Tensor) -> Future:
         return self.io.write(self.path(kind, unit), buf)
+
+    def close(self) -> None:
+        """The store owns its I/O backend's threads."""
+        self.io.close()
 
 
 SCRATCH_MARKER = "tiertrain-scratch.json"  # in every directory new_scratch makes, and only there
