@@ -132,16 +132,16 @@ def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gp
                                                        "opt_wait_s", "h2d_gb", "d2h_gb")}
         name = f"tiertrain ({auto}{'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
             (f", {resident_gb:g} GB resident" if resident_gb else "") + \
-            (f", {len(tr.optim.early)} units speculated" if tr.optim.early else "") + \
-            (", GPU updates speculated" if tr.optim.gpu_early else "") + \
+            (f", {len(tr.optim.speculated)} units speculated" if tr.optim.speculated else "") + \
+            (", GPU updates speculated" if tr.optim.gpu_speculated else "") + \
             ("" if tr.optim.opt.kernel else ", torch's host AdamW") + \
             (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
         rows.append(_row(name, B, S, [r["step_s"] for r in recs],
                          max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
                          params=cfg.model.n_params, host_adam_params=host_params, losses=[r["loss"] for r in recs],
                          grad_norms=[r["grad_norm"] for r in recs],
-                         gpu_updates=len(tr.deferred), speculated=len(tr.optim.early),
-                         gpu_speculated=len(tr.optim.gpu_early),
+                         gpu_updates=len(tr.deferred), speculated=len(tr.optim.speculated),
+                         gpu_speculated=len(tr.optim.gpu_speculated),
                          kept=tr.optim.kept - before[0], redone=tr.optim.redone - before[1],
                          pred_step_s=tr.plan.step_s if tr.plan and B == cfg.train.batch_size else None,
                          timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),

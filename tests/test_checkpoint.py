@@ -82,7 +82,7 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
     if spill == "gpu-speculated":
         sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=true", "optim.grad_clip=100"]
         tr = Trainer(tiny_config(token_file, *sets))
-        assert tr.deferred == tr.optim.gpu_early == {2, 4} and set(tr.host.copies) == set(range(5))
+        assert tr.deferred == tr.optim.gpu_speculated == {2, 4} and set(tr.host.copies) == set(range(5))
         tr.close()
         spill = "none"
     if spill == "kvikio":

@@ -26,10 +26,10 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 def _run(cfg, steps=6, gpu_spec=True):
     tr = Trainer(cfg)
     if not gpu_spec:  # the placement of a run whose GPU updates speculate, never speculating
-        tr.optim.gpu_early = frozenset()
+        tr.optim.gpu_speculated = frozenset()
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
-    early, kept, redone = tr.optim.early, tr.optim.kept, tr.optim.redone
+    early, kept, redone = tr.optim.speculated, tr.optim.kept, tr.optim.redone
     tr.close()
     return recs, sd, early, (kept, redone)
 
@@ -67,7 +67,7 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
         assert kept >= 1 and redone >= 1
     tr = Trainer(tiny_config(token_file, *sets, clip, *every))
     host = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
-    early = tr.optim.early
+    early = tr.optim.speculated
     assert early == set(host) - tr.deferred and set(tr.host.copies) == early | tr.deferred  # copies for those
     if tr.deferred:  # every other unit from the last: the GPU-updated ones and the host's alternate
         assert sorted(tr.deferred) == host[::-1][::2][:2][::-1]
@@ -85,7 +85,7 @@ def test_clipping_off_speculates_in_place(token_file):
     started, real = [], tr.optim.start
 
     def start(*a):  # the updates the backward pass started, as the step settles them
-        started.append(set(tr.optim.spec))
+        started.append(set(tr.optim.speculations))
         real(*a)
 
     tr.optim.start = start
@@ -154,7 +154,7 @@ def test_speculation_takes_the_first_landed_unit_in_forward_order():
         def update_unit(self, unit, step, lr, clip, into_copies=False):
             calls.append(unit)
 
-    th = OptimizerThread(Opt(), 6, overlap=True, early=frozenset(range(6)))
+    th = OptimizerThread(Opt(), 6, overlap=True, speculated=frozenset(range(6)))
     th.begin(1e-3)
     ev = {u: Landing() for u in range(6)}
     for u in (5, 4, 3, 2, 1, 0):  # the backward pass's order; the worker waits for unit 5's gradient
@@ -208,7 +208,7 @@ def test_copies_must_fit_the_host_budget(token_file):
     with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
         Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
     tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # -1 without a plan: none
-    assert tr.optim.early == frozenset() and not tr.run_plan.updated("host-speculated")
+    assert tr.optim.speculated == frozenset() and not tr.run_plan.updated("host-speculated")
     tr.close()
 
 
@@ -329,7 +329,7 @@ def test_timeline_accounts_for_every_host_update(token_file):
     for _ in range(4):
         tr.train_step()
     tr.optim.wait_all()
-    ev, early = list(tr.optim.timeline), tr.optim.early
+    ev, early = list(tr.optim.timeline), tr.optim.speculated
     numels = [lay.numel for lay in tr.layouts]
     tr.close()
     assert len(early) == 2
@@ -354,7 +354,7 @@ def test_the_step_prediction_follows_whether_the_last_update_was_speculated(toke
     """A step's forward pass waits for the last update: its prediction is the plan's step when that update
     was speculated and kept, and the plan's step without speculation when the norm clipped."""
     tr = Trainer(tiny_config(token_file, 'train.device="cuda"', f"optim.grad_clip={clip}", "optim.speculate_units=99"))
-    assert tr.plan is not None and tr.optim.early
+    assert tr.plan is not None and tr.optim.speculated
     tr.plan.step_s, tr.plan.clipped_step_s = 1.0, 2.0  # apart, whatever the tiny model's times
     recs = [tr.train_step() for _ in range(3)]
     tr.close()

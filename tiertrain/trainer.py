@@ -82,16 +82,17 @@ class Trainer:
         self.where, self.tiers = placing.place_state(cfg, settled, numels, pin), None
         kinds = tuple(kind_bytes(tc.compute_dtype, settled.stream))
         deferred = placing.gpu_update_units(cfg, settled, self.plan, self.where, kinds, len(self.units))
-        early, _ = placing.speculated_units(cfg, settled, numels, self.where, kinds, deferred, pin)
+        speculated, _ = placing.speculated_units(cfg, settled, numels, self.where, kinds, deferred, pin)
         resident = [u for u in range(len(self.units)) if self.where[(u, "master")] == "gpu"]
         self.run_plan = RunPlan(settled.micro_batch, settled.stream, settled.activations, settled.resident_gb,
                                 unit_plans([u.name for u in self.units], self.where, resident, deferred,
-                                           settled.speculate_gpu, early))
+                                           settled.speculate_gpu, speculated))
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.where = self.run_plan.where()
         self.deferred = self.run_plan.updated("gpu", "gpu-speculated")
-        early, gpu_early = self.run_plan.updated("host-speculated"), self.run_plan.updated("gpu-speculated")
-        copied = early | gpu_early if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them: copies
+        speculated = self.run_plan.updated("host-speculated")
+        gpu_speculated = self.run_plan.updated("gpu-speculated")
+        copied = speculated | gpu_speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
         placing.check_ram(cfg, settled, numels, self.where, copied, pin)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
@@ -102,20 +103,20 @@ class Trainer:
                                            {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         try:
-            self._build(cfg, resume, hf_reader, early, gpu_early, copied)
+            self._build(cfg, resume, hf_reader, speculated, gpu_speculated, copied)
         except BaseException:
             if self.tiers:  # a refusal after the store was made (another model's checkpoint): it goes
                 discard(self.tiers.store.root)
             raise
 
-    def _build(self, cfg: Config, resume: Path | None, hf_reader, early: frozenset[int], gpu_early: frozenset[int],
-               copied: frozenset[int]) -> None:
+    def _build(self, cfg: Config, resume: Path | None, hf_reader, speculated: frozenset[int],
+               gpu_speculated: frozenset[int], copied: frozenset[int]) -> None:
         """The rest of __init__: the optimizer, the initial state, the device buffers and the step engine."""
         spec, tc = cfg.model, cfg.train
         pin = self.device.type == "cuda"
         self.host.add_copies(copied)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
-                                     tc.overlap, self.deferred, early, gpu_early)
+                                     tc.overlap, self.deferred, speculated, gpu_speculated)
         self.step = 0
         if resume is not None:
             self.restore(resume)
@@ -323,7 +324,7 @@ class Trainer:
         times = self.clock.read()
         rec.update({f"{k}_s": v for k, v in times.items()})
         rec["opt_wait_s"] = opt.wait_s
-        if opt.early or opt.gpu_early:  # steps so far whose speculative update was kept / redone (clipped)
+        if opt.speculated or opt.gpu_speculated:  # steps so far whose speculation was kept / redone (clipped)
             rec["speculation_kept"], rec["speculation_redone"] = opt.kept, opt.redone
         rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9
         rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9

@@ -146,7 +146,7 @@ class OptimizerThread:
     `deferred` units are not updated here: their (step, lr, clip) waits in `pending` until the device
     buffers take it (`take`) and run the update on the GPU as the unit's weights are loaded next.
 
-    `early` units are speculated: `begin(lr)` before the backward pass, then `drained(u, event)` as the
+    `speculated` units: `begin(lr)` before the backward pass, then `drained(u, event)` as the
     backward pass sends each gradient down queues the unit's update as if the global norm will not clip
     (into the host's copies of its master and moments where it has them; else, clipping being off, in
     place). The worker takes the queued unit that comes first in forward order among those whose gradient
@@ -157,24 +157,25 @@ class OptimizerThread:
     order) and otherwise runs the update again from the untouched state with the clip factor: the same
     numbers either way. A step after a clipped one does not speculate (clipping tends to persist: early
     training, spikes).
-    `gpu_early` deferred units are speculated the same way, on the GPU: the device buffers ask
+    `gpu_speculated` deferred units are speculated the same way, on the GPU: the device buffers ask
     `speculation(u)` for the job as they drain the unit's gradient; a redone one runs as deferred."""
 
     def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset(),
-                 early: frozenset[int] = frozenset(), gpu_early: frozenset[int] = frozenset()):
-        self.opt, self.overlap, self.deferred, self.early, self.gpu_early = opt, overlap, deferred, early, gpu_early
-        self.on_gpu: set[int] = set()  # the gpu_early units speculated this step
+                 speculated: frozenset[int] = frozenset(), gpu_speculated: frozenset[int] = frozenset()):
+        self.opt, self.overlap, self.deferred = opt, overlap, deferred
+        self.speculated, self.gpu_speculated = speculated, gpu_speculated
+        self.on_gpu: set[int] = set()  # the gpu_speculated units speculated this step
         self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
         # threads: the main thread (the step) calls every method; the worker (self.pool, owned here and shut
-        # by close()) runs _job, _keep and _speculate. Shared between them: spec and landing (under
+        # by close()) runs _job, _keep and _speculate. Shared between them: speculations and landing (under
         # self.lock), timeline (deque appends are atomic), the host slabs (a unit's, by one at a time:
         # the main thread waits on its future before loading it)
         self.pending: dict[int, tuple[int, float, float]] = {}  # main thread only
         self.pool = adam_pool()
         self.futures: list[Future | None] = [None] * n_units  # main thread only
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
-        self.guess: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
-        self.spec: dict[int, Future] = {}  # the speculated units' updates, done by _speculate (under lock)
+        self.speculating: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
+        self.speculations: dict[int, Future] = {}  # the speculated units' updates, done by _speculate (under lock)
         self.landing: dict[int, tuple] = {}  # (grad event, step, lr) of those not yet taken (under lock)
         self.lock = threading.Lock()
         self.last_clip = 1.0
@@ -189,14 +190,15 @@ class OptimizerThread:
 
     def begin(self, lr: float) -> None:
         """A step starts: its backward pass's gradients may start the next update (none after a clipped step)."""
-        self.guess = (self.opt.step_count + 1, lr) if (self.early or self.gpu_early) and self.last_clip == 1.0 else None
+        on = (self.speculated or self.gpu_speculated) and self.last_clip == 1.0
+        self.speculating = (self.opt.step_count + 1, lr) if on else None
 
     def drained(self, unit: int, grad_event) -> None:
         """The unit's gradient is on its way to the host (`grad_event`: once it has landed)."""
-        if self.guess and unit in self.early:
+        if self.speculating and unit in self.speculated:
             with self.lock:
-                self.spec[unit] = Future()
-                self.landing[unit] = (grad_event, *self.guess)
+                self.speculations[unit] = Future()
+                self.landing[unit] = (grad_event, *self.speculating)
             self.pool.submit(self._speculate)
 
     def _speculate(self) -> None:
@@ -211,7 +213,7 @@ class OptimizerThread:
                 if landed:
                     unit = min(landed)
                     _, step, lr = self.landing.pop(unit)
-                    f = self.spec[unit]
+                    f = self.speculations[unit]
                     break
                 ev = next(iter(self.landing.values()))[0]  # the D2H stream lands them in the order drained
             ev.synchronize()
@@ -230,26 +232,26 @@ class OptimizerThread:
     def speculation(self, unit: int) -> tuple[int, float, dict | None] | None:
         """(step, lr, where the master and moments go: the host's copies, or None for in place) of the
         speculative GPU update of `unit`, its gradient being accumulated; None: it does not speculate."""
-        if not (self.guess and unit in self.gpu_early):
+        if not (self.speculating and unit in self.gpu_speculated):
             return None
         self.on_gpu.add(unit)
-        return (*self.guess, self.opt.host.copies.get(unit))
+        return (*self.speculating, self.opt.host.copies.get(unit))
 
     def start(self, lr: float, clip: float, grad_ready: Callable[[int], object]) -> None:
         self.mark("norm")
         self.opt.step_count += 1
         step = self.opt.step_count
         with self.lock:  # the worker takes no more speculations
-            spec, self.spec = self.spec, {}
+            spec, self.speculations = self.speculations, {}
             self.landing.clear()
         on_gpu, self.on_gpu = self.on_gpu, set()
-        speculated = bool(spec or on_gpu)
-        keep = speculated and clip == 1.0 and self.guess == (step, lr)
-        if speculated and not keep and not self.copies:
+        any_speculated = bool(spec or on_gpu)
+        keep = any_speculated and clip == 1.0 and self.speculating == (step, lr)
+        if any_speculated and not keep and not self.copies:
             raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
-        self.kept, self.redone = self.kept + keep, self.redone + (speculated and not keep)
+        self.kept, self.redone = self.kept + keep, self.redone + (any_speculated and not keep)
         self.last_kept = keep
-        self.last_clip, self.guess = clip, None
+        self.last_clip, self.speculating = clip, None
         # one already running when redone writes copies nobody reads. Kept, those not yet started become
         # plain updates (in place, the same numbers), queued in unit order with the rest: the next forward
         # pass needs the first units first, and a speculation's place in the queue was its gradient's
@@ -300,7 +302,7 @@ class OptimizerThread:
     def close(self) -> None:
         with self.lock:  # a step stopped between its backward pass and its update
             self.landing.clear()
-        for f in self.spec.values():
+        for f in self.speculations.values():
             f.cancel()
         self.pool.shutdown(wait=True)
         self.wait_all()

@@ -216,7 +216,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         on_gpu = sum(numels[u] for u in gpu)
 
         def step(n: int):
-            t, bwd, fwd = _times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_early=ge)
+            t, bwd, fwd = _times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_speculated=ge)
             return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n], ge)
 
         if speculate is not None and copies[min(speculate, len(host))] > room:
@@ -304,13 +304,14 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
     return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
 
 
-def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, early: int, copies: bool, ck_bytes: int,
-           kb: dict[str, int], hw: HardwareSpec, gpu_early: bool = False) -> tuple[dict[str, float], float, float]:
+def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, speculated: int, copies: bool,
+           ck_bytes: int, kb: dict[str, int], hw: HardwareSpec,
+           gpu_speculated: bool = False) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
-    `on_gpu` parameters updated on the GPU and `early` queued for the host during the backward pass
+    `on_gpu` parameters updated on the GPU and `speculated` queued for the host during the backward pass
     (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM
     traffic), as many as that pass has room for (the rest after the norm: "host AdamW" counts them).
-    `gpu_early`: the GPU updates are speculated too, in the backward pass, their state's copies with it
+    `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their state's copies with it
     (the gradient is already there; the kept master streams in the next forward pass like the others)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
@@ -319,7 +320,7 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, early: 
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
-    fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_early else (on_gpu, 0)
+    fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
     streamed, reloaded = sums
     h2d_fwd, d2h_fwd = sw * streamed + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
     h2d_bwd = sw * reloaded + host_ck_io + 12 * bwd_gpu
@@ -337,18 +338,18 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, early: 
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"])
-    # of the `early` parameters, those the host gets through within the backward pass: at its rate into
+    # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
     # (OptimizerThread.start): those left run after it with the others
     spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
     spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
     room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
-    queued, early = early, min(early, room)
-    on_host = streamed - on_gpu - early
-    t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": early / spec_rate,
+    queued, speculated = speculated, min(speculated, room)
+    on_host = streamed - on_gpu - speculated
+    t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": speculated / spec_rate,
           # the copies and the host AdamW share the host's DRAM
           "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
-          "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * early) / dram}
+          "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram}
     fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
     if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
         bwd = max(bwd, t["host DRAM bwd"])
