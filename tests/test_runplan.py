@@ -7,10 +7,12 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from conftest import tiny_config
 from test_nvme import DEEP, _budget_for
 from tiertrain.loop import fit
-from tiertrain.plan.runplan import UPDATES, unit_plans
+from tiertrain.plan.runplan import UPDATES, RunPlan, unit_plans
 from tiertrain.trainer import Trainer
 
 
@@ -59,3 +61,14 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     tr.close()
     assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where
     assert {u["homes"]["exp_avg"] for u in units[1:-1]} == {"nvme"}  # the moments spill first
+
+
+def test_a_runplan_takes_the_updates_a_test_gives_where_the_state_allows():
+    where = {(u, k): "host" for u in range(4) for k in ("master", "exp_avg")}
+    where[(3, "exp_avg")] = "nvme"
+    rp = RunPlan(2, "master", "gpu", 0.0, unit_plans(["embed", "a", "b", "head"], where, [], [], False, []))
+    got = rp.with_updates({1: "gpu", 2: "gpu", 0: "host-speculated"})
+    assert [u.update for u in got.units] == ["host-speculated", "gpu", "gpu", "host"] and rp.units[1].update == "host"
+    for bad in ({3: "gpu"}, {3: "host-speculated"}, {1: "resident"}, {1: "sideways"}, {1: "gpu", 2: "gpu-speculated"}):
+        with pytest.raises(ValueError):
+            rp.with_updates(bad)

@@ -25,8 +25,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _run(cfg, steps=6, gpu_spec=True):
     tr = Trainer(cfg)
-    if not gpu_spec:  # the placement of a run whose GPU updates speculate, never speculating
-        tr.optim.gpu_speculated = frozenset()
+    if not gpu_spec:  # the placement of a run whose GPU updates speculate, never speculating: its RunPlan says so
+        updates = {u: "gpu" for u in tr.run_plan.updated("gpu-speculated")}
+        tr.close()
+        tr = Trainer(cfg, updates=updates)
+        assert tr.optim.gpu_speculated == frozenset() and tr.deferred == set(updates)
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
     early, kept, redone = tr.optim.speculated, tr.optim.kept, tr.optim.redone

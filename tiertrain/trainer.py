@@ -52,9 +52,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None):
+    def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None,
+                 updates: dict[int, str] | None = None):
         """`resume`: a checkpoint to continue from (its state replaces the init); else the weights come
-        from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init."""
+        from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init.
+        `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them)."""
         self.cfg, self.run_name = cfg, run_name
         hf_reader = None
         if cfg.train.init_from and resume is None:  # checked whole before anything large is allocated
@@ -87,6 +89,8 @@ class Trainer:
         self.run_plan = RunPlan(settled.micro_batch, settled.stream, settled.activations, settled.resident_gb,
                                 unit_plans([u.name for u in self.units], self.where, resident, deferred,
                                            settled.speculate_gpu, speculated))
+        if updates:
+            self.run_plan = self.run_plan.with_updates(updates)
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.where = self.run_plan.where()
         self.deferred = self.run_plan.updated("gpu", "gpu-speculated")

@@ -47,6 +47,30 @@ class RunPlan:
         """The units whose update is one of `updates`."""
         return frozenset(u.index for u in self.units if u.update in updates)
 
+    def with_updates(self, updates: dict[int, str]) -> "RunPlan":
+        """This plan with the updates of some units replaced (a test's, or a user's own choice), checked against
+        where each unit's state lives: a unit updated on the GPU or speculated on the host has every slab in
+        host RAM (and a GPU update makes the weights from the fp32 master: no compute-dtype copy); "resident"
+        follows the homes, it is not chosen here; GPU updates speculate all or none."""
+        from dataclasses import replace
+
+        units = list(self.units)
+        for i, update in updates.items():
+            u = units[i]
+            homes = {h for _, h in u.homes}
+            ok = update in UPDATES and (update == "resident") == (homes == {"gpu"})
+            if update in ("gpu", "gpu-speculated", "host-speculated"):
+                ok = ok and homes == {"host"}
+            if update in ("gpu", "gpu-speculated"):
+                ok = ok and "weights" not in dict(u.homes)
+            if not ok:
+                raise ValueError(f"unit {i} ({u.name}) cannot take update {update!r} with its state in "
+                                 f"{dict(u.homes)}")
+            units[i] = replace(u, update=update)
+        if {"gpu", "gpu-speculated"} <= {u.update for u in units}:
+            raise ValueError("GPU updates speculate all or none: give every GPU-updated unit the same update")
+        return replace(self, units=tuple(units))
+
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
                 "resident_gb": self.resident_gb, "units": [u.to_dict() for u in self.units]}
