@@ -16,7 +16,6 @@ disk with direct I/O, checksummed in place: no encode or decode copies.
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import os
 import re
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .errors import UserError
+from .errors import UserError, why
 
 FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
 FORMATS = (FORMAT, "tiertrain-checkpoint/1")
@@ -217,8 +216,7 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int
         shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        why = "the disk is full" if e.errno == errno.ENOSPC else e.strerror or str(e)
-        raise CheckpointError(f"writing checkpoint {path} failed: {why}; the previous checkpoint is intact. "
+        raise CheckpointError(f"writing checkpoint {path} failed: {why(e)}; the previous checkpoint is intact. "
                               "Free space in the run directory and resume with --resume latest") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

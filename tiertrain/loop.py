@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Callable
 
 from . import checkpoint as ckpt
-from .errors import UserError
+from .errors import UserError, why
 from .metrics import MetricsLog, format_duration, progress_line, truncate_metrics
-from .rundir import why
 from .tiers.nvme import discard
 from .trainer import Trainer
 

@@ -44,8 +44,7 @@ class MetricsLog:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # unbuffered: no write held back
 
     def write(self, rec: dict) -> None:
-        from .errors import UserError
-        from .rundir import why
+        from .errors import UserError, why
 
         data = (json.dumps(rec) + "\n").encode()
         end = os.lseek(self._fd, 0, os.SEEK_END)

@@ -142,9 +142,7 @@ def check_ram(cfg: Config, s: Settled, numels: list[int], where: Where, copied: 
     t = cfg.tiers
     kb = kind_bytes(cfg.train.compute_dtype, s.stream)
     acts = _host_checkpoints(cfg, s, pin)
-    need = (sum(host_state_bytes(numels, kb, where, host_cost).values()) + acts
-            + ring_bytes(ring_widths(numels, where), kb, host_cost)
-            + sum(copy_bytes(numels[u], host_cost) for u in copied))
+    need = host_need(cfg, s, numels, where, copied, pin)
     avail = available_ram()
     if need <= avail:
         return
@@ -161,6 +159,15 @@ def check_ram(cfg: Config, s: Settled, numels: list[int], where: Where, copied: 
                           f"{have}; pass {spill} to spill the rest to disk")
     raise ConfigError(f"the run needs {gb(need)} of host memory and {have}: pass {spill} to spill the rest "
                       "to disk")
+
+
+def host_need(cfg: Config, s: Settled, numels: list[int], where: Where, copied, pin: bool) -> int:
+    """Host bytes of a run: the slabs `where` puts in RAM, the staging ring, host checkpoints, and the copies
+    of the `copied` units' master and moments (speculation under clipping)."""
+    kb = kind_bytes(cfg.train.compute_dtype, s.stream)
+    return (sum(host_state_bytes(numels, kb, where, host_cost).values())
+            + ring_bytes(ring_widths(numels, where), kb, host_cost) + _host_checkpoints(cfg, s, pin)
+            + sum(copy_bytes(numels[u], host_cost) for u in copied))
 
 
 def _host_checkpoints(cfg: Config, s: Settled, pin: bool) -> int:
@@ -197,13 +204,10 @@ def speculated_units(cfg: Config, s: Settled, numels: list[int], where: Where, k
     ram = [u for u in update_candidates(where, kinds, len(numels)) if u not in deferred]
     units = frozenset(alternate_from_last(ram, max(n, 0)))
     on_gpu = deferred if s.speculate_gpu else frozenset()
-    t, tc = cfg.tiers, cfg.train
+    t = cfg.tiers
     if (units or on_gpu) and cfg.optim.grad_clip > 0 and t.host_gb:
-        kb = kind_bytes(tc.compute_dtype, s.stream)
-        state = sum(host_state_bytes(numels, kb, where, host_cost).values())
-        ring = ring_bytes(ring_widths(numels, where), kb, host_cost)
         copies = sum(copy_bytes(numels[u], host_cost) for u in units | on_gpu)
-        need = (state + ring + _host_checkpoints(cfg, s, pin) + copies) / 1e9
+        need = host_need(cfg, s, numels, where, units | on_gpu, pin) / 1e9
         if need > t.host_gb:
             who = [f"optim.speculate_units = {n}"] * bool(units) + ["optim.speculate_gpu_updates = true"] * bool(on_gpu)
             fix = ['lower optim.speculate_units ("auto": the plan\'s number)'] * bool(units) + \

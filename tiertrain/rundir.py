@@ -14,11 +14,10 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .errors import UserError
+from .errors import UserError, why
 from .metrics import read_metrics
 
 MARKER = "tiertrain-run.json"
-SCRATCH_MARKER = "tiertrain-scratch.json"  # tiers.nvme's: a scratch store tiertrain made
 
 
 def is_run(d: Path) -> bool:
@@ -77,6 +76,8 @@ def check_nvme(out: Path, nvme_dir: str) -> None:
     if d == o or o in d.parents:
         raise UserError(f"--nvme-dir {nvme_dir} is inside --out {out}: the run's scratch store would sit in its "
                         "run directory; pass an --nvme-dir outside it")
+    from .tiers.nvme import SCRATCH_MARKER
+
     for p in (o, *o.parents):
         if (p / SCRATCH_MARKER).is_file():
             raise UserError(f"--out {out} is inside tiertrain's scratch store {p}; pass an --out outside it")
@@ -110,17 +111,6 @@ def release(out: Path, made: str) -> None:
             out.rmdir()  # only if empty: anything else in it stays
         except OSError:
             pass
-
-
-def why(e: OSError) -> str:
-    """An OSError in a user's words: a full disk is the common case."""
-    import errno
-
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "the disk is full"
-    if e.errno == errno.EFBIG:
-        return "a file size limit was reached (ulimit -f)"
-    return e.strerror or str(e)
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -107,17 +107,16 @@ class Trainer:
                                            {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         try:
-            self._build(cfg, resume, hf_reader, speculated, gpu_speculated, copied)
+            self._build(cfg, resume, hf_reader, speculated, gpu_speculated, copied, pin)
         except BaseException:
             if self.tiers:  # a refusal after the store was made (another model's checkpoint): it goes
                 discard(self.tiers.store.root)
             raise
 
     def _build(self, cfg: Config, resume: Path | None, hf_reader, speculated: frozenset[int],
-               gpu_speculated: frozenset[int], copied: frozenset[int]) -> None:
+               gpu_speculated: frozenset[int], copied: frozenset[int], pin: bool) -> None:
         """The rest of __init__: the optimizer, the initial state, the device buffers and the step engine."""
         spec, tc = cfg.model, cfg.train
-        pin = self.device.type == "cuda"
         self.host.add_copies(copied)
         self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
                                      tc.overlap, self.deferred, speculated, gpu_speculated)
