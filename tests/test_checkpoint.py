@@ -77,12 +77,12 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         spill = "none"
     if spill == "gpu-update":
         sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=false"]
-        assert Trainer(tiny_config(token_file, *sets)).deferred == {0, 1}
+        assert Trainer(tiny_config(token_file, *sets)).run_plan.updated("gpu", "gpu-speculated") == {0, 1}
         spill = "none"
     if spill == "gpu-speculated":
         sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=true", "optim.grad_clip=100"]
         tr = Trainer(tiny_config(token_file, *sets))
-        assert tr.deferred == tr.optim.gpu_speculated == {2, 4} and set(tr.host.copies) == set(range(5))
+        assert tr.run_plan.updated("gpu", "gpu-speculated") == tr.run_plan.updated("gpu-speculated") == {2, 4} and set(tr.host.copies) == set(range(5))
         tr.close()
         spill = "none"
     if spill == "kvikio":

@@ -308,7 +308,7 @@ tr.close()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 state = sum(lay.numel for lay in tr.layouts) * 16
 assert (budget > 0.3) == (set(tr.where.values()) != {"nvme"})
-print(budget, base, peak, tr.buffers.nbytes(), tr.tiers.ring_nbytes(), state)
+print(budget, base, peak, tr.device_nbytes(), tr.tiers.ring_nbytes(), state)
 """
 
 

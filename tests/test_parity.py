@@ -101,8 +101,8 @@ def test_gpu_updates_change_no_bit(token_file, device, speculated):
     runs = []
     for n in (0, 2, 5):
         tr, _, recs = _train(tiny_config(token_file, *base, f"tiers.gpu_update_units={n}"))
-        assert tr.deferred == frozenset(range(5)[::-1][::2][:n] if speculated and n < 5 else range(n))
-        assert tr.optim.kept == (4 if speculated and n else 0)
+        assert tr.run_plan.updated("gpu", "gpu-speculated") == frozenset(range(5)[::-1][::2][:n] if speculated and n < 5 else range(n))
+        assert tr.updates.kept == (4 if speculated and n else 0)
         runs.append((tr, recs, tr.state_dict()))
     (_, r0, s0), (t2, r2, s2), (t5, r5, s5) = runs
     if device == "cpu":
@@ -112,7 +112,7 @@ def test_gpu_updates_change_no_bit(token_file, device, speculated):
         np.testing.assert_allclose([r["loss"] for r in r5], [r["loss"] for r in r0], rtol=1e-4)
     numels = [lay.numel for lay in t2.layouts]
     for tr, recs in ((t2, r2), (t5, r5)):
-        extra = sum(numels[u] for u in tr.deferred) * 4 / 1e9
+        extra = sum(numels[u] for u in tr.run_plan.updated("gpu", "gpu-speculated")) * 4 / 1e9
         assert recs[-1]["h2d_gb"] == pytest.approx(r0[-1]["h2d_gb"] + 3 * extra, rel=1e-6)
         assert recs[-1]["d2h_gb"] == pytest.approx(r0[-1]["d2h_gb"] + 3 * extra, rel=1e-6)
         # no update before the first step's backward pass

@@ -70,7 +70,7 @@ def test_optimizer_errors_surface(token_file, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(tr.optim.opt, "update_unit", boom)
+    monkeypatch.setattr(tr.updates.opt, "update_unit", boom)
     tr.train_step()
     with pytest.raises(RuntimeError, match="disk on fire"):
         tr.train_step()
@@ -93,7 +93,7 @@ def test_auto_without_a_plan(token_file, sets, stream, acts):
     assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
     assert ("weights" in tr.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
     assert tr.checkpoints.where == acts
-    assert bool(tr.deferred) == ("tiers.gpu_update_units=2" in sets)
+    assert bool(tr.run_plan.updated("gpu", "gpu-speculated")) == ("tiers.gpu_update_units=2" in sets)
 
 
 @pytest.mark.parametrize("batch,micro", [(8, 8), (12, 6), (7, 7), (18, 6)])

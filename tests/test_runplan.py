@@ -53,7 +53,7 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     assert len(units) == len(tr.units) and p["micro_batch"] == tr.run_plan.micro_batch == 2
     # without a host budget the CPU speculates every unit the host updates from RAM
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
-    assert {u["index"] for u in units if u["update"] == "gpu"} == tr.deferred
+    assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
     assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where
     gb = _budget_for(tiny_config(token_file, *DEEP))
     tr = Trainer(tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"'))

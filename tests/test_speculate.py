@@ -29,10 +29,10 @@ def _run(cfg, steps=6, gpu_spec=True):
         updates = {u: "gpu" for u in tr.run_plan.updated("gpu-speculated")}
         tr.close()
         tr = Trainer(cfg, updates=updates)
-        assert tr.optim.gpu_speculated == frozenset() and tr.deferred == set(updates)
+        assert tr.run_plan.updated("gpu-speculated") == frozenset() and tr.run_plan.updated("gpu", "gpu-speculated") == set(updates)
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
-    early, kept, redone = tr.optim.speculated, tr.optim.kept, tr.optim.redone
+    early, kept, redone = tr.run_plan.updated("host-speculated"), tr.updates.kept, tr.updates.redone
     tr.close()
     return recs, sd, early, (kept, redone)
 
@@ -70,10 +70,10 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
         assert kept >= 1 and redone >= 1
     tr = Trainer(tiny_config(token_file, *sets, clip, *every))
     host = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
-    early = tr.optim.speculated
-    assert early == set(host) - tr.deferred and set(tr.host.copies) == early | tr.deferred  # copies for those
-    if tr.deferred:  # every other unit from the last: the GPU-updated ones and the host's alternate
-        assert sorted(tr.deferred) == host[::-1][::2][:2][::-1]
+    early = tr.run_plan.updated("host-speculated")
+    assert early == set(host) - tr.run_plan.updated("gpu", "gpu-speculated") and set(tr.host.copies) == early | tr.run_plan.updated("gpu", "gpu-speculated")  # copies for those
+    if tr.run_plan.updated("gpu", "gpu-speculated"):  # every other unit from the last: the GPU-updated ones and the host's alternate
+        assert sorted(tr.run_plan.updated("gpu", "gpu-speculated")) == host[::-1][::2][:2][::-1]
     tr.close()
 
 
@@ -85,13 +85,13 @@ def test_clipping_off_speculates_in_place(token_file):
     assert got[3] == (6, 0)
     tr = Trainer(tiny_config(token_file, *sets))
     assert tr.host.copies == {} and "update copies" not in tr.host.nbytes()
-    started, real = [], tr.optim.start
+    started, real = [], tr.updates.after_norm
 
-    def start(*a):  # the updates the backward pass started, as the step settles them
-        started.append(set(tr.optim.speculations))
+    def after_norm(*a):  # the updates the backward pass started, as the step settles them
+        started.append(set(tr.updates.host.speculations))
         real(*a)
 
-    tr.optim.start = start
+    tr.updates.after_norm = after_norm
     for _ in range(2):
         tr.train_step()
     tr.close()
@@ -106,7 +106,7 @@ def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_f
     want = _run(tiny_config(token_file, *sets, "optim.speculate_units=0"), steps=3)
     tr = Trainer(tiny_config(token_file, *sets, "optim.speculate_units=99"))
     calls, gates = [], [threading.Event()]
-    update, start = tr.optim.opt.update_unit, tr.optim.start
+    update, after_norm = tr.updates.opt.update_unit, tr.updates.after_norm
 
     def held(unit, step, lr, clip, into_copies=False):
         calls.append((step, unit, into_copies))
@@ -115,15 +115,15 @@ def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_f
         update(unit, step, lr, clip, into_copies)
 
     def released(*a):
-        start(*a)
+        after_norm(*a)
         gates.append(threading.Event())
         gates[-2].set()
 
-    tr.optim.opt.update_unit, tr.optim.start = held, released
+    tr.updates.opt.update_unit, tr.updates.after_norm = held, released
     recs = [tr.train_step() for _ in range(3)]
-    tr.optim.wait_all()
+    tr.updates.settle()
     got = (recs, tr.state_dict())
-    n, kept = len(tr.units), tr.optim.kept
+    n, kept = len(tr.units), tr.updates.kept
     tr.close()
     _same(got, want)
     assert kept == 3
@@ -157,11 +157,10 @@ def test_speculation_takes_the_first_landed_unit_in_forward_order():
         def update_unit(self, unit, step, lr, clip, into_copies=False):
             calls.append(unit)
 
-    th = OptimizerThread(Opt(), 6, overlap=True, speculated=frozenset(range(6)))
-    th.begin(1e-3)
+    th = OptimizerThread(Opt(), 6, overlap=True, units=frozenset(range(6)), speculated=frozenset(range(6)))
     ev = {u: Landing() for u in range(6)}
     for u in (5, 4, 3, 2, 1, 0):  # the backward pass's order; the worker waits for unit 5's gradient
-        th.drained(u, ev[u])
+        th.speculate(u, ev[u], 1, 1e-3)
     for u in (4, 2, 5):
         ev[u].landed.set()
 
@@ -178,10 +177,12 @@ def test_speculation_takes_the_first_landed_unit_in_forward_order():
     for u in (0, 1):  # the worker waits for unit 1's gradient, then takes unit 0 first
         ev[u].landed.set()
     until(6)
-    th.start(1e-3, 1.0, lambda u: None)
+    queued, started = th.stop_speculating()
+    assert queued and set(started) == set(range(6))
+    th.start(1, 1e-3, 1.0, started, lambda u: None)  # kept: nothing runs again
     th.wait_all()
     th.close()
-    assert calls == [2, 4, 5, 3, 0, 1] and th.kept == 1
+    assert calls == [2, 4, 5, 3, 0, 1]
     assert [u for e, u, _ in th.timeline if e == "spec job"] == calls
 
 
@@ -211,20 +212,20 @@ def test_copies_must_fit_the_host_budget(token_file):
     with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
         Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
     tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # -1 without a plan: none
-    assert tr.optim.speculated == frozenset() and not tr.run_plan.updated("host-speculated")
+    assert tr.run_plan.updated("host-speculated") == frozenset() and not tr.run_plan.updated("host-speculated")
     tr.close()
 
 
 def test_an_error_in_a_kept_speculation_surfaces(token_file, monkeypatch):
     tr = Trainer(tiny_config(token_file, "optim.grad_clip=100"))
-    real = tr.optim.opt.update_unit
+    real = tr.updates.opt.update_unit
 
     def boom(unit, step, lr, clip, into_copies=False):
         if into_copies:
             raise RuntimeError("bit flip")
         real(unit, step, lr, clip, into_copies)
 
-    monkeypatch.setattr(tr.optim.opt, "update_unit", boom)
+    monkeypatch.setattr(tr.updates.opt, "update_unit", boom)
     tr.train_step()
     with pytest.raises(RuntimeError, match="bit flip"):
         tr.train_step()
@@ -331,8 +332,8 @@ def test_timeline_accounts_for_every_host_update(token_file):
     tr = Trainer(cfg)
     for _ in range(4):
         tr.train_step()
-    tr.optim.wait_all()
-    ev, early = list(tr.optim.timeline), tr.optim.speculated
+    tr.updates.settle()
+    ev, early = list(tr.updates.timeline), tr.run_plan.updated("host-speculated")
     numels = [lay.numel for lay in tr.layouts]
     tr.close()
     assert len(early) == 2
@@ -357,7 +358,7 @@ def test_the_step_prediction_follows_whether_the_last_update_was_speculated(toke
     """A step's forward pass waits for the last update: its prediction is the plan's step when that update
     was speculated and kept, and the plan's step without speculation when the norm clipped."""
     tr = Trainer(tiny_config(token_file, 'train.device="cuda"', f"optim.grad_clip={clip}", "optim.speculate_units=99"))
-    assert tr.plan is not None and tr.optim.speculated
+    assert tr.plan is not None and tr.run_plan.updated("host-speculated")
     tr.plan.step_s, tr.plan.clipped_step_s = 1.0, 2.0  # apart, whatever the tiny model's times
     recs = [tr.train_step() for _ in range(3)]
     tr.close()

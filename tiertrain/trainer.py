@@ -15,14 +15,15 @@ from . import placing
 from .config import Config, fixed
 from .data import Loader, builtin_tokens, read_tokens
 from .engine.activations import Checkpoints
-from .engine.buffers import DeviceBuffers
-from .engine.schedule import StepEngine
+from .engine.buffers import Accumulators, WeightSlots
+from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
 from .errors import ConfigError
 from .metrics import human_bytes, human_count
 from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
-from .optim.adamw import HostAdamW, OptimizerThread, clip_coefficient, lr_at
+from .optim.adamw import HostAdamW, lr_at
+from .optim.updates import Updates
 from .plan.hardware import HardwareSpec
 from .plan.runplan import RunPlan, unit_plans
 from .tiers.host import HostStore
@@ -53,10 +54,11 @@ def resolve_device(name: str) -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None,
-                 updates: dict[int, str] | None = None):
+                 updates: dict[int, str] | None = None, hardware: Path | None = None):
         """`resume`: a checkpoint to continue from (its state replaces the init); else the weights come
         from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init.
-        `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them)."""
+        `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them).
+        `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference)."""
         self.cfg, self.run_name = cfg, run_name
         hf_reader = None
         if cfg.train.init_from and resume is None:  # checked whole before anything large is allocated
@@ -78,7 +80,8 @@ class Trainer:
         pin = self.device.type == "cuda"
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
         micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
-        self.plan, settled = placing.settle(cfg, self.device, micro)
+        self.hardware_file = hardware
+        self.plan, settled = placing.settle(cfg, self.device, micro, hardware)
         self.chosen = settled.chosen
         numels = [lay.numel for lay in self.layouts]
         self.where, self.tiers = placing.place_state(cfg, settled, numels, pin), None
@@ -93,10 +96,8 @@ class Trainer:
             self.run_plan = self.run_plan.with_updates(updates)
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.where = self.run_plan.where()
-        self.deferred = self.run_plan.updated("gpu", "gpu-speculated")
-        speculated = self.run_plan.updated("host-speculated")
-        gpu_speculated = self.run_plan.updated("gpu-speculated")
-        copied = speculated | gpu_speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
+        speculated = self.run_plan.updated("host-speculated", "gpu-speculated")
+        copied = speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
         placing.check_ram(cfg, settled, numels, self.where, copied, pin)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
@@ -107,19 +108,27 @@ class Trainer:
                                            {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         try:
-            self._build(cfg, resume, hf_reader, speculated, gpu_speculated, copied, pin)
+            self._build(cfg, resume, hf_reader, copied, pin)
         except BaseException:
             if self.tiers:  # a refusal after the store was made (another model's checkpoint): it goes
                 discard(self.tiers.store.root)
             raise
 
-    def _build(self, cfg: Config, resume: Path | None, hf_reader, speculated: frozenset[int],
-               gpu_speculated: frozenset[int], copied: frozenset[int], pin: bool) -> None:
-        """The rest of __init__: the optimizer, the initial state, the device buffers and the step engine."""
+    def _build(self, cfg: Config, resume: Path | None, hf_reader, copied: frozenset[int], pin: bool) -> None:
+        """The rest of __init__: the device buffers, the updates, the initial state and the step."""
         spec, tc = cfg.model, cfg.train
         self.host.add_copies(copied)
-        self.optim = OptimizerThread(HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), len(self.units),
-                                     tc.overlap, self.deferred, speculated, gpu_speculated)
+        self.streams = Streams(self.device)
+        self.clock = StallClock(self.streams)
+        self.slots = WeightSlots(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
+                                 reader=self.tiers if self.tiers and self.tiers.s_units else None)
+        self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self._grad_sink)
+        self.updates = Updates(self.run_plan, HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), self.grads,
+                               self.streams, self.device, tc.overlap, self.tiers)
+        self.checkpoints = Checkpoints(self.run_plan.activations, self.streams, self.clock, self.device, pin)
+        self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
+                           self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device),
+                           fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip)
         self.step = 0
         if resume is not None:
             self.restore(resume)
@@ -127,16 +136,6 @@ class Trainer:
             self._import_weights(hf_reader)
         else:
             self._init_weights()
-        self.streams = Streams(self.device)
-        self.clock = StallClock(self.streams)
-        self.buffers = DeviceBuffers(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
-                                     host_ready=self.optim.wait, grad_sink=self._grad_sink, deferred=self.deferred,
-                                     take_update=self.optim.take, apply=self.optim.opt.apply,
-                                     reader=self.tiers if self.tiers and self.tiers.s_units else None,
-                                     speculation=self.optim.speculation)
-        self.checkpoints = Checkpoints(self.run_plan.activations, self.streams, self.clock, self.device, pin)
-        self.engine = StepEngine(self.units, self.layouts, self.buffers, self.checkpoints, self.clock,
-                                 Context.build(spec, tc.seq_len, self.dtype, self.device), fixed(tc.loss_chunk_tokens))
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
 
     def plan_json(self) -> str:
@@ -149,8 +148,11 @@ class Trainer:
         out.update(self.run_plan.to_dict())
         return json.dumps(out, indent=1, default=float) + "\n"
 
+    def device_nbytes(self) -> int:
+        return self.slots.nbytes() + self.grads.nbytes() + self.updates.gpu.nbytes()
+
     def hardware(self) -> HardwareSpec:
-        return placing.hardware(self.device)
+        return placing.hardware(self.device, self.hardware_file)
 
     def kind_bytes(self) -> dict[str, int]:
         return kind_bytes(self.cfg.train.compute_dtype, self.run_plan.stream)
@@ -218,9 +220,7 @@ class Trainer:
     def _quiesce(self) -> None:
         """The update in flight lands (on the GPU too), and the NVMe write-backs with it: the state is
         one step's."""
-        self.optim.wait_all()
-        if hasattr(self, "buffers"):  # a restore runs before the buffers exist
-            self.buffers.settle()
+        self.updates.settle()
         if self.tiers:
             self.tiers.flush()
 
@@ -232,7 +232,7 @@ class Trainer:
                 "data": {"next_step": self.step, "path": self.cfg.data.path, "shuffle": self.cfg.data.shuffle,
                          "seed": self.cfg.train.seed, "rows": self.loader.rows},
                 "rng": ckpt.rng_state(self.device),
-                "optimizer": {"type": "AdamW", "step_count": self.optim.opt.step_count, "lr": o.lr,
+                "optimizer": {"type": "AdamW", "step_count": self.updates.opt.step_count, "lr": o.lr,
                               "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                               "grad_clip": o.grad_clip, "schedule": o.schedule, "warmup_steps": o.warmup_steps,
                               "min_lr": o.min_lr},
@@ -264,7 +264,7 @@ class Trainer:
 
         ckpt.load_all(path, numels, fill)
         self.step = meta["step"]
-        self.optim.opt.step_count = meta["optimizer"]["step_count"]
+        self.updates.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
         self.restore_gbs = sum(numels) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
         return self.restore_gbs
@@ -297,26 +297,15 @@ class Trainer:
         """One optimizer step on a (B, S) batch; the update itself finishes during the next step."""
         tc = self.cfg.train
         t0 = time.perf_counter()
-        buf, ck, opt = self.buffers, self.checkpoints, self.optim
-        moved = (buf.h2d_bytes + ck.h2d_bytes, buf.d2h_bytes + ck.d2h_bytes)
-        opt.wait_s = 0.0
-        spec_kept = opt.last_kept
-        opt.mark("step")
+        upd, tiers = self.updates, self.tiers
+        moved = self.bytes_moved()
+        spec_kept = upd.last_kept
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         inputs = inp.to(self.device).split(self.run_plan.micro_batch)
         targets = tgt.to(self.device).split(self.run_plan.micro_batch)
-        tiers = self.tiers
         lr = lr_at(self.step, self.cfg.optim, tc.steps)
-        opt.begin(lr)
-        loss, norms = self.engine.run(list(inputs), list(targets),
-                                      before_backward=lambda: (opt.mark("backward"),
-                                                               tiers and tiers.start(list(range(len(self.units))))),
-                                      drained=lambda u: opt.drained(u, buf.grad_ready.get(u)))
-        grad_norm, clip = clip_coefficient(norms, self.cfg.optim.grad_clip)
-        if tiers:
-            tiers.updating()
-        opt.start(lr, clip, lambda u: buf.grad_ready.get(u))
+        loss, grad_norm = self.schedule.run(list(inputs), list(targets), lr)
         loss = float(loss)
         dt = time.perf_counter() - t0
         self.step += 1
@@ -326,11 +315,11 @@ class Trainer:
                "step_s": dt, "tokens_per_s": tokens / dt, "model_tflops": tflops}
         times = self.clock.read()
         rec.update({f"{k}_s": v for k, v in times.items()})
-        rec["opt_wait_s"] = opt.wait_s
-        if opt.speculated or opt.gpu_speculated:  # steps so far whose speculation was kept / redone (clipped)
-            rec["speculation_kept"], rec["speculation_redone"] = opt.kept, opt.redone
-        rec["h2d_gb"] = (buf.h2d_bytes + ck.h2d_bytes - moved[0]) / 1e9
-        rec["d2h_gb"] = (buf.d2h_bytes + ck.d2h_bytes - moved[1]) / 1e9
+        rec["opt_wait_s"] = upd.host.wait_s
+        if upd.any_speculated:  # steps so far whose speculation was kept / redone (clipped)
+            rec["speculation_kept"], rec["speculation_redone"] = upd.kept, upd.redone
+        now = self.bytes_moved()
+        rec["h2d_gb"], rec["d2h_gb"] = (now[0] - moved[0]) / 1e9, (now[1] - moved[1]) / 1e9
         if tiers:  # NVMe bytes of the last whole update (the previous step's, read ahead and written back)
             rec["nvme_read_gb"], rec["nvme_write_gb"] = (b / 1e9 for b in tiers.last_pass)
             rec["nvme_io_s"] = tiers.last_window_s
@@ -347,9 +336,15 @@ class Trainer:
                        pred_backward_s=pt["compute bwd"], pred_opt_wait_s=pt["exposed update"])
         return rec
 
+    def bytes_moved(self) -> tuple[int, int]:
+        """(H2D, D2H) bytes so far: weights, gradients, GPU updates' state and activation checkpoints."""
+        ck, gpu = self.checkpoints, self.updates.gpu
+        return (self.slots.h2d_bytes + gpu.h2d_bytes + ck.h2d_bytes,
+                self.grads.d2h_bytes + gpu.d2h_bytes + ck.d2h_bytes)
+
     def close(self) -> None:
         """The optimizer's thread, then the NVMe tier's threads (their writes landed first)."""
-        self.optim.close()
+        self.updates.close()
         if self.tiers:
             self.tiers.close()
 
@@ -374,7 +369,8 @@ class Trainer:
                + f", {self.plan.tokens_per_s:,.0f} tok/s, bottleneck "
                f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
               if self.plan else []),
-            f"device: {human_bytes(self.buffers.nbytes())} in weight slots and gradient accumulators, "
+            f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
+            f"GPU updates' state, "
             f"plus activations (checkpoints on the {'host' if self.run_plan.activations == 'host' else 'device'}); "
             f"weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}"

@@ -9,7 +9,6 @@ follows torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), ap
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import threading
@@ -73,7 +72,6 @@ class HostAdamW:
         # ownership of its lines: 2 B of a parameter's 32 through DRAM; bench/results/*-copy-stores-ab8k.md);
         # and its software prefetch (optim.kernel.AHEAD)
         self.stores = kernel.STREAM_STATE | kernel.STREAM_COPY | kernel.prefetch(kernel.AHEAD)
-        self.stream = None  # the GPU stream of resident units' updates
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
     def apply(self, unit: int, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -113,23 +111,14 @@ class HostAdamW:
                     w[c].copy_(p_)
 
     def update_unit(self, unit: int, step: int, lr: float, clip: float, into_copies: bool = False) -> None:
-        """One unit's update, where its slabs are: the host or, for a resident unit, the GPU (on a stream
-        of this thread's own, synchronized before the unit counts as updated: the next load of its
-        weights runs on another stream). `into_copies`: a speculative update, written into the host's
-        copies of the unit's master and moments (the bf16 copy in place: nothing reads it before the
-        update is kept or redone); it counts once the host swaps them in."""
+        """One unit's update in host memory (its spilled slabs through the staging ring). `into_copies`: a
+        speculative update, written into the host's copies of the unit's master and moments (the bf16 copy
+        in place: nothing reads it before the update is kept or redone); it counts once the host swaps them in."""
         s = dict(self.host.slabs[unit])
         if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.tiers.acquire(unit))
-        master, grad, m, v, w = s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights")
-        on_gpu = master.is_cuda
-        if on_gpu and self.stream is None:
-            self.stream = torch.cuda.Stream(master.device)
         out = self.host.copies[unit] if into_copies else None
-        with torch.cuda.stream(self.stream) if on_gpu else contextlib.nullcontext():
-            self.apply(unit, master, grad, m, v, w, step, lr, clip, out)
-        if on_gpu:
-            self.stream.synchronize()
+        self.apply(unit, s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights"), step, lr, clip, out)
         if self.tiers is not None:
             self.tiers.release(unit)
         if not into_copies:
@@ -137,50 +126,36 @@ class HostAdamW:
 
 
 class OptimizerThread:
-    """Runs the host AdamW of a step on a worker thread, unit by unit in forward order.
+    """Runs the host AdamW of the units updated in host memory on a worker thread, unit by unit in forward
+    order (optim.updates.Updates says which units, and when).
 
     `wait(u)` blocks until unit u is updated: the next step's H2D of unit u calls it, so the update
     overlaps the next forward pass. With `overlap` off every step waits for its whole update (the
     synchronous reference: the numbers are the same either way).
 
-    `deferred` units are not updated here: their (step, lr, clip) waits in `pending` until the device
-    buffers take it (`take`) and run the update on the GPU as the unit's weights are loaded next.
+    `speculated` units: `speculate(u, event, step, lr)`, as the backward pass sends unit u's gradient down,
+    queues its update as if the global norm will not clip (into the host's copies of its master and
+    moments where it has them; else, clipping being off, in place). The worker takes the queued unit that
+    comes first in forward order among those whose gradient has landed (else waits for the next to land):
+    when the host is slower than the backward pass, its speculated updates fall between the units left to
+    the next forward pass, which then overlaps the host's work instead of running idle through a tail of
+    units already updated. `stop_speculating()` at the norm takes back those not started; `start` keeps the
+    started ones (the copies swapped in) or runs the update again from the untouched state with the clip
+    factor: the same numbers either way."""
 
-    `speculated` units: `begin(lr)` before the backward pass, then `drained(u, event)` as the
-    backward pass sends each gradient down queues the unit's update as if the global norm will not clip
-    (into the host's copies of its master and moments where it has them; else, clipping being off, in
-    place). The worker takes the queued unit that comes first in forward order among those whose gradient
-    has landed (else waits for the next to land): when the host is slower than the backward pass, its
-    speculated updates fall between the units left to the next forward pass, which then overlaps the
-    host's work instead of running idle through a tail of units already updated. `start` keeps those
-    updates when the norm did not clip (the copies swapped in; one not yet started runs in place, in unit
-    order) and otherwise runs the update again from the untouched state with the clip factor: the same
-    numbers either way. A step after a clipped one does not speculate (clipping tends to persist: early
-    training, spikes).
-    `gpu_speculated` deferred units are speculated the same way, on the GPU: the device buffers ask
-    `speculation(u)` for the job as they drain the unit's gradient; a redone one runs as deferred."""
-
-    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, deferred: frozenset[int] = frozenset(),
-                 speculated: frozenset[int] = frozenset(), gpu_speculated: frozenset[int] = frozenset()):
-        self.opt, self.overlap, self.deferred = opt, overlap, deferred
-        self.speculated, self.gpu_speculated = speculated, gpu_speculated
-        self.on_gpu: set[int] = set()  # the gpu_speculated units speculated this step
-        self.copies = bool(opt.host.copies)  # none: clipping is off, a speculation runs in place
+    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, units: frozenset[int],
+                 speculated: frozenset[int] = frozenset()):
+        self.opt, self.overlap, self.units, self.speculated = opt, overlap, units, speculated
         # threads: the main thread (the step) calls every method; the worker (self.pool, owned here and shut
         # by close()) runs _job, _keep and _speculate. Shared between them: speculations and landing (under
         # self.lock), timeline (deque appends are atomic), the host slabs (a unit's, by one at a time:
         # the main thread waits on its future before loading it)
-        self.pending: dict[int, tuple[int, float, float]] = {}  # main thread only
         self.pool = adam_pool()
         self.futures: list[Future | None] = [None] * n_units  # main thread only
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
-        self.speculating: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
         self.speculations: dict[int, Future] = {}  # the speculated units' updates, done by _speculate (under lock)
         self.landing: dict[int, tuple] = {}  # (grad event, step, lr) of those not yet taken (under lock)
         self.lock = threading.Lock()
-        self.last_clip = 1.0
-        self.kept = self.redone = 0  # steps whose speculation was kept, was redone
-        self.last_kept = False  # the last update's speculation was kept (it ran beside a backward pass)
         # (event, unit, time.perf_counter()): when each update waited, ran and finished, and the step's
         # marks (the trainer's too); what shows where the optimizer's time goes (bench.timeline)
         self.timeline: deque[tuple[str, int, float]] = deque(maxlen=1 << 14)
@@ -188,22 +163,16 @@ class OptimizerThread:
     def mark(self, event: str, unit: int = -1, at: float | None = None) -> None:
         self.timeline.append((event, unit, time.perf_counter() if at is None else at))
 
-    def begin(self, lr: float) -> None:
-        """A step starts: its backward pass's gradients may start the next update (none after a clipped step)."""
-        on = (self.speculated or self.gpu_speculated) and self.last_clip == 1.0
-        self.speculating = (self.opt.step_count + 1, lr) if on else None
-
-    def drained(self, unit: int, grad_event) -> None:
-        """The unit's gradient is on its way to the host (`grad_event`: once it has landed)."""
-        if self.speculating and unit in self.speculated:
-            with self.lock:
-                self.speculations[unit] = Future()
-                self.landing[unit] = (grad_event, *self.speculating)
-            self.pool.submit(self._speculate)
+    def speculate(self, unit: int, grad_event, step: int, lr: float) -> None:
+        """Queues the unit's update as if the norm will not clip (`grad_event`: its gradient has landed)."""
+        with self.lock:
+            self.speculations[unit] = Future()
+            self.landing[unit] = (grad_event, step, lr)
+        self.pool.submit(self._speculate)
 
     def _speculate(self) -> None:
         """One speculated update (a job per drained unit): the first unit in forward order whose gradient
-        has landed, else the next to land; none once the norm has taken them (start)."""
+        has landed, else the next to land; none once the norm has taken them (stop_speculating)."""
         t0 = time.perf_counter()
         while True:
             with self.lock:
@@ -222,47 +191,30 @@ class OptimizerThread:
         self.mark("spec job", unit, t0)
         self.mark("spec grad", unit)
         try:
-            self.opt.update_unit(unit, step, lr, 1.0, self.copies)
+            self.opt.update_unit(unit, step, lr, 1.0, bool(self.opt.host.copies))
         except BaseException as e:
             f.set_exception(e)
         else:
             f.set_result(None)
         self.mark("spec done", unit)
 
-    def speculation(self, unit: int) -> tuple[int, float, dict | None] | None:
-        """(step, lr, where the master and moments go: the host's copies, or None for in place) of the
-        speculative GPU update of `unit`, its gradient being accumulated; None: it does not speculate."""
-        if not (self.speculating and unit in self.gpu_speculated):
-            return None
-        self.on_gpu.add(unit)
-        return (*self.speculating, self.opt.host.copies.get(unit))
-
-    def start(self, lr: float, clip: float, grad_ready: Callable[[int], object]) -> None:
-        self.mark("norm")
-        self.opt.step_count += 1
-        step = self.opt.step_count
-        with self.lock:  # the worker takes no more speculations
+    def stop_speculating(self) -> tuple[bool, dict[int, Future]]:
+        """At the norm: the speculations queued this step, those not yet started cancelled (the worker takes
+        no more). Returns (whether any was queued, the started ones)."""
+        with self.lock:
             spec, self.speculations = self.speculations, {}
             self.landing.clear()
-        on_gpu, self.on_gpu = self.on_gpu, set()
-        any_speculated = bool(spec or on_gpu)
-        keep = any_speculated and clip == 1.0 and self.speculating == (step, lr)
-        if any_speculated and not keep and not self.copies:
-            raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
-        self.kept, self.redone = self.kept + keep, self.redone + (any_speculated and not keep)
-        self.last_kept = keep
-        self.last_clip, self.speculating = clip, None
-        # one already running when redone writes copies nobody reads. Kept, those not yet started become
-        # plain updates (in place, the same numbers), queued in unit order with the rest: the next forward
-        # pass needs the first units first, and a speculation's place in the queue was its gradient's
-        started = {u: f for u, f in spec.items() if not f.cancel()}
-        for u in range(len(self.futures)):
-            if keep and u in on_gpu:
-                self.opt.host.kept(u)  # loads of the unit wait for the copy's event (DeviceBuffers.written)
-            elif u in self.deferred:
-                self.pending[u] = (step, lr, clip)
-            elif keep and u in started:
-                self.futures[u] = self.pool.submit(self._keep, u, started[u]) if self.copies else started[u]
+        return bool(spec), {u: f for u, f in spec.items() if not f.cancel()}
+
+    def start(self, step: int, lr: float, clip: float, kept: dict[int, Future], grad_ready: Callable[[int], object]) -> None:
+        """Queues this step's update of every unit of this thread in unit order: `kept`, the started
+        speculations that stand (the copies swapped in once done), the rest plain updates. One already
+        running and redone writes copies nobody reads; one not started runs in place (the same numbers),
+        where its unit's place is: the next forward pass needs the first units first."""
+        copies = bool(self.opt.host.copies)
+        for u in sorted(self.units):
+            if u in kept:
+                self.futures[u] = self.pool.submit(self._keep, u, kept[u]) if copies else kept[u]
             else:
                 self.futures[u] = self.pool.submit(self._job, u, step, lr, clip, grad_ready(u))
         if not self.overlap:
@@ -280,10 +232,6 @@ class OptimizerThread:
         speculated.result()  # done (the pool runs in order); raises its error
         self.opt.host.swap(unit)
 
-    def take(self, unit: int) -> tuple[int, float, float] | None:
-        """The deferred update of `unit` still to run, handed over once."""
-        return self.pending.pop(unit, None)
-
     def wait(self, unit: int) -> None:
         f = self.futures[unit]
         if f is not None:
@@ -300,9 +248,6 @@ class OptimizerThread:
             self.wait(u)
 
     def close(self) -> None:
-        with self.lock:  # a step stopped between its backward pass and its update
-            self.landing.clear()
-        for f in self.speculations.values():
-            f.cancel()
+        self.stop_speculating()  # a step stopped between its backward pass and its update
         self.pool.shutdown(wait=True)
         self.wait_all()
