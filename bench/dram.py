@@ -14,8 +14,8 @@ COPY_BYTES = 2   # and with a bf16 copy: written (streamed stores: its lines are
 
 
 def fp32_stream(row: dict) -> bool:
-    """A tiertrain row's variant streams the fp32 master (no host bf16 copy to write)."""
-    return "fp32 stream" in row["system"]
+    """A tiertrain row's run streamed the fp32 master (no host bf16 copy to write), as its RunPlan says."""
+    return row["plan"]["stream"] == "master"
 
 
 def adam_bytes(row: dict) -> int:
@@ -53,7 +53,7 @@ def dram_rate(row: dict, probe: dict) -> float:
 
 def table(rows: list[dict], probe: dict) -> list[str]:
     rate = probe.get("host_adam_fp32_stream_params_per_s", 0) * ADAM_BYTES
-    rows = [r for r in rows if r["system"].startswith("tiertrain") and "host_adam_params" in r]
+    rows = [r for r in rows if r["kind"] == "tiertrain" and "host_adam_params" in r]
     if not rows or not rate:
         return []
     lines = ["", "## host DRAM", "",

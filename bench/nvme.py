@@ -22,13 +22,13 @@ import argparse
 import gc
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from statistics import median
 
-from bench.pipeline import _batch, _peak_rss_gb, run_deepspeed
+from bench.common import batch, commit, peak_rss_gb, run_worker
+from bench.pipeline import run_deepspeed
 
 OVERHEAD_GB = 3.0  # tiertrain's RSS beyond its --host-gb: Python, torch, the CUDA context (measured: 1.4-2.6)
 STAGES = ("probe", "deepspeed", "tiertrain", "checkpoint", "big", "least")
@@ -73,7 +73,7 @@ def _predict(tr, B: int) -> dict:
 
 def _steps(tr, B: int, n: int, seed0: int = 0) -> list[dict]:
     S, V = tr.cfg.train.seq_len, tr.cfg.model.vocab_size
-    return [tr.train_on(*_batch(B, S, V, seed0 + k)) for k in range(n)]
+    return [tr.train_on(*batch(B, S, V, seed0 + k)) for k in range(n)]
 
 
 def run_tiertrain(a) -> list[dict]:
@@ -81,7 +81,7 @@ def run_tiertrain(a) -> list[dict]:
 
     cfg = _cfg(a.config, max(a.batches), a.micro, a.host_gb, str(Path(a.nvme_dir) / "tt"), a.stream)
     t0 = time.perf_counter()
-    tr = Trainer(cfg, run_name="bench")
+    tr = Trainer(cfg, run_name="bench", hardware=Path(a.hardware))
     setup_s, place = time.perf_counter() - t0, _placement(tr)
     rows = []
     for B in a.batches:
@@ -91,8 +91,9 @@ def run_tiertrain(a) -> list[dict]:
         S = cfg.train.seq_len
         rows.append({"system": f"tiertrain ({a.stream} stream, --host-gb {a.host_gb:.1f}, {IO[1]} I/O threads)",
                      "batch": B, "io_threads": IO[1],
-                     "tokens": B * S, "tokens_per_s": B * S / row["step_s"], "host_peak_rss_gb": _peak_rss_gb(),
+                     "tokens": B * S, "tokens_per_s": B * S / row["step_s"], "host_peak_rss_gb": peak_rss_gb(),
                      "setup_s": setup_s, "placement": place, "losses": [r["loss"] for r in recs],
+                     "plan": tr.run_plan.to_dict(),
                      **row, **_predict(tr, B)})
     tr.close()
     from tiertrain.tiers.nvme import discard
@@ -113,7 +114,7 @@ def run_checkpoint(a) -> dict:
     host_gb = state_gb - a.ckpt_spill_gb
     cfg = _cfg(a.config, 4, a.micro, host_gb, str(Path(a.nvme_dir) / "ck"), "master")
     run_dir = Path(a.nvme_dir) / "ckpt-run"
-    tr = Trainer(cfg, run_name="ck")
+    tr = Trainer(cfg, run_name="ck", hardware=Path(a.hardware))
     place = _placement(tr)
     _steps(tr, 4, 2)
     path, write_gbs = tr.save_checkpoint(run_dir)
@@ -125,7 +126,7 @@ def run_checkpoint(a) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    tr = Trainer(cfg, run_name="ck", resume=path)
+    tr = Trainer(cfg, run_name="ck", resume=path, hardware=Path(a.hardware))
     resume_s = time.perf_counter() - t0
     got = _steps(tr, 4, 1, seed0=2)[0]["loss"]
     tr.close()
@@ -136,24 +137,24 @@ def run_checkpoint(a) -> dict:
             "identical": want == got}
 
 
-def _three_steps(cfg, name: str, **extra) -> list[dict]:
+def _three_steps(a, cfg, name: str, **extra) -> list[dict]:
     """A trainer of `cfg` (batch 4) takes 3 steps; each row with the setup time, placement, RSS and plan."""
     from tiertrain.tiers.nvme import discard
     from tiertrain.trainer import Trainer
 
     t0 = time.perf_counter()
-    tr = Trainer(cfg, run_name=name)
+    tr = Trainer(cfg, run_name=name, hardware=Path(a.hardware))
     setup_s, place = time.perf_counter() - t0, _placement(tr)
     recs = _steps(tr, 4, 3)
     pred = _predict(tr, 4)
     tr.close()
     discard(tr.tiers.store.root)
-    return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": _peak_rss_gb(),
+    return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": peak_rss_gb(), "plan": tr.run_plan.to_dict(),
              "params": cfg.model.n_params, **extra, **pred} for r in recs]
 
 
 def run_big(a) -> list[dict]:
-    return _three_steps(_cfg(a.big, 4, a.micro, a.big_host_gb, str(Path(a.nvme_dir) / "big"), "master"), "big")
+    return _three_steps(a, _cfg(a.big, 4, a.micro, a.big_host_gb, str(Path(a.nvme_dir) / "big"), "master"), "big")
 
 
 def run_least(a) -> list[dict]:
@@ -168,15 +169,12 @@ def run_least(a) -> list[dict]:
     numels = _layouts(load_config(a.config, [layers]).model)
     gb = least_host(numels, kind_bytes("bfloat16", "compute"), 0, host_cost) / 1e9 + 0.001
     cfg = _cfg(a.config, 4, a.micro, gb, str(Path(a.nvme_dir) / "least"), "compute", layers)
-    return _three_steps(cfg, "least", host_gb=gb)
+    return _three_steps(a, cfg, "least", host_gb=gb)
 
 
 def worker(a) -> None:
     if a.worker == "probe":
-        from tiertrain.plan.probe import probe_spec
-        from tiertrain.placing import HARDWARE_FILE
-
-        from tiertrain.plan.probe import disk_rates
+        from tiertrain.plan.probe import disk_rates, probe_spec
 
         spec, notes = probe_spec(a.nvme_dir)
         # the disk's own rates: our O_DIRECT thread pool and kvikio, 4 GiB, at 8 / 16 / 32 threads; the best
@@ -191,8 +189,8 @@ def worker(a) -> None:
                     break
         best = min(rates, key=lambda k: 1 / rates[k][0] + 1 / rates[k][1] + 2 / rates[k][2])
         spec.disk_read_gbs, spec.disk_write_gbs, spec.disk_mixed_gbs = rates[best]
-        spec.save(HARDWARE_FILE)  # the runs below plan with this machine's figures
-        out = {"spec": json.loads(HARDWARE_FILE.read_text()), "notes": notes, "disk": rates,
+        spec.save(a.hardware)  # the runs below plan with this machine's figures
+        out = {"spec": json.loads(Path(a.hardware).read_text()), "notes": notes, "disk": rates,
                "io": best.split("/")[0]}
     elif a.worker == "deepspeed":
         ds = Path(a.nvme_dir) / "ds"
@@ -228,24 +226,13 @@ def choose_budget(a, ds_rss: float | None) -> tuple[float, str]:
 
 
 def _run(a, stage: str, out: Path, extra: list[str]) -> tuple[object | None, str]:
-    js = out / f".{stage}.json"
-    cmd = [sys.executable, "-m", "bench.nvme", "--worker", stage, "--json", str(js), "--config", a.config,
-           "--nvme-dir", a.nvme_dir, "--batches", *map(str, a.batches), "--micro", str(a.micro), "--warmup",
-           str(a.warmup), "--steps", str(a.steps), "--big", a.big, "--big-host-gb", str(a.big_host_gb),
-           "--ckpt-spill-gb", str(a.ckpt_spill_gb), "--least-layers", str(a.least_layers), *extra]
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-        log, ok = r.stdout + r.stderr, r.returncode == 0 and js.exists()
-    except subprocess.TimeoutExpired as e:
-        log, ok = f"timed out after {a.timeout} s\n{e.stdout or ''}{e.stderr or ''}", False
-    (out / f".{stage}.log").write_text(log if isinstance(log, str) else str(log))
-    print(f"{stage}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
-    if not ok:
-        return None, (log.strip().splitlines() or ["no output"])[-1][:300]
-    data = json.loads(js.read_text())
-    js.unlink()
-    return data, ""
+    errors: dict[str, str] = {}
+    data = run_worker("bench.nvme", stage, [
+        "--worker", stage, "--config", a.config, "--nvme-dir", a.nvme_dir, "--batches", *map(str, a.batches),
+        "--micro", str(a.micro), "--warmup", str(a.warmup), "--steps", str(a.steps), "--big", a.big,
+        "--big-host-gb", str(a.big_host_gb), "--ckpt-spill-gb", str(a.ckpt_spill_gb),
+        "--least-layers", str(a.least_layers), "--hardware", a.hardware, *extra], out, a.timeout, errors)
+    return data, errors.get(stage, "")
 
 
 def main() -> None:
@@ -264,6 +251,7 @@ def main() -> None:
     p.add_argument("--ckpt-spill-gb", type=float, default=6.0)
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--hardware", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--io", default="auto")
@@ -276,6 +264,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(a.nvme_dir).mkdir(parents=True, exist_ok=True)
+    a.hardware = str(out / ".hardware.json")  # the probe stage writes it; the runs plan with it
+    from tiertrain.plan.hardware import REFERENCE
+
+    REFERENCE.save(a.hardware)  # until the probe has run (or when it is not a stage)
     res, errors = {}, {}
     for stage in a.stages.split(","):
         extra = []
@@ -299,7 +291,7 @@ def main() -> None:
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     gpu = ((res.get("probe") or {}).get("spec", {}).get("gpu") or "gpu").replace("NVIDIA ", "").replace(" ", "")
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-nvme"
-    rec = {"date": date, "argv": sys.argv, "results": res, "errors": errors}
+    rec = {"date": date, "argv": sys.argv, "results": res, "errors": errors, **commit()}
     (out / f"{stem}.json").write_text(json.dumps(rec, indent=1))
     from bench.nvme_report import report
 

@@ -2,10 +2,13 @@
 
     python -m bench.pipeline --config configs/llama-3b.toml --batches 4 8 16 32 --out bench/results
 
-Each system runs in its own process (one after another, same GPU), on random tokens, at every batch
-size: `--warmup` steps, then `--steps` timed steps (median reported). The machine's ceilings are
-measured first in the same run, and tiertrain's step time is set beside its floor. Writes
-<out>/<date>-<gpu>-<model>.md and .json.
+A tiertrain system is a name and a list of `--set` overrides (TIERTRAIN, or `--define NAME SET...`), on top of
+the bench's own (COMMON: batch, micro-batch, bf16, the learning rate, --grad-clip); its rows record those
+overrides and the RunPlan the run resolved them to. Each system runs in its own process (one after another,
+same GPU), tiertrain once per batch size (the plan is made for the batch), on random tokens: `--warmup`
+steps, then `--steps` timed steps (median reported). The machine's ceilings are measured first in the same
+run; tiertrain plans with them (--plan-on-probe) or with the reference figures, from a file passed to it
+(`~/.cache/tiertrain/hardware.json` is never read or written). Writes <out>/<date>-<gpu>-<model>.md and .json.
 """
 from __future__ import annotations
 
@@ -13,142 +16,74 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 from statistics import median
 
 from bench import dram, timeline
+from bench.common import batch, commit, peak_rss_gb, run_worker
 
-# (stream, activation checkpoints, tiers.gpu_resident_gb, tiers.gpu_update_units). tiertrain: fp32 master
-# streamed and cast on the GPU, checkpoints on the host (the least host DRAM traffic and GPU memory),
-# as many units updated on the GPU as the plan finds best for the batch (-1: a process per batch size,
-# each planned for its own). tiertrain-host-adam: every update by the host AdamW. tiertrain-copy: a host
-# bf16 copy streamed, checkpoints on the GPU. res11 / res24: the first units' whole state on the GPU
-# (11 GB keeps the GPU peak under a third of the all-in-GPU run's at 8k; 24 GB is half the state).
-# (stream, checkpoints, resident GB, GPU-updated units, speculated units[, GPU updates speculated]); the
-# systems other than auto do not speculate (optim.speculate_units = 0), as before it existed; the GPU
-# updates' speculation (optim.speculate_gpu_updates) follows the host's unless given
-TIERTRAIN = {"tiertrain": ("master", "host", 0.0, -1, 0), "tiertrain-host-adam": ("master", "host", 0.0, 0, 0),
-             "tiertrain-copy": ("compute", "gpu", 0.0, 0, 0),
-             "tiertrain-res11": ("master", "host", 11.0, 0, 0), "tiertrain-res24": ("master", "host", 24.0, 0, 0),
-             # 8 GB resident and the rest as planned: the GPU peak stays under a third of all-in-GPU's at 8k
-             "tiertrain-res8": ("master", "host", 8.0, -1, 0),
-             # what `tiertrain run` does with the config's defaults: the plan chooses for each batch
-             "tiertrain-auto": ("auto", "auto", 0.0, -1, -1),
-             # the same without speculation
-             "tiertrain-auto-nospec": ("auto", "auto", 0.0, -1, 0),
-             # with 6 GB resident: the plan's GPU total stays under a third of the all-in-GPU run's at 8k
-             "tiertrain-auto-res6": ("auto", "auto", 6.0, -1, -1),
-             # and 10 GB: at 8k about all a third of the all-in-GPU run's peak (17.2 GB) leaves room for
-             "tiertrain-auto-res10": ("auto", "auto", 10.0, -1, -1),
-             # with 14 or 16 units speculated whatever the plan says (the planner's check at 8k)
-             "tiertrain-auto-res6-spec14": ("auto", "auto", 6.0, -1, 14, -1),
-             "tiertrain-auto-res6-spec16": ("auto", "auto", 6.0, -1, 16, -1),
-             # the same with the GPU updates as their weights load (as before they could be speculated)
-             "tiertrain-auto-res6-fwdgpu": ("auto", "auto", 6.0, -1, -1, 0),
-             # and with them speculated in the backward pass whatever the plan says
-             "tiertrain-auto-res6-bwdgpu": ("auto", "auto", 6.0, -1, -1, 1),
-             # with torch's fused kernel for the host AdamW (an update into copies: a copy, then the kernel)
-             "tiertrain-auto-res6-torchadam": ("auto", "auto", 6.0, -1, -1, None, "torch"),
-             # with the fp32 master streamed whatever the plan says
-             "tiertrain-auto-res6-fp32": ("master", "auto", 6.0, -1, -1),
-             # the fp32 master streamed with 6 units updated on the GPU as their weights load, or 8 speculated
-             # in the backward pass: what the plan chose at 8k on some probes (the planner's check)
-             "tiertrain-res6-gpu6": ("master", "gpu", 6.0, 6, -1, 0),
-             "tiertrain-res6-gpu8-spec": ("master", "gpu", 6.0, 8, -1, 1),
-             # and the GPU memory the plan leaves for resident units (the whole state, where it fits)
-             "tiertrain-auto-resident": ("auto", "auto", -1.0, -1, -1)}
-SYSTEMS = ("probe", "deepspeed", "tiertrain-auto", "tiertrain", "tiertrain-host-adam", "gpu")
+TIERTRAIN = {
+    "tiertrain": [],  # what `tiertrain run` does with the config's defaults: the plan chooses
+    "tiertrain-nospec": ["optim.speculate_units=0", "optim.speculate_gpu_updates=false"],  # nothing speculates
+    # every update by the host AdamW after the norm, the fp32 master streamed, checkpoints on the host
+    "tiertrain-host-adam": ['tiers.stream="master"', 'tiers.activations="host"', "tiers.gpu_resident_gb=0",
+                            "tiers.gpu_update_units=0", "optim.speculate_units=0", "optim.speculate_gpu_updates=false"],
+}
+BASELINES = {"gpu": "all-in-GPU PyTorch", "gpu-nockpt": "all-in-GPU PyTorch, no activation checkpointing",
+             "deepspeed": "DeepSpeed ZeRO-3 offload CPU"}
+SYSTEMS = ("probe", "deepspeed", "tiertrain", "gpu")
 
 
-def _batch(B: int, S: int, V: int, seed: int):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    tok = torch.randint(0, V, (B, S + 1), generator=g)
-    return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+def common(a, B: int) -> list[str]:
+    """The overrides every tiertrain system runs with at batch size B (its own come after: they win)."""
+    return [f"train.batch_size={B}", f"train.micro_batch_size={a.micro}", 'train.compute_dtype="bfloat16"',
+            "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0", f"optim.grad_clip={a.grad_clip}"]
 
 
-def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
-
-
-def _row(system: str, B: int, S: int, times: list[float], gpu_peak: float, flops_per_token: float, **extra) -> dict:
+def _row(system: str, kind: str, B: int, S: int, times: list[float], gpu_peak: float, flops_per_token: float,
+         **extra) -> dict:
     t = median(times)
-    return {"system": system, "batch": B, "tokens": B * S, "step_s": t, "tokens_per_s": B * S / t,
+    return {"system": system, "kind": kind, "batch": B, "tokens": B * S, "step_s": t, "tokens_per_s": B * S / t,
             "model_tflops": flops_per_token * B * S / t / 1e12, "gpu_peak_gb": gpu_peak,
-            "host_peak_rss_gb": _peak_rss_gb(), **extra}
+            "host_peak_rss_gb": peak_rss_gb(), **extra}
 
 
-def tiertrain_config(a, batch: int, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
-                     speculate: int = 0, gpu_spec: int | None = None, host_kernel: str = "auto"):
-    """The config of a TIERTRAIN system (its tuple's fields) at this batch size."""
+def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
     from tiertrain.config import load_config
-
-    def auto(v, none=-1):  # the tuples' -1 (0 for the micro-batch): "auto" in the config
-        return '"auto"' if v == none else v
-
-    spec_gpu = speculate if gpu_spec is None else gpu_spec
-    return load_config(a.config, [f"train.micro_batch_size={auto(a.micro, 0)}", f"train.batch_size={batch}",
-                                  'train.compute_dtype="bfloat16"', f'tiers.activations="{activations}"',
-                                  f'tiers.stream="{stream}"', "train.steps=100000", "optim.lr=1e-5", "optim.min_lr=0.0",
-                                  f"tiers.gpu_resident_gb={auto(resident_gb)}",
-                                  f"tiers.gpu_update_units={auto(gpu_updates)}",
-                                  f"optim.grad_clip={a.grad_clip}", f"optim.speculate_units={auto(speculate)}",
-                                  "optim.speculate_gpu_updates="
-                                  + (auto(spec_gpu) if spec_gpu == -1 else str(bool(spec_gpu)).lower()),
-                                  f'optim.host_kernel="{host_kernel}"'])
-
-
-def run_tiertrain(a, stream: str, activations: str, resident_gb: float = 0.0, gpu_updates: int = 0,
-                  speculate: int = 0, gpu_spec: int | None = None, host_kernel: str = "auto") -> list[dict]:
     from tiertrain.trainer import Trainer
 
-    cfg = tiertrain_config(a, max(a.batches), stream, activations, resident_gb, gpu_updates, speculate, gpu_spec,
-                           host_kernel)
+    (B,) = a.batches
+    cfg = load_config(a.config, common(a, B) + sets)
     t0 = time.perf_counter()
-    tr = Trainer(cfg)
+    tr = Trainer(cfg, hardware=Path(a.hardware))
     setup_s = time.perf_counter() - t0
-    S, V = cfg.train.seq_len, cfg.model.vocab_size
-    auto = "the plan's choice: " if stream == "auto" else ""
-    stream, activations, resident_gb = tr.run_plan.stream, tr.run_plan.activations, tr.run_plan.resident_gb
-    host = [u for u in range(len(tr.layouts)) if tr.where[(u, "master")] != "gpu" and u not in tr.deferred]
-    host_params = sum(tr.layouts[u].numel for u in host)
-    rows = []
-    for B in a.batches:
-        before = (tr.optim.kept, tr.optim.redone)
-        tr.optim.timeline.clear()
-        recs = [tr.train_on(*_batch(B, S, V, k)) for k in range(a.warmup + a.steps)][a.warmup:]
-        # from the last warm-up step: its update runs beside the first timed forward pass
-        tr.optim.wait_all()  # the worker appends no more while the log is copied
-        ev = list(tr.optim.timeline)
-        first = [i for i, (e, _, _) in enumerate(ev) if e == "step"][max(a.warmup - 1, 0)]
-        t0 = ev[first][2]
-        ev = [(e, u, round(t - t0, 6)) for e, u, t in ev[first:]]
-        med = {k: median(r[k] for r in recs) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
-                                                       "opt_wait_s", "h2d_gb", "d2h_gb")}
-        name = f"tiertrain ({auto}{'fp32' if stream == 'master' else 'bf16 copy'} stream, {activations} ckpt" + \
-            (f", {resident_gb:g} GB resident" if resident_gb else "") + \
-            (f", {len(tr.optim.speculated)} units speculated" if tr.optim.speculated else "") + \
-            (", GPU updates speculated" if tr.optim.gpu_speculated else "") + \
-            ("" if tr.optim.opt.kernel else ", torch's host AdamW") + \
-            (", GPU updates as planned)" if gpu_updates < 0 else ", host AdamW only)" if stream == "master" else ")")
-        rows.append(_row(name, B, S, [r["step_s"] for r in recs],
-                         max(r.get("gpu_peak_gb", 0.0) for r in recs), cfg.model.flops_per_token(S), setup_s=setup_s,
-                         params=cfg.model.n_params, host_adam_params=host_params, losses=[r["loss"] for r in recs],
-                         grad_norms=[r["grad_norm"] for r in recs],
-                         gpu_updates=len(tr.deferred), speculated=len(tr.optim.speculated),
-                         gpu_speculated=len(tr.optim.gpu_speculated),
-                         kept=tr.optim.kept - before[0], redone=tr.optim.redone - before[1],
-                         pred_step_s=tr.plan.step_s if tr.plan and B == cfg.train.batch_size else None,
-                         timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
-                         timeline_events=ev, host_units=host,
-                         **med))
+    S, V, plan = cfg.train.seq_len, cfg.model.vocab_size, tr.run_plan
+    host = sorted(plan.updated("host", "host-speculated"))
+    recs = [tr.train_on(*batch(B, S, V, k)) for k in range(a.warmup + a.steps)]
+    # from the last warm-up step: its update runs beside the first timed forward pass
+    tr.updates.settle()  # the worker appends no more while the log is copied
+    ev = list(tr.updates.timeline)
+    first = [i for i, (e, _, _) in enumerate(ev) if e == "step"][max(a.warmup - 1, 0)]
+    t0 = ev[first][2]
+    ev = [(e, u, round(t - t0, 6)) for e, u, t in ev[first:]]
+    timed = recs[a.warmup:]
+    med = {k: median(r[k] for r in timed) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
+                                                    "opt_wait_s", "h2d_gb", "d2h_gb")}
+    kept = [r.get("speculation_kept", 0) for r in recs]
+    redone = [r.get("speculation_redone", 0) for r in recs]
+    row = _row(system, "tiertrain", B, S, [r["step_s"] for r in timed], max(r.get("gpu_peak_gb", 0.0) for r in timed),
+               cfg.model.flops_per_token(S), sets=sets, plan=plan.to_dict(), setup_s=setup_s,
+               params=cfg.model.n_params, host_adam_params=sum(tr.layouts[u].numel for u in host),
+               losses=[r["loss"] for r in timed], grad_norms=[r["grad_norm"] for r in timed],
+               gpu_updates=len(plan.updated("gpu", "gpu-speculated")), speculated=len(plan.updated("host-speculated")),
+               gpu_speculated=len(plan.updated("gpu-speculated")), kept=kept[-1], redone=redone[-1],
+               pred_step_s=tr.plan.step_s if tr.plan else None, host_kernel=bool(tr.updates.opt.kernel),
+               timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
+               timeline_events=ev, host_units=host, **med)
     tr.close()
-    return rows
+    return [row]
 
 
 def _timed(a, B: int, S: int, V: int, step) -> tuple[list[float], float]:
@@ -157,7 +92,7 @@ def _timed(a, B: int, S: int, V: int, step) -> tuple[list[float], float]:
 
     times, peaks = [], []
     for k in range(a.warmup + a.steps):
-        inp, tgt = (t.cuda() for t in _batch(B, S, V, k))
+        inp, tgt = (t.cuda() for t in batch(B, S, V, k))
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -168,7 +103,7 @@ def _timed(a, B: int, S: int, V: int, step) -> tuple[list[float], float]:
     return times[a.warmup:], max(peaks[a.warmup:])
 
 
-def run_gpu(a) -> list[dict]:
+def run_gpu(a, checkpointing: bool = True) -> list[dict]:
     import torch
 
     from tiertrain.config import load_config
@@ -177,7 +112,7 @@ def run_gpu(a) -> list[dict]:
     spec = load_config(a.config).model
     S = load_config(a.config).train.seq_len
     with torch.device("cuda"):
-        model = ReferenceLM(spec, checkpoint_layers=True)
+        model = ReferenceLM(spec, checkpoint_layers=checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
     def step(inp, tgt):
@@ -193,7 +128,8 @@ def run_gpu(a) -> list[dict]:
     rows = []
     for B in a.batches:
         times, peak = _timed(a, B, S, spec.vocab_size, step)
-        rows.append(_row("all-in-GPU PyTorch", B, S, times, peak, spec.flops_per_token(S)))
+        kind = "gpu" if checkpointing else "gpu-nockpt"
+        rows.append(_row(BASELINES[kind], kind, B, S, times, peak, spec.flops_per_token(S)))
     return rows
 
 
@@ -249,7 +185,7 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
         engine.set_train_batch_size(B)
         times, peak = _timed(a, B, S, spec.vocab_size, step)
         name = "DeepSpeed ZeRO-3 offload " + ("optimizer->NVMe" if nvme_dir else "CPU")
-        rows.append(_row(name, B, S, times, peak, spec.flops_per_token(S), setup_s=setup_s))
+        rows.append(_row(name, "deepspeed", B, S, times, peak, spec.flops_per_token(S), setup_s=setup_s))
     return rows
 
 
@@ -258,16 +194,29 @@ def worker(a) -> None:
         from tiertrain.plan.probe import probe
 
         out = probe()
-    elif a.worker in TIERTRAIN:
-        out = run_tiertrain(a, *TIERTRAIN[a.worker])
-    elif a.worker == "gpu":
-        out = run_gpu(a)
+    elif a.worker == "tiertrain":
+        out = run_tiertrain(a, a.name, json.loads(a.sets))
+    elif a.worker in ("gpu", "gpu-nockpt"):
+        out = run_gpu(a, checkpointing=a.worker == "gpu")
     else:
         out = run_deepspeed(a)
     Path(a.json).write_text(json.dumps(out))
 
 
-def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) -> str:
+def systems_table(rows: list[dict]) -> list[str]:
+    """Each tiertrain row's overrides and what its RunPlan resolved: the settings behind every number."""
+    lines = ["| system | batch | --set | micro | stream | checkpoints | resident GB | updates |", "| --- " * 8 + "|"]
+    for r in rows:
+        if r["kind"] == "tiertrain":
+            p = r["plan"]
+            modes = [u["update"] for u in p["units"]]
+            counts = ", ".join(f"{modes.count(m)} {m}" for m in dict.fromkeys(modes))
+            lines.append(f"| {r['system']} | {r['batch']} | {' '.join(r['sets']) or '(defaults)'} | {p['micro_batch']} | "
+                         f"{p['stream']} | {p['activations']} | {p['resident_gb']:g} | {counts} |")
+    return lines + [""] if len(lines) > 2 else []
+
+
+def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, meta: dict) -> str:
     from tiertrain.config import load_config
 
     cfg = load_config(a.config)
@@ -285,8 +234,11 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
              f"{probe.get('host_adam_fp32_stream_params_per_s', 0) / 1e9:.2f} G params/s (with the rounding into a "
              f"bf16 copy: {probe.get('host_adam_params_per_s', 0) / 1e9:.2f}; into a speculative update's copies: "
              f"{probe.get('host_adam_into_copies_params_per_s', 0) / 1e9:.2f}, kernel {probe.get('host_kernel', 'torch')})", ""]
+    lines.insert(3, f"- commit: {meta.get('commit')}{' (with uncommitted changes)' if meta.get('dirty') else ''}; "
+                    f"tiertrain planned with {meta.get('hardware', 'the reference figures')}")
     for name, err in errors.items():
         lines.append(f"- **{name}**: {err}" if err.startswith("skipped") else f"- **{name} failed**: `{err}`")
+    lines += systems_table(rows)
     lines += ["| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     rows = sorted(rows, key=lambda r: (r["batch"], r["system"]))  # every table in this order
@@ -307,15 +259,15 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
               "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | GPU upd. | fwd s | bwd s | H2D s | D2H s "
               "| AdamW G/s | AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
               "| --- | " + "--- | " * 18]
-    by = {(r["system"], r["batch"]): r for r in rows}
+    by = {(r["kind"], r["batch"]): r for r in rows if r["kind"] != "tiertrain"}
     for r in rows:
-        if not r["system"].startswith("tiertrain"):
+        if r["kind"] != "tiertrain":
             continue
         rate, reached = dram.adam_rate(r, probe)
         adam = r.get("host_adam_params", n) / rate if rate else float("nan")
         B = r["batch"]
-        gpu = by.get(("all-in-GPU PyTorch", B))
-        ds = by.get(("DeepSpeed ZeRO-3 offload CPU", B))
+        gpu = by.get(("gpu-nockpt", B)) or by.get(("gpu", B))  # the faster all-in-GPU run where it fits
+        ds = by.get(("deepspeed", B))
         h2d = r["h2d_gb"] / probe["h2d_gbs"] if probe.get("h2d_gbs") else float("nan")
         d2h = r["d2h_gb"] / probe["d2h_gbs"] if probe.get("d2h_gbs") else float("nan")
         comp = r["forward_s"] + r["backward_s"]
@@ -331,9 +283,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
                      + (f"{r['speculated']}{'+%dg' % r['gpu_speculated'] if r.get('gpu_speculated') else ''}: "
                         f"{r['kept']}/{r['redone']} |" if r.get("speculated") or r.get("gpu_speculated") else "0 |"))
     mem = [f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
-           f"{r['gpu_peak_gb'] / by[('all-in-GPU PyTorch', r['batch'])]['gpu_peak_gb']:.2f} |"
-           for r in rows
-           if r["system"].startswith("tiertrain") and ("all-in-GPU PyTorch", r["batch"]) in by]
+           f"{r['gpu_peak_gb'] / by[('gpu', r['batch'])]['gpu_peak_gb']:.2f} |"
+           for r in rows if r["kind"] == "tiertrain" and ("gpu", r["batch"]) in by]
     if mem:
         lines += ["", "| system | batch | GPU peak GB | / all-in-GPU peak |", "| --- | --- | --- | --- |"] + mem
     lines += dram.table(rows, probe)
@@ -341,41 +292,17 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str) 
     return "\n".join(lines) + "\n"
 
 
-def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str]) -> str:
+def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str], meta: dict) -> str:
     gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}"
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}{a.tag}"
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = report(a, probe, results, errors, date)
+    text = report(a, probe, results, errors, date, meta)
     (out / f"{stem}.md").write_text(text)
     args = {"batches": a.batches, "micro": a.micro, "warmup": a.warmup, "steps": a.steps, "argv": sys.argv,
-            "grad_clip": a.grad_clip}
+            "grad_clip": a.grad_clip, "config": a.config}
     (out / f"{stem}.json").write_text(json.dumps({"probe": probe, "rows": results, "errors": errors, "date": date,
-                                                  "args": args}, indent=1))
+                                                  "args": args, **meta}, indent=1))
     return text
-
-
-def _run_worker(a, system: str, batches: list[int], out: Path, errors: dict[str, str]):
-    """One worker process; its JSON output, or None (the reason in `errors`)."""
-    tag = system + ("" if batches == a.batches else f"-{batches[0]}")
-    js = out / f".{tag}.json"
-    cmd = [sys.executable, "-m", "bench.pipeline", "--worker", system, "--json", str(js), "--config", a.config,
-           "--batches", *map(str, batches), "--micro", str(a.micro), "--warmup", str(a.warmup),
-           "--steps", str(a.steps), "--grad-clip", str(a.grad_clip)]
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-        ok = r.returncode == 0 and js.exists()
-        log = r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        ok, log = False, f"timed out after {a.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-    (out / f".{tag}.log").write_text(log if isinstance(log, str) else str(log))
-    print(f"{tag}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
-    if not ok:
-        errors[tag] = (log.strip().splitlines() or ["no output"])[-1][:300]
-        return None
-    data = json.loads(js.read_text())
-    js.unlink()
-    return data
 
 
 def main() -> None:
@@ -386,13 +313,19 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm of every system; 0: off")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated: probe, {', '.join(BASELINES)}, and tiertrain systems ({', '.join(TIERTRAIN)})")
+    p.add_argument("--define", nargs="+", action="append", default=[], metavar=("NAME", "SET"),
+                   help="a tiertrain system: its name and its --set overrides (repeatable); add NAME to --systems")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--plan-on-probe", action="store_true",
-                   help="tiertrain plans with the probe's figures (written where `tiertrain probe` writes them), "
-                        "not the reference machine's")
+                   help="tiertrain plans with the probe's figures, not the reference machine's")
+    p.add_argument("--tag", default="", help="appended to the result files' names")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--name", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sets", default="[]", help=argparse.SUPPRESS)
+    p.add_argument("--hardware", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--from-json", default=None, metavar="FILE", help="rewrite the report of a recorded run")
     a = p.parse_args()
@@ -400,44 +333,53 @@ def main() -> None:
         return worker(a)
     if a.from_json:
         rec = json.loads(Path(a.from_json).read_text())
-        a.batches, a.micro, a.warmup, a.steps = rec["args"]["batches"], rec["args"]["micro"], rec["args"]["warmup"], rec["args"]["steps"]
-        a.grad_clip = rec["args"].get("grad_clip", 1.0)
+        for k in ("batches", "micro", "warmup", "steps", "grad_clip", "config"):
+            setattr(a, k.replace("-", "_"), rec["args"][k])
         sys.argv = rec["args"]["argv"]
-        from tiertrain.config import load_config
-        from tiertrain.plan.planner import _layouts
-
-        numels = _layouts(load_config(a.config).model)
-        for r in rec["rows"]:  # the summary as the current code makes it, from the recorded marks
-            host = timeline.host_units(r, numels) if r.get("timeline_events") else None
-            if host is not None:
-                r["timeline"] = timeline.summarize(r["timeline_events"], numels, host)
-        text = report(a, rec["probe"], rec["rows"], rec["errors"], rec["date"])
+        meta = {k: rec.get(k) for k in ("commit", "dirty", "hardware")}
+        text = report(a, rec["probe"], rec["rows"], rec["errors"], rec["date"], meta)
         Path(a.from_json).with_suffix(".md").write_text(text)
         return print(text)
+    systems = {**TIERTRAIN, **{d[0]: d[1:] for d in a.define}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    from tiertrain.plan.hardware import REFERENCE
+
+    hardware = out / ".hardware.json"  # what tiertrain plans with: the reference, or this machine's probe
+    REFERENCE.save(hardware)
+    meta = {**commit(), "hardware": "the reference figures"}
+    base = ["--config", a.config, "--micro", str(a.micro), "--warmup", str(a.warmup), "--steps", str(a.steps),
+            "--grad-clip", str(a.grad_clip), "--hardware", str(hardware)]
     results, errors, probe = [], {}, {}
     for system in a.systems.split(","):
         if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             errors[system] = "skipped: DeepSpeed is not installed (pip install deepspeed)"
             print("deepspeed: skipped, not installed", flush=True)
             continue
-        per_batch = system in TIERTRAIN and TIERTRAIN[system][3] < 0  # planned for each batch size
-        for batches in [[b] for b in a.batches] if per_batch else [a.batches]:
-            data = _run_worker(a, system, batches, out, errors)
-            if system == "probe":
-                probe = data or {}
-                if a.plan_on_probe and data:  # tiertrain's plans reason about this machine, as measured here
-                    import psutil
+        if system in systems:  # one process per batch size: the plan is the batch's
+            for B in a.batches:
+                results += run_worker("bench.pipeline", f"{system}-{B}", base + [
+                    "--worker", "tiertrain", "--name", system, "--sets", json.dumps(systems[system]),
+                    "--batches", str(B)], out, a.timeout, errors) or []
+                _write(a, out, probe, results, errors, meta)  # after every worker: a lost machine keeps what ran
+            continue
+        if system != "probe" and system not in BASELINES:
+            raise SystemExit(f"--systems: unknown system {system!r}; define it with --define {system} SET...")
+        data = run_worker("bench.pipeline", system, base + ["--worker", system, "--batches", *map(str, a.batches)],
+                          out, a.timeout, errors)
+        if system == "probe":
+            probe = data or {}
+            if a.plan_on_probe and data:  # tiertrain's plans reason about this machine, as measured here
+                import psutil
 
-                    from tiertrain.placing import HARDWARE_FILE
-                    from tiertrain.plan.probe import spec_of
+                from tiertrain.plan.probe import spec_of
 
-                    spec_of(data, psutil.virtual_memory().total / 1e9, "the bench's probe").save(HARDWARE_FILE)
-            else:
-                results += data or []
-            text = _write(a, out, probe, results, errors)  # after every worker: a lost machine keeps what ran
-    print(text)
+                spec_of(data, psutil.virtual_memory().total / 1e9, "the bench's probe").save(hardware)
+                meta["hardware"] = "this run's probe"
+        else:
+            results += data or []
+        _write(a, out, probe, results, errors, meta)
+    print(_write(a, out, probe, results, errors, meta))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A few steps of a bench system under the PyTorch profiler: what each CUDA stream and the host optimizer
 did in each step's forward pass (its waits for the update included) and backward pass.
 
-    python -m bench.trace --system tiertrain-auto-res6 --batch 4 --out /tmp/trace
+    python -m bench.trace --system tiertrain --batch 4 --out /tmp/trace [--set SECTION.KEY=VALUE ...]
 
 Writes <out>/trace-<system>-<batch>.json.gz (the profiler's Chrome trace: chrome://tracing, Perfetto) and
 prints, and appends to <out>/trace.md, a table per step: for each stream (the compute stream, the weight
@@ -122,32 +122,35 @@ def _phases(opt) -> None:
 def main() -> None:
     import torch
 
-    from bench.pipeline import TIERTRAIN, _batch, tiertrain_config
+    from bench.common import batch
+    from bench.pipeline import TIERTRAIN, common
+    from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="configs/llama-3b.toml")
-    p.add_argument("--system", default="tiertrain-auto-res6", choices=sorted(TIERTRAIN))
+    p.add_argument("--system", default="tiertrain", choices=sorted(TIERTRAIN))
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--grad-clip", type=float, default=100.0)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--set", nargs="*", default=[], help="more overrides, after the system's")
     p.add_argument("--out", default="/tmp/trace")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tr = Trainer(tiertrain_config(a, a.batch, *TIERTRAIN[a.system]))
+    tr = Trainer(load_config(a.config, common(a, a.batch) + TIERTRAIN[a.system] + a.set))
     S, V = tr.cfg.train.seq_len, tr.cfg.model.vocab_size
     for k in range(a.warmup):
-        tr.train_on(*_batch(a.batch, S, V, k))
-    _phases(tr.optim)
+        tr.train_on(*batch(a.batch, S, V, k))
+    _phases(tr.updates)
     acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * tr.streams.cuda
     with torch.profiler.profile(activities=acts) as prof:
         if tr.streams.cuda:
             tag_streams(tr.streams)
-        recs = [tr.train_on(*_batch(a.batch, S, V, a.warmup + k)) for k in range(a.steps)]
-        tr.optim.wait_all()
+        recs = [tr.train_on(*batch(a.batch, S, V, a.warmup + k)) for k in range(a.steps)]
+        tr.updates.settle()
     tr.close()
     path = out / f"trace-{a.system}-{a.batch}.json"
     prof.export_chrome_trace(str(path))
@@ -157,7 +160,7 @@ def main() -> None:
     path.unlink()
     name = f"{a.system}, batch {a.batch}: steps {', '.join('%.3f' % r['step_s'] for r in recs)} s under the profiler"
     steps = summarize(trace)
-    for step, adam in zip(steps, host_adamw(list(tr.optim.timeline), a.steps)):
+    for step, adam in zip(steps, host_adamw(list(tr.updates.timeline), a.steps)):
         for p in PHASES:
             step[p]["adamw_s"] = adam[p]
     text = "\n".join(table(name, steps))

@@ -39,11 +39,11 @@ def test_host_adamw_per_phase_from_the_timeline():
 def test_dram_table_counts_the_copy_bytes_and_the_host_adamw():
     from bench.dram import step_bytes, table
 
-    row = {"system": "tiertrain (bf16 copy stream, gpu ckpt)", "batch": 4, "step_s": 2.0, "h2d_gb": 10.0,
-           "d2h_gb": 6.0, "host_adam_params": 1e9}
-    fp32 = dict(row, system="tiertrain (fp32 stream, gpu ckpt)")
+    row = {"system": "tiertrain", "kind": "tiertrain", "plan": {"stream": "compute"}, "batch": 4, "step_s": 2.0,
+           "h2d_gb": 10.0, "d2h_gb": 6.0, "host_adam_params": 1e9}
+    fp32 = dict(row, system="tiertrain-fp32", plan={"stream": "master"})
     assert step_bytes(row) == pytest.approx(16e9 + 30e9) and step_bytes(fp32) == pytest.approx(16e9 + 28e9)
-    lines = table([row, fp32, {"system": "DeepSpeed ZeRO-3 offload CPU", "batch": 4}],
+    lines = table([row, fp32, {"system": "DeepSpeed ZeRO-3 offload CPU", "kind": "deepspeed", "batch": 4}],
                   {"host_adam_fp32_stream_params_per_s": 4e9})  # 112 GB/s
     cells = [ln.split(" | ") for ln in lines if ln.startswith("| tiertrain")]
     assert [c[3] for c in cells] == ["46.0", "44.0"] and [c[4] for c in cells] == ["23", "22"]
@@ -56,9 +56,9 @@ def test_adamw_ceiling_is_at_least_what_the_step_reached():
     from bench.dram import adam_rate, dram_rate, table
 
     probe = {"host_adam_params_per_s": 4e9, "host_adam_fp32_stream_params_per_s": 5e9}
-    row = {"system": "tiertrain (bf16 copy stream, gpu ckpt)", "batch": 4, "step_s": 1.0, "h2d_gb": 10.0,
-           "d2h_gb": 6.0, "host_adam_params": 1e9, "timeline": {"upd_gparams_s": 4.5}}
-    fp32 = dict(row, system="tiertrain (fp32 stream, host ckpt)")
+    row = {"system": "tiertrain", "kind": "tiertrain", "plan": {"stream": "compute"}, "batch": 4, "step_s": 1.0,
+           "h2d_gb": 10.0, "d2h_gb": 6.0, "host_adam_params": 1e9, "timeline": {"upd_gparams_s": 4.5}}
+    fp32 = dict(row, system="tiertrain-fp32", plan={"stream": "master"})
     # the bf16 variant's probe (4.0) is below the step's 4.5; the fp32 variant's (5.0) is not
     assert adam_rate(row, probe) == (pytest.approx(4.5e9), True)
     assert adam_rate(fp32, probe) == (5e9, False)
@@ -93,3 +93,22 @@ def test_timeline_rates_count_only_the_host_units():
     assert host_units({"host_adam_params": 3 * M}, numels) == {0, 1, 2}
     assert host_units({"host_adam_params": M + 5}, numels) is None
     assert host_units({"host_adam_params": M, "gpu_updates": 1}, numels) is None
+
+
+def test_a_bench_system_is_overrides_and_its_rows_record_the_plan(tmp_path):
+    """A tiertrain system of bench.pipeline is a list of --set overrides; its row records them and the
+    RunPlan they resolved to, and the report's systems table reads the plan, not the name."""
+    import argparse
+
+    from bench.pipeline import TIERTRAIN, run_tiertrain, systems_table
+    from tiertrain.plan.hardware import REFERENCE
+
+    hw = tmp_path / "hw.json"
+    REFERENCE.save(hw)
+    a = argparse.Namespace(config="debug", batches=[2], micro=1, warmup=1, steps=1, grad_clip=1.0, hardware=str(hw))
+    (row,) = run_tiertrain(a, "tiertrain-host-adam", TIERTRAIN["tiertrain-host-adam"])
+    assert row["kind"] == "tiertrain" and row["sets"] == TIERTRAIN["tiertrain-host-adam"]
+    assert row["plan"]["stream"] == "master" and row["plan"]["micro_batch"] == 1
+    assert {u["update"] for u in row["plan"]["units"]} == {"host"} and row["speculated"] == 0
+    (line,) = [ln for ln in systems_table([row]) if ln.startswith("| tiertrain-host-adam")]
+    assert "| master | host | 0 |" in line and f"{len(row['plan']['units'])} host |" in line

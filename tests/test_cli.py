@@ -51,6 +51,7 @@ def test_prepare_then_train_on_it(tmp_path):
     (["--set", 'data.path="/nonexistent/tokens.bin"'], "tiertrain prepare"),
     (["--set", 'data.path="SHORT"'], "fewer than one batch"),
     (["--set", 'train.device="cuda"'], "no CUDA GPU"),
+    (["--hardware", "missing.json"], "tiertrain probe --out"),
 ])
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):
     np.save(tmp_path / "short.npy", np.arange(100))

@@ -37,9 +37,12 @@ def main() -> None:
               help="Continue a run: `latest` (the newest checkpoint of --out), a checkpoint or a run directory.")
 @click.option("--init-from", default=None, metavar="HF_DIR",
               help="Start from a local Hugging Face model (config.json + safetensors) instead of a random init.")
+@click.option("--hardware", default=None, metavar="FILE",
+              help="JSON from `tiertrain probe` for the plan. Default: probe's default file if present, else reference "
+                   "figures.")
 def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, host_gb: float | None,
         nvme_dir: str | None, nvme_gb: float | None, save_every: int | None, resume: str | None,
-        init_from: str | None) -> None:
+        init_from: str | None, hardware: str | None) -> None:
     """Train a model."""
     import json
 
@@ -52,6 +55,8 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
              "checkpoint.every": save_every, "train.init_from": init_from}
     overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
     try:
+        if hardware and not Path(hardware).is_file():
+            raise UserError(f"--hardware {hardware} is not a file; write one with `tiertrain probe --out FILE`")
         if resume:
             if init_from:
                 raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
@@ -71,7 +76,8 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
         rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
         made = rundir.claim(out_dir)
         try:
-            trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt)
+            trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt,
+                              hardware=Path(hardware) if hardware else None)
         except UserError:
             rundir.release(out_dir, made)
             raise

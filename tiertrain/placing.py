@@ -27,12 +27,13 @@ HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # writte
 Where = dict[tuple[int, str], str]
 
 
-def hardware(device: torch.device) -> HardwareSpec:
-    """The figures the plan uses: `tiertrain probe`'s file if there is one, else the reference; the GPU
-    memory is this GPU's."""
+def hardware(device: torch.device, path: Path | None = None) -> HardwareSpec:
+    """The figures the plan uses: the `tiertrain probe` file `path`, else the one `probe` saves by default if
+    there is one, else the reference; the GPU memory is this GPU's."""
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-    return dataclasses.replace(HardwareSpec.load(HARDWARE_FILE) if HARDWARE_FILE.is_file() else REFERENCE,
-                               gpu_mem_gb=gpu_gb)  # a copy: REFERENCE is shared
+    if path is None and HARDWARE_FILE.is_file():
+        path = HARDWARE_FILE
+    return dataclasses.replace(HardwareSpec.load(path) if path else REFERENCE, gpu_mem_gb=gpu_gb)  # a copy
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,15 @@ class Settled:
     chosen: tuple[str, ...]  # the settings the plan (or the CPU rules) chose
 
 
-def settle(cfg: Config, device: torch.device, micro: int | None = None) -> tuple[Plan | None, Settled]:
+def settle(cfg: Config, device: torch.device, micro: int | None = None,
+           hardware_file: Path | None = None) -> tuple[Plan | None, Settled]:
     """(the plan of this exact run, or None without a GPU or when it does not fit; the settled choices).
     Where the config leaves tiers.stream, tiers.activations, train.micro_batch_size, optim.speculate_units,
     optim.speculate_gpu_updates and tiers.gpu_resident_gb to the plan ("auto"): its choice
     on a GPU, else the cheapest copies, the largest micro-batch of at most 8 sequences, every unit
     speculated when that costs no memory or no host budget is set, and no resident units. On CUDA a run
     whose GPU memory the plan says will not fit stops here, saying what to lower. `micro`: the micro-batch
-    a resumed run ran with, kept where the config leaves it to the plan."""
+    a resumed run ran with, kept where the config leaves it to the plan; `hardware_file`: see hardware()."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
     fixed = {"stream": given(t.stream), "activations": given(t.activations),
              "micro": given(tc.micro_batch_size) or micro, "speculate": given(o.speculate_units),
@@ -66,7 +68,7 @@ def settle(cfg: Config, device: torch.device, micro: int | None = None) -> tuple
         fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
     p = None
     if device.type == "cuda":  # the cost model is the GPU pipeline's
-        hw = hardware(device)
+        hw = hardware(device, hardware_file)
         if kernel.wanted(o.host_kernel) is None:  # torch's kernel: an update into copies copies first
             hw = dataclasses.replace(hw, **TORCH_COPIES)
         p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,

@@ -1,0 +1,58 @@
+"""What every benchmark shares: the one subprocess runner, the commit a result was made at, random batches."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def commit() -> dict:
+    """{"commit", "dirty"} of the tree a result is made from. On a machine whose copy of the tree carries no
+    history of its own (the device machine), BENCH_COMMIT says the commit, and the tree counts as that commit's
+    only if BENCH_DIRTY is "0"."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"], "dirty": os.environ.get("BENCH_DIRTY", "1") != "0"}
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", *args], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def run_worker(module: str, tag: str, args: list[str], out: Path, timeout: int, errors: dict[str, str]):
+    """`python -m module --worker ... --json FILE`, in its own process (peak RSS and GPU memory are per process);
+    its JSON output, or None with the reason under `tag` in `errors`. The log stays in out/.<tag>.log."""
+    js = out / f".{tag}.json"
+    cmd = [sys.executable, "-m", module, *args, "--json", str(js)]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        ok, log = r.returncode == 0 and js.exists(), r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        ok, log = False, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    (out / f".{tag}.log").write_text(log if isinstance(log, str) else str(log))
+    print(f"{tag}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
+    if not ok:
+        errors[tag] = (log.strip().splitlines() or ["no output"])[-1][:300]
+        return None
+    data = json.loads(js.read_text())
+    js.unlink()
+    return data
+
+
+def batch(B: int, S: int, V: int, seed: int):
+    """A (B, S) batch of random tokens and its targets, the same for every system."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(0, V, (B, S + 1), generator=g)
+    return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
