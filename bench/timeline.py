@@ -1,4 +1,4 @@
-"""Where the host optimizer's time goes in a step, from OptimizerThread.timeline.
+"""Where the host optimizer's time goes in a step, from Updates.timeline (OptimizerThread's marks and the step's).
 
 The timeline holds (event, unit, seconds) marks: the trainer's "step" and "backward" (the forward pass
 has waited for every update: the backward pass starts), the optimizer's "norm" (the global norm is known,
@@ -45,8 +45,8 @@ def _jobs(events: list, prefix: str, lo: float, hi: float) -> list[tuple[int, fl
 
 def summarize(events: list, numels: list[int], host: set[int] | None = None) -> dict[str, float]:
     """Medians over the steps whose update ran within the log (see the module's docstring), of the updates
-    of the `host` units (None: all). The worker also runs the updates of resident units, on the GPU, in a
-    millisecond or two: counted, they would pass for a host AdamW many times faster than it is."""
+    of the `host` units (None: all). Runs recorded before the step's rewrite (4f06fac) ran resident units'
+    GPU updates on the worker too, in a millisecond or two: counted, they pass for a fast host AdamW."""
     steps, backs, norms = _marks(events, "step"), _marks(events, "backward"), _marks(events, "norm")
     per: dict[str, list[float]] = {k: [] for k in FIELDS}
     for k in range(min(len(steps), len(backs), len(norms)) - 1):

@@ -243,8 +243,8 @@ def test_resident_units_move_their_update_to_the_gpu():
     assert sum(b.host_bytes.values()) < sum(a.host_bytes.values())
 
 
-def test_resident_minus_one_takes_what_the_gpu_has_left():
-    """tiers.gpu_resident_gb = -1: the GPU memory the rest of the plan leaves holds resident units, when
+def test_resident_auto_takes_what_the_gpu_has_left():
+    """tiers.gpu_resident_gb = "auto": the GPU memory the rest of the plan leaves holds resident units, when
     that is faster. llama-3b's whole state (50 GB) fits a 141 GB GPU; a 24 GB GPU takes a part of it."""
     spec = load_config("llama-3b").model
     state = spec.n_params * 16  # fp32 streaming: master, moments, gradient
@@ -253,10 +253,10 @@ def test_resident_minus_one_takes_what_the_gpu_has_left():
         return plan(spec, batch, 2048, "bfloat16", Budgets(host_gb=200, gpu_gb=gpu_gb, resident_gb=resident),
                     REFERENCE, micro=4, advise=False)
 
-    big = at(4, 141, -1)
+    big = at(4, 141, "auto")
     assert big.fits and big.resident_gb * 1e9 >= state and big.gpu["resident units' state"] >= state * 0.99
     assert big.gpu_total <= 141e9 * 0.95 and big.step_s < at(4, 141, 0).step_s
-    small = at(4, 24, -1)
+    small = at(4, 24, "auto")
     assert 1 <= small.resident_gb < 24 and small.gpu_total <= 24e9 * 0.95 and small.step_s < at(4, 24, 0).step_s
-    assert at(16, 24, -1).step_s <= at(16, 24, 0).step_s  # never slower than none
-    assert at(4, 24, small.resident_gb).step_s == small.step_s  # what -1 chose, as a number
+    assert at(16, 24, "auto").step_s <= at(16, 24, 0).step_s  # never slower than none
+    assert at(4, 24, small.resident_gb).step_s == small.step_s  # what "auto" chose, as a number

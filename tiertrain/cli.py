@@ -137,11 +137,10 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
     """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
     import shutil
 
-    from .config import AUTO, fixed, load_config
+    from .config import load_config
     from .plan.hardware import REFERENCE, HardwareSpec
-    from .plan.planner import Budgets
-    from .plan.planner import plan as make_plan
     from .plan.report import to_json, to_markdown
+    from .plan.resolve import search
 
     try:
         sets = list(overrides) + [f"train.batch_size={batch_size}"] * bool(batch_size) + \
@@ -149,16 +148,10 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         if batch_size:
             sets.append('train.micro_batch_size="auto"')  # the config's may not divide it: the planner chooses
         cfg = load_config(config_path, sets)
-        t = cfg.tiers
         hw = HardwareSpec.load(hardware) if hardware else REFERENCE
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
-        p = make_plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
-                      Budgets(host_gb, gpu_gb, nvme_gb, t.gpu_resident_gb if t.gpu_resident_gb != AUTO else -1), hw,
-                      name=Path(config_path).stem, gpu_updates=-1 if t.gpu_update_units == AUTO else t.gpu_update_units,
-                      micro=fixed(cfg.train.micro_batch_size), clipping=cfg.optim.grad_clip > 0,
-                      speculate=fixed(cfg.optim.speculate_units), speculate_gpu=fixed(cfg.optim.speculate_gpu_updates),
-                      stream=fixed(t.stream), activations=fixed(t.activations))  # "auto": searched, as `run` does
+        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name=Path(config_path).stem)  # as `run` plans
     except UserError as e:
         _fail(e)
     except OSError as e:

@@ -14,7 +14,8 @@ from .config import fixed as given
 from .errors import ConfigError
 from .optim import kernel
 from .plan.hardware import REFERENCE, TORCH_COPIES, HardwareSpec
-from .plan.planner import Budgets, Plan, plan
+from .plan.planner import Plan
+from .plan.resolve import search
 from .sizes import budget, gb
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
@@ -62,20 +63,18 @@ def settle(cfg: Config, device: torch.device, micro: int | None = None,
     fixed = {"stream": given(t.stream), "activations": given(t.activations),
              "micro": given(tc.micro_batch_size) or micro, "speculate": given(o.speculate_units),
              "speculate_gpu": given(o.speculate_gpu_updates)}
-    gpu_updates = -1 if t.gpu_update_units == AUTO else t.gpu_update_units  # the planner's -1: search
-    resident = -1 if t.gpu_resident_gb == AUTO else t.gpu_resident_gb
-    if gpu_updates > 0 and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
-        fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master
+    resident = t.gpu_resident_gb
+    if t.gpu_update_units not in (AUTO, 0) and tc.compute_dtype == "bfloat16" and fixed["stream"] is None:
+        fixed["stream"] = "master"  # the GPU update makes the weights from the fp32 master (as resolve.search)
     p = None
     if device.type == "cuda":  # the cost model is the GPU pipeline's
         hw = hardware(device, hardware_file)
         if kernel.wanted(o.host_kernel) is None:  # torch's kernel: an update into copies copies first
             hw = dataclasses.replace(hw, **TORCH_COPIES)
-        p = plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
-                 Budgets(t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None), resident),
-                 hw, name="run", advise=False, gpu_updates=gpu_updates, clipping=o.grad_clip > 0, **fixed)
+        p = search(cfg, hw, t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None), "run",
+                   micro=micro, advise=False)
     if p is not None and not p.fits and p.why.startswith("GPU"):
-        fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident > 0 else []),
+        fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
                  *(["lower train.micro_batch_size"] if fixed["micro"] else []),
                  *(['set tiers.activations="host"'] if fixed["activations"] == "gpu" else []),
                  "lower train.seq_len"]
@@ -84,7 +83,7 @@ def settle(cfg: Config, device: torch.device, micro: int | None = None,
     free = o.grad_clip == 0 or not t.host_gb
     names = {"stream": "stream", "activations": "activations", "micro": "micro-batch", "speculate": "speculation",
              "speculate_gpu": "GPU updates' speculation"}
-    chosen = tuple([names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident < 0 else []))
+    chosen = tuple([names[k] for k, v in fixed.items() if v is None] + (["resident GB"] if resident == AUTO else []))
     settled = Settled(
         stream=fixed["stream"] or (p.stream if p else "compute" if tc.compute_dtype == "bfloat16" else "master"),
         activations=fixed["activations"] or (p.activations if p else "gpu"),
@@ -93,7 +92,7 @@ def settle(cfg: Config, device: torch.device, micro: int | None = None,
         p.speculated if p else len(cfg.model.units()) if free else 0,
         speculate_gpu=fixed["speculate_gpu"] if fixed["speculate_gpu"] is not None else
         (p.gpu_speculated if p else free),
-        resident_gb=(p.resident_gb if p else 0.0) if resident < 0 else resident,
+        resident_gb=(p.resident_gb if p else 0.0) if resident == AUTO else resident,
         chosen=chosen)
     return (p if p is not None and p.fits else None), settled
 

@@ -62,7 +62,7 @@ class Budgets:
     host_gb: float | None = None  # None: the machine's RAM less the process
     gpu_gb: float | None = None  # None: the GPU's memory
     nvme_gb: float | None = None  # None: no NVMe tier; 0 is also none
-    resident_gb: float = 0.0  # GPU memory for the whole state of the first units; -1: what the plan leaves
+    resident_gb: float | str = 0.0  # GPU memory for the whole state of the first units; "auto": what the plan leaves
 
 
 @dataclass
@@ -122,7 +122,7 @@ def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
 
 
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
-             budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int = -1,
+             budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int | str = "auto",
              least: bool = False, speculate: int | None = None, clipping: bool = True,
              speculate_gpu: bool | None = None) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
@@ -195,7 +195,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     cands = in_ram if "weights" not in kb else []
     room = host_budget - sum(p.host_bytes.values()) - ring - host_ck
     best, short = None, None
-    for k, ge in [(k, ge) for k in (_counts(len(cands)) if gpu_updates < 0 else [min(gpu_updates, len(cands))])
+    for k, ge in [(k, ge) for k in (_counts(len(cands)) if gpu_updates == "auto" else [min(gpu_updates, len(cands))])
                   for ge in ((False, True) if k and speculate_gpu is None else (bool(k and speculate_gpu),))]:
         gpu = gpu_updated(cands, k, ge)
         sets = 2 * 16 * max((numels[u] for u in gpu), default=0)  # two (master, grad, moments) sets
@@ -291,7 +291,7 @@ def _least(f, hi: int) -> list:
 
 def _reloaded(n_units: int) -> range:
     """The units the backward pass copies to the GPU again: all but the embedding, the head and the last
-    two blocks, which the forward pass left in their buffers (DeviceBuffers' two block slots)."""
+    two blocks, which the forward pass left in their buffers (WeightSlots' two block slots)."""
     return range(1, n_units - 3)
 
 
@@ -340,7 +340,7 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, specula
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"])
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
-    # (OptimizerThread.start): those left run after it with the others
+    # (Updates.after_norm): those left run after it with the others
     spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
     spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
     room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
@@ -360,13 +360,13 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, specula
 
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
-         activations: str | None = None, advise: bool = True, gpu_updates: int = -1,
+         activations: str | None = None, advise: bool = True, gpu_updates: int | str = "auto",
          speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
-    `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb -1: the GPU
+    `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb "auto": the GPU
     memory the rest of the plan leaves, for resident units (or less, if that is faster). `clipping`: the
     global norm is clipped (a speculative update then writes copies)."""
-    if budgets.resident_gb < 0:
+    if budgets.resident_gb == "auto":
         args = (spec, batch, seq_len, dtype)
         kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,
                   speculate=speculate, clipping=clipping, speculate_gpu=speculate_gpu)
@@ -398,7 +398,7 @@ def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_u
              clipping: bool = True) -> Plan:
     """What the report adds to the chosen plan: advice, the largest model of its shape that fits these
     budgets, and with an NVMe tier the least host budget of its choice."""
-    chosen = replace(budgets, resident_gb=p.resident_gb)  # -1 settled
+    chosen = replace(budgets, resident_gb=p.resident_gb)  # "auto" settled
     p.advice = _advice(spec, p, chosen, hw)
     p.largest_layers, p.largest_params = _largest(spec, p, budgets, hw)
     if budgets.nvme_gb:
@@ -423,7 +423,7 @@ def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> lis
     spare = _spare_gb(p, budgets, hw)
     if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
         gb = int(p.resident_gb + spare * 0.9)
-        tries.append((f"tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; -1 takes it)",
+        tries.append((f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
                       replace(budgets, resident_gb=gb)))
     tries.append(("twice the batch (tokens per step)", None))
     out = []
