@@ -130,7 +130,7 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
           "slow rounding": dict(host_adam_copy_params_per_s=1e3),
           "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {},
           "resident": {}}[case]
-    monkeypatch.setattr(placing, "hardware", lambda device: dataclasses.replace(REFERENCE, **hw))
+    monkeypatch.setattr(placing, "hardware", lambda device, path=None: dataclasses.replace(REFERENCE, **hw))
     more = {"micro-batch": ['train.micro_batch_size="auto"'], "resident": ['tiers.gpu_resident_gb="auto"']}.get(case, [])
     tr = Trainer(tiny_config(token_file, *sets, *more))
     tr.train_step()
