@@ -366,18 +366,20 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb "auto": the GPU
     memory the rest of the plan leaves, for resident units (or less, if that is faster). `clipping`: the
     global norm is clipped (a speculative update then writes copies)."""
+    from .advice import explain  # advice plans variants with this module
+
     if budgets.resident_gb == "auto":
         args = (spec, batch, seq_len, dtype)
         kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,
                   speculate=speculate, clipping=clipping, speculate_gpu=speculate_gpu)
         best = plan(*args, replace(budgets, resident_gb=0.0), hw, advise=False, **kw)
         for frac in (0.9, 0.6, 0.3) if best.fits else ():
-            gb = int(_spare_gb(best, budgets, hw) * frac)
+            gb = int(spare_gb(best, budgets, hw) * frac)
             q = plan(*args, replace(budgets, resident_gb=gb), hw, advise=False, **kw) if gb >= 1 else best
             if q.fits and q.step_s < best.step_s * (1 - 1e-9):
                 best = q
                 break
-        return _explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
+        return explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
@@ -391,65 +393,9 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]
-    return _explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
+    return explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
 
 
-def _explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int,
-             clipping: bool = True) -> Plan:
-    """What the report adds to the chosen plan: advice, the largest model of its shape that fits these
-    budgets, and with an NVMe tier the least host budget of its choice."""
-    chosen = replace(budgets, resident_gb=p.resident_gb)  # "auto" settled
-    p.advice = _advice(spec, p, chosen, hw)
-    p.largest_layers, p.largest_params = _largest(spec, p, budgets, hw)
-    if budgets.nvme_gb:
-        p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
-                                hw, p.model, gpu_updates, least=True, clipping=clipping,
-                                speculate=p.speculated, speculate_gpu=p.gpu_speculated).least_host
-    return p
-
-
-def _spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
+def spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
     """GPU memory (GB) the plan leaves unused, within the usable part of the budget."""
     return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - p.gpu_total / 1e9
-
-
-def _advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
-    """Single changes, each with its predicted gain, best first."""
-    tries = []
-    if p.nvme_bytes:
-        need = p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9 - p.host_fixed.get("staging ring", 0) / 1e9
-        tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
-                      "(NVMe traffic gone)", replace(budgets, host_gb=need)))
-    spare = _spare_gb(p, budgets, hw)
-    if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
-        gb = int(p.resident_gb + spare * 0.9)
-        tries.append((f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
-                      replace(budgets, resident_gb=gb)))
-    tries.append(("twice the batch (tokens per step)", None))
-    out = []
-    for text, b in tries:
-        q = plan(spec, p.batch * (1 if b else 2), p.seq_len, p.dtype, b or budgets, hw, advise=False)
-        if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
-            out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
-    return [t for _, t in sorted(out, reverse=True)]
-
-
-def _largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
-    """The most decoder layers of this shape that still fit the budgets (binary search, up to
-    LARGEST_LAYERS). Memory alone decides, so each try plans the plan's micro-batch with nothing
-    speculated or updated on the GPU (what costs the least memory): a few candidates, O(layers) each."""
-    def fits(n: int) -> bool:
-        s = replace(spec, num_hidden_layers=n)
-        return any(evaluate(s, p.batch, p.seq_len, p.dtype, p.micro_batch, stream, acts,
-                            replace(budgets, resident_gb=p.resident_gb), hw, gpu_updates=0, speculate=0).fits
-                   for stream in {p.stream, "master"} for acts in ("gpu", "host"))
-
-    lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
-    while hi <= LARGEST_LAYERS and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, LARGEST_LAYERS + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
-

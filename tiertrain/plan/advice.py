@@ -1,0 +1,65 @@
+"""What a capacity report adds to the plan the search chose: single changes with their predicted gain, the largest
+model of its shape that fits the same budgets, and with an NVMe tier the least host budget. Pure Python."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..model.spec import ModelSpec
+from .hardware import HardwareSpec
+from .planner import LARGEST_LAYERS, PROCESS_GB, Budgets, Plan, evaluate, plan, spare_gb
+
+
+def explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int,
+             clipping: bool = True) -> Plan:
+    """What the report adds to the chosen plan: advice, the largest model of its shape that fits these
+    budgets, and with an NVMe tier the least host budget of its choice."""
+    chosen = replace(budgets, resident_gb=p.resident_gb)  # "auto" settled
+    p.advice = advice(spec, p, chosen, hw)
+    p.largest_layers, p.largest_params = largest(spec, p, budgets, hw)
+    if budgets.nvme_gb:
+        p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
+                                hw, p.model, gpu_updates, least=True, clipping=clipping,
+                                speculate=p.speculated, speculate_gpu=p.gpu_speculated).least_host
+    return p
+
+
+def advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
+    """Single changes, each with its predicted gain, best first."""
+    tries = []
+    if p.nvme_bytes:
+        need = p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9 - p.host_fixed.get("staging ring", 0) / 1e9
+        tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
+                      "(NVMe traffic gone)", replace(budgets, host_gb=need)))
+    spare = spare_gb(p, budgets, hw)
+    if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
+        gb = int(p.resident_gb + spare * 0.9)
+        tries.append((f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
+                      replace(budgets, resident_gb=gb)))
+    tries.append(("twice the batch (tokens per step)", None))
+    out = []
+    for text, b in tries:
+        q = plan(spec, p.batch * (1 if b else 2), p.seq_len, p.dtype, b or budgets, hw, advise=False)
+        if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
+            out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
+    return [t for _, t in sorted(out, reverse=True)]
+
+
+def largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
+    """The most decoder layers of this shape that still fit the budgets (binary search, up to
+    LARGEST_LAYERS). Memory alone decides, so each try plans the plan's micro-batch with nothing
+    speculated or updated on the GPU (what costs the least memory): a few candidates, O(layers) each."""
+    def fits(n: int) -> bool:
+        s = replace(spec, num_hidden_layers=n)
+        return any(evaluate(s, p.batch, p.seq_len, p.dtype, p.micro_batch, stream, acts,
+                            replace(budgets, resident_gb=p.resident_gb), hw, gpu_updates=0, speculate=0).fits
+                   for stream in {p.stream, "master"} for acts in ("gpu", "host"))
+
+    lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
+    while hi <= LARGEST_LAYERS and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, LARGEST_LAYERS + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
+
