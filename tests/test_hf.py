@@ -55,8 +55,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path):
     hf = _hf_dir(case, tmp_path / "hf", shard="20KB" if case == "qwen2" else None)
     assert (case == "qwen2") == (tmp_path / "hf" / "model.safetensors.index.json").exists()
-    tr = Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "model.hidden_size=32"))
+    given = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "model.hidden_size=32")
+    tr = Trainer(given)
     assert tr.cfg.model.hidden_size == COMMON["hidden_size"]  # config.json overrides [model]
+    assert given.model.hidden_size == 32  # in the trainer's copy: the caller's Config is input only
     tr.save_checkpoint(tmp_path / "run")
     tr.close()
     files = export_hf(str(tmp_path / "run"), str(tmp_path / "out"), shard_bytes=30_000)

@@ -1,6 +1,7 @@
 """Wiring: config -> data -> slabs on the host tier -> device buffers -> step engine -> loop."""
 from __future__ import annotations
 
+import copy
 import time
 import zlib
 from contextlib import contextmanager
@@ -59,13 +60,14 @@ class Trainer:
         from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init.
         `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them).
         `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference)."""
-        self.cfg, self.run_name = cfg, run_name
         hf_reader = None
         if cfg.train.init_from and resume is None:  # checked whole before anything large is allocated
+            cfg = copy.deepcopy(cfg)  # the caller's Config stays as given; self.cfg holds the imported [model]
             cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
             cfg.validate()
             hf_reader = HFReader(cfg.train.init_from)
             hf_reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
+        self.cfg, self.run_name = cfg, run_name
         spec, tc = cfg.model, cfg.train
         self.device = resolve_device(tc.device)
         self.dtype = DTYPES[tc.compute_dtype]
