@@ -293,7 +293,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
 
 
 def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str], meta: dict) -> str:
-    gpu = probe.get("gpu", "cpu").replace("NVIDIA ", "").replace(" ", "")
+    gpu = probe.get("gpu", "unprobed").replace("NVIDIA ", "").replace(" ", "")  # the machine, where the probe ran
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).stem.replace('llama-', 'llama')}{a.tag}"
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = report(a, probe, results, errors, date, meta)
