@@ -29,6 +29,8 @@ def test_run_writes_metrics_and_config(tmp_path):
     saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert saved["train"]["steps"] == 12 and saved["model"]["hidden_size"] == 128
     out = r.stdout
+    log = (tmp_path / "run" / "train.log").read_text()  # the progress lines, as shown
+    assert "step 12/12" in log and log.splitlines() == out.splitlines()
     assert "parameters" in out and "host tier" in out and "step 12/12" in out and "tok/s" in out and "ETA" in out
     again = cli("run", *FAST, "--out", str(tmp_path / "run"))  # never writes over a run
     assert again.returncode != 0 and "already holds a run" in again.stderr
@@ -66,6 +68,12 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_short_help_option():
+    for args in (["-h"], ["run", "-h"], ["plan", "-h"]):
+        r = cli(*args)
+        assert r.returncode == 0 and "Usage:" in r.stdout, args
 
 
 def test_report_summarizes_and_plots(tmp_path):

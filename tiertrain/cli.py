@@ -16,7 +16,7 @@ def _fail(err: Exception) -> None:
     sys.exit(2)
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tiertrain")
 def main() -> None:
     """Full-precision training of models larger than GPU memory on one GPU."""
@@ -123,7 +123,8 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None) -> None:
 @main.command()
 @click.option("--config", "config_path", required=True, metavar="FILE", help="TOML config, or a shipped name.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
-@click.option("--host-gb", type=float, default=None, help="Host memory budget. Default: the machine's RAM.")
+@click.option("--host-gb", type=float, default=None,
+              help="Host memory budget. Default: the RAM of the --hardware machine (of the reference without one).")
 @click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
 @click.option("--nvme-gb", type=float, default=None, help="NVMe tier size. Default: none.")
 @click.option("--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget.")

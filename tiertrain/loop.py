@@ -17,7 +17,7 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
     """Trains to train.steps, checkpointing every checkpoint.every steps and always at the end.
     SIGINT / SIGTERM finish the current step, save a checkpoint and return. A resumed trainer
     (step > 0) continues metrics.jsonl from its step."""
-    tc, every = tr.cfg.train, tr.cfg.checkpoint.every
+    shown = echo
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(tr.cfg.to_toml())
@@ -25,12 +25,21 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         if tr.step:
             truncate_metrics(out / "metrics.jsonl", tr.step)
         log = MetricsLog(out / "metrics.jsonl")
+        echo = TrainLog(out / "train.log", shown)
     except OSError as e:
         _close(tr)
         raise UserError(f"cannot write the run directory {out}: {why(e)}; free space or pass another --out") from None
     except ValueError as e:
         _close(tr)
         raise UserError(f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out") from None
+    try:
+        return _train(tr, out, echo, log)
+    finally:
+        echo.close()
+
+
+def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog) -> list[dict]:
+    tc, every = tr.cfg.train, tr.cfg.checkpoint.every
     if tr.step:
         echo(f"resumed at step {tr.step} of {tc.steps}")
     for line in tr.describe():
@@ -74,6 +83,33 @@ def _close(tr: Trainer) -> None:
 def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None]) -> None:
     path, rate = tr.save_checkpoint(out)
     echo(f"checkpoint {path} ({rate:.2f} GB/s)")
+
+
+class TrainLog:
+    """The progress lines, shown and appended to <out>/train.log (a resumed run continues it). A failed write
+    (a full disk) stops the log with one warning; metrics.jsonl stops the run."""
+
+    def __init__(self, path: Path, echo: Callable[[str], None]):
+        self.path, self.echo = path, echo
+        self.f = open(path, "a", encoding="utf-8", buffering=1)  # line-buffered: a killed run keeps its lines
+
+    def __call__(self, line: str) -> None:
+        self.echo(line)
+        if self.f is None:
+            return
+        try:
+            self.f.write(line + "\n")
+        except OSError as e:
+            self.close()
+            self.echo(f"warning: writing {self.path} failed ({why(e)}); the run goes on without it")
+
+    def close(self) -> None:
+        if self.f is not None:
+            try:
+                self.f.close()
+            except OSError:
+                pass
+            self.f = None
 
 
 class StopSignals:
