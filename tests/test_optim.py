@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +131,29 @@ def test_host_kernel_option_is_checked():
 
     with pytest.raises(ConfigError, match="host_kernel"):
         OptimConfig(host_kernel="fast").validate()
+
+
+def test_a_killed_build_s_lock_is_removed_and_the_build_announced(tmp_path, monkeypatch, caplog):
+    """torch's extension loader waits forever on a lock a killed build left: an old one goes; a fresh one (a
+    build running now) stays; a build that has not happened yet is announced."""
+    import logging
+    import os
+
+    from tiertrain.optim import kernel
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    d = Path(_get_build_directory(kernel.NAME, verbose=False))
+    lock = d / "lock"
+    lock.write_text("")
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+        kernel._prepare_build()
+    assert lock.exists() and "building the one-pass host AdamW" in caplog.text  # fresh: a build may be running
+    old = time.time() - kernel.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    (d / f"{kernel.NAME}.so").write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tiertrain"):
+        kernel._prepare_build()
+    assert not lock.exists() and "removing" in caplog.text and "building" not in caplog.text

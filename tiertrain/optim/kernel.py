@@ -4,6 +4,7 @@ optim.host_kernel = "torch", the host AdamW is torch's fused kernel, an update i
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 log = logging.getLogger("tiertrain")
@@ -15,6 +16,8 @@ STREAM_STATE, STREAM_COPY = 1, 2  # the master and moments into other buffers; t
 # streaming four arrays then keep too few lines in flight: 16 blocks (4 KiB of each array) ahead ran
 # 15% faster alone and 9-26% beside PCIe copies (bench/results/2026-11-23-H200-host-kernel-prefetch.md).
 AHEAD = 16
+NAME = "tiertrain_adamw"
+STALE_LOCK_S = 600  # a build takes under a minute: a lock this old was left by a build that was killed
 
 
 def prefetch(blocks: int) -> int:
@@ -32,12 +35,27 @@ def load():
 
             # -fopenmp only when compiling: at::parallel_for then runs on torch's own OpenMP runtime
             # (resolved when loaded), with its thread count; -ffp-contract=off: see the source
-            _ext = build(name="tiertrain_adamw", sources=[str(SOURCE)], verbose=False,
+            _prepare_build()
+            _ext = build(name=NAME, sources=[str(SOURCE)], verbose=False,
                          extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"])
         except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel does the work
             _why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning("tiertrain: the one-pass host AdamW did not build (%s); using torch's fused kernel", _why)
     return _ext
+
+
+def _prepare_build() -> None:
+    """Says when the kernel is about to be built (the first run waits for it), and removes a lock that a
+    killed build left in the kernel's own build directory: torch's loader would wait for it forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    d = Path(_get_build_directory(NAME, verbose=False))
+    lock = d / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("tiertrain: removing %s, left by a build of the host AdamW that was stopped", lock)
+        lock.unlink(missing_ok=True)
+    if not any(d.glob(f"{NAME}*.so")):
+        log.warning("tiertrain: building the one-pass host AdamW (once, about 30-45 s; cached in %s)", d)
 
 
 def reason() -> str:
