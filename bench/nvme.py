@@ -63,7 +63,7 @@ def _predict(tr, B: int) -> dict:
     c, t = tr.cfg, tr.cfg.tiers
     if tr.device.type != "cuda":
         return {}
-    hw = tr.hardware()
+    hw = tr.hw
     rp = tr.run_plan
     p = evaluate(c.model, B, c.train.seq_len, c.train.compute_dtype, rp.micro_batch, rp.stream,
                  rp.activations, Budgets(t.host_gb, hw.gpu_mem_gb, 1e9), hw, name="bench")

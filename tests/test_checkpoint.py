@@ -73,14 +73,15 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         sets.append("tiers.gpu_resident_gb=0.002")
         spill = "posix"
     if spill == "speculated":
-        sets.append("optim.grad_clip=100")
+        sets += ["optim.grad_clip=100", "optim.speculate_units=99"]
         spill = "none"
     if spill == "gpu-update":
         sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=false"]
         assert Trainer(tiny_config(token_file, *sets)).run_plan.updated("gpu", "gpu-speculated") == {0, 1}
         spill = "none"
     if spill == "gpu-speculated":
-        sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=true", "optim.grad_clip=100"]
+        sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=true", "optim.grad_clip=100",
+                 "optim.speculate_units=99"]
         tr = Trainer(tiny_config(token_file, *sets))
         assert tr.run_plan.updated("gpu", "gpu-speculated") == tr.run_plan.updated("gpu-speculated") == {2, 4} and set(tr.host.copies) == set(range(5))
         tr.close()

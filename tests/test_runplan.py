@@ -45,13 +45,14 @@ def test_plan_json_lists_every_unit():
 def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     """GPU-updated units and a resident unit; then spilled moments: plan.json says so unit by unit, and the
     trainer's placement and update sets are the RunPlan's."""
-    sets = ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=false", "tiers.gpu_resident_gb=0.0002", "train.steps=2"]
+    sets = ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=false", "tiers.gpu_resident_gb=0.0002",
+            "optim.speculate_units=99", "train.steps=2"]
     tr = Trainer(tiny_config(token_file, *sets))
     fit(tr, tmp_path / "run", echo=lambda s: None)
     p = json.loads((tmp_path / "run" / "plan.json").read_text())
     units = p["units"]
     assert len(units) == len(tr.units) and p["micro_batch"] == tr.run_plan.micro_batch == 2
-    # without a host budget the CPU speculates every unit the host updates from RAM
+    assert tr.run_plan == tr.plan.run_plan()  # the planner's, unit by unit
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
     assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
     assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where

@@ -80,10 +80,10 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
 def test_clipping_off_speculates_in_place(token_file):
     """No copies; every step's speculation is kept; the same bits as updating after the backward pass."""
     sets = ["optim.grad_clip=0", *VARIANTS["llama"]]
-    got = _run(tiny_config(token_file, *sets))
+    got = _run(tiny_config(token_file, *sets, "optim.speculate_units=99"))
     _same(got, _run(tiny_config(token_file, *sets, "optim.speculate_units=0")))
     assert got[3] == (6, 0)
-    tr = Trainer(tiny_config(token_file, *sets))
+    tr = Trainer(tiny_config(token_file, *sets, "optim.speculate_units=99"))
     assert tr.host.copies == {} and "update copies" not in tr.host.nbytes()
     started, real = [], tr.updates.after_norm
 
@@ -211,13 +211,13 @@ def test_copies_must_fit_the_host_budget(token_file):
     tr.close()
     with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
         Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
-    tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # -1 without a plan: none
+    tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # "auto" on a CPU: none
     assert tr.run_plan.updated("host-speculated") == frozenset() and not tr.run_plan.updated("host-speculated")
     tr.close()
 
 
 def test_an_error_in_a_kept_speculation_surfaces(token_file, monkeypatch):
-    tr = Trainer(tiny_config(token_file, "optim.grad_clip=100"))
+    tr = Trainer(tiny_config(token_file, "optim.grad_clip=100", "optim.speculate_units=99"))
     real = tr.updates.opt.update_unit
 
     def boom(unit, step, lr, clip, into_copies=False):

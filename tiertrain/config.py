@@ -41,7 +41,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 100
     batch_size: int = 16  # sequences per optimizer step
-    micro_batch_size: int | Auto = 8  # sequences per forward/backward; "auto": the plan's (on a CPU: at most 8)
+    micro_batch_size: int | Auto = 8  # sequences per forward/backward; "auto": the plan's
     seq_len: int = 256
     compute_dtype: str = "bfloat16"
     seed: int = 0
@@ -78,13 +78,12 @@ class OptimConfig:
     # the last N units the host updates from RAM start their update in the backward pass, as soon as their
     # gradient is on the host, as if the global norm will not clip (in place when clipping is off; else into
     # a second copy of their master and moments, 12 B/param more host memory, kept when the norm does not
-    # clip and redone when it does); -1: the plan's number (without a plan: all of them when clipping is off
-    # or no host budget is set, else none); 0: none
+    # clip and redone when it does); "auto": the plan's number (none on a CPU); 0: none
     speculate_units: int | Auto = "auto"
-    # 1: the units updated on the GPU (tiers.gpu_update_units) are speculated too, on the GPU in the backward
+    # true: the units updated on the GPU (tiers.gpu_update_units) are speculated too, on the GPU in the backward
     # pass as their gradients are accumulated (their state crosses PCIe there instead of in the next forward
-    # pass; into host copies of their master and moments when clipping is on); -1: the plan's choice
-    # (without a plan: as speculate_units' default); 0: they update as their weights load in the forward pass
+    # pass; into host copies of their master and moments when clipping is on); "auto": the plan's choice
+    # (false on a CPU); false: they update as their weights load in the forward pass
     speculate_gpu_updates: bool | Auto = "auto"
     # the host AdamW's kernel: "tiertrain" (tiertrain/optim/csrc/adamw.cpp, one pass, also into a speculative
     # update's copies; built on first use: a C++ compiler and ninja), "torch" (torch's fused kernel, in place:
@@ -109,7 +108,7 @@ class OptimConfig:
 
 @dataclass
 class TiersConfig:
-    # "auto" (both): the plan's choice on a GPU; on a CPU "compute" (for bf16) and "gpu" (the device's memory)
+    # "auto" (both): the plan's choice (on a CPU, whose memory is the host's, checkpoints stay on the "gpu")
     stream: str = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
     activations: str = "auto"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
     host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: no budget
@@ -118,8 +117,8 @@ class TiersConfig:
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
     gpu_resident_gb: float | Auto = 0.0  # GPU memory for the whole state of the first units (updated there);
-    # "auto": what the plan leaves free
-    gpu_update_units: int | Auto = "auto"  # streamed units updated on the GPU as they load; 0: none
+    # "auto": what the plan leaves free (none on a CPU)
+    gpu_update_units: int | Auto = "auto"  # streamed units updated on the GPU as they load; 0: none; "auto": the plan's
 
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")

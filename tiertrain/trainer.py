@@ -25,8 +25,7 @@ from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, lr_at
 from .optim.updates import Updates
-from .plan.hardware import HardwareSpec
-from .plan.runplan import RunPlan, unit_plans
+from .plan.resolve import resolve
 from .tiers.host import HostStore
 from .tiers.nvme import check_backend, discard
 from .tiers.placement import kind_bytes, spilled_bytes
@@ -82,31 +81,23 @@ class Trainer:
         pin = self.device.type == "cuda"
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
         micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
-        self.hardware_file = hardware
-        self.plan, settled = placing.settle(cfg, self.device, micro, hardware)
-        self.chosen = settled.chosen
-        numels = [lay.numel for lay in self.layouts]
-        self.where, self.tiers = placing.place_state(cfg, settled, numels, pin), None
-        kinds = tuple(kind_bytes(tc.compute_dtype, settled.stream))
-        deferred = placing.gpu_update_units(cfg, settled, self.plan, self.where, kinds, len(self.units))
-        speculated, _ = placing.speculated_units(cfg, settled, numels, self.where, kinds, deferred, pin)
-        resident = [u for u in range(len(self.units)) if self.where[(u, "master")] == "gpu"]
-        self.run_plan = RunPlan(settled.micro_batch, settled.stream, settled.activations, settled.resident_gb,
-                                unit_plans([u.name for u in self.units], self.where, resident, deferred,
-                                           settled.speculate_gpu, speculated))
+        self.hw = placing.hardware(self.device, hardware, cfg.optim.host_kernel)  # the figures the run plans with
+        self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro)
+        self.predicts = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
         if updates:
             self.run_plan = self.run_plan.with_updates(updates)
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
-        self.where = self.run_plan.where()
+        self.where, self.tiers = self.run_plan.where(), None
+        numels = [lay.numel for lay in self.layouts]
         speculated = self.run_plan.updated("host-speculated", "gpu-speculated")
         copied = speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
-        placing.check_ram(cfg, settled, numels, self.where, copied, pin)
+        placing.check_ram(cfg, self.run_plan, numels, copied, pin, self.plan.gpu_total if self.hw.unified else 0.0)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
         self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",
                               where=self.where, device=self.device)
         if "nvme" in self.where.values():
-            self.tiers = placing.nvme_tier(cfg, settled, numels, self.where,
+            self.tiers = placing.nvme_tier(cfg, self.run_plan, numels,
                                            {k: self.host.dtype(k) for k in self.host.kinds},
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         try:
@@ -142,19 +133,16 @@ class Trainer:
 
     def plan_json(self) -> str:
         """<out>/plan.json: the RunPlan this run obeys (run-wide choices, every unit's update and homes), with
-        the cost model's prediction on a GPU, in the keys of `tiertrain plan --format json`."""
+        the cost model's prediction (on a CPU from rough figures), in the keys of `tiertrain plan --format json`."""
         import json
         from dataclasses import asdict
 
-        out = asdict(self.plan) if self.plan else {}
+        out = asdict(self.plan)
         out.update(self.run_plan.to_dict())
         return json.dumps(out, indent=1, default=float) + "\n"
 
     def device_nbytes(self) -> int:
         return self.slots.nbytes() + self.grads.nbytes() + self.updates.gpu.nbytes()
-
-    def hardware(self) -> HardwareSpec:
-        return placing.hardware(self.device, self.hardware_file)
 
     def kind_bytes(self) -> dict[str, int]:
         return kind_bytes(self.cfg.train.compute_dtype, self.run_plan.stream)
@@ -330,7 +318,7 @@ class Trainer:
         if self.device.type == "cuda":
             rec["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
-        if self.plan and tgt.shape == (tc.batch_size, tc.seq_len):  # what the plan predicted for this step:
+        if self.predicts and tgt.shape == (tc.batch_size, tc.seq_len):  # what the plan predicted for this step:
             # its forward pass waited for the last update, speculated beside a backward pass unless a norm clipped
             p = self.plan
             pt, ps = (p.times, p.step_s) if spec_kept else (p.clipped_times, p.clipped_step_s)
@@ -370,12 +358,12 @@ class Trainer:
                   if self.plan.clipped_step_s > self.plan.step_s * 1.005 else "")
                + f", {self.plan.tokens_per_s:,.0f} tok/s, bottleneck "
                f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
-              if self.plan else []),
+              if self.predicts else []),
             f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
             f"GPU updates' state, "
             f"plus activations (checkpoints on the {'host' if self.run_plan.activations == 'host' else 'device'}); "
             f"weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}"
-            + (f" ({', '.join(self.chosen)}: {'the plan' if self.plan else 'the CPU default'})"
+            + (f" ({', '.join(self.chosen)}: the plan)"
                if self.chosen else ""),
         ]

@@ -64,7 +64,20 @@ class HardwareSpec:
     # 0.726 s against 0.570 s predicted in bench/results/2026-11-23-H200-llama3b-front-ab.md, 0.703 in
     # ...-gpu-updates-8k.md); the 16k runs of ...-gpu-spec-ab16k.md (no probe) fell short of the plan by more
     spec_copy_efficiency: float = 0.80
+    # the device computes in the host's memory with the host's cores (a CPU): keeping state or checkpoints
+    # on it, updating on it, or overlapping updates with compute gains nothing, so the plan does none of them
+    unified: bool = False
     source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
+
+    @classmethod
+    def cpu(cls, ram_gb: float, cores: int) -> "HardwareSpec":
+        """A CPU as the device: its memory is the host's (no budget of its own: the run checks its working set
+        with the state against the RAM). Rough figures, not probed: on a CPU the plan settles the choices, and
+        its times are not predictions."""
+        return cls(gpu="cpu", gpu_mem_gb=1e6, host_ram_gb=ram_gb, cpu_count=cores, h2d_gbs=10.0, d2h_gbs=10.0,
+                   bidir_gbs=10.0, bf16_tflops=0.05, fp32_tflops=0.1, host_adam_params_per_s=0.5e9,
+                   host_adam_copy_params_per_s=0.5e9, compute_efficiency=1.0, unified=True,
+                   source="this CPU (rough figures: on a CPU the plan's times are not predictions)")
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareSpec":

@@ -12,9 +12,10 @@ layout and spill policy, and the schedule's cost model (docs/performance.md):
 The units updated on the GPU (tiers.gpu_update_units) move 12 more bytes per parameter each way in the
 forward pass and take their parameters off the host AdamW; by default the plan takes the number of
 them that gives the shortest step. A speculative update (optim.speculate_units) moves the host AdamW of
-units in RAM (every other one from the last first) into the backward pass, at hw.out_of_place its rate when it writes copies (clipping on),
-as many as that pass has room for (the runtime runs the others after the norm): the plan takes SPEC_MARGIN
-times the number that balances the two phases best, for the steps whose norm does not clip.
+units in RAM (every other one from the last first) into the backward pass, at hw.out_of_place its rate
+when it writes copies (clipping on), as many as that pass has room for (the runtime runs the others after
+the norm): the plan takes SPEC_MARGIN times the number that balances the two phases best, for the steps
+whose norm does not clip. The search returns the RunPlan of its choice (Plan.run_plan), which a run obeys.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from itertools import accumulate
 
 from ..model.spec import ModelSpec
 from ..sizes import budget, gb
-from ..tiers.placement import alternate_from_last, copy_bytes, disk_bytes, host_state_bytes, kind_bytes, gpu_updated, least_host, place_within, resident_units, streamed_kind, update_candidates
+from ..tiers.placement import (alternate_from_last, copy_bytes, disk_bytes, gpu_updated, host_state_bytes,
+                               kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates)
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
-from .runplan import unit_plans
+from .runplan import RunPlan, UnitPlan, unit_plans
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
@@ -82,6 +84,7 @@ class Plan:
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
     fits: bool = False
     why: str = ""
+    short_of: str = ""  # a miss's budget: "GPU", "host", "ring" (host, all it can spill spilled), "copies", "NVMe"
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
     nvme_bytes: dict = field(default_factory=dict)
     nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
@@ -102,6 +105,11 @@ class Plan:
     largest_params: int = 0
     hardware: str = ""
     units: list = field(default_factory=list)  # one RunPlan entry per unit (plan.runplan.UnitPlan.to_dict)
+
+    def run_plan(self) -> RunPlan:
+        """The RunPlan of this choice: what the runtime obeys."""
+        return RunPlan(self.micro_batch, self.stream, self.activations, float(self.resident_gb),
+                       tuple(UnitPlan.from_dict(u) for u in self.units))
 
     @property
     def host_total(self) -> float:
@@ -141,17 +149,18 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
 
     # ---- host and NVMe ----
     ck_bytes = spec.num_hidden_layers * T * H * 4
-    host_ck = spec.num_hidden_layers * torch_pinned_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
+    ck_cost = host_cost if hw.unified else torch_pinned_cost  # pinned for the GPU's copies
+    host_ck = spec.num_hidden_layers * ck_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
     nvme_on = bool(budgets.nvme_gb)
     where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)
     if total > host_budget and not nvme_on:
-        p.why = (f"host: the state needs {gb(total)} and the budget is {gb(host_budget)}; "
-                 "raise --host-gb or give an NVMe tier (--nvme-gb)")
+        p.short_of, p.why = "host", (f"host: the state needs {gb(total)} and the budget is {gb(host_budget)}; "
+                                     "raise --host-gb or give an NVMe tier (--nvme-gb)")
         where = None
     elif where is None:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
-        p.why = (f"host: {gb(host_budget)} cannot hold even the buffers of a spilled run; raise --host-gb "
+        p.short_of, p.why = "ring", (f"host: {gb(host_budget)} cannot hold even the buffers of a spilled run; raise --host-gb "
                  f"to at least {budget(p.least_host)}")
     if where is None:
         return p
@@ -170,7 +179,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         p.least_host = least_host(numels, kb, host_ck, host_cost)
     disk = disk_bytes(numels, kb, where)
     if nvme_on and disk > budgets.nvme_gb * 1e9:
-        p.why = (f"NVMe: the spilled state takes {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "
+        p.short_of, p.why = "NVMe", (f"NVMe: the spilled state takes {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "
                  "raise --nvme-gb or --host-gb")
         return p
 
@@ -185,7 +194,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              "working set": WORK_PER_TOKEN * (16 * H + 8 * FF) * micro * seq_len + 3 * (64 << 20)}
     gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
     if p.gpu_total > gpu_budget:
-        p.why = f"GPU: needs {gb(p.gpu_total)} of {gb(gpu_budget)} usable"
+        p.short_of, p.why = "GPU", f"GPU: needs {gb(p.gpu_total)} of {gb(gpu_budget)} usable"
         return p
 
     # ---- time, for each number of units updated on the GPU that fits, speculating or not ----
@@ -228,11 +237,12 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
             if best is None or c[1] + c[2] < (best[1] + best[2]) * (1 - 1e-9):
                 best = c
     if best is None and short is not None:
+        p.short_of, p.least_host = "copies", host_budget + short
         p.why = (f"host: the copies of the speculative update need {gb(short)} more than the budget; "
                  "raise --host-gb or lower optim.speculate_units")
         return p
     if best is None:
-        p.why = f"GPU: needs {gb(p.gpu_total + sets)} of {gb(gpu_budget)} usable"
+        p.short_of, p.why = "GPU", f"GPU: needs {gb(p.gpu_total + sets)} of {gb(gpu_budget)} usable"
         return p
     p.speculated, copies, p.gpu_speculated, p.clipping = best[5], best[6], best[7], clipping
     if copies:
@@ -368,6 +378,10 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     global norm is clipped (a speculative update then writes copies)."""
     from .advice import explain  # advice plans variants with this module
 
+    if hw.unified:  # see HardwareSpec.unified: what the config leaves to the plan is none of them
+        activations, speculate = activations or "gpu", 0 if speculate is None else speculate
+        gpu_updates, speculate_gpu = 0 if gpu_updates == "auto" else gpu_updates, bool(speculate_gpu)
+        budgets = replace(budgets, resident_gb=0.0 if budgets.resident_gb == "auto" else budgets.resident_gb)
     if budgets.resident_gb == "auto":
         args = (spec, batch, seq_len, dtype)
         kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,

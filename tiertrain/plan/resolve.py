@@ -1,10 +1,15 @@
-"""The one translation of a Config into the planner's search, for `tiertrain plan` and `tiertrain run` alike:
-what the config fixes stays fixed, what it leaves "auto" is searched. Pure Python."""
+"""The one translation of a Config into the planner's search, for `tiertrain plan` and `tiertrain run` alike,
+on a GPU or a CPU: what the config fixes stays fixed, what it leaves "auto" is searched. Pure Python."""
 from __future__ import annotations
 
 from ..config import AUTO, Config, fixed
+from ..errors import ConfigError
+from ..sizes import budget, gb
+from ..tiers.placement import kind_bytes, least_host, resident_units
+from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 from .planner import Budgets, Plan, plan
+from .runplan import RunPlan
 
 
 def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
@@ -13,10 +18,73 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
     with, kept where the config leaves it to the plan."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
     stream = fixed(t.stream)
-    if t.gpu_update_units not in (AUTO, 0) and tc.compute_dtype == "bfloat16" and stream is None:
-        stream = "master"  # the GPU update makes the weights from the fp32 master
+    if t.gpu_update_units not in (AUTO, 0) and tc.compute_dtype == "bfloat16":
+        if stream == "compute":
+            raise ConfigError('tiers.gpu_update_units needs tiers.stream="master" (the GPU update makes the '
+                              'weights from the fp32 master); set it, or tiers.gpu_update_units=0')
+        stream = "master"
     return plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
                 Budgets(host_gb, gpu_gb, nvme_gb, t.gpu_resident_gb), hw, name=name, advise=advise,
                 gpu_updates=t.gpu_update_units, micro=fixed(tc.micro_batch_size) or micro,
                 clipping=o.grad_clip > 0, speculate=fixed(o.speculate_units),
                 speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations))
+
+
+def chosen(cfg: Config) -> tuple[str, ...]:
+    """The settings `cfg` leaves to the plan, by name."""
+    t, tc, o = cfg.tiers, cfg.train, cfg.optim
+    named = {"stream": t.stream, "activations": t.activations, "micro-batch": tc.micro_batch_size,
+             "speculation": o.speculate_units, "GPU updates": t.gpu_update_units,
+             "GPU updates' speculation": o.speculate_gpu_updates, "resident GB": t.gpu_resident_gb}
+    return tuple(k for k, v in named.items() if v == AUTO)
+
+
+def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None) -> tuple[Plan, RunPlan, tuple[str, ...]]:
+    """`tiertrain run`'s (plan of this exact run, the RunPlan it obeys, the settings the plan chose): the
+    search on the device's figures `hw` settles what the config leaves "auto", and a run that cannot fit
+    stops here, before anything is allocated, naming the setting to change. `micro`: the micro-batch a
+    resumed run ran with, kept where the config leaves it to the plan."""
+    t = cfg.tiers
+    p = search(cfg, hw, t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None), "run",
+               micro=micro, advise=False)
+    if not p.fits:
+        raise ConfigError(_refusal(cfg, p, micro, pin=not hw.unified))
+    return p, p.run_plan(), chosen(cfg)
+
+
+def _refusal(cfg: Config, p: Plan, micro: int | None, pin: bool) -> str:
+    """What a plan that misses says to change, in the flags and settings of `tiertrain run`."""
+    t, tc = cfg.tiers, cfg.train
+    if p.short_of == "GPU":
+        resident = t.gpu_resident_gb
+        fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
+                 *(["lower train.micro_batch_size"] if fixed(tc.micro_batch_size) or micro else []),
+                 *(['set tiers.activations="host"'] if t.activations == "gpu" else []),
+                 "lower train.seq_len"]
+        return f"{p.why}: " + ", or ".join(fixes)
+    if p.short_of == "host":  # no NVMe tier
+        kb = kind_bytes(tc.compute_dtype, p.stream)
+        numels = [SlabLayout.build([(x.name, x.shape) for x in u.tensors]).numel for u in cfg.model.units()]
+        resident = resident_units(numels, kb, p.resident_gb * 1e9)
+        rest = [0 if u in resident else n for u, n in enumerate(numels)]
+        spec = cfg.model
+        acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
+            tc.batch_size * tc.seq_len * spec.hidden_size * 4) if p.activations == "host" else 0
+        total = sum(host_cost(n * b) for n in rest for b in kb.values()) + acts
+        least = least_host(rest, kb, acts, host_cost)
+        return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
+                f"{budget(total)}, or pass --nvme-dir to spill part of it to disk (then --host-gb {budget(least)} "
+                "is the least)")
+    if p.short_of == "ring":
+        return (f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
+                + (" and the host activation checkpoints" if p.activations == "host" else "")
+                + f" with all it can spill on NVMe: raise --host-gb to at least {budget(p.least_host)}")
+    if p.short_of == "copies":
+        n, gpu = cfg.optim.speculate_units, cfg.optim.speculate_gpu_updates is True
+        who = [f"optim.speculate_units = {n}"] * (n not in (AUTO, 0)) + ["optim.speculate_gpu_updates = true"] * gpu
+        fix = ['lower optim.speculate_units ("auto": the plan\'s number)'] * (n not in (AUTO, 0)) + \
+            ["set optim.speculate_gpu_updates = false"] * gpu
+        return (f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of the master and moments that need "
+                f"{gb(p.least_host - t.host_gb * 1e9)} more than --host-gb {t.host_gb:g} holds beside the state: "
+                f"raise --host-gb to {budget(p.least_host)}, or {', or '.join(fix)}")
+    return p.why.partition(": ")[2]  # NVMe: the spilled state is larger than --nvme-gb

@@ -1,6 +1,6 @@
 """RunPlan: what happens to every unit of a run, as data. The planner writes one entry per unit into its plan
-(`tiertrain plan --format json`), the runtime builds the same entries from its own choices, obeys them and
-writes them to `<out>/plan.json`. Pure Python.
+(`tiertrain plan --format json`); the runtime obeys the plan's RunPlan (Plan.run_plan) and writes it to
+`<out>/plan.json`. Pure Python.
 
 A unit's `update` says where and when its AdamW runs:
   host             on the host, after the global norm, beside the next forward pass
@@ -28,6 +28,10 @@ class UnitPlan:
 
     def to_dict(self) -> dict:
         return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UnitPlan":
+        return cls(d["index"], d["name"], d["update"], tuple(d["homes"].items()))
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,7 @@ class RunPlan:
 
 def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],
                gpu_speculated: bool, host_speculated: Iterable[int]) -> tuple[UnitPlan, ...]:
-    """The entries of units `names` from a placement and the sets of units each update mode takes (what the
-    planner and the runtime each decide, with the same helpers of tiers.placement)."""
+    """The entries of units `names` from a placement and the sets of units each update mode takes."""
     resident, gpu, early = set(resident), set(gpu), set(host_speculated)
     out = []
     for u, name in enumerate(names):
