@@ -54,7 +54,11 @@ def run_chart(records: list[dict], path: str | Path, title: str) -> None:
     plt = _pyplot()
     steps = [r["step"] for r in records]
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5))
-    a.plot(steps, [r["loss"] for r in records], color="tab:blue")
+    a.plot(steps, [r["loss"] for r in records], color="tab:blue", label="training")
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        a.plot(*zip(*val), "o-", color="tab:orange", label="validation")
+        a.legend(fontsize=7)
     a.set_xlabel("step")
     a.set_title("loss")
     b.plot(steps, [r["tokens_per_s"] for r in records], color="tab:green")

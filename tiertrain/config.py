@@ -32,9 +32,13 @@ IO_BACKENDS = ("auto", "posix", "kvikio")
 class DataConfig:
     path: str = ""  # token file (.npy or .bin); empty: the built-in corpus
     shuffle: bool = True
+    val_path: str = ""  # a held-out token file for the validation loss
+    val_fraction: float = 0.0  # or this fraction of the training file's rows (its last), held out from training
 
-    def validate(self) -> None:
-        pass  # the file itself is checked when it is opened
+    def validate(self) -> None:  # the files themselves are checked when they are opened
+        _need(0 <= self.val_fraction < 1, "data", "val_fraction", self, "must be in [0, 1): 0 holds out nothing")
+        _need(not (self.val_path and self.val_fraction), "data", "val_fraction", self,
+              "and data.val_path are two sources of validation data: set one")
 
 
 @dataclass
@@ -50,10 +54,13 @@ class TrainConfig:
     loss_chunk_tokens: int | Auto = "auto"  # tokens per cross-entropy chunk; "auto": a chunk's logits near 64 MiB
     overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
     init_from: str = ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
+    eval_every: int = 0  # steps between validation losses (with data.val_path or val_fraction); 0: at the end only
+    eval_batches: int = 8  # batches of train.batch_size sequences per validation loss (the first, unshuffled)
 
     def validate(self) -> None:
-        for key in ("steps", "batch_size", "seq_len", "log_every"):
+        for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
             _need(getattr(self, key) > 0, "train", key, self, "must be a positive integer")
+        _need(self.eval_every >= 0, "train", "eval_every", self, "must be 0 (at the end only) or positive")
         _need(_auto_or(self.micro_batch_size, 1), "train", "micro_batch_size", self,
               'must be "auto" (the plan chooses) or a positive integer')
         _need(_auto_or(self.loss_chunk_tokens, 1), "train", "loss_chunk_tokens", self,
@@ -162,6 +169,8 @@ class Config:
         _need(self.train.seq_len <= self.model.max_position_embeddings, "train", "seq_len", self.train,
               f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
               "lower train.seq_len or raise model.max_position_embeddings")
+        _need(not self.train.eval_every or self.data.val_path or self.data.val_fraction, "train", "eval_every",
+              self.train, "needs validation data: set data.val_path or data.val_fraction")
         return self
 
     def to_dict(self) -> dict:

@@ -92,6 +92,14 @@ def builtin_tokens() -> np.ndarray:
     return np.concatenate([byte_encode(topics[k]) for k in sorted(topics)])
 
 
+def held_out(tokens: np.ndarray, seq_len: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, validation tokens): the last `fraction` of the rows (at least one) held out. Views,
+    not copies: a memory-mapped file stays on disk."""
+    rows = (len(tokens) - 1) // seq_len
+    keep = rows - max(1, int(np.ceil(rows * fraction)))
+    return tokens[:keep * seq_len + 1], tokens[keep * seq_len:]
+
+
 class Loader:
     """Batches of (inputs, targets) as int64 arrays of shape (B, S), a pure function of the step."""
 

@@ -49,9 +49,14 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
         try:
             while tr.step < tc.steps and not stop.signal:
                 rec = tr.train_step()
+                evals = tr.val is not None and (tc.eval_every and tr.step % tc.eval_every == 0 or tr.step == tc.steps)
+                if evals:
+                    t0 = time.perf_counter()
+                    rec["val_loss"] = tr.evaluate()
+                    t_start += time.perf_counter() - t0  # the ETA counts training steps only
                 log.write(rec)
                 history.append(rec)
-                if rec["step"] % tc.log_every == 0 or rec["step"] in (first + 1, tc.steps):
+                if rec["step"] % tc.log_every == 0 or rec["step"] in (first + 1, tc.steps) or evals:
                     elapsed = time.perf_counter() - t_start
                     echo(progress_line(rec, tc.steps, elapsed / (rec["step"] - first) * (tc.steps - rec["step"])))
                     if "pred_step_s" in rec and rec["step"] > 1:
@@ -70,7 +75,8 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
              f"tiertrain run --resume latest --out {out}")
     else:
         echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}"
-             + (f", final loss {history[-1]['loss']:.4f}" if history else "") + f"; metrics in {out / 'metrics.jsonl'}")
+             + (f", final loss {history[-1]['loss']:.4f}" if history else "")
+             + (f", validation loss {history[-1]['val_loss']:.4f}" if history and "val_loss" in history[-1] else "") + f"; metrics in {out / 'metrics.jsonl'}")
     return history
 
 

@@ -29,7 +29,8 @@ def format_duration(seconds: float) -> str:
 
 
 def progress_line(rec: dict, total_steps: int, eta_s: float) -> str:
-    return (f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
+    return (f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  "
+            + (f"val {rec['val_loss']:.4f}  " if "val_loss" in rec else "") + f"lr {rec['lr']:.2e}  "
             f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
             f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s)}")
 

@@ -14,7 +14,7 @@ import torch
 from . import checkpoint as ckpt
 from . import placing
 from .config import Config, fixed
-from .data import Loader, builtin_tokens, read_tokens
+from .data import Loader, builtin_tokens, held_out, read_tokens
 from .engine.activations import Checkpoints
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
@@ -74,7 +74,15 @@ class Trainer:
             tokens, name = read_tokens(cfg.data.path), cfg.data.path
         else:
             tokens, name = builtin_tokens(), "the built-in corpus"
-        self.loader = Loader(tokens, tc.seq_len, tc.batch_size, spec.vocab_size, cfg.data.shuffle, tc.seed, name)
+        d = cfg.data
+        tokens, val = held_out(tokens, tc.seq_len, d.val_fraction) if d.val_fraction else (tokens, None)
+        self.loader = Loader(tokens, tc.seq_len, tc.batch_size, spec.vocab_size, d.shuffle, tc.seed, name)
+        if d.val_path:
+            val, name = read_tokens(d.val_path), d.val_path
+        elif val is not None:
+            name = f"the last {d.val_fraction:g} of {name} (data.val_fraction)"
+        # the first batches, unshuffled: every evaluation reads the same ones
+        self.val = Loader(val, tc.seq_len, tc.batch_size, spec.vocab_size, False, 0, name) if val is not None else None
 
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
@@ -282,6 +290,18 @@ class Trainer:
     def train_step(self) -> dict:
         inp, tgt = self.loader.batch(self.step)
         return self.train_on(torch.from_numpy(inp), torch.from_numpy(tgt))
+
+    def evaluate(self) -> float:
+        """The validation loss of the weights after the last step: the mean token loss over the first
+        train.eval_batches batches of the validation data (as many as it holds). The pending update lands
+        first (the same bits as when the next forward pass runs it); nothing is saved or updated."""
+        self._quiesce()
+        n = min(self.cfg.train.eval_batches, self.val.rows // self.val.B)
+        total = torch.zeros((), dtype=torch.float64)
+        for k in range(n):
+            inp, tgt = (torch.from_numpy(a).to(self.device).split(self.run_plan.micro_batch) for a in self.val.batch(k))
+            total += self.schedule.evaluate(list(inp), list(tgt)).double().cpu()
+        return float(total / n)
 
     def train_on(self, inp: torch.Tensor, tgt: torch.Tensor) -> dict:
         """One optimizer step on a (B, S) batch; the update itself finishes during the next step."""

@@ -106,6 +106,12 @@ class WeightSlots:
         i = hit[0] if hit else 1 - mru
         return self.slots[i], i
 
+    def forget(self) -> None:
+        """Every buffer's contents count as stale (after loads out of the step's order, an evaluation's): the
+        next forward pass, which expects every unit to copy, does copy every unit."""
+        for b in self.slots + list(self.res.values()):
+            b.holds = None
+
     def use(self, unit: int) -> torch.Tensor:
         """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
         self.clock.wait("h2d_wait", self.ready.pop(unit, None))

@@ -99,6 +99,39 @@ class Step:
         updates.after_norm(lr, clip)
         return loss, grad_norm
 
+    def evaluate(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
+        """The mean token loss of a forward pass over the micro-batches, with the weights as they are (the
+        caller lands the pending update first): the training forward pass and loss, nothing saved, no
+        gradient. The slots are left stale: the next step's forward pass copies every unit again."""
+        L, slots, updates = len(self.units), self.slots, self.updates
+        n_tokens = sum(t.numel() for t in targets)
+
+        def load(u: int) -> None:
+            slots.load(u, *updates.before_load(u))
+
+        with torch.no_grad():
+            slots.expect(range(L))
+            load(0)
+            xs = [llama.embed(self.bind(0), tok, self.ctx) for tok in inputs]
+            self.release(0)
+            load(1)
+            for i in range(1, L - 1):
+                w = self.bind(i)
+                xs = [llama.block(w, x, self.ctx) for x in xs]
+                self.release(i)
+                load(i + 1)
+            w = self.bind(L - 1)
+            loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
+            for x, tgt in zip(xs, targets):
+                h = llama.final_norm({"norm.weight": w["norm.weight"]}, x, self.ctx).reshape(-1, x.shape[-1])
+                t = tgt.reshape(-1)
+                for a in range(0, h.shape[0], self.chunk):
+                    lg = llama.logits({"lm_head.weight": w["lm_head.weight"]}, h[a:a + self.chunk], self.ctx)
+                    loss += F.cross_entropy(lg, t[a:a + self.chunk], reduction="sum") / n_tokens
+            self.release(L - 1)
+        slots.forget()
+        return loss
+
     # ---- binding weights ----------------------------------------------------------------------
     def bind(self, unit: int) -> dict[str, torch.Tensor]:
         """Views of the unit's weights, borrowed (tied) tensors included, once they are on the device."""

@@ -1,0 +1,111 @@
+"""The validation loss (data.val_fraction / data.val_path, train.eval_every): the training forward pass's
+math, against a plain PyTorch evaluation of the same weights, and the training's bits untouched by it."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VARIANTS, tiny_config
+from test_nvme import DEEP, _budget_for
+from tiertrain.config import load_config
+from tiertrain.data import Loader, held_out, read_tokens
+from tiertrain.errors import ConfigError
+from tiertrain.loop import fit
+from tiertrain.model.reference import ReferenceLM
+from tiertrain.trainer import Trainer
+
+
+def _plain_val_loss(cfg, state: dict, val: np.ndarray, batches: int) -> float:
+    """nn.Module evaluation of `state` over the first `batches` unshuffled batches of `val`."""
+    ref = ReferenceLM(cfg.model)
+    ref.load_state_dict(state, strict=False)  # a tied head shares the embedding
+    loader = Loader(val, cfg.train.seq_len, cfg.train.batch_size, cfg.model.vocab_size, False, 0)
+    with torch.no_grad():
+        losses = [float(ref(*(torch.from_numpy(a) for a in loader.batch(k)))) / (cfg.train.batch_size * cfg.train.seq_len)
+                  for k in range(batches)]
+    return sum(losses) / batches
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_val_loss_equals_a_plain_evaluation(token_file, tmp_path, variant):
+    """Held-out rows of the training file, evaluated every 3 steps and at the end: each val_loss in
+    metrics.jsonl is the plain PyTorch loss of the weights after that step, over the same held-out rows."""
+    sets = [*VARIANTS[variant], "data.val_fraction=0.1", "train.eval_every=3", "train.eval_batches=2", "train.steps=7"]
+    cfg = tiny_config(token_file, *sets)
+    tr = Trainer(cfg)
+    train_part, val = held_out(read_tokens(token_file), cfg.train.seq_len, 0.1)
+    assert tr.loader.rows + tr.val.rows == (len(read_tokens(token_file)) - 1) // cfg.train.seq_len
+    got = {}
+    for step in range(1, 8):
+        tr.train_step()
+        if step in (3, 6, 7):
+            got[step] = (tr.evaluate(), _plain_val_loss(cfg, tr.state_dict(), val, 2))
+    tr.close()
+    for step, (mine, plain) in got.items():
+        assert mine == pytest.approx(plain, rel=1e-5, abs=1e-6), step
+    assert got[3][0] != got[6][0]
+    recs = [json.loads(x) for x in _fit(cfg, tmp_path / "run").read_text().splitlines()]
+    assert [r["step"] for r in recs if "val_loss" in r] == [3, 6, 7]
+    assert [r["val_loss"] for r in recs if "val_loss" in r] == [got[s][0] for s in (3, 6, 7)]
+
+
+def _fit(cfg, out):
+    lines = []
+    fit(Trainer(cfg), out, echo=lines.append)
+    assert any("val " in x for x in lines) and "validation loss" in lines[-1]
+    return out / "metrics.jsonl"
+
+
+@pytest.mark.parametrize("spill", ["none", "nvme"])
+def test_evaluating_changes_no_training_bit(token_file, tmp_path, spill):
+    """Evaluating after steps (which lands the pending update early and leaves the weight slots stale)
+    gives the same losses and weights as a run that never evaluates: in RAM with speculation, and with the
+    streamed weights and moments spilled to NVMe."""
+    sets = ["optim.grad_clip=100", "optim.speculate_units=99"]
+    if spill == "nvme":
+        sets = [*DEEP, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"', 'tiers.io="posix"']
+        sets.append(f"tiers.host_gb={_budget_for(tiny_config(token_file, *sets))}")
+
+    def run(evaluate: bool, nvme):
+        extra = [f'tiers.nvme_dir="{nvme}"'] if spill == "nvme" else []
+        tr = Trainer(tiny_config(token_file, *sets, *extra, "data.val_fraction=0.2", "train.eval_batches=1"))
+        if spill == "nvme":
+            assert "nvme" in tr.where.values()
+        losses, vals = [], []
+        for _ in range(5):
+            losses.append(tr.train_step()["loss"])
+            if evaluate:
+                vals.append(tr.evaluate())
+        sd = tr.state_dict()
+        tr.close()
+        return losses, sd, vals
+
+    a, b = run(True, tmp_path / "a"), run(False, tmp_path / "b")
+    assert a[0] == b[0] and all(torch.equal(a[1][k], b[1][k]) for k in b[1])
+    assert len(set(a[2])) == 5  # the weights moved between evaluations
+
+
+def test_a_separate_validation_file(token_file, tmp_path):
+    val = tmp_path / "val.npy"
+    np.save(val, np.asarray(read_tokens(token_file))[:2000])
+    tr = Trainer(tiny_config(token_file, f'data.val_path="{val}"', "train.eval_batches=100"))
+    tr.train_step()
+    loss = tr.evaluate()  # as many batches as the file holds: 7 of 8 x 32 tokens
+    cfg = tr.cfg
+    plain = _plain_val_loss(cfg, tr.state_dict(), np.load(val), 7)
+    tr.close()
+    assert tr.val.rows // 8 == 7 and loss == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("sets,words", [
+    (["train.eval_every=5"], ["train.eval_every", "data.val_path or data.val_fraction"]),
+    (['data.val_path="x.npy"', "data.val_fraction=0.1"], ["data.val_fraction", "set one"]),
+    (["data.val_fraction=1"], ["data.val_fraction", "[0, 1)"]),
+])
+def test_validation_settings_are_checked(sets, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert all(w in str(e.value) for w in words)
