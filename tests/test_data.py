@@ -3,7 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiertrain.data import BYTE_EOS, HEADER, Loader, builtin_tokens, prepare, read_tokens, write_bin
+from tiertrain.data import BYTE_EOS, HEADER, Loader, builtin_tokens, read_tokens, token_vocab, write_bin
+from tiertrain.prepare import prepare
 from tiertrain.errors import DataError
 
 
@@ -75,16 +76,81 @@ def test_prepare_byte_level(tmp_path):
         prepare([str(tmp_path / "none.txt")], str(tmp_path / "o2.bin"))
 
 
-def test_prepare_with_a_tokenizer_json(tmp_path):
+def _word_tokenizer(path, eot="<|endoftext|>"):
+    """A word-level tokenizer.json; `eot` a special token of it (or none)."""
     tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import AddedToken, models, pre_tokenizers
 
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "moon": 3}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "a.txt").write_text("hello world hello moon")
-    n, vocab = prepare([str(tmp_path / "a.txt")], str(tmp_path / "o.bin"), str(tmp_path / "tokenizer.json"))
-    assert vocab == 3 and read_tokens(tmp_path / "o.bin").tolist() == [1, 2, 1, 0]
+    if eot:
+        tok.add_special_tokens([AddedToken(eot, special=True)])
+    tok.save(str(path))
+    return path
+
+
+def test_prepare_with_a_tokenizer_json(tmp_path):
+    tok = _word_tokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "a.txt").write_text("hello world hello moon sun")
+    n, vocab = prepare([str(tmp_path / "a.txt")], str(tmp_path / "o.bin"), str(tok))
+    assert vocab == 5 and read_tokens(tmp_path / "o.bin").tolist() == [1, 2, 1, 3, 0, 4]  # 4: <|endoftext|>
+    assert token_vocab(tmp_path / "o.bin") == 5
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "p.bin"), str(tok), eot="")
+    assert read_tokens(tmp_path / "p.bin").tolist() == [1, 2, 1, 3, 0]
+    bare = _word_tokenizer(tmp_path / "bare.json", eot=None)
+    with pytest.raises(DataError, match="no end-of-text token.*--eot"):
+        prepare([str(tmp_path / "a.txt")], str(tmp_path / "q.bin"), str(bare))
+
+
+DOCS = ["hello world", "moon\nhello", "world world moon"]
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "tokenizer.json", "model directory"])
+def test_jsonl_and_parquet_prepare_as_text_files(tmp_path, tokenizer):
+    """Three documents as three .txt files, as a .jsonl (another field beside the text) and as a .parquet
+    file: the same tokens, the end-of-text token after each document."""
+    import json
+
+    tok = None
+    if tokenizer != "bytes":
+        d = tmp_path / "model"
+        d.mkdir()
+        tok = str(_word_tokenizer(d / "tokenizer.json", eot="</s>"))
+        if tokenizer == "model directory":  # tokenizer_config.json names the end-of-text token
+            (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>"}}))
+            tok = str(d)
+    txts = []
+    for i, doc in enumerate(DOCS):
+        txts.append(tmp_path / f"d{i}.txt")
+        txts[-1].write_text(doc)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"body": DOCS, "n": [1, 2, 3]}), tmp_path / "d.parquet")
+    got = {}
+    for name, inputs in {"txt": [str(p) for p in txts], "jsonl": [str(tmp_path / "d.jsonl")],
+                         "parquet": [str(tmp_path / "d.parquet")]}.items():
+        prepare(inputs, str(tmp_path / f"{name}.bin"), tok, text_field="body")
+        got[name] = read_tokens(tmp_path / f"{name}.bin").tolist()
+    assert got["txt"] == got["jsonl"] == got["parquet"]
+    eot = BYTE_EOS if tok is None else 4
+    assert got["txt"].count(eot) == 3 and got["txt"][-1] == eot
+    if tok is not None:
+        assert got["txt"] == [1, 2, 4, 3, 1, 4, 2, 2, 3, 4]
+    with pytest.raises(DataError, match="no 'text' field.*--text-field"):
+        prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "x.bin"), tok)
+    with pytest.raises(DataError, match="no column 'text'.*body, n"):
+        prepare([str(tmp_path / "d.parquet")], str(tmp_path / "x.bin"), tok)
+
+
+def test_a_run_checks_the_token_files_vocabulary(tmp_path):
+    from conftest import tiny_config
+    from tiertrain.trainer import Trainer
+
+    write_bin(tmp_path / "t.bin", [np.arange(5000) % 90], vocab_size=120)  # ids fit, the tokenizer does not
+    with pytest.raises(DataError, match="vocabulary of 120 and model.vocab_size is 97"):
+        Trainer(tiny_config(tmp_path / "t.bin"))
 
 
 def test_builtin_corpus_is_bytes():

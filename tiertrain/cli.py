@@ -103,18 +103,28 @@ def export(source: str, to: str, dtype: str) -> None:
 
 
 @main.command()
-@click.argument("inputs", nargs=-1, required=True, metavar="TEXT_FILE...")
+@click.argument("inputs", nargs=-1, required=True, metavar="FILE...")
 @click.option("--out", required=True, metavar="FILE.bin", help="Token file to write.")
-@click.option("--tokenizer", default=None, metavar="TOKENIZER_JSON",
-              help="A local Hugging Face tokenizer.json. Default: byte-level (ids 0-255, 256 ends a file).")
-def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None) -> None:
-    """Tokenize text files into a token file for data.path."""
-    from .data import prepare as do_prepare
+@click.option("--tokenizer", default=None, metavar="PATH",
+              help="A Hugging Face tokenizer.json or model directory. Default: byte-level (ids 0-255, 256 ends "
+                   "a document).")
+@click.option("--text-field", default="text", show_default=True, help="The field (.jsonl) or column (.parquet) "
+              "that holds each document's text.")
+@click.option("--eot", default=None, metavar="TOKEN", help="The token put after each document. Default: the "
+              "tokenizer's end-of-text token; '' for none.")
+def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field: str, eot: str | None) -> None:
+    """Tokenize documents (.txt: one per file; .jsonl: one per line; .parquet: one per row) into a token file
+    for data.path."""
+    import os
+
+    from .prepare import prepare as do_prepare
 
     try:
         if not out.endswith(".bin"):
             raise UserError(f"--out {out}: token files written by prepare end in .bin")
-        count, vocab = do_prepare(list(inputs), out, tokenizer)
+        total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
+        with click.progressbar(length=total, label="tokenizing", file=sys.stderr) as bar:
+            count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, bar.update)
     except UserError as e:
         _fail(e)
     click.echo(f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path=\"{out}\"")

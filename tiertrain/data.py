@@ -1,11 +1,11 @@
-"""Token files, the deterministic resumable loader, and `prepare`.
+"""Token files and the deterministic resumable loader (`tiertrain prepare` writes them: prepare.py).
 
 Token files are 1-D integer arrays: NumPy `.npy`, or tiertrain's `.bin`:
     bytes 0-7    magic b"TTOKENS\\0"
     bytes 8-11   version, uint32 little-endian (1)
     bytes 12-15  bytes per token, uint32 (2: uint16 tokens, 4: uint32 tokens)
     bytes 16-23  token count, uint64
-    bytes 24-31  reserved, zero
+    bytes 24-31  the vocabulary size of the tokenizer that wrote it, uint64 (0: not recorded)
     bytes 32-    the tokens, little-endian
 Row r of a file is tokens[r*S : r*S+S+1] (S = train.seq_len): inputs are its first S, targets its last S.
 Sample j of optimizer step k is global sample s = k*B + j (B = train.batch_size); the file is read in
@@ -23,7 +23,7 @@ import numpy as np
 from .errors import DataError
 
 MAGIC = b"TTOKENS\0"
-HEADER = struct.Struct("<8sIIQ8x")
+HEADER = struct.Struct("<8sIIQQ")
 BYTE_EOS = 256  # the byte-level tokenizer: ids 0-255 are bytes, 256 ends a document
 BYTE_VOCAB = 257
 
@@ -49,7 +49,7 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
         head = f.read(HEADER.size)
     if len(head) < HEADER.size or head[:8] != MAGIC:
         raise DataError(f"{p} is not a tiertrain token file (bad magic); make one with `tiertrain prepare`")
-    _, version, itemsize, count = HEADER.unpack(head)
+    _, version, itemsize, count, _ = HEADER.unpack(head)
     if version != 1 or itemsize not in (2, 4):
         raise DataError(f"{p}: unsupported token file version {version} / token size {itemsize}; re-run prepare")
     if p.stat().st_size != HEADER.size + count * itemsize:
@@ -58,15 +58,24 @@ def read_tokens(path: str | os.PathLike) -> np.ndarray:
     return np.memmap(p, dtype="<u2" if itemsize == 2 else "<u4", mode="r", offset=HEADER.size, shape=(count,))
 
 
+def token_vocab(path: str | os.PathLike) -> int:
+    """The vocabulary size a .bin file records (0: none recorded, or a .npy file)."""
+    if Path(path).suffix != ".bin":
+        return 0
+    with open(path, "rb") as f:
+        return HEADER.unpack(f.read(HEADER.size))[4]
+
+
 def write_bin(path: str | os.PathLike, chunks, vocab_size: int) -> int:
-    """Writes token chunks (iterables of ints or arrays) as a .bin file, atomically. Returns the count."""
+    """Writes token chunks (iterables of ints or arrays) as a .bin file, atomically, recording the vocabulary
+    size. Returns the count."""
     itemsize = 2 if vocab_size <= 1 << 16 else 4
     dtype = "<u2" if itemsize == 2 else "<u4"
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     count = 0
     with open(tmp, "wb") as f:
-        f.write(HEADER.pack(MAGIC, 1, itemsize, 0))
+        f.write(HEADER.pack(MAGIC, 1, itemsize, 0, vocab_size))
         for chunk in chunks:
             arr = np.asarray(chunk, dtype=np.int64)
             if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -74,7 +83,7 @@ def write_bin(path: str | os.PathLike, chunks, vocab_size: int) -> int:
             f.write(arr.astype(dtype).tobytes())
             count += arr.size
         f.seek(0)
-        f.write(HEADER.pack(MAGIC, 1, itemsize, count))
+        f.write(HEADER.pack(MAGIC, 1, itemsize, count, vocab_size))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -143,49 +152,3 @@ class Loader:
         rows = [self._row(step * self.B + j) for j in range(self.B)]
         block = np.stack([np.asarray(self.tokens[r * S:r * S + S + 1], dtype=np.int64) for r in rows])
         return block[:, :-1], block[:, 1:]
-
-
-def _text_blocks(path: Path, block_bytes: int = 1 << 26):
-    """A text file in blocks of whole lines, so huge inputs never sit in memory at once."""
-    with open(path, "r", encoding="utf-8", errors="replace") as f:
-        while True:
-            block = f.read(block_bytes)
-            if not block:
-                return
-            block += f.readline()
-            yield block
-
-
-def prepare(inputs: list[str], out: str, tokenizer: str | None = None) -> tuple[int, int]:
-    """Tokenizes text files into a .bin token file; each input file is one document. Returns (tokens, vocab)."""
-    paths = [Path(p) for p in inputs]
-    for p in paths:
-        if not p.is_file():
-            raise DataError(f"input text file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
-    if tokenizer is None:
-        vocab = BYTE_VOCAB
-
-        def chunks():
-            for p in paths:
-                for block in _text_blocks(p):
-                    yield np.frombuffer(block.encode("utf-8"), dtype=np.uint8)
-                yield [BYTE_EOS]
-    else:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from None
-        if not Path(tokenizer).is_file():
-            raise DataError(f"tokenizer file {tokenizer!r} not found; pass a Hugging Face tokenizer.json")
-        try:
-            tok = Tokenizer.from_file(tokenizer)
-        except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception for a file it cannot parse
-            raise DataError(f"{tokenizer} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
-                            "pass the tokenizer.json of a tokenizers / transformers model") from None
-        vocab = tok.get_vocab_size(with_added_tokens=True)
-
-        def chunks():
-            for p in paths:
-                for block in _text_blocks(p):
-                    yield tok.encode(block, add_special_tokens=False).ids
-    return write_bin(out, chunks(), vocab), vocab

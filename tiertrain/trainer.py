@@ -14,12 +14,12 @@ import torch
 from . import checkpoint as ckpt
 from . import placing
 from .config import Config, fixed
-from .data import Loader, builtin_tokens, held_out, read_tokens
+from .data import Loader, builtin_tokens, held_out, read_tokens, token_vocab
 from .engine.activations import Checkpoints
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count
 from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
@@ -72,6 +72,10 @@ class Trainer:
         self.dtype = DTYPES[tc.compute_dtype]
         if cfg.data.path:
             tokens, name = read_tokens(cfg.data.path), cfg.data.path
+            if token_vocab(name) > spec.vocab_size:  # a smaller one is fine: models pad their vocabulary
+                raise DataError(f"{name} was tokenized with a vocabulary of {token_vocab(name):,} and "
+                                f"model.vocab_size is {spec.vocab_size:,}: tokenize with the model's tokenizer, "
+                                "or raise model.vocab_size")
         else:
             tokens, name = builtin_tokens(), "the built-in corpus"
         d = cfg.data

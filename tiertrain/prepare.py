@@ -1,0 +1,167 @@
+"""`tiertrain prepare`: documents from .txt, .jsonl and .parquet files, tokenized into a .bin token file with
+the tokenizer's end-of-text token after each document.
+
+A .txt file is one document (read in blocks of whole lines: a huge file never sits in memory); a .jsonl file
+holds one JSON object per line and a .parquet file one row per document, the text in `text_field`. The
+tokenizer is byte-level (ids 0-255, 256 ends a document), a Hugging Face tokenizer.json, or a Hugging Face
+model directory (its tokenizer.json, else transformers' AutoTokenizer). Documents are encoded in batches
+(the tokenizers library spreads a batch over every core).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .data import BYTE_EOS, BYTE_VOCAB, write_bin
+from .errors import DataError
+
+KINDS = (".txt", ".jsonl", ".parquet")
+BATCH_CHARS = 1 << 23  # text per encode_batch call: enough to keep every core busy, little memory
+BLOCK_CHARS = 1 << 26  # a .txt file is read in blocks of whole lines this large
+# end-of-text tokens of the common tokenizers, for a tokenizer.json without a tokenizer_config.json beside it
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
+
+
+def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
+    """(the pieces of one document, in order; the input bytes they cover), one document at a time."""
+    if path.suffix == ".txt":
+        with open(path, "r", encoding="utf-8", errors="replace") as f:
+            pieces = []
+            while block := f.read(BLOCK_CHARS):
+                pieces.append(block + f.readline())
+            yield pieces, path.stat().st_size
+    elif path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[text_field]
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise DataError(f"{path}:{n} is not a JSON object ({e}); fix the line or the file") from None
+                except (KeyError, TypeError):
+                    raise DataError(f"{path}:{n} has no {text_field!r} field; pass the field that holds the text "
+                                    "with --text-field") from None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{n}: {text_field!r} holds a {type(text).__name__}, not text")
+                yield [text], len(line)
+    else:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading .parquet needs pyarrow: pip install 'tiertrain[data]'") from None
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            raise DataError(f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
+                            "pass the column that holds the text with --text-field")
+        rows, size = max(pf.metadata.num_rows, 1), path.stat().st_size
+        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                yield [text or ""], size // rows
+
+
+class Encoder:
+    """A tokenizer's batched encoding, its vocabulary size and its end-of-text id."""
+
+    def __init__(self, spec: str | None, eot: str | None):
+        self.encode_batch: Callable[[list[str]], list[list[int]]]
+        if spec is None:
+            self.vocab, self.eot = BYTE_VOCAB, BYTE_EOS
+            self.encode_batch = lambda texts: [list(t.encode("utf-8")) for t in texts]
+            return
+        p = Path(spec)
+        if p.is_dir() and not (p / "tokenizer.json").is_file():
+            self._auto(p)
+        else:
+            self._tokenizer_json(p / "tokenizer.json" if p.is_dir() else p)
+        name = eot if eot is not None else _config_eot(p.parent if p.is_file() else p)
+        if name is None:
+            name = next((t for t in EOT_NAMES if self.token_id(t) is not None), None)
+        if name is None:
+            raise DataError(f"{spec}: no end-of-text token found (none of {', '.join(EOT_NAMES)}, no "
+                            "tokenizer_config.json eos_token); pass --eot TOKEN, or --eot '' to put none")
+        self.eot = self.token_id(name) if name else None
+        if name and self.eot is None:
+            raise DataError(f"--eot {name!r} is not a token of {spec}; pass one of its special tokens")
+
+    def _tokenizer_json(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("--tokenizer needs the `tokenizers` package: pip install 'tiertrain[hf]'") from None
+        if not path.is_file():
+            raise DataError(f"tokenizer {str(path)!r} not found; pass a tokenizer.json or a Hugging Face model "
+                            "directory")
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception for a file it cannot parse
+            raise DataError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
+                            "pass the tokenizer.json of a tokenizers / transformers model") from None
+        self.vocab = tok.get_vocab_size(with_added_tokens=True)
+        self.token_id = tok.token_to_id
+        self.encode_batch = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    def _auto(self, path: Path) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise DataError(f"{path} has no tokenizer.json; its tokenizer needs transformers: pip install "
+                            "transformers") from None
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: no tokenizer could be loaded ({str(e).splitlines()[0][:160]})") from None
+        self.vocab = len(tok)
+        self.token_id = lambda t: tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
+        self.encode_batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def _config_eot(model_dir: Path) -> str | None:
+    """The eos_token of a model directory's tokenizer_config.json, if it names one."""
+    try:
+        eos = json.loads((model_dir / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def prepare(inputs: list[str], out: str, tokenizer: str | None = None, text_field: str = "text",
+            eot: str | None = None, progress: Callable[[int], None] = lambda n: None) -> tuple[int, int]:
+    """Tokenizes the documents of `inputs` into the .bin file `out`, the end-of-text token after each;
+    (tokens, vocabulary size). `eot`: that token's name (None: the tokenizer's; "": none); `progress` is
+    called with the input bytes each batch covered."""
+    paths = [Path(p) for p in inputs]
+    for p in paths:
+        if not p.is_file():
+            raise DataError(f"input file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
+        if p.suffix not in KINDS:
+            raise DataError(f"{p}: unknown input type {p.suffix!r}; prepare reads {', '.join(KINDS)}")
+    enc = Encoder(tokenizer, eot)
+
+    def flush(batch: list[tuple[list[str], bool]]):  # (piece, ends a document)
+        ids = enc.encode_batch([t for t, _ in batch])
+        for (_, last), part in zip(batch, ids):
+            yield np.asarray(part, dtype=np.int64)
+            if last and enc.eot is not None:
+                yield np.asarray([enc.eot], dtype=np.int64)
+
+    def chunks():
+        batch, chars, done = [], 0, 0
+        for p in paths:
+            for pieces, nbytes in documents(p, text_field):
+                for i, piece in enumerate(pieces or [""]):
+                    batch.append((piece, i == len(pieces or [""]) - 1))
+                    chars += len(piece)
+                    if chars >= BATCH_CHARS:
+                        yield from flush(batch)
+                        batch, chars = [], 0
+                done += nbytes
+                if not batch:
+                    progress(done)
+                    done = 0
+        yield from flush(batch)
+        progress(done)
+    return write_bin(out, chunks(), enc.vocab), enc.vocab
