@@ -10,7 +10,7 @@ import torch
 import zarr
 
 from conftest import VARIANTS, tiny_config
-from tiertrain.errors import ConfigError
+from tiertrain.errors import ConfigError, UserError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
 from tiertrain.tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within,
                                        ring_bytes, ring_widths, spilled_bytes, streamed_kind)
@@ -325,3 +325,16 @@ def test_peak_rss_stays_under_the_budget(tmp_path, budget):
     base, peak, device, ring, state = map(int, rest)
     assert state > budget * 1e9  # the budget really is smaller than the state
     assert peak - base <= budget * 1e9 + device + 150e6, (peak - base) / 1e9
+
+
+def test_kvikio_missing_says_what_to_install():
+    """tiers.io = "kvikio" where it is not installed (CI): the extra for this torch's CUDA, by name."""
+    try:
+        import kvikio  # noqa: F401
+        pytest.skip("kvikio is installed here")
+    except ImportError:
+        pass
+    from tiertrain.tiers.nvme import check_backend
+
+    with pytest.raises(UserError, match=r'pip install "tiertrain\[cu1[23]\]".*tiers.io = "auto"'):
+        check_backend("kvikio")

@@ -130,8 +130,10 @@ def check_backend(backend: str) -> None:
         try:
             import kvikio  # noqa: F401
         except ImportError:
-            raise StoreError('tiers.io = "kvikio" but kvikio is not installed: pip install kvikio-cu12 (kvikio-cu13 '
-                             'for CUDA 13), or set tiers.io = "auto" (POSIX I/O where kvikio is missing)') from None
+            cuda = (torch.version.cuda or "12").split(".")[0]  # a CPU build: the common CUDA 12
+            raise StoreError(f'tiers.io = "kvikio" but kvikio is not installed: pip install "tiertrain[cu{cuda}]" '
+                             f'(kvikio for this torch\'s CUDA {cuda}), or set tiers.io = "auto" (POSIX I/O where '
+                             'kvikio is missing)') from None
 
 
 def make_io(backend: str = "auto", threads: int = 16):
