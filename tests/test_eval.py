@@ -109,3 +109,35 @@ def test_validation_settings_are_checked(sets, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
     assert all(w in str(e.value) for w in words)
+
+
+def test_tensorboard_scalars_when_asked(token_file, tmp_path):
+    """train.tensorboard = true: event files under <out>/tensorboard with metrics.jsonl's numbers; off (the
+    default): none, and no tensorboard import needed."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sets = ["train.steps=3", "data.val_fraction=0.1"]
+    fit(Trainer(tiny_config(token_file, *sets, "train.tensorboard=true")), tmp_path / "tb", echo=lambda s: None)
+    ev = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    ev.Reload()
+    recs = [json.loads(x) for x in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]
+    assert [e.value for e in ev.Scalars("loss")] == pytest.approx([r["loss"] for r in recs])
+    assert [e.step for e in ev.Scalars("val_loss")] == [3] and "tokens_per_s" in ev.Tags()["scalars"]
+    fit(Trainer(tiny_config(token_file, *sets)), tmp_path / "plain", echo=lambda s: None)
+    assert not (tmp_path / "plain" / "tensorboard").exists()
+
+
+def test_tensorboard_missing_is_refused_before_allocation(token_file, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tb(name, *a, **k):
+        if name.startswith("torch.utils.tensorboard") or name.startswith("tensorboard"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_tb)
+    with pytest.raises(ConfigError, match=r"tiertrain\[tensorboard\]"):
+        Trainer(tiny_config(token_file, "train.tensorboard=true"))

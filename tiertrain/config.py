@@ -56,6 +56,7 @@ class TrainConfig:
     init_from: str = ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
     eval_every: int = 0  # steps between validation losses (with data.val_path or val_fraction); 0: at the end only
     eval_batches: int = 8  # batches of train.batch_size sequences per validation loss (the first, unshuffled)
+    tensorboard: bool = False  # also write metrics.jsonl's numbers as TensorBoard scalars under <out>/tensorboard
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):

@@ -8,7 +8,7 @@ from typing import Callable
 
 from . import checkpoint as ckpt
 from .errors import UserError, why
-from .metrics import MetricsLog, format_duration, progress_line, truncate_metrics
+from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer, truncate_metrics
 from .tiers.nvme import discard
 from .trainer import Trainer
 
@@ -24,7 +24,7 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         (out / "plan.json").write_text(tr.plan_json())
         if tr.step:
             truncate_metrics(out / "metrics.jsonl", tr.step)
-        log = MetricsLog(out / "metrics.jsonl")
+        log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)
         echo = TrainLog(out / "train.log", shown)
     except OSError as e:
         _close(tr)

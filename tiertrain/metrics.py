@@ -35,13 +35,26 @@ def progress_line(rec: dict, total_steps: int, eta_s: float) -> str:
             f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s)}")
 
 
+def tensorboard_writer(out: Path | None):
+    """A TensorBoard SummaryWriter into <out>/tensorboard (None: only checks that the package is there)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from .errors import ConfigError
+
+        raise ConfigError("train.tensorboard = true needs the tensorboard package: pip install "
+                          "'tiertrain[tensorboard]', or set train.tensorboard = false") from None
+    return SummaryWriter(str(out / "tensorboard")) if out is not None else None
+
+
 class MetricsLog:
     """Appends one JSON object per step, whole or not at all: a write that fails (a full disk) is cut back
     to the last whole line and stops the run with one line. Flushed per line so a killed run keeps what
-    it logged."""
+    it logged. `tensorboard`: a SummaryWriter that gets every number of each record too (its own thread
+    writes the event file; close() closes it)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, tensorboard=None):
+        self.path, self.tb = path, tensorboard
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # unbuffered: no write held back
 
     def write(self, rec: dict) -> None:
@@ -60,8 +73,15 @@ class MetricsLog:
                 pass
             raise UserError(f"writing {self.path} failed: {why(e)}; free space, then continue with "
                             f"tiertrain run --resume latest --out {self.path.parent}") from None
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, rec["step"])
 
     def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

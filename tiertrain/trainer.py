@@ -20,7 +20,7 @@ from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
 from .errors import ConfigError, DataError
-from .metrics import human_bytes, human_count
+from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, lr_at
@@ -60,6 +60,8 @@ class Trainer:
         `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them).
         `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference)."""
         hf_reader = None
+        if cfg.train.tensorboard:
+            tensorboard_writer(None)  # refused here, before anything is allocated, when the package is missing
         if cfg.train.init_from and resume is None:  # checked whole before anything large is allocated
             cfg = copy.deepcopy(cfg)  # the caller's Config stays as given; self.cfg holds the imported [model]
             cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
