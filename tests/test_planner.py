@@ -260,3 +260,19 @@ def test_resident_auto_takes_what_the_gpu_has_left():
     assert 1 <= small.resident_gb < 24 and small.gpu_total <= 24e9 * 0.95 and small.step_s < at(4, 24, 0).step_s
     assert at(16, 24, "auto").step_s <= at(16, 24, 0).step_s  # never slower than none
     assert at(4, 24, small.resident_gb).step_s == small.step_s  # what "auto" chose, as a number
+
+
+@pytest.mark.parametrize("name,params", [("llama3.1-8b", 8.03e9), ("qwen2.5-7b", 7.62e9), ("qwen3-8b", 8.19e9),
+                                         ("mistral-7b", 7.25e9)])
+def test_shipped_shapes_of_popular_models(name, params):
+    """The published shapes: their parameter counts, planned under the config's own name."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = load_config(name, [])
+    assert cfg.model.n_params == pytest.approx(params, rel=2e-3)
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", name, "--host-gb", "1500",
+                        "--format", "json"], capture_output=True, text=True)
+    p = json.loads(r.stdout)
+    assert r.returncode == 0 and p["fits"] and p["model"] == name

@@ -70,7 +70,7 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
         else:
             ckpt = None
             cfg = load_config(config_path, list(overrides))
-            stem = Path(config_path).stem if config_path else "debug"
+            stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
             out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
             rundir.check_new(out_dir)
         rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
@@ -162,7 +162,7 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         hw = HardwareSpec.load(hardware) if hardware else REFERENCE
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
-        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name=Path(config_path).stem)  # as `run` plans
+        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name=Path(config_path).name.removesuffix(".toml"))  # as `run` plans
     except UserError as e:
         _fail(e)
     except OSError as e:
