@@ -31,7 +31,7 @@ def plan_chart(p, path: str | Path) -> None:
     a.invert_yaxis()
     a.set_xlabel("seconds per step")
     a.set_title(f"{p.model}: predicted time per link (bottleneck: {p.bottleneck})")
-    a.legend(loc="lower right")
+    a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes: never over a bar
     tiers = {"host": {**p.host_bytes, **p.host_fixed}, "NVMe": dict(p.nvme_bytes), "GPU": dict(p.gpu)}
     kinds = sorted({k for parts in tiers.values() for k in parts})
     cmap = plt.get_cmap("tab20")
@@ -43,9 +43,9 @@ def plan_chart(p, path: str | Path) -> None:
     b.invert_yaxis()
     b.set_xlabel("GB")
     b.set_title("memory per tier")
-    b.legend(fontsize=7, ncol=2, loc="lower right")
+    b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: never over a bar
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
     plt.close(fig)
 
 
@@ -76,8 +76,8 @@ def run_chart(records: list[dict], path: str | Path, title: str) -> None:
         c.plot(steps, [r.get("pred_step_s", float("nan")) for r in records], "k--", label="predicted step")
     c.set_xlabel("step")
     c.set_title("time split (s)")
-    c.legend(fontsize=7)
+    c.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
     plt.close(fig)

@@ -45,6 +45,7 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
     for line in tr.describe():
         echo(line)
     history, t_start, first = [], time.perf_counter(), tr.step
+    t_run = t_start
     with StopSignals() as stop:
         try:
             while tr.step < tc.steps and not stop.signal:
@@ -56,9 +57,12 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
                     t_start += time.perf_counter() - t0  # the ETA counts training steps only
                 log.write(rec)
                 history.append(rec)
+                if rec["step"] == first + 1:  # the ETA leaves out the first step: it builds and warms up
+                    t_start = time.perf_counter()
                 if rec["step"] % tc.log_every == 0 or rec["step"] in (first + 1, tc.steps) or evals:
-                    elapsed = time.perf_counter() - t_start
-                    echo(progress_line(rec, tc.steps, elapsed / (rec["step"] - first) * (tc.steps - rec["step"])))
+                    done = rec["step"] - first - 1
+                    eta = (time.perf_counter() - t_start) / done * (tc.steps - rec["step"]) if done else None
+                    echo(progress_line(rec, tc.steps, eta))
                     if "pred_step_s" in rec and rec["step"] > 1:
                         echo("  measured / predicted s: " + ", ".join(
                             f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
@@ -74,7 +78,7 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
         echo(f"stopped by {stop.signal} after step {tr.step}; continue with: "
              f"tiertrain run --resume latest --out {out}")
     else:
-        echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_start)}"
+        echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_run)}"
              + (f", final loss {history[-1]['loss']:.4f}" if history else "")
              + (f", validation loss {history[-1]['val_loss']:.4f}" if history and "val_loss" in history[-1] else "") + f"; metrics in {out / 'metrics.jsonl'}")
     return history

@@ -28,11 +28,12 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def progress_line(rec: dict, total_steps: int, eta_s: float) -> str:
+def progress_line(rec: dict, total_steps: int, eta_s: float | None) -> str:
+    """One step's line; `eta_s` None: not known yet (after the first step)."""
     return (f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  "
             + (f"val {rec['val_loss']:.4f}  " if "val_loss" in rec else "") + f"lr {rec['lr']:.2e}  "
             f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
-            f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s)}")
+            f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}")
 
 
 def tensorboard_writer(out: Path | None):
