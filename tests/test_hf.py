@@ -127,3 +127,34 @@ def test_export_refuses_to_overwrite(token_file, tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert _load(tmp_path / "bf16").model.embed_tokens.weight.abs().sum() > 0
+
+
+def test_export_keeps_what_came_in(token_file, tmp_path):
+    """An imported Mistral trained by `tiertrain run` and exported: its sliding_window, token ids,
+    generation config and tokenizer files come out as they went in, in shards of --max-shard-size."""
+    _hf_dir("mistral", tmp_path / "hf")
+    src = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
+                                                                        "temperature": 0.7, "do_sample": True}))
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"not": "read by the test"}')
+    r = _cli("run", "--init-from", str(tmp_path / "hf"), "--set", f'data.path="{token_file}"', "--set", "train.steps=2",
+             "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.micro_batch_size=2",
+             "--set", 'train.compute_dtype="float32"', "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "out"), "--max-shard-size", "30KB")
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert src["sliding_window"] == out["sliding_window"] == 4096
+    assert {k: out.get(k) for k in ("bos_token_id", "eos_token_id")} == {k: src[k] for k in ("bos_token_id", "eos_token_id")}
+    for name in ("generation_config.json", "tokenizer.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
+    assert _load(tmp_path / "out").generation_config.temperature == 0.7
+
+
+def test_what_tiertrain_does_not_implement_is_refused_at_import(token_file, tmp_path):
+    _hf_dir("llama3-rope", tmp_path / "hf")
+    c = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**c, "attention_dropout": 0.1}))
+    with pytest.raises(UserError, match="attention_dropout 0.1"):
+        Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"'))

@@ -91,12 +91,22 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
 @click.option("--to", "to", required=True, metavar="OUT_DIR", help="New directory for the Hugging Face model.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               help="Dtype of the exported weights (the master weights are fp32).")
-def export(source: str, to: str, dtype: str) -> None:
-    """Write a checkpoint as a Hugging Face model (config.json + safetensors) that transformers loads."""
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="Largest safetensors file, as transformers spells it: 5GB, 500MB, 2GiB.")
+def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
+    """Write a checkpoint as a Hugging Face model (config.json + safetensors, and the tokenizer and
+    generation config of an --init-from model) that transformers loads."""
+    import re
+
     from .export import export_hf
 
     try:
-        files = export_hf(source, to, dtype)
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]i?B)\s*", max_shard_size, re.IGNORECASE)
+        if not m:
+            raise UserError(f"--max-shard-size {max_shard_size!r}: write a size like 5GB, 500MB or 2GiB")
+        unit = m.group(2).upper()
+        scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}[unit]
+        files = export_hf(source, to, dtype, int(float(m.group(1)) * scale))
     except UserError as e:
         _fail(e)
     click.echo(f"wrote {to}: config.json and {len(files)} safetensors file(s) in {dtype}")

@@ -170,6 +170,9 @@ class Config:
         _need(self.train.seq_len <= self.model.max_position_embeddings, "train", "seq_len", self.train,
               f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
               "lower train.seq_len or raise model.max_position_embeddings")
+        _need(not self.model.sliding_window or self.train.seq_len <= self.model.sliding_window, "train", "seq_len",
+              self.train, f"exceeds model.sliding_window ({self.model.sliding_window}), which tiertrain does not "
+              "implement (it attends to the whole sequence); lower train.seq_len")
         _need(not self.train.eval_every or self.data.val_path or self.data.val_fraction, "train", "eval_every",
               self.train, "needs validation data: set data.val_path or data.val_fraction")
         return self
@@ -211,6 +214,10 @@ def _show(v: object) -> str:
     return json.dumps(v) if v is not None else "unset"
 
 
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _coerce(section: str, key: str, value: object, hint: object) -> object:
     """Checks a TOML value against a field's type; ints are accepted where floats are expected."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -219,6 +226,11 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
         if value == AUTO:
             return value
         args = [a for a in args if a is not Auto]
+    if int in args and list[int] in args:  # a token id or a list of them (eos_token_id)
+        if not (_int(value) or isinstance(value, list) and value and all(_int(v) for v in value)):
+            raise ConfigError(f"{section}.{key} must be an integer or a list of integers (got {_show(value)}); "
+                              f"fix it in the config file or with --set {section}.{key}=...")
+        return value
     if typing.get_origin(hint) in (typing.Union, type(int | None)) and len(args) == 1:
         hint = args[0]
     base = typing.get_origin(hint) or hint

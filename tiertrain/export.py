@@ -13,7 +13,8 @@ from .tiers.slab import SlabLayout
 
 
 def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5 << 30) -> list[str]:
-    """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time."""
+    """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time. The files a
+    run kept from its --init-from model (<run>/hf: tokenizer, generation config) go along."""
     path = ckpt.resolve(source, None)
     meta = ckpt.read_meta(path)
     spec = config_from_dict(meta["config"], [], str(path), legacy=True).model
@@ -28,4 +29,5 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
             for t in unit.tensors:
                 yield t.hf_name, views[t.name]
 
-    return write_hf(Path(to), spec, tensors(), dtype, shard_bytes)
+    hf = path.parent.parent / "hf"  # <run>/checkpoints/step_N -> <run>/hf
+    return write_hf(Path(to), spec, tensors(), dtype, shard_bytes, hf if hf.is_dir() else None)

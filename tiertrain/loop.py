@@ -8,6 +8,7 @@ from typing import Callable
 
 from . import checkpoint as ckpt
 from .errors import UserError, why
+from .model.hf import carry_files
 from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer, truncate_metrics
 from .tiers.nvme import discard
 from .trainer import Trainer
@@ -22,6 +23,8 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(tr.cfg.to_toml())
         (out / "plan.json").write_text(tr.plan_json())
+        if tr.cfg.train.init_from and not tr.step:  # its tokenizer and generation config, for the export
+            carry_files(tr.cfg.train.init_from, out / "hf")
         if tr.step:
             truncate_metrics(out / "metrics.jsonl", tr.step)
         log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)

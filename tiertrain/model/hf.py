@@ -58,6 +58,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
 
     refuse(c.get("hidden_act", "silu") == "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)")
     refuse(not c.get("mlp_bias", False), "mlp_bias")
+    refuse(not c.get("attention_dropout", 0.0), f"attention_dropout {c.get('attention_dropout')} (only 0)")
+    refuse(not c.get("hidden_dropout", 0.0), f"hidden_dropout {c.get('hidden_dropout')} (only 0)")
     if mt != "qwen2":
         refuse(not c.get("attention_bias", False), "attention_bias outside Qwen2")
     window = c.get("sliding_window") if (mt == "mistral" or c.get("use_sliding_window")) else None
@@ -86,7 +88,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
             rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
             qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
-            initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt)
+            initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt, sliding_window=window,
+            bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"), pad_token_id=c.get("pad_token_id"))
     except (TypeError, ValueError) as e:  # a number given as a string, a table where a number belongs
         raise HFError(f"{d}/config.json has a field of the wrong type ({e}); fix it or re-download the model") from None
     try:
@@ -111,9 +114,11 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     if spec.model_type == "llama":
         c.update(attention_bias=False, mlp_bias=False)
     if spec.model_type in ("qwen2", "qwen3"):
-        c.update(use_sliding_window=False, sliding_window=None)
+        c.update(use_sliding_window=spec.sliding_window is not None, sliding_window=spec.sliding_window)
     if spec.model_type in ("mistral",):
-        c.update(sliding_window=None)
+        c.update(sliding_window=spec.sliding_window)
+    c.update({k: getattr(spec, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+              if getattr(spec, k) is not None})
     return c
 
 
@@ -164,10 +169,26 @@ class HFReader:
         return t
 
 
+# what an imported model's directory holds beside its weights that its export should too
+CARRIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copies the CARRIED files `src` has into the new directory `dst`; their names."""
+    names = [n for n in CARRIED if (Path(src) / n).is_file()]
+    if names:
+        Path(dst).mkdir(parents=True, exist_ok=True)
+    for n in names:
+        shutil.copyfile(Path(src) / n, Path(dst) / n)
+    return names
+
+
 def write_hf(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Iterator[tuple[str, "torch.Tensor"]], dtype: str,
-             shard_bytes: int = 5 << 30) -> list[str]:
-    """Writes config.json and safetensors shards (+ index) of the (name, tensor) stream; returns the shards.
-    `out_dir` must not exist or be empty; it appears only when whole."""
+             shard_bytes: int = 5 << 30, carried: str | os.PathLike | None = None) -> list[str]:
+    """Writes config.json and safetensors shards (+ index) of the (name, tensor) stream, and the files of
+    `carried` (carry_files); returns the shards. `out_dir` must not exist or be empty; it appears only when
+    whole."""
     import torch
     from safetensors.torch import save_file
 
@@ -206,6 +227,8 @@ def write_hf(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Iterator[tupl
             index = {"metadata": {"total_size": total}, "weight_map": {n: files[k] for n, k in sorted(names.items())}}
             (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
+        if carried is not None:
+            carry_files(carried, tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

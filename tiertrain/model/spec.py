@@ -59,6 +59,11 @@ class ModelSpec:
     max_position_embeddings: int = 2048
     initializer_range: float = 0.02
     model_type: str = "llama"
+    # kept from an imported model for its export (tiertrain trains within the window: train.seq_len <= it)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
     _units: tuple[UnitSpec, ...] | None = field(default=None, init=False, repr=False, compare=False)
     _counts: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)  # with _units
 
