@@ -221,7 +221,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
 
     cfg = load_config(a.config)
     n = cfg.model.n_params
-    lines = [f"# {Path(a.config).name.removesuffix(".toml")}: tiertrain vs all-in-GPU vs DeepSpeed ZeRO-3 CPU offload", "",
+    lines = [f"# {Path(a.config).name.removesuffix('.toml')}: tiertrain vs all-in-GPU vs DeepSpeed ZeRO-3 CPU offload", "",
              f"- date: {date}",
              f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs",
              f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
@@ -294,7 +294,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
 
 def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str], meta: dict) -> str:
     gpu = probe.get("gpu", "unprobed").replace("NVIDIA ", "").replace(" ", "")  # the machine, where the probe ran
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).name.removesuffix(".toml").replace('llama-', 'llama')}{a.tag}"
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).name.removesuffix('.toml').replace('llama-', 'llama')}{a.tag}"
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = report(a, probe, results, errors, date, meta)
     (out / f"{stem}.md").write_text(text)
