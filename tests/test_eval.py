@@ -59,12 +59,15 @@ def _fit(cfg, out):
     return out / "metrics.jsonl"
 
 
-@pytest.mark.parametrize("spill", ["none", "nvme"])
+@pytest.mark.parametrize("spill", ["none", "nvme", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_evaluating_changes_no_training_bit(token_file, tmp_path, spill):
     """Evaluating after steps (which lands the pending update early and leaves the weight slots stale)
     gives the same losses and weights as a run that never evaluates: in RAM with speculation, and with the
     streamed weights and moments spilled to NVMe."""
     sets = ["optim.grad_clip=100", "optim.speculate_units=99"]
+    if spill == "cuda":  # GPU updates and a resident unit too: every update path lands before the evaluation
+        sets = ['train.device="cuda"', 'train.compute_dtype="bfloat16"', 'tiers.stream="master"',
+                "tiers.gpu_update_units=2", "tiers.gpu_resident_gb=0.0005", *sets]
     if spill == "nvme":
         sets = [*DEEP, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"', 'tiers.io="posix"']
         sets.append(f"tiers.host_gb={_budget_for(tiny_config(token_file, *sets))}")
