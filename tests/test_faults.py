@@ -326,7 +326,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num
     ("late-oov", "token id 5000"),
     ("lr-inf", "optim.lr must be a finite number"),
     ("odd-head", "the head size, must be even"),
-    ("kvikio", "pip install kvikio"),
+    ("kvikio", "pip install \"tiertrain[cu"),
 ])
 def test_bad_input_is_one_line(token_file, tmp_path, case, words):
     out = tmp_path / "run"

@@ -133,8 +133,11 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
         if not out.endswith(".bin"):
             raise UserError(f"--out {out}: token files written by prepare end in .bin")
         total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
-        with click.progressbar(length=total, label="tokenizing", file=sys.stderr) as bar:
-            count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, bar.update)
+        if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets only the result line
+            with click.progressbar(length=total, label="tokenizing", file=sys.stderr) as bar:
+                count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, bar.update)
+        else:
+            count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot)
     except UserError as e:
         _fail(e)
     click.echo(f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path=\"{out}\"")
