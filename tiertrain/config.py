@@ -57,6 +57,9 @@ class TrainConfig:
     eval_every: int = 0  # steps between validation losses (with data.val_path or val_fraction); 0: at the end only
     eval_batches: int = 8  # batches of train.batch_size sequences per validation loss (the first, unshuffled)
     tensorboard: bool = False  # also write metrics.jsonl's numbers as TensorBoard scalars under <out>/tensorboard
+    # the last N blocks keep their activations on the GPU for the backward pass instead of recomputing their
+    # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
+    keep_activations: int | Auto = "auto"
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
@@ -66,6 +69,8 @@ class TrainConfig:
               'must be "auto" (the plan chooses) or a positive integer')
         _need(_auto_or(self.loss_chunk_tokens, 1), "train", "loss_chunk_tokens", self,
               'must be "auto" or a positive integer')
+        _need(_auto_or(self.keep_activations, 0), "train", "keep_activations", self,
+              'must be "auto" (the plan chooses), 0 (recompute every block) or a number of blocks')
         _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
         _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
@@ -124,8 +129,9 @@ class TiersConfig:
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
-    gpu_resident_gb: float | Auto = 0.0  # GPU memory for the whole state of the first units (updated there);
-    # "auto": what the plan leaves free (none on a CPU)
+    # GPU memory for the whole state of the first units (updated there); "auto": what the plan leaves free
+    # beside the streaming buffers and activations (none on a CPU); 0: none
+    gpu_resident_gb: float | Auto = "auto"
     gpu_update_units: int | Auto = "auto"  # streamed units updated on the GPU as they load; 0: none; "auto": the plan's
 
     def validate(self) -> None:

@@ -135,7 +135,7 @@ class Trainer:
         self.checkpoints = Checkpoints(self.run_plan.activations, self.streams, self.clock, self.device, pin)
         self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
                            self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device),
-                           fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip)
+                           fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, self.run_plan.kept())
         self.step = 0
         if resume is not None:
             self.restore(resume)

@@ -2,11 +2,12 @@
 
 forward   unit 0..L-2, no autograd: each unit's weights are loaded once and applied to every micro-batch
           while the next unit's weights are copied in; each block's input is saved (the activation
-          checkpoint, on the GPU or sent to the host)
+          checkpoint, on the GPU or sent to the host); a kept block (RunPlan: recompute false) runs with
+          autograd instead and keeps its graph on the GPU, its weights saved as references to its slot
 head      per micro-batch: final norm, then logits and cross-entropy a chunk of tokens at a time, with
           gradients: the full logits of the batch never exist
 backward  unit L-2..1: recompute each micro-batch from its checkpoint with autograd on leaf views of the
-          loaded weights, backprop, add the weight gradients into an fp32 accumulator; the accumulator
+          loaded weights (a kept block: its graph, reading the weights loaded again), backprop, add the weight gradients into an fp32 accumulator; the accumulator
           drains on the D2H stream while the next unit computes; the embedding's gradient is an fp32
           scatter-add of the incoming gradients
 norm      the global gradient norm from the per-unit norms left on the device: the step's one synchronization
@@ -31,9 +32,12 @@ from .streams import StallClock
 class Step:
     def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], slots: WeightSlots,
                  grads: Accumulators, checkpoints: Checkpoints, updates: Updates, clock: StallClock, ctx: Context,
-                 loss_chunk_tokens: int | None, max_norm: float):
+                 loss_chunk_tokens: int | None, max_norm: float, kept: frozenset[int] = frozenset()):
         self.units, self.layouts, self.slots, self.grads, self.ck, self.updates, self.clock, self.ctx = (
             units, layouts, slots, grads, checkpoints, updates, clock, ctx)
+        self.kept = kept  # blocks whose activations stay on the GPU from forward to backward
+        self.graphs: dict[int, tuple] = {}  # kept block -> (inputs, outputs, leaves) per micro-batch
+        self.weights_now: dict[int, torch.Tensor] = {}  # kept block -> its flat weights for the backward pass
         self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)  # ~64 MiB of fp32 logits
         self.max_norm = max_norm
 
@@ -58,9 +62,10 @@ class Step:
             load(1)
             for i in range(1, L - 1):
                 w = self.bind(i)
-                ck.save(i, xs)
+                if i not in self.kept:
+                    ck.save(i, xs)
                 with clock.computing("forward"):
-                    xs = [llama.block(w, x, self.ctx) for x in xs]
+                    xs = self.forward_kept(i, w, xs) if i in self.kept else [llama.block(w, x, self.ctx) for x in xs]
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
 
@@ -69,7 +74,7 @@ class Step:
         norms: list[torch.Tensor | None] = [None] * L
         leaves, pairs = self.bind_for_grad(L - 1)
         load(L - 2)  # the last block is still in its slot: nothing moves
-        if L > 2:
+        if L > 2 and L - 2 not in self.kept:
             ck.prefetch(L - 2)
         loss, gx = self.head(leaves, pairs, xs, targets, n_tokens)
         del xs
@@ -80,11 +85,15 @@ class Step:
         for i in range(L - 2, 0, -1):
             leaves, pairs = self.bind_for_grad(i)
             load(i - 1)
-            if i > 1:
+            if i > 1 and i - 1 not in self.kept:
                 ck.prefetch(i - 1)
-            saved = ck.get(i)  # waits for its H2D outside the timed compute
-            with clock.computing("backward"):
-                gx = self.block_backward(leaves, pairs, saved, gx)
+            if i in self.kept:
+                with clock.computing("backward"):
+                    gx = self.kept_backward(i, leaves, pairs, gx)
+            else:
+                saved = ck.get(i)  # waits for its H2D outside the timed compute
+                with clock.computing("backward"):
+                    gx = self.block_backward(leaves, pairs, saved, gx)
             self.release(i)
             ck.drop(i)
             norms[i] = grads.drain(i)
@@ -164,6 +173,48 @@ class Step:
             out_grads.append(out[0])
             for (_, acc), gw in zip(pairs, out[1:]):
                 acc.add_(gw)
+        return out_grads
+
+    def forward_kept(self, unit: int, w: dict[str, torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The block's forward pass with autograd, its graph kept for the backward pass. What the graph saves
+        of the weights is saved as (offset, shape, stride) in the unit's flat slot: the slot is refilled by
+        other units in between, and the backward pass loads the unit's weights again (weights_now)."""
+        flat = self.slots.use(unit)
+        ptr, base = flat.untyped_storage().data_ptr(), flat.storage_offset()
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() == ptr:
+                return t.storage_offset() - base, t.shape, t.stride()
+            return t
+
+        def unpack(p):  # on the autograd engine's thread: it reads weights_now, set before the backward pass
+            if isinstance(p, tuple):
+                now = self.weights_now[unit]
+                return now.as_strided(p[1], p[2], now.storage_offset() + p[0])
+            return p
+
+        leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
+        ins = [x.detach().requires_grad_() for x in xs]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            outs = [llama.block(leaves, x, self.ctx) for x in ins]
+        self.graphs[unit] = (ins, outs, leaves)
+        return [y.detach() for y in outs]
+
+    def kept_backward(self, unit: int, leaves, pairs, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """block_backward through the graph the forward pass kept: the gradients reach its own leaves, and
+        its saved weights are read from the unit's weights as loaded for this pass."""
+        ins, outs, kept_leaves = self.graphs.pop(unit)
+        self.weights_now[unit] = self.slots.use(unit)
+        by_id = {id(v): n for n, v in leaves.items()}
+        pairs = [(kept_leaves[by_id[id(p)]], acc) for p, acc in pairs]
+        out_grads = []
+        for m, g in enumerate(grads):
+            out = torch.autograd.grad(outs[m], [ins[m]] + [p for p, _ in pairs], g)
+            outs[m] = ins[m] = None  # the micro-batch's graph goes with its last reference
+            out_grads.append(out[0])
+            for (_, acc), gw in zip(pairs, out[1:]):
+                acc.add_(gw)
+        del self.weights_now[unit]
         return out_grads
 
     def embedding_backward(self, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

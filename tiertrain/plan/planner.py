@@ -45,6 +45,18 @@ SPEC_MARGIN = 1.5
 GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
+KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
+
+
+def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
+    """GPU bytes a block's autograd graph saves per token (what keeping its activations costs): the fp32
+    residual and norms (16 H), four H-wide and four FF-wide matmul inputs or outputs in the compute dtype,
+    K and V, the attention's log-sum-exp per head, the RoPE tables cast per call. Counted exactly with
+    saved-tensor hooks on llama.block (tests/test_keep.py checks it)."""
+    w = 2 if dtype == "bfloat16" else 4
+    kv = spec.n_kv_heads * spec.hd
+    return (16 * spec.hidden_size + 4 * w * spec.hidden_size + 4 * w * spec.intermediate_size + 2 * w * kv
+            + 4 * spec.num_attention_heads + 8 * spec.hd + 8)
 
 
 def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
@@ -79,6 +91,7 @@ class Plan:
     activations: str = ""
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
+    kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
     speculated: int = 0  # units the host updates from RAM in the backward pass (alternate_from_last)
     gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
@@ -132,10 +145,11 @@ def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int | str = "auto",
              least: bool = False, speculate: int | None = None, clipping: bool = True,
-             speculate_gpu: bool | None = None) -> Plan:
+             speculate_gpu: bool | None = None, keep: int | None = 0) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
-    host budget holds), with copies when `clipping`. `least`: with an NVMe tier, also the least host budget (a walk
+    host budget holds), with copies when `clipping`; `keep` blocks keep their activations (None: as many as
+    the GPU memory left holds, after room for the GPU updates' state). `least`: with an NVMe tier, also the least host budget (a walk
     over every placement: the report's, not the search's); a miss for host memory always has it."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
              resident_gb=budgets.resident_gb)
@@ -193,6 +207,17 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              "activation grads": T * H * 4,
              "working set": WORK_PER_TOKEN * (16 * H + 8 * FF) * micro * seq_len + 3 * (64 << 20)}
     gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
+    in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
+    cands = in_ram if "weights" not in kb else []
+    # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
+    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T - (T * H * 4 if activations == "gpu" else 0)
+    if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
+        sets = 2 * 16 * max((numels[u] for u in cands), default=0) if gpu_updates != 0 else 0
+        keep = int(max(0.0, gpu_budget - p.gpu_total - sets) // per_kept)
+    p.kept = min(keep, spec.num_hidden_layers)
+    if p.kept:  # shown gross: the blocks kept have no checkpoint
+        p.gpu["kept activations"] = p.kept * KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T
+        p.gpu["checkpoints"] -= p.kept * T * H * 4 if activations == "gpu" else 0
     if p.gpu_total > gpu_budget:
         p.short_of, p.why = "GPU", f"GPU: needs {gb(p.gpu_total)} of {gb(gpu_budget)} usable"
         return p
@@ -200,8 +225,6 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     # ---- time, for each number of units updated on the GPU that fits, speculating or not ----
     reloaded = _reloaded(len(numels))
     sums = (sum(numels), sum(numels[reloaded.start:reloaded.stop]))  # what crosses PCIe forward, backward
-    in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
-    cands = in_ram if "weights" not in kb else []
     room = host_budget - sum(p.host_bytes.values()) - ring - host_ck
     best, short = None, None
     for k, ge in [(k, ge) for k in (_counts(len(cands)) if gpu_updates == "auto" else [min(gpu_updates, len(cands))])
@@ -268,8 +291,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.fits, p.why = True, "fits"
     gpu = gpu_updated(cands, p.gpu_updates, p.gpu_speculated)  # the units of each update mode, as the runtime takes them
     host = alternate_from_last([u for u in in_ram if u not in set(gpu)], len(in_ram))
+    nl = spec.num_hidden_layers
     p.units = [u.to_dict() for u in unit_plans([u.name for u in spec.units()], where, resident, gpu, p.gpu_speculated,
-                                               host[:p.speculated])]
+                                               host[:p.speculated], range(nl + 1 - p.kept, nl + 1))]
     return p
 
 
@@ -325,6 +349,8 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, specula
     (the gradient is already there; the kept master streams in the next forward pass like the others)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
+    # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
+    recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
     host_ck_io = ck_bytes if p.activations == "host" else 0
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
@@ -337,7 +363,7 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, specula
     d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     dram = hw.host_dram_gbs * 1e9
-    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * F / rate,
+    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate,
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
@@ -371,34 +397,37 @@ def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, specula
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int | str = "auto",
-         speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None) -> Plan:
+         speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None,
+         keep: int | None = None) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
-    `stream`, `activations`, `speculate`: fixed choices (None: searched); budgets.resident_gb "auto": the GPU
-    memory the rest of the plan leaves, for resident units (or less, if that is faster). `clipping`: the
-    global norm is clipped (a speculative update then writes copies)."""
+    `stream`, `activations`, `speculate`, `keep`: fixed choices (None: searched); budgets.resident_gb "auto":
+    part of the GPU memory the rest of the plan leaves (kept activations aside), for resident units, the
+    kept activations taking what those leave, in the proportion that gives the shortest step. `clipping`:
+    the global norm is clipped (a speculative update then writes copies)."""
     from .advice import explain  # advice plans variants with this module
 
     if hw.unified:  # see HardwareSpec.unified: what the config leaves to the plan is none of them
         activations, speculate = activations or "gpu", 0 if speculate is None else speculate
+        keep = 0 if keep is None else keep  # the device's memory is the host's: keep what the config says
         gpu_updates, speculate_gpu = 0 if gpu_updates == "auto" else gpu_updates, bool(speculate_gpu)
         budgets = replace(budgets, resident_gb=0.0 if budgets.resident_gb == "auto" else budgets.resident_gb)
     if budgets.resident_gb == "auto":
         args = (spec, batch, seq_len, dtype)
         kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,
-                  speculate=speculate, clipping=clipping, speculate_gpu=speculate_gpu)
+                  speculate=speculate, clipping=clipping, speculate_gpu=speculate_gpu, keep=keep)
         best = plan(*args, replace(budgets, resident_gb=0.0), hw, advise=False, **kw)
-        for frac in (0.9, 0.6, 0.3) if best.fits else ():
-            gb = int(spare_gb(best, budgets, hw) * frac)
+        spare = spare_gb(best, budgets, hw) if best.fits else 0.0
+        for frac in (1.0, 0.9, 0.75, 0.6, 0.45, 0.3, 0.15):
+            gb = int(spare * frac)
             q = plan(*args, replace(budgets, resident_gb=gb), hw, advise=False, **kw) if gb >= 1 else best
-            if q.fits and q.step_s < best.step_s * (1 - 1e-9):
+            if q.fits and _expected(q) < _expected(best) * (1 - 1e-9):
                 best = q
-                break
         return explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
     cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates, speculate=speculate,
-                      clipping=clipping, speculate_gpu=speculate_gpu)
+                      clipping=clipping, speculate_gpu=speculate_gpu, keep=keep)
              for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
@@ -410,6 +439,12 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     return explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
 
 
+def _expected(p: Plan) -> float:
+    """The step a resident budget is chosen by: with clipping on, a step whose norm clips is as likely as not."""
+    return (p.step_s + p.clipped_step_s) / 2 if p.clipping else p.step_s
+
+
 def spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
-    """GPU memory (GB) the plan leaves unused, within the usable part of the budget."""
-    return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - p.gpu_total / 1e9
+    """GPU memory (GB) the plan leaves unused or gives to kept activations, within the usable part of the budget."""
+    used = p.gpu_total - p.gpu.get("kept activations", 0)
+    return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - used / 1e9

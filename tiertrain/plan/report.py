@@ -29,7 +29,8 @@ def to_markdown(p: Plan) -> str:
             + (f"{p.resident_gb:g} GB of GPU memory holds the whole state of the first units; " if p.resident_gb else "")
             + "weights stream as "
             f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
-            f"activation checkpoints on the {p.activations}; "
+            f"activation checkpoints on the {p.activations}"
+            + (f" ({p.kept} last blocks keep their activations on the GPU instead: no recompute); " if p.kept else "; ")
             + _updates(p), "",
             "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
     for k in sorted(p.placement):

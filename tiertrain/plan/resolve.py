@@ -27,7 +27,8 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
                 Budgets(host_gb, gpu_gb, nvme_gb, t.gpu_resident_gb), hw, name=name, advise=advise,
                 gpu_updates=t.gpu_update_units, micro=fixed(tc.micro_batch_size) or micro,
                 clipping=o.grad_clip > 0, speculate=fixed(o.speculate_units),
-                speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations))
+                speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations),
+                keep=fixed(tc.keep_activations))
 
 
 def chosen(cfg: Config) -> tuple[str, ...]:
@@ -35,7 +36,8 @@ def chosen(cfg: Config) -> tuple[str, ...]:
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
     named = {"stream": t.stream, "activations": t.activations, "micro-batch": tc.micro_batch_size,
              "speculation": o.speculate_units, "GPU updates": t.gpu_update_units,
-             "GPU updates' speculation": o.speculate_gpu_updates, "resident GB": t.gpu_resident_gb}
+             "GPU updates' speculation": o.speculate_gpu_updates, "resident GB": t.gpu_resident_gb,
+             "kept activations": tc.keep_activations}
     return tuple(k for k, v in named.items() if v == AUTO)
 
 
@@ -59,6 +61,7 @@ def _refusal(cfg: Config, p: Plan, micro: int | None, pin: bool) -> str:
         resident = t.gpu_resident_gb
         fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
                  *(["lower train.micro_batch_size"] if fixed(tc.micro_batch_size) or micro else []),
+                 *([f"lower train.keep_activations ({tc.keep_activations})"] if fixed(tc.keep_activations) else []),
                  *(['set tiers.activations="host"'] if t.activations == "gpu" else []),
                  "lower train.seq_len"]
         return f"{p.why}: " + ", or ".join(fixes)

@@ -9,6 +9,8 @@ A unit's `update` says where and when its AdamW runs:
   gpu-speculated   on the GPU in the backward pass, as its gradient is accumulated (kept or redone)
   resident         on the GPU, where its whole state lives
 Its `homes` say where each kind of its state lives: gpu (resident units), host (RAM) or nvme (the disk tier).
+Its `recompute` says how its backward pass gets its activations: true, by running its forward pass again from
+its checkpoint (the block's input); false, kept on the GPU from the forward pass (a block only).
 """
 from __future__ import annotations
 
@@ -25,13 +27,15 @@ class UnitPlan:
     name: str
     update: str  # one of UPDATES
     homes: tuple[tuple[str, str], ...]  # (kind, home) for every kind of slab the run keeps
+    recompute: bool = True  # false: the block's activations are kept on the GPU for its backward pass
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes)}
+        return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes),
+                "recompute": self.recompute}
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitPlan":
-        return cls(d["index"], d["name"], d["update"], tuple(d["homes"].items()))
+        return cls(d["index"], d["name"], d["update"], tuple(d["homes"].items()), d.get("recompute", True))
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class RunPlan:
     def where(self) -> dict[tuple[int, str], str]:
         """{(unit, kind): home}: the placement the tiers obey."""
         return {(u.index, k): home for u in self.units for k, home in u.homes}
+
+    def kept(self) -> frozenset[int]:
+        """The blocks whose activations stay on the GPU for the backward pass (not recomputed)."""
+        return frozenset(u.index for u in self.units if not u.recompute)
 
     def updated(self, *updates: str) -> frozenset[int]:
         """The units whose update is one of `updates`."""
@@ -81,14 +89,15 @@ class RunPlan:
 
 
 def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],
-               gpu_speculated: bool, host_speculated: Iterable[int]) -> tuple[UnitPlan, ...]:
-    """The entries of units `names` from a placement and the sets of units each update mode takes."""
-    resident, gpu, early = set(resident), set(gpu), set(host_speculated)
+               gpu_speculated: bool, host_speculated: Iterable[int], kept: Iterable[int] = ()) -> tuple[UnitPlan, ...]:
+    """The entries of units `names` from a placement, the sets of units each update mode takes and the blocks
+    whose activations are kept."""
+    resident, gpu, early, kept = set(resident), set(gpu), set(host_speculated), set(kept)
     out = []
     for u, name in enumerate(names):
         kinds = sorted(k for (v, k) in where if v == u)
         homes = tuple((k, "gpu" if u in resident else where[(u, k)]) for k in kinds)
         update = ("resident" if u in resident else ("gpu-speculated" if gpu_speculated else "gpu") if u in gpu
                   else "host-speculated" if u in early else "host")
-        out.append(UnitPlan(u, name, update, homes))
+        out.append(UnitPlan(u, name, update, homes, u not in kept))
     return tuple(out)

@@ -1,0 +1,87 @@
+"""Kept activations (train.keep_activations): a block's backward pass through the graph its forward pass kept
+gives the same bits as recomputing it from its checkpoint; the planner prices the graph exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiertrain.config import load_config
+from tiertrain.model import llama
+from tiertrain.model.spec import ModelSpec
+from tiertrain.plan.planner import Budgets, kept_bytes_per_token, plan
+from tiertrain.plan.resolve import resolve
+from tiertrain.plan.hardware import REFERENCE
+from tiertrain.errors import ConfigError
+from tiertrain.trainer import Trainer
+
+from conftest import VARIANTS, tiny_config
+
+
+def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int) -> int:
+    """What llama.block's autograd graph saves for one sequence of t tokens, weights aside."""
+    ctx = llama.Context.build(spec, t, dtype, torch.device("cpu"))
+    w = {x.name: torch.randn(x.shape, dtype=dtype).requires_grad_() for x in spec.units()[1].tensors}
+    weights = {v.untyped_storage().data_ptr() for v in w.values()}
+    seen = {}
+
+    def pack(x):
+        if x.untyped_storage().data_ptr() not in weights:
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p):
+        llama.block(w, torch.randn(1, t, spec.hidden_size).requires_grad_(), ctx)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(256, 512, 4, 4), (256, 1024, 4, 2), (512, 768, 8, 8)])
+def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape):
+    H, FF, heads, kv = shape
+    spec = ModelSpec(hidden_size=H, intermediate_size=FF, num_attention_heads=heads, num_key_value_heads=kv,
+                     num_hidden_layers=2, vocab_size=256, max_position_embeddings=512)
+    dt = getattr(torch, dtype)
+    per_token = (_saved_bytes(spec, dt, 512) - _saved_bytes(spec, dt, 256)) / 256  # the RoPE tables aside
+    assert per_token == kept_bytes_per_token(spec, dtype)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("sets", [["train.keep_activations=3"], ["train.keep_activations=2"],
+                                  ["train.keep_activations=1", 'tiers.activations="host"'],
+                                  ["train.keep_activations=3", 'train.compute_dtype="bfloat16"'],
+                                  pytest.param(["train.keep_activations=2", 'train.device="cuda"',
+                                                'train.compute_dtype="bfloat16"', 'tiers.activations="host"',
+                                                'tiers.stream="master"', "tiers.gpu_update_units=1",
+                                                "tiers.gpu_resident_gb=0.0005"], marks=pytest.mark.gpu)],
+                         ids=["all", "last-two", "host-checkpoints", "bf16", "cuda"])
+def test_kept_activations_give_the_bits_of_recompute(token_file, variant, sets):
+    base = [*VARIANTS[variant], "train.steps=4", *[s for s in sets if "keep_activations" not in s]]
+    runs = {}
+    for keep in ("0", sets[0].split("=")[1]):
+        tr = Trainer(tiny_config(token_file, *base, f"train.keep_activations={keep}"))
+        assert len(tr.run_plan.kept()) == int(keep) and tr.schedule.kept == tr.run_plan.kept()
+        losses = [tr.train_step()["loss"] for _ in range(4)]
+        runs[keep] = losses, tr.state_dict()
+        tr.close()
+    (la, wa), (lb, wb) = runs.values()
+    assert la == lb
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
+    cfg = load_config("llama-3b", ["train.batch_size=4", "train.micro_batch_size=4", "tiers.gpu_resident_gb=0"])
+    spec, args = cfg.model, (cfg.model, 4, 2048, "bfloat16")
+    roomy = plan(*args, Budgets(host_gb=200, gpu_gb=141), REFERENCE, advise=False)
+    none = plan(*args, Budgets(host_gb=200, gpu_gb=141), REFERENCE, advise=False, keep=0)
+    tight = plan(*args, Budgets(host_gb=200, gpu_gb=30), REFERENCE, advise=False)
+    assert roomy.kept == spec.num_hidden_layers and 0 < tight.kept < spec.num_hidden_layers
+    assert tight.gpu_total <= 30e9 * 0.95 and roomy.step_s < none.step_s
+    F = spec.flops_per_token(2048)  # kept: the backward pass skips the blocks' forward pass, a third of theirs
+    blocks = F - 6 * spec.vocab_size * spec.hidden_size
+    assert roomy.times["compute bwd"] == pytest.approx(none.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9)
+    flags = [not u["recompute"] for u in tight.units]  # the last blocks, the head not among them
+    assert flags == [False] * (spec.num_hidden_layers + 1 - tight.kept) + [True] * tight.kept + [False]
+    with pytest.raises(ConfigError, match="lower train.keep_activations"):
+        resolve(load_config("llama-3b", ["train.keep_activations=26", 'train.device="cuda"']),
+                REFERENCE.__class__(**{**REFERENCE.__dict__, "gpu_mem_gb": 30}))
