@@ -17,10 +17,10 @@ from tiertrain.trainer import Trainer
 from conftest import VARIANTS, tiny_config
 
 
-def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int) -> int:
+def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str) -> int:
     """What llama.block's autograd graph saves for one sequence of t tokens, weights aside."""
-    ctx = llama.Context.build(spec, t, dtype, torch.device("cpu"))
-    w = {x.name: torch.randn(x.shape, dtype=dtype).requires_grad_() for x in spec.units()[1].tensors}
+    ctx = llama.Context.build(spec, t, dtype, torch.device(device))
+    w = {x.name: torch.randn(x.shape, dtype=dtype, device=device).requires_grad_() for x in spec.units()[1].tensors}
     weights = {v.untyped_storage().data_ptr() for v in w.values()}
     seen = {}
 
@@ -30,18 +30,19 @@ def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int) -> int:
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p):
-        llama.block(w, torch.randn(1, t, spec.hidden_size).requires_grad_(), ctx)
+        llama.block(w, torch.randn(1, t, spec.hidden_size, device=device).requires_grad_(), ctx)
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("shape", [(256, 512, 4, 4), (256, 1024, 4, 2), (512, 768, 8, 8)])
-def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape):
+def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device):
     H, FF, heads, kv = shape
     spec = ModelSpec(hidden_size=H, intermediate_size=FF, num_attention_heads=heads, num_key_value_heads=kv,
                      num_hidden_layers=2, vocab_size=256, max_position_embeddings=512)
     dt = getattr(torch, dtype)
-    per_token = (_saved_bytes(spec, dt, 512) - _saved_bytes(spec, dt, 256)) / 256  # the RoPE tables aside
+    per_token = (_saved_bytes(spec, dt, 512, device) - _saved_bytes(spec, dt, 256, device)) / 256  # constants aside
     assert per_token == kept_bytes_per_token(spec, dtype)
 
 
