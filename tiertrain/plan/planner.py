@@ -211,6 +211,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     cands = in_ram if "weights" not in kb else []
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
     per_kept = KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T - (T * H * 4 if activations == "gpu" else 0)
+    if keep is None and dtype == "float32" and spec.n_kv_heads != spec.num_attention_heads:
+        keep = 0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
     if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
         sets = 2 * 16 * max((numels[u] for u in cands), default=0) if gpu_updates != 0 else 0
         keep = int(max(0.0, gpu_budget - p.gpu_total - sets) // per_kept)
