@@ -29,16 +29,17 @@ def run_worker(module: str, tag: str, args: list[str], out: Path, timeout: int, 
     its JSON output, or None with the reason under `tag` in `errors`. The log stays in out/.<tag>.log."""
     js = out / f".{tag}.json"
     cmd = [sys.executable, "-m", module, *args, "--json", str(js)]
-    t0 = time.perf_counter()
+    t0, code = time.perf_counter(), None
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        ok, log = r.returncode == 0 and js.exists(), r.stdout + r.stderr
+        ok, log, code = r.returncode == 0 and js.exists(), r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
         ok, log = False, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
     (out / f".{tag}.log").write_text(log if isinstance(log, str) else str(log))
     print(f"{tag}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
     if not ok:
-        errors[tag] = (log.strip().splitlines() or ["no output"])[-1][:300]
+        # a negative code is the signal that ended it (-9: the kernel's OOM killer, which leaves no traceback)
+        errors[tag] = f"exit {code}: " * (code is not None) + (log.strip().splitlines() or ["no output"])[-1][:300]
         return None
     data = json.loads(js.read_text())
     js.unlink()

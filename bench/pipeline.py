@@ -165,10 +165,13 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
     spec = load_config(a.config).model
     S = load_config(a.config).train.seq_len
     deepspeed.init_distributed()
-    model = ReferenceLM(spec, checkpoint_layers=True)
+    conf = deepspeed_config(a, nvme_dir)
     t0 = time.perf_counter()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=deepspeed_config(a, nvme_dir))
+    # each parameter partitioned to the host as it is made: a whole fp32 model beside ZeRO's own copies
+    # does not fit the host's RAM from about 5B parameters on a 128 GiB machine
+    with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=True):
+        model = ReferenceLM(spec, checkpoint_layers=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     setup_s = time.perf_counter() - t0
 
     def step(inp, tgt):
