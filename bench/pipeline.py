@@ -134,7 +134,8 @@ def run_gpu(a, checkpointing: bool = True) -> list[dict]:
 
 
 def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
-    opt_off = {"device": "cpu", "pin_memory": True}
+    pin = not getattr(a, "ds_unpinned", False)  # bench.nvme has no such flag
+    opt_off = {"device": "cpu", "pin_memory": pin}
     if nvme_dir:
         opt_off = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True, "buffer_count": 4}
     return {
@@ -144,7 +145,7 @@ def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
         # the engine switches off an outer torch.autocast unless its own section asks for one
         "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": pin},
                               "offload_optimizer": opt_off, "overlap_comm": True, "contiguous_gradients": True,
                               # ZeRO-3's own F.linear ignores autocast; the plain one runs the same math
                               # as the other systems
@@ -169,7 +170,7 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
     t0 = time.perf_counter()
     # each parameter partitioned to the host as it is made: a whole fp32 model beside ZeRO's own copies
     # does not fit the host's RAM from about 5B parameters on a 128 GiB machine
-    with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=True):
+    with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=conf["zero_optimization"]["offload_param"]["pin_memory"]):
         model = ReferenceLM(spec, checkpoint_layers=True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     setup_s = time.perf_counter() - t0
@@ -321,6 +322,8 @@ def main() -> None:
     p.add_argument("--define", nargs="+", action="append", default=[], metavar=("NAME", "SET"),
                    help="a tiertrain system: its name and its --set overrides (repeatable); add NAME to --systems")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--ds-unpinned", action="store_true", help="DeepSpeed offloads into pageable memory: torch's "
+                   "pinned allocator rounds each block up to a power of two, which a large model's host RAM may not hold")
     p.add_argument("--plan-on-probe", action="store_true",
                    help="tiertrain plans with the probe's figures, not the reference machine's")
     p.add_argument("--tag", default="", help="appended to the result files' names")
@@ -352,7 +355,7 @@ def main() -> None:
     REFERENCE.save(hardware)
     meta = {**commit(), "hardware": "the reference figures"}
     base = ["--config", a.config, "--micro", str(a.micro), "--warmup", str(a.warmup), "--steps", str(a.steps),
-            "--grad-clip", str(a.grad_clip), "--hardware", str(hardware)]
+            "--grad-clip", str(a.grad_clip), "--hardware", str(hardware), *(["--ds-unpinned"] * a.ds_unpinned)]
     results, errors, probe = [], {}, {}
     for system in a.systems.split(","):
         if system == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
