@@ -170,7 +170,8 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
     t0 = time.perf_counter()
     # each parameter partitioned to the host as it is made: a whole fp32 model beside ZeRO's own copies
     # does not fit the host's RAM from about 5B parameters on a 128 GiB machine
-    with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=conf["zero_optimization"]["offload_param"]["pin_memory"]):
+    pin = conf["zero_optimization"]["offload_param"]["pin_memory"]
+    with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=pin):
         model = ReferenceLM(spec, checkpoint_layers=True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     setup_s = time.perf_counter() - t0
