@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from tiertrain.plan.hardware import HardwareSpec
-from tiertrain.plan.planner import disk_time
+from tiertrain.plan.times import disk_time
 
 
 def _placement(pl: dict) -> str:

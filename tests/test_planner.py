@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import glob
 import json
 import re
@@ -153,7 +154,8 @@ def test_a_plan_that_does_not_fit_says_which_budget():
     assert need - 0.1 < reported <= need
     assert not plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE,
                     advise=False).fits
-    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40"],
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40",
+                        "--gpu-gb", "24"],  # a 141 GB GPU holds what the host does not
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Does not fit" in r.stdout
 
@@ -265,6 +267,22 @@ def test_resident_auto_takes_what_the_gpu_has_left():
 
     assert expected(at(16, 24, "auto")) <= expected(at(16, 24, 0))  # never slower than none
     assert at(4, 24, small.resident_gb).step_s == small.step_s  # what "auto" chose, as a number
+
+
+def test_resident_auto_holds_what_host_and_disk_cannot():
+    """A state larger than the host and disk budgets together fits when the GPU holds the rest: llama3.1-8b
+    (145 GB) in 40 GB of RAM, 55 GB of disk and a 141 GB GPU; without the GPU tier it does not fit. The
+    largest model the report names for these budgets plans as fitting, and one more layer does not."""
+    spec = load_config("llama3.1-8b").model
+    b = Budgets(host_gb=40, gpu_gb=141, nvme_gb=55, resident_gb="auto")
+    assert not plan(spec, 2, 4096, "bfloat16", replace(b, resident_gb=0), REFERENCE, micro=2, advise=False).fits
+    p = plan(spec, 2, 4096, "bfloat16", b, REFERENCE, micro=2)
+    assert p.fits and p.resident_gb >= 1 and p.gpu_total <= 141e9 * 0.95
+    assert p.largest_layers > spec.num_hidden_layers
+    big = replace(spec, num_hidden_layers=p.largest_layers)
+    assert plan(big, 2, 4096, "bfloat16", b, REFERENCE, micro=2, advise=False).fits
+    assert not plan(replace(big, num_hidden_layers=p.largest_layers + 1), 2, 4096, "bfloat16", b, REFERENCE,
+                    micro=2, advise=False).fits
 
 
 @pytest.mark.parametrize("name,params", [("llama3.1-8b", 8.03e9), ("qwen2.5-7b", 7.62e9), ("qwen3-8b", 8.19e9),

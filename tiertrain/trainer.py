@@ -96,7 +96,10 @@ class Trainer:
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
         micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
         self.hw = placing.hardware(self.device, hardware, cfg.optim.host_kernel)  # the figures the run plans with
-        self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro)
+        # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
+        # what the host cannot hold goes to the GPU's memory when it has room
+        ram = None if self.hw.unified else placing.available_ram() * 0.9 / 1e9
+        self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro, ram)
         self.predicts = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
         if updates:
             self.run_plan = self.run_plan.with_updates(updates)

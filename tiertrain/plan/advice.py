@@ -47,12 +47,22 @@ def advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list
 def largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
     """The most decoder layers of this shape that still fit the budgets (binary search, up to
     LARGEST_LAYERS). Memory alone decides, so each try plans the plan's micro-batch with nothing
-    speculated or updated on the GPU (what costs the least memory): a few candidates, O(layers) each."""
+    speculated or updated on the GPU (what costs the least memory), with a resident budget "auto" at all
+    the GPU memory left: a few candidates, O(layers) each."""
     def fits(n: int) -> bool:
         s = replace(spec, num_hidden_layers=n)
-        return any(evaluate(s, p.batch, p.seq_len, p.dtype, p.micro_batch, stream, acts,
-                            replace(budgets, resident_gb=p.resident_gb), hw, gpu_updates=0, speculate=0).fits
-                   for stream in {p.stream, "master"} for acts in ("gpu", "host"))
+        for stream in {p.stream, "master"}:
+            for acts in ("gpu", "host"):
+                def at(b: Budgets) -> Plan:
+                    return evaluate(s, p.batch, p.seq_len, p.dtype, p.micro_batch, stream, acts, b, hw,
+                                    gpu_updates=0, speculate=0)
+                resident = p.resident_gb
+                if budgets.resident_gb == "auto":  # all the GPU leaves (the most memory resident state can add)
+                    room = at(replace(budgets, host_gb=1e6, nvme_gb=None, resident_gb=0.0))
+                    resident = int(spare_gb(room, budgets, hw)) if room.fits else 0
+                if at(replace(budgets, resident_gb=resident)).fits:
+                    return True
+        return False
 
     lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
     while hi <= LARGEST_LAYERS and fits(hi):

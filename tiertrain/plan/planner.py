@@ -1,7 +1,7 @@
 """The capacity planner: what fits, where every slab lives, how fast a step runs, what limits it.
 
 Pure Python (no torch): a function of (model, batch, budgets, hardware). It uses the runtime's own slab
-layout and spill policy, and the schedule's cost model (docs/performance.md):
+layout and spill policy, and the schedule's cost model (plan/times.py, docs/performance.md):
     forward  = max(compute_fwd, H2D of the weights (+ GPU-updated units' state), D2H of that state,
                    host DRAM traffic of those copies and of the host AdamW)
     backward = max(compute_bwd (recompute included), H2D, D2H, NVMe reads of spilled weights + writes of
@@ -32,6 +32,7 @@ from ..tiers.placement import (alternate_from_last, copy_bytes, disk_bytes, gpu_
 from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
 from .hardware import HardwareSpec
 from .runplan import RunPlan, UnitPlan, unit_plans
+from .times import step_times
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
@@ -46,6 +47,7 @@ GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries ever
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
+RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)  # of the GPU memory left: the resident budgets "auto" tries
 
 
 def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
@@ -57,18 +59,6 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     kv = spec.n_kv_heads * spec.hd
     return (16 * spec.hidden_size + 4 * w * spec.hidden_size + 4 * w * spec.intermediate_size + 2 * w * kv
             + 4 * spec.num_attention_heads + 8 * spec.hd + 8)
-
-
-def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
-    """A spilled slab's disk traffic per step, in multiples of its size: (reads, writes) beside the
-    forward pass (the update's, and the forward pass's read of the streamed weights once the optimizer
-    has written them), and writes in the backward pass (its reads of the streamed weights: Plan's
-    `nvme_bwd_reads`, units the device still holds excepted)."""
-    if kind == streamed:  # a compute-dtype copy is written whole by the optimizer, a master read first
-        return (2 if kind == "master" else 1), 1, 0
-    if kind == "grad":  # drained to disk by the backward pass, read by the optimizer
-        return 1, 0, 1
-    return 1, 1, 0
 
 
 @dataclass
@@ -92,6 +82,7 @@ class Plan:
     gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
     kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
+    kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
     speculated: int = 0  # units the host updates from RAM in the backward pass (alternate_from_last)
     gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
@@ -219,7 +210,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.kept = min(keep, spec.num_hidden_layers)
     if p.kept:  # shown gross: the blocks kept have no checkpoint
         p.gpu["kept activations"] = p.kept * KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T
-        p.gpu["checkpoints"] -= p.kept * T * H * 4 if activations == "gpu" else 0
+        p.kept_checkpoints = p.kept * T * H * 4 if activations == "gpu" else 0
+        p.gpu["checkpoints"] -= p.kept_checkpoints
     if p.gpu_total > gpu_budget:
         p.short_of, p.why = "GPU", f"GPU: needs {gb(p.gpu_total)} of {gb(gpu_budget)} usable"
         return p
@@ -250,7 +242,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         on_gpu = sum(numels[u] for u in gpu)
 
         def step(n: int):
-            t, bwd, fwd = _times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_speculated=ge)
+            t, bwd, fwd = step_times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_speculated=ge)
             return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n], ge)
 
         if speculate is not None and copies[min(speculate, len(host))] > room:
@@ -278,7 +270,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.clipped_times, p.clipped_step_s = t, p.step_s
     if clipping and (p.speculated or p.gpu_speculated):
         on_gpu = sum(numels[u] for u in gpu_updated(cands, p.gpu_updates, p.gpu_speculated))
-        ct, cb, cf = _times(spec, p, sums, on_gpu, 0, clipping, ck_bytes, kb, hw)
+        ct, cb, cf = step_times(spec, p, sums, on_gpu, 0, clipping, ck_bytes, kb, hw)
         p.clipped_times, p.clipped_step_s = ct, cb + cf
     # what limits each phase: the backward pass, then the forward pass with the update beside it
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
@@ -331,71 +323,6 @@ def _reloaded(n_units: int) -> range:
     return range(1, n_units - 3)
 
 
-def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
-    """Seconds of one disk for these bytes, reads and writes in flight together: each direction at its
-    own rate, both within the probed rate of both at once (unknown: one direction after the other)."""
-    r, w = reads / (hw.disk_read_gbs * 1e9), writes / (hw.disk_write_gbs * 1e9)
-    if not hw.disk_mixed_gbs:
-        return r + w
-    return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
-
-
-def _times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, speculated: int, copies: bool,
-           ck_bytes: int, kb: dict[str, int], hw: HardwareSpec,
-           gpu_speculated: bool = False) -> tuple[dict[str, float], float, float]:
-    """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
-    `on_gpu` parameters updated on the GPU and `speculated` queued for the host during the backward pass
-    (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM
-    traffic), as many as that pass has room for (the rest after the norm: "host AdamW" counts them).
-    `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their state's copies with it
-    (the gradient is already there; the kept master streams in the next forward pass like the others)."""
-    rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
-    T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
-    # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
-    recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
-    sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
-    host_ck_io = ck_bytes if p.activations == "host" else 0
-    io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
-    reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
-    adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
-    fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
-    streamed, reloaded = sums
-    h2d_fwd, d2h_fwd = sw * streamed + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
-    h2d_bwd = sw * reloaded + host_ck_io + 12 * bwd_gpu
-    d2h_bwd = 4 * streamed + 12 * bwd_gpu
-    adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
-    dram = hw.host_dram_gbs * 1e9
-    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate,
-         "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
-         "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
-         "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
-         "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
-         "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
-         "PCIe both bwd": (h2d_bwd + d2h_bwd)
-         / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
-         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
-         "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
-    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"])
-    # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
-    # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
-    # (Updates.after_norm): those left run after it with the others
-    spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
-    spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
-    room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
-    queued, speculated = speculated, min(speculated, room)
-    on_host = streamed - on_gpu - speculated
-    t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": speculated / spec_rate,
-          # the copies and the host AdamW share the host's DRAM
-          "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
-          "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram}
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
-    if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
-        bwd = max(bwd, t["host DRAM bwd"])
-    update = max(t["host AdamW"], t["NVMe"])
-    t["exposed update"] = max(0.0, update - fwd)
-    return t, bwd, max(fwd, update)
-
-
 def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets, hw: HardwareSpec,
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int | str = "auto",
@@ -413,31 +340,38 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         keep = 0 if keep is None else keep  # the device's memory is the host's: keep what the config says
         gpu_updates, speculate_gpu = 0 if gpu_updates == "auto" else gpu_updates, bool(speculate_gpu)
         budgets = replace(budgets, resident_gb=0.0 if budgets.resident_gb == "auto" else budgets.resident_gb)
-    if budgets.resident_gb == "auto":
-        args = (spec, batch, seq_len, dtype)
-        kw = dict(name=name, micro=micro, stream=stream, activations=activations, gpu_updates=gpu_updates,
-                  speculate=speculate, clipping=clipping, speculate_gpu=speculate_gpu, keep=keep)
-        best = plan(*args, replace(budgets, resident_gb=0.0), hw, advise=False, **kw)
-        spare = spare_gb(best, budgets, hw) if best.fits else 0.0
-        for frac in (1.0, 0.9, 0.75, 0.6, 0.45, 0.3, 0.15):
-            gb = int(spare * frac)
-            q = plan(*args, replace(budgets, resident_gb=gb), hw, advise=False, **kw) if gb >= 1 else best
-            if q.fits and _expected(q) < _expected(best) * (1 - 1e-9):
-                best = q
-        return explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
     micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
-    cands = [evaluate(spec, batch, seq_len, dtype, m, s, a, budgets, hw, name, gpu_updates, speculate=speculate,
-                      clipping=clipping, speculate_gpu=speculate_gpu, keep=keep)
-             for m in micros or [batch] for s in streams for a in places]
+
+    def choice(m: int, s: str, a: str) -> Plan:
+        """One (micro-batch, stream, checkpoint home), with the resident budget "auto" settled for it."""
+        def at(b: Budgets) -> Plan:
+            return evaluate(spec, batch, seq_len, dtype, m, s, a, b, hw, name, gpu_updates, speculate=speculate,
+                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep)
+        if budgets.resident_gb != "auto":
+            return at(budgets)
+        best = at(replace(budgets, resident_gb=0.0))
+        # a state the host and disk cannot hold may fit with part of it on the GPU: what the GPU leaves is
+        # then that of the same choice with room on the host
+        room = best if best.fits or best.short_of == "GPU" else at(replace(budgets, resident_gb=0.0, host_gb=1e6))
+        spare = spare_gb(room, budgets, hw) if room.fits else 0.0
+        tries = [at(replace(budgets, resident_gb=int(spare * f))) for f in RESIDENT_SHARES if int(spare * f) >= 1]
+        for q in tries:
+            if q.fits and (not best.fits or _expected(q) < _expected(best) * (1 - 1e-9)):
+                best = q
+        if not best.fits and tries and tries[0].short_of != "GPU":  # the miss with the most on the GPU says
+            return tries[0]  # what the host and disk still lack
+        return best
+
+    cands = [choice(m, s, a) for m in micros or [batch] for s in streams for a in places]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
         # of those short of host memory with an NVMe tier, the one that needs the least
         cands.sort(key=lambda c: (c.why.startswith("GPU"), c.least_host))
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
-    best = min(ok, key=lambda c: (round(c.step_s, 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]
+    best = min(ok, key=lambda c: (round(_expected(c), 6), -c.micro_batch, c.gpu_total)) if ok else cands[0]
     return explain(spec, best, budgets, hw, gpu_updates, clipping) if advise and best.fits else best
 
 
@@ -447,6 +381,7 @@ def _expected(p: Plan) -> float:
 
 
 def spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
-    """GPU memory (GB) the plan leaves unused or gives to kept activations, within the usable part of the budget."""
-    used = p.gpu_total - p.gpu.get("kept activations", 0)
+    """GPU memory (GB) the plan leaves unused or gives to what resident state can replace (kept activations,
+    GPU updates' state sets), within the usable part of the budget."""
+    used = p.gpu_total - p.gpu.get("kept activations", 0) - p.gpu.get("GPU update sets", 0) + p.kept_checkpoints
     return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - used / 1e9

@@ -41,14 +41,19 @@ def chosen(cfg: Config) -> tuple[str, ...]:
     return tuple(k for k, v in named.items() if v == AUTO)
 
 
-def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None) -> tuple[Plan, RunPlan, tuple[str, ...]]:
+def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None,
+            ram_gb: float | None = None) -> tuple[Plan, RunPlan, tuple[str, ...]]:
     """`tiertrain run`'s (plan of this exact run, the RunPlan it obeys, the settings the plan chose): the
     search on the device's figures `hw` settles what the config leaves "auto", and a run that cannot fit
     stops here, before anything is allocated, naming the setting to change. `micro`: the micro-batch a
-    resumed run ran with, kept where the config leaves it to the plan."""
+    resumed run ran with, kept where the config leaves it to the plan. `ram_gb`: the host budget when
+    --host-gb is not given (the RAM free here; None: unbounded, the RAM check after the plan refuses)."""
     t = cfg.tiers
-    p = search(cfg, hw, t.host_gb or 1e9, hw.gpu_mem_gb, t.nvme_gb or (1e9 if t.nvme_dir else None), "run",
-               micro=micro, advise=False)
+    nvme = t.nvme_gb or (1e9 if t.nvme_dir else None)
+    p = search(cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False)
+    if not p.fits and not t.host_gb and ram_gb and p.short_of != "GPU":
+        # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
+        p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False)
     if not p.fits:
         raise ConfigError(_refusal(cfg, p, micro, pin=not hw.unified))
     return p, p.run_plan(), chosen(cfg)

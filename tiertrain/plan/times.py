@@ -1,0 +1,89 @@
+"""The planner's time model: seconds per link of one step, and the step's phases (docs/performance.md).
+Pure Python."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..model.spec import ModelSpec
+from ..tiers.placement import streamed_kind
+from .hardware import HardwareSpec
+
+if TYPE_CHECKING:
+    from .planner import Plan
+
+
+def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
+    """A spilled slab's disk traffic per step, in multiples of its size: (reads, writes) beside the
+    forward pass (the update's, and the forward pass's read of the streamed weights once the optimizer
+    has written them), and writes in the backward pass (its reads of the streamed weights: Plan's
+    `nvme_bwd_reads`, units the device still holds excepted)."""
+    if kind == streamed:  # a compute-dtype copy is written whole by the optimizer, a master read first
+        return (2 if kind == "master" else 1), 1, 0
+    if kind == "grad":  # drained to disk by the backward pass, read by the optimizer
+        return 1, 0, 1
+    return 1, 1, 0
+
+
+def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
+    """Seconds of one disk for these bytes, reads and writes in flight together: each direction at its
+    own rate, both within the probed rate of both at once (unknown: one direction after the other)."""
+    r, w = reads / (hw.disk_read_gbs * 1e9), writes / (hw.disk_write_gbs * 1e9)
+    if not hw.disk_mixed_gbs:
+        return r + w
+    return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
+
+
+def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, speculated: int, copies: bool,
+               ck_bytes: int, kb: dict[str, int], hw: HardwareSpec,
+               gpu_speculated: bool = False) -> tuple[dict[str, float], float, float]:
+    """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
+    `on_gpu` parameters updated on the GPU and `speculated` queued for the host during the backward pass
+    (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM
+    traffic), as many as that pass has room for (the rest after the norm: "host AdamW" counts them).
+    `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their state's copies with it
+    (the gradient is already there; the kept master streams in the next forward pass like the others)."""
+    rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
+    # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
+    recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
+    sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
+    host_ck_io = ck_bytes if p.activations == "host" else 0
+    io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
+    reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
+    adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
+    fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
+    streamed, reloaded = sums
+    h2d_fwd, d2h_fwd = sw * streamed + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
+    h2d_bwd = sw * reloaded + host_ck_io + 12 * bwd_gpu
+    d2h_bwd = 4 * streamed + 12 * bwd_gpu
+    adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
+    dram = hw.host_dram_gbs * 1e9
+    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate,
+         "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
+         "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
+         "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
+         "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
+         "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
+         "PCIe both bwd": (h2d_bwd + d2h_bwd)
+         / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
+         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
+         "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads, bwd_writes, hw)}
+    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"])
+    # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
+    # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
+    # (Updates.after_norm): those left run after it with the others
+    spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
+    spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
+    room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
+    queued, speculated = speculated, min(speculated, room)
+    on_host = streamed - on_gpu - speculated
+    t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": speculated / spec_rate,
+          # the copies and the host AdamW share the host's DRAM
+          "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
+          "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram}
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
+    if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
+        bwd = max(bwd, t["host DRAM bwd"])
+    update = max(t["host AdamW"], t["NVMe"])
+    t["exposed update"] = max(0.0, update - fwd)
+    return t, bwd, max(fwd, update)
