@@ -83,6 +83,10 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
                timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
                timeline_events=ev, host_units=host, **med)
     tr.close()
+    if tr.tiers:  # the run's NVMe scratch store: the next system needs the disk
+        from tiertrain.tiers.nvme import discard
+
+        discard(tr.tiers.store.root)
     return [row]
 
 
@@ -141,7 +145,7 @@ def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
     return {
         "train_batch_size": max(a.batches), "train_micro_batch_size_per_gpu": a.micro,
         "gradient_accumulation_steps": max(a.batches) // a.micro,
-        "bf16": {"enabled": True}, "gradient_clipping": a.grad_clip, "steps_per_print": 10 ** 9,
+        "bf16": {"enabled": True}, "gradient_clipping": getattr(a, "grad_clip", 1.0), "steps_per_print": 10 ** 9,
         # the engine switches off an outer torch.autocast unless its own section asks for one
         "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
