@@ -34,9 +34,11 @@ class HardwareSpec:
     # (bench/results/2026-11-22-H200-llama3b-{pieces,final,copy-stores}-*.json)
     host_adam_params_per_s: float = 5.3e9  # fp32 master streamed (no bf16 rounding)
     host_adam_copy_params_per_s: float = 4.7e9  # with the rounding into a host bf16 copy
-    disk_read_gbs: float = 2.2  # through the runtime's I/O backend (kvikio compatibility mode)
-    disk_write_gbs: float = 2.2
-    disk_mixed_gbs: float = 0.0  # reads and writes at once, summed; 0: unknown (one direction at a time)
+    # through the runtime's I/O backend (kvikio compatibility mode), 4 GiB direct I/O, best of 8-32 threads
+    # (bench/results/2026-11-22-H200-nvme-disk.md)
+    disk_read_gbs: float = 2.1
+    disk_write_gbs: float = 2.5
+    disk_mixed_gbs: float = 2.4  # reads and writes at once, summed; 0: unknown (one direction at a time)
     # the host AdamW into a speculative update's copies: its rate / the rate in place, and the DRAM bytes
     # per parameter it moves beyond an update in place; of the one-pass kernel (its stores streamed: none),
     # the same probes' median (0.90-1.13); with torch's kernel TORCH_COPIES
