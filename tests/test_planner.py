@@ -299,3 +299,25 @@ def test_shipped_shapes_of_popular_models(name, params):
                         "--format", "json"], capture_output=True, text=True)
     p = json.loads(r.stdout)
     assert r.returncode == 0 and p["fits"] and p["model"] == name
+
+
+def test_longest_sequence_is_the_edge_of_the_budgets():
+    """The report's longest sequence (batch 1) plans as fitting, 1024 tokens more do not, and the bound it
+    names is the budget that longer sequence misses; a smaller GPU shortens it."""
+    spec = load_config("llama-7b").model
+    b = Budgets(host_gb=115, gpu_gb=141, nvme_gb=55, resident_gb="auto")
+    p = plan(spec, 4, 2048, "bfloat16", b, REFERENCE)
+    n = p.longest_seq_len
+    assert n > 2048 and n % 1024 == 0 and "GPU" in p.longest_bound.split(", ")
+
+    def at(seq):
+        return plan(spec, 1, seq, "bfloat16", b, REFERENCE, micro=1, advise=False)
+
+    miss = at(n + 1024)
+    assert at(n).fits and not miss.fits
+    assert {"ring": "host", "copies": "host"}.get(miss.short_of, miss.short_of) in p.longest_bound.split(", ")
+    small = plan(spec, 4, 2048, "bfloat16", replace(b, gpu_gb=80), REFERENCE)
+    assert 0 < small.longest_seq_len < n
+    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "115",
+                        "--nvme-gb", "55", "--format", "json"], capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] >= 1024

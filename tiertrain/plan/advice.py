@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ..model.spec import ModelSpec
 from .hardware import HardwareSpec
-from .planner import LARGEST_LAYERS, PROCESS_GB, Budgets, Plan, evaluate, plan, spare_gb
+from .planner import LARGEST_LAYERS, LONGEST_SEQ, PROCESS_GB, Budgets, Plan, evaluate, plan, spare_gb
 
 
 def explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int,
@@ -16,6 +16,7 @@ def explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_up
     chosen = replace(budgets, resident_gb=p.resident_gb)  # "auto" settled
     p.advice = advice(spec, p, chosen, hw)
     p.largest_layers, p.largest_params = largest(spec, p, budgets, hw)
+    p.longest_seq_len, p.longest_bound = longest(spec, p, budgets, hw)
     if budgets.nvme_gb:
         p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
                                 hw, p.model, gpu_updates, least=True, clipping=clipping,
@@ -50,19 +51,7 @@ def largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tup
     speculated or updated on the GPU (what costs the least memory), with a resident budget "auto" at all
     the GPU memory left: a few candidates, O(layers) each."""
     def fits(n: int) -> bool:
-        s = replace(spec, num_hidden_layers=n)
-        for stream in {p.stream, "master"}:
-            for acts in ("gpu", "host"):
-                def at(b: Budgets) -> Plan:
-                    return evaluate(s, p.batch, p.seq_len, p.dtype, p.micro_batch, stream, acts, b, hw,
-                                    gpu_updates=0, speculate=0)
-                resident = p.resident_gb
-                if budgets.resident_gb == "auto":  # all the GPU leaves (the most memory resident state can add)
-                    room = at(replace(budgets, host_gb=1e6, nvme_gb=None, resident_gb=0.0))
-                    resident = int(spare_gb(room, budgets, hw)) if room.fits else 0
-                if at(replace(budgets, resident_gb=resident)).fits:
-                    return True
-        return False
+        return _fits(replace(spec, num_hidden_layers=n), p, p.batch, p.seq_len, p.micro_batch, budgets, hw)[0]
 
     lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
     while hi <= LARGEST_LAYERS and fits(hi):
@@ -73,3 +62,41 @@ def largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tup
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
 
+
+def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budgets: Budgets,
+          hw: HardwareSpec) -> tuple[bool, str]:
+    """(whether `spec` at this batch fits the budgets in the least memory: nothing speculated or updated on
+    the GPU, either stream and checkpoint home, a resident budget "auto" at all the GPU memory left; the budget the
+    misses are short of, each named once: "GPU", "host", "NVMe")."""
+    short: list[str] = []
+    for stream in ("compute", "master") if p.dtype == "bfloat16" else ("master",):
+        for acts in ("gpu", "host"):
+            def at(b: Budgets) -> Plan:
+                return evaluate(spec, batch, seq_len, p.dtype, micro, stream, acts, b, hw, gpu_updates=0, speculate=0)
+            resident = p.resident_gb
+            if budgets.resident_gb == "auto":  # all the GPU leaves (the most memory resident state can add)
+                room = at(replace(budgets, host_gb=1e6, nvme_gb=None, resident_gb=0.0))
+                resident = int(spare_gb(room, budgets, hw)) if room.fits else 0
+            q = at(replace(budgets, resident_gb=resident))
+            if q.fits:
+                return True, ""
+            short.append({"ring": "host", "copies": "host"}.get(q.short_of, q.short_of))
+    return False, ", ".join(sorted(set(short), key=("GPU", "host", "NVMe").index))
+
+
+def longest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, str]:
+    """The longest sequence, in multiples of 1024 tokens, that one sequence per step (batch 1) can train with
+    under these budgets (binary search up to LONGEST_SEQ), and the budgets the next 1024 tokens miss
+    ("GPU": its memory for the working set and activations; "host"; "NVMe"; comma-separated)."""
+    def fits(n: int) -> tuple[bool, str]:
+        return _fits(spec, p, 1, n * 1024, 1, budgets, hw)
+
+    lo, hi = 0, 1
+    while hi * 1024 <= LONGEST_SEQ and fits(hi)[0]:
+        lo, hi = hi, hi * 2
+    if hi * 1024 > LONGEST_SEQ:
+        return lo * 1024, ""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid)[0] else (lo, mid)
+    return lo * 1024, fits(lo + 1)[1]

@@ -45,6 +45,7 @@ GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fra
 SPEC_MARGIN = 1.5
 GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
+LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
 WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)  # of the GPU memory left: the resident budgets "auto" tries
@@ -107,6 +108,8 @@ class Plan:
     advice: list = field(default_factory=list)
     largest_layers: int = 0
     largest_params: int = 0
+    longest_seq_len: int = 0  # the longest sequence (batch 1) that fits these budgets (the report's)
+    longest_bound: str = ""  # the budgets the next longer one misses: "GPU", "host", "NVMe", comma-separated
     hardware: str = ""
     units: list = field(default_factory=list)  # one RunPlan entry per unit (plan.runplan.UnitPlan.to_dict)
 

@@ -58,6 +58,12 @@ def to_markdown(p: Plan) -> str:
         most = "at least " if p.largest_layers >= LARGEST_LAYERS else ""  # the search stops there
         out += [f"Largest model of this shape that fits these budgets: {most}{p.largest_layers} layers, "
                 f"{p.largest_params / 1e9:.1f} B parameters.", ""]
+    if p.longest_seq_len:
+        names = {"GPU": "GPU memory", "host": "host RAM", "NVMe": "the NVMe budget"}
+        bound = " and ".join(names[b] for b in p.longest_bound.split(", ") if b in names)
+        out += [f"Longest sequence (batch 1) that fits these budgets: "
+                + (f"{p.longest_seq_len:,} tokens, bound by {bound}." if bound else
+                   f"at least {p.longest_seq_len:,} tokens."), ""]
     return "\n".join(out)
 
 
