@@ -124,7 +124,7 @@ class TiersConfig:
     # "auto" (both): the plan's choice (on a CPU, whose memory is the host's, checkpoints stay on the "gpu")
     stream: str = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
     activations: str = "auto"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
-    host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: no budget
+    host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
