@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ..model.spec import ModelSpec
 from .hardware import HardwareSpec
-from .planner import LARGEST_LAYERS, LONGEST_SEQ, PROCESS_GB, Budgets, Plan, evaluate, plan, spare_gb
+from .planner import LARGEST_LAYERS, LONGEST_SEQ, PROCESS_GB, Budgets, Plan, evaluate, plan, resident_room, spare_gb
 
 
 def explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int,
@@ -53,14 +53,20 @@ def largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tup
     def fits(n: int) -> bool:
         return _fits(replace(spec, num_hidden_layers=n), p, p.batch, p.seq_len, p.micro_batch, budgets, hw)[0]
 
-    lo, hi = spec.num_hidden_layers if fits(spec.num_hidden_layers) else 0, spec.num_hidden_layers * 2
-    while hi <= LARGEST_LAYERS and fits(hi):
+    lo = _most(fits, spec.num_hidden_layers, LARGEST_LAYERS)
+    return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
+
+
+def _most(fits, start: int, cap: int) -> int:
+    """The largest n <= cap with fits(n), 0 if none, fits being monotone: doubling from `start`, then halving."""
+    lo, hi = (start, 2 * start) if fits(start) else (0, start)
+    while hi <= cap and fits(hi):
         lo, hi = hi, hi * 2
-    hi = min(hi, LARGEST_LAYERS + 1)
+    hi = min(hi, cap + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
+    return lo
 
 
 def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budgets: Budgets,
@@ -73,10 +79,8 @@ def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budget
         for acts in ("gpu", "host"):
             def at(b: Budgets) -> Plan:
                 return evaluate(spec, batch, seq_len, p.dtype, micro, stream, acts, b, hw, gpu_updates=0, speculate=0)
-            resident = p.resident_gb
-            if budgets.resident_gb == "auto":  # all the GPU leaves (the most memory resident state can add)
-                room = at(replace(budgets, host_gb=1e6, nvme_gb=None, resident_gb=0.0))
-                resident = int(spare_gb(room, budgets, hw)) if room.fits else 0
+            # "auto": all the GPU leaves (the most memory resident state can add)
+            resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.resident_gb
             q = at(replace(budgets, resident_gb=resident))
             if q.fits:
                 return True, ""
@@ -91,12 +95,5 @@ def longest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tup
     def fits(n: int) -> tuple[bool, str]:
         return _fits(spec, p, 1, n * 1024, 1, budgets, hw)
 
-    lo, hi = 0, 1
-    while hi * 1024 <= LONGEST_SEQ and fits(hi)[0]:
-        lo, hi = hi, hi * 2
-    if hi * 1024 > LONGEST_SEQ:
-        return lo * 1024, ""
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid)[0] else (lo, mid)
-    return lo * 1024, fits(lo + 1)[1]
+    n, cap = _most(lambda n: fits(n)[0], 1, LONGEST_SEQ // 1024), LONGEST_SEQ // 1024
+    return n * 1024, "" if n == cap else fits(n + 1)[1]

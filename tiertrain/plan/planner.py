@@ -355,10 +355,7 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         if budgets.resident_gb != "auto":
             return at(budgets)
         best = at(replace(budgets, resident_gb=0.0))
-        # a state the host and disk cannot hold may fit with part of it on the GPU: what the GPU leaves is
-        # then that of the same choice with room on the host
-        room = best if best.fits or best.short_of == "GPU" else at(replace(budgets, resident_gb=0.0, host_gb=1e6))
-        spare = spare_gb(room, budgets, hw) if room.fits else 0.0
+        spare = resident_room(at, budgets, hw, best)
         tries = [at(replace(budgets, resident_gb=int(spare * f))) for f in RESIDENT_SHARES if int(spare * f) >= 1]
         for q in tries:
             if q.fits and (not best.fits or _expected(q) < _expected(best) * (1 - 1e-9)):
@@ -381,6 +378,15 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
 def _expected(p: Plan) -> float:
     """The step a resident budget is chosen by: with clipping on, a step whose norm clips is as likely as not."""
     return (p.step_s + p.clipped_step_s) / 2 if p.clipping else p.step_s
+
+
+def resident_room(at, budgets: Budgets, hw: HardwareSpec, zero: Plan | None = None) -> float:
+    """GPU memory (GB) resident state can take in the choice `at` plans (a function of Budgets): what the
+    choice leaves with nothing resident (`zero`, where planned already), or, for a state the host and disk
+    cannot hold (which may fit with part of it on the GPU), what it leaves with room on the host."""
+    room = zero if zero is not None and (zero.fits or zero.short_of == "GPU") else \
+        at(replace(budgets, resident_gb=0.0, host_gb=1e6))
+    return spare_gb(room, budgets, hw) if room.fits else 0.0
 
 
 def spare_gb(p: Plan, budgets: Budgets, hw: HardwareSpec) -> float:
