@@ -71,6 +71,8 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
     timed = recs[a.warmup:]
     med = {k: median(r[k] for r in timed) for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s",
                                                     "opt_wait_s", "h2d_gb", "d2h_gb")}
+    med |= {k: median(r[k] for r in timed) for k in ("ck_disk_gb", "ck_wait_s", "nvme_read_gb", "nvme_write_gb")
+            if k in timed[-1]}  # with an NVMe tier: the disk's bytes and the step's waits on them
     kept = [r.get("speculation_kept", 0) for r in recs]
     redone = [r.get("speculation_redone", 0) for r in recs]
     row = _row(system, "tiertrain", B, S, [r["step_s"] for r in timed], max(r.get("gpu_peak_gb", 0.0) for r in timed),
@@ -79,14 +81,11 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
                losses=[r["loss"] for r in timed], grad_norms=[r["grad_norm"] for r in timed],
                gpu_updates=len(plan.updated("gpu", "gpu-speculated")), speculated=len(plan.updated("host-speculated")),
                gpu_speculated=len(plan.updated("gpu-speculated")), kept=kept[-1], redone=redone[-1],
-               pred_step_s=tr.plan.step_s if tr.plan else None, host_kernel=bool(tr.updates.opt.kernel),
+               pred_step_s=tr.plan.step_s if tr.plan else None, all_steps_s=[r["step_s"] for r in recs], host_kernel=bool(tr.updates.opt.kernel),
                timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
                timeline_events=ev, host_units=host, **med)
     tr.close()
-    if tr.tiers:  # the run's NVMe scratch store: the next system needs the disk
-        from tiertrain.tiers.nvme import discard
-
-        discard(tr.tiers.store.root)
+    tr.discard_scratch()  # the run's NVMe scratch stores: the next system needs the disk
     return [row]
 
 

@@ -93,7 +93,7 @@ def test_auto_on_a_cpu(token_file, sets, stream, acts):
     assert t == tr.plan.run_plan() or "tiers.gpu_update_units=2" in sets  # that one asks for another update
     assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
     assert ("weights" in tr.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
-    assert tr.checkpoints.where == acts
+    assert set(tr.checkpoints.homes.values()) == {acts}
     assert bool(tr.run_plan.updated("gpu", "gpu-speculated")) == ("tiers.gpu_update_units=2" in sets)
 
 
@@ -151,4 +151,4 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     else:
         assert tr.run_plan.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
     assert ("weights" in tr.host.kinds) == (tr.run_plan.stream == "compute")
-    assert tr.checkpoints.where == tr.run_plan.activations
+    assert set(tr.checkpoints.homes.values()) == {tr.run_plan.activations}

@@ -24,7 +24,7 @@ DTYPES = ("bfloat16", "float32")
 SCHEDULES = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 STREAMS = ("auto", "compute", "master")
-PLACES = ("auto", "gpu", "host")
+PLACES = ("auto", "gpu", "host", "nvme")
 IO_BACKENDS = ("auto", "posix", "kvikio")
 
 
@@ -60,6 +60,9 @@ class TrainConfig:
     # the last N blocks keep their activations on the GPU for the backward pass instead of recomputing their
     # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
     keep_activations: int | Auto = "auto"
+    # tokens per tile of the MLP (forward and backward over tiles: no (tokens x intermediate) tensor of a whole
+    # micro-batch); "auto": the plan's (tiles of 8192 tokens beyond 8192 per micro-batch); 0: off
+    mlp_chunk_tokens: int | Auto = "auto"
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
@@ -71,6 +74,8 @@ class TrainConfig:
               'must be "auto" or a positive integer')
         _need(_auto_or(self.keep_activations, 0), "train", "keep_activations", self,
               'must be "auto" (the plan chooses), 0 (recompute every block) or a number of blocks')
+        _need(_auto_or(self.mlp_chunk_tokens, 0), "train", "mlp_chunk_tokens", self,
+              'must be "auto" (the plan chooses), 0 (no tiling) or a number of tokens')
         _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
         _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
@@ -123,7 +128,9 @@ class OptimConfig:
 class TiersConfig:
     # "auto" (both): the plan's choice (on a CPU, whose memory is the host's, checkpoints stay on the "gpu")
     stream: str = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
-    activations: str = "auto"  # where activation checkpoints live: "gpu" or "host" (pinned, copied on side streams)
+    # where activation checkpoints live: "gpu", "host" (pinned, copied on side streams) or "nvme" (the NVMe tier,
+    # through a ring of pinned buffers); "auto": the plan's, split across the three when no one of them holds all
+    activations: str = "auto"
     host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir

@@ -10,7 +10,6 @@ from . import checkpoint as ckpt
 from .errors import UserError, why
 from .model.hf import carry_files
 from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer, truncate_metrics
-from .tiers.nvme import discard
 from .trainer import Trainer
 
 
@@ -89,8 +88,7 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
 
 def _close(tr: Trainer) -> None:
     tr.close()
-    if tr.tiers:  # the state is in the checkpoint now (or lost with the error): the scratch store goes
-        discard(tr.tiers.store.root)
+    tr.discard_scratch()  # the state is in the checkpoint now (or lost with the error): the scratch stores go
 
 
 def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None]) -> None:

@@ -17,9 +17,10 @@ from .plan.runplan import RunPlan
 from .sizes import gb
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
-from .tiers.placement import (RING_SLOTS, copy_bytes, host_state_bytes, kind_bytes, least_host, ring_bytes,
+from .tiers.pieces import PieceStore
+from .tiers.placement import (CK_PIECE_BYTES, CK_RING_BYTES, RING_SLOTS, ck_disk_bytes, copy_bytes, host_state_bytes, kind_bytes, least_host, ring_bytes,
                               ring_widths, spilled_bytes)
-from .tiers.slab import host_cost, torch_pinned_cost
+from .tiers.slab import host_cost
 
 HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
@@ -62,7 +63,7 @@ def check_ram(cfg: Config, rp: RunPlan, numels: list[int], copied: frozenset[int
     kernel would kill it mid-run otherwise."""
     t, where = cfg.tiers, rp.where()
     kb = kind_bytes(cfg.train.compute_dtype, rp.stream)
-    acts = host_checkpoints(cfg, rp.activations, pin)
+    acts = host_checkpoints(cfg, rp)
     need = host_need(cfg, rp, numels, copied, pin) + device
     avail = available_ram()
     if need <= avail:
@@ -89,17 +90,31 @@ def host_need(cfg: Config, rp: RunPlan, numels: list[int], copied, pin: bool) ->
     of the `copied` units' master and moments (speculation under clipping)."""
     kb, where = kind_bytes(cfg.train.compute_dtype, rp.stream), rp.where()
     return (sum(host_state_bytes(numels, kb, where, host_cost).values())
-            + ring_bytes(ring_widths(numels, where), kb, host_cost) + host_checkpoints(cfg, rp.activations, pin)
+            + ring_bytes(ring_widths(numels, where), kb, host_cost) + host_checkpoints(cfg, rp)
             + sum(copy_bytes(numels[u], host_cost) for u in copied))
 
 
-def host_checkpoints(cfg: Config, activations: str, pin: bool) -> int:
-    """Host bytes of the activation checkpoints, when they live there."""
+def host_checkpoints(cfg: Config, rp: RunPlan) -> int:
+    """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
     tc, spec = cfg.train, cfg.model
-    if activations != "host":
-        return 0
-    return spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
-        tc.batch_size * tc.seq_len * spec.hidden_size * 4)
+    return (len(rp.checkpoints("host")) * host_cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4)
+            + (CK_RING_BYTES if rp.checkpoints("nvme") else 0))
+
+
+def checkpoint_store(cfg: Config, rp: RunPlan, run_name: str) -> PieceStore | None:
+    """The store of the activation checkpoints the plan puts on NVMe (None: none), in a new scratch directory
+    under nvme_dir."""
+    rows, t, tc = sorted(rp.checkpoints("nvme")), cfg.tiers, cfg.train
+    if not rows:
+        return None
+    micro_bytes = rp.micro_batch * tc.seq_len * cfg.model.hidden_size * 4
+    pieces = ck_disk_bytes(micro_bytes, tc.batch_size // rp.micro_batch) // CK_PIECE_BYTES
+    root = new_scratch(t.nvme_dir, run_name)
+    try:
+        return PieceStore(root, rows, pieces, make_io(t.io, t.io_threads))
+    except BaseException:
+        discard(root)
+        raise
 
 
 def nvme_tier(cfg: Config, rp: RunPlan, numels: list[int], dtypes: dict[str, torch.dtype],

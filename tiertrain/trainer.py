@@ -119,9 +119,12 @@ class Trainer:
                                            self.host.streamed_kind, pin, run_name, replace=resume is not None)
         try:
             self._build(cfg, resume, hf_reader, copied, pin)
-        except BaseException:
-            if self.tiers:  # a refusal after the store was made (another model's checkpoint): it goes
-                discard(self.tiers.store.root)
+        except BaseException:  # a refusal after a store was made (another model's checkpoint): it goes
+            if getattr(self, "checkpoints", None) is not None:
+                self.checkpoints.close()
+            else:
+                self.checkpoints = None
+            self.discard_scratch()
             raise
 
     def _build(self, cfg: Config, resume: Path | None, hf_reader, copied: frozenset[int], pin: bool) -> None:
@@ -135,9 +138,10 @@ class Trainer:
         self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self._grad_sink)
         self.updates = Updates(self.run_plan, HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), self.grads,
                                self.streams, self.device, tc.overlap, self.tiers)
-        self.checkpoints = Checkpoints(self.run_plan.activations, self.streams, self.clock, self.device, pin)
+        self.checkpoints = Checkpoints(self.run_plan.checkpoints(), self.streams, self.clock, self.device, pin,
+                                       placing.checkpoint_store(cfg, self.run_plan, self.run_name))
         self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
-                           self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device),
+                           self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device, self.run_plan.mlp_tile),
                            fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, self.run_plan.kept())
         self.step = 0
         if resume is not None:
@@ -317,7 +321,7 @@ class Trainer:
         tc = self.cfg.train
         t0 = time.perf_counter()
         upd, tiers = self.updates, self.tiers
-        moved = self.bytes_moved()
+        moved, ck_disk, ck_wait = self.bytes_moved(), self.checkpoints.disk_bytes, self.checkpoints.wait_s
         spec_kept = upd.last_kept
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -342,6 +346,9 @@ class Trainer:
         if tiers:  # NVMe bytes of the last whole update (the previous step's, read ahead and written back)
             rec["nvme_read_gb"], rec["nvme_write_gb"] = (b / 1e9 for b in tiers.last_pass)
             rec["nvme_io_s"] = tiers.last_window_s
+        if self.checkpoints.store is not None:  # activation checkpoints written to NVMe and read back this step
+            rec["ck_disk_gb"] = (self.checkpoints.disk_bytes - ck_disk) / 1e9
+            rec["ck_wait_s"] = self.checkpoints.wait_s - ck_wait  # the step's thread waiting on their disk I/O
         if self.peak_tflops:
             rec["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":
@@ -362,10 +369,17 @@ class Trainer:
                 self.grads.d2h_bytes + gpu.d2h_bytes + ck.d2h_bytes)
 
     def close(self) -> None:
-        """The optimizer's thread, then the NVMe tier's threads (their writes landed first)."""
+        """The optimizer's thread, then the NVMe tier's threads (their writes landed first), then the checkpoints'."""
         self.updates.close()
         if self.tiers:
             self.tiers.close()
+        self.checkpoints.close()
+
+    def discard_scratch(self) -> None:
+        """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""
+        for store in (self.tiers.store if self.tiers else None, self.checkpoints.store if self.checkpoints else None):
+            if store is not None:
+                discard(store.root)
 
     def describe(self) -> list[str]:
         spec, tc = self.cfg.model, self.cfg.train

@@ -1,43 +1,87 @@
-"""Activation checkpoints: each block's input per micro-batch, kept on the GPU or in pinned host memory.
+"""Activation checkpoints: each block's input per micro-batch, kept where the RunPlan puts it (UnitPlan.checkpoint):
+on the GPU, in pinned host memory, or on NVMe.
 
-On the host, a block's inputs go down on the D2H stream as soon as they are computed and come back on
-the H2D stream one unit ahead of the backward pass that needs them, so the copies overlap compute.
+host: a block's inputs go down on the D2H stream as soon as they are computed and come back on the H2D stream one
+unit ahead of the backward pass that needs them, so the copies overlap compute.
+nvme: the same copies, in pieces through a ring of pinned buffers, and a disk write or read per piece (a
+PieceStore). The writer thread copies a block's inputs down piece by piece and writes each; the forward pass
+waits only when two blocks' inputs are still on their way down (GPU memory stays bounded). The reader thread
+reads a block's pieces, a few at a time, one unit ahead of the backward pass, after that block's writes landed.
 """
 from __future__ import annotations
 
+import queue
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
+from ..tiers.placement import CK_PIECE_BYTES, CK_RING_PIECES
+from ..tiers.slab import alloc_slab
 from .streams import StallClock, Streams
+
+READ_WINDOW = 4  # pieces the reader has in flight
+IN_FLIGHT = 2  # blocks whose inputs may be on their way to NVMe at once
 
 
 class Checkpoints:
-    def __init__(self, where: str, streams: Streams, clock: StallClock, device: torch.device, pin: bool):
-        assert where in ("gpu", "host")
-        self.where, self.s, self.clock, self.device, self.pin = where, streams, clock, device, pin
+    def __init__(self, homes: dict[int, str], streams: Streams, clock: StallClock, device: torch.device, pin: bool,
+                 store=None):
+        """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones."""
+        self.homes, self.s, self.clock, self.device, self.pin, self.store = homes, streams, clock, device, pin, store
         self.saved: dict[int, list[torch.Tensor]] = {}
-        self.ready: dict[int, object] = {}
+        self.ready: dict[int, object] = {}  # block -> its H2D event (host)
         self._host: dict[int, torch.Tensor] = {}
         self._shape: tuple | None = None
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
+        self.h2d_bytes = self.d2h_bytes = 0
+        self.disk_bytes = 0  # written and read back, both
+        self.wait_s = 0.0  # the step's thread waiting on the disk (blocks on their way down, reads not landed)
+        self.reads: dict[int, Future] = {}  # block -> its reader job (-> the H2D event of its last piece)
+        if store is not None:
+            # threads: the main thread (save, prefetch, get), one writer and one reader (owned here, shut by
+            # close()); the ring is a thread-safe queue; `written` is set by the main thread before the reader reads it
+            piece = CK_PIECE_BYTES // 4
+            self.ring: queue.Queue = queue.Queue()
+            for _ in range(CK_RING_PIECES):
+                self.ring.put(alloc_slab(piece, torch.float32, pin))
+            self._out = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-out")
+            self._in = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-in")
+            self.written: dict[int, Future] = {}  # block -> its writer job (-> the disk writes of its pieces)
+            self.on_way: deque[Future] = deque()
 
-    def _host_buf(self, unit: int, xs: list[torch.Tensor]) -> torch.Tensor:
+    def close(self) -> None:
+        if self.store is not None:
+            self._out.shutdown(wait=True)
+            self._in.shutdown(wait=True)
+            self.store.close()
+
+    def ring_nbytes(self) -> int:
+        return CK_RING_PIECES * CK_PIECE_BYTES if self.store is not None else 0
+
+    # ---- the forward pass --------------------------------------------------------------------
+    def save(self, unit: int, xs: list[torch.Tensor]) -> None:
+        home = self.homes.get(unit, "gpu")
         shape = (len(xs),) + tuple(xs[0].shape)
-        if shape != self._shape:  # a new batch shape: drop the old buffers
+        if shape != self._shape:  # a new batch shape: drop the old host buffers
             self._host.clear()
             self._shape = shape
-            release = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-            if self.pin and release is not None:
-                release()  # torch caches freed pinned blocks: give them back to the OS
-        if unit not in self._host:
-            self._host[unit] = torch.empty(shape, dtype=xs[0].dtype, pin_memory=self.pin)
-        return self._host[unit]
-
-    def save(self, unit: int, xs: list[torch.Tensor]) -> None:
-        if self.where == "gpu":
+        if home == "gpu":
             self.saved[unit] = xs
-            return
-        host = self._host_buf(unit, xs)
+        elif home == "host":
+            self._save_host(unit, xs)
+        else:
+            while len(self.on_way) >= IN_FLIGHT:
+                self._wait(self.on_way.popleft())
+            job = self._out.submit(self._write, unit, xs, self.s.record(self.s.compute))
+            self.written[unit] = job
+            self.on_way.append(job)
+            self.d2h_bytes += sum(x.numel() * 4 for x in xs)
+
+    def _save_host(self, unit: int, xs: list[torch.Tensor]) -> None:
+        if unit not in self._host:  # page-rounded (torch's pinned allocator rounds up to a power of two)
+            self._host[unit] = alloc_slab(len(xs) * xs[0].numel(), xs[0].dtype, self.pin).view(self._shape)
+        host = self._host[unit]
         done = self.s.record(self.s.compute)
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
@@ -47,24 +91,89 @@ class Checkpoints:
                     x.record_stream(self.s.d2h)  # keep x's memory until the copy has read it
         self.d2h_bytes += host.numel() * host.element_size()
 
+    def _pieces(self, xs: list[torch.Tensor]):
+        """(micro-batch, piece index in the row, element range) of every piece of a block's inputs."""
+        per, n = CK_PIECE_BYTES // 4, xs[0].numel()
+        k = -(-n // per)
+        return [(m, m * k + p, p * per, min(n, (p + 1) * per)) for m in range(len(xs)) for p in range(k)]
+
+    def _write(self, unit: int, xs: list[torch.Tensor], done) -> list[Future]:
+        """Writer thread: each piece down through a ring buffer, then to disk. Returns the pieces' disk writes;
+        `xs` (their GPU memory) is let go when it returns."""
+        writes = []
+        for m, i, a, b in self._pieces(xs):
+            buf = self.ring.get()
+            with self.s.on(self.s.d2h):
+                self.s.wait(self.s.d2h, done)
+                buf[:b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
+                copied = self.s.record(self.s.d2h)
+            if copied is not None:
+                copied.synchronize()
+            f = self.store.write(unit, i, buf)
+            f.add_done_callback(lambda _, buf=buf: self.ring.put(buf))
+            writes.append(f)
+        return writes
+
+    # ---- the backward pass -------------------------------------------------------------------
     def prefetch(self, unit: int) -> None:
-        if self.where == "gpu" or unit in self.saved:
+        home = self.homes.get(unit, "gpu")
+        if home == "gpu" or unit in self.saved:
             return
-        host = self._host[unit]
-        bufs = [torch.empty(host.shape[1:], dtype=host.dtype, device=self.device) for _ in range(host.shape[0])]
+        if home == "host":
+            host = self._host[unit]
+            shape, count = host.shape[1:], host.shape[0]
+        else:
+            shape, count = self._shape[1:], self._shape[0]
+        bufs = [torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(count)]
         allocated = self.s.record(self.s.compute)  # the memory may have been freed by earlier compute
+        self.saved[unit] = bufs
+        self.h2d_bytes += count * bufs[0].numel() * 4
+        if home == "nvme":
+            self.reads[unit] = self._in.submit(self._read, unit, bufs, allocated, self.written.pop(unit))
+            return
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, allocated)
             for m, b in enumerate(bufs):
                 b.copy_(host[m], non_blocking=True)
             self.ready[unit] = self.s.record(self.s.h2d)
-        self.saved[unit] = bufs
-        self.h2d_bytes += host.numel() * host.element_size()
+
+    def _read(self, unit: int, bufs: list[torch.Tensor], allocated, written: Future):
+        """Reader thread: the block's pieces from disk into ring buffers, a few in flight, each copied up as it
+        lands. Returns the event of the last copy."""
+        for w in written.result():  # the pieces' writes landed (a failed one raises here, then in get())
+            w.result()
+        todo = deque(self._pieces(bufs))
+        flight: deque = deque()
+        last = None
+        while todo or flight:
+            while todo and len(flight) < READ_WINDOW:
+                m, i, a, b = todo.popleft()
+                buf = self.ring.get()
+                flight.append((m, a, b, buf, self.store.read(unit, i, buf)))
+            m, a, b, buf, f = flight.popleft()
+            f.result()
+            self.disk_bytes += 2 * (b - a) * 4
+            with self.s.on(self.s.h2d):
+                self.s.wait(self.s.h2d, allocated)
+                bufs[m].view(-1)[a:b].copy_(buf[:b - a], non_blocking=True)
+                last = self.s.record(self.s.h2d)
+            if last is not None:
+                last.synchronize()  # the buffer is free once its copy has read it
+            self.ring.put(buf)
+        return last
 
     def get(self, unit: int) -> list[torch.Tensor]:
         self.prefetch(unit)
+        if unit in self.reads:
+            self.ready[unit] = self._wait(self.reads.pop(unit))
         self.clock.wait("h2d_wait", self.ready.pop(unit, None))
         return self.saved[unit]
 
     def drop(self, unit: int) -> None:
         self.saved.pop(unit, None)
+
+    def _wait(self, f: Future):
+        t0 = time.perf_counter()
+        out = f.result()
+        self.wait_s += time.perf_counter() - t0
+        return out

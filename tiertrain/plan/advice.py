@@ -72,11 +72,11 @@ def _most(fits, start: int, cap: int) -> int:
 def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budgets: Budgets,
           hw: HardwareSpec) -> tuple[bool, str]:
     """(whether `spec` at this batch fits the budgets in the least memory: nothing speculated or updated on
-    the GPU, either stream and checkpoint home, a resident budget "auto" at all the GPU memory left; the budget the
+    the GPU, either stream, any checkpoint home or their split, a resident budget "auto" at all the GPU memory left; the budget the
     misses are short of, each named once: "GPU", "host", "NVMe")."""
     short: list[str] = []
     for stream in ("compute", "master") if p.dtype == "bfloat16" else ("master",):
-        for acts in ("gpu", "host"):
+        for acts in ("gpu", "host", "split"):
             def at(b: Budgets) -> Plan:
                 return evaluate(spec, batch, seq_len, p.dtype, micro, stream, acts, b, hw, gpu_updates=0, speculate=0)
             # "auto": all the GPU leaves (the most memory resident state can add)

@@ -27,9 +27,9 @@ from itertools import accumulate
 
 from ..model.spec import ModelSpec
 from ..sizes import budget, gb
-from ..tiers.placement import (alternate_from_last, copy_bytes, disk_bytes, gpu_updated, host_state_bytes,
+from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes, gpu_updated, host_state_bytes,
                                kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates)
-from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
+from ..tiers.slab import SlabLayout, host_cost
 from .hardware import HardwareSpec
 from .runplan import RunPlan, UnitPlan, unit_plans
 from .times import step_times
@@ -46,7 +46,11 @@ SPEC_MARGIN = 1.5
 GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
-WORK_PER_TOKEN = 2.1  # x (16 H + 8 FF) bytes: a micro-batch's working set, fitted on llama-3b (5.2 GB at 8k)
+# a micro-batch's working set: WORK_H x H bytes per token and WORK_FF x FF per token of the MLP (of a tile, when
+# tiled; then with its weights' gradient sums, MLP_TILE_SUMS x H x FF): a block's backward pass measured on an
+# H200 at 16k-128k tokens, tiled, is 32-34.4 x H per token (dev/workset.py); untiled llama-3b at 8k 5.2 GB
+WORK_H, WORK_FF, MLP_TILE_SUMS = 34.5, 16.8, 12
+MLP_TILE = 8192  # tokens per MLP tile when the plan tiles it: beyond this many tokens per micro-batch
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)  # of the GPU memory left: the resident budgets "auto" tries
 
@@ -84,6 +88,8 @@ class Plan:
     resident_gb: float = 0.0  # GPU memory given to the whole state of the first units
     kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
     kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
+    checkpoints: dict = field(default_factory=dict)  # home -> blocks whose checkpoint lives there
+    mlp_tile: int = 0  # tokens per MLP tile; 0: untiled
     speculated: int = 0  # units the host updates from RAM in the backward pass (alternate_from_last)
     gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
@@ -116,7 +122,7 @@ class Plan:
     def run_plan(self) -> RunPlan:
         """The RunPlan of this choice: what the runtime obeys."""
         return RunPlan(self.micro_batch, self.stream, self.activations, float(self.resident_gb),
-                       tuple(UnitPlan.from_dict(u) for u in self.units))
+                       tuple(UnitPlan.from_dict(u) for u in self.units), self.mlp_tile)
 
     @property
     def host_total(self) -> float:
@@ -139,11 +145,13 @@ def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int | str = "auto",
              least: bool = False, speculate: int | None = None, clipping: bool = True,
-             speculate_gpu: bool | None = None, keep: int | None = 0) -> Plan:
+             speculate_gpu: bool | None = None, keep: int | None = 0, mlp_tile: int | None = None) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
     host budget holds), with copies when `clipping`; `keep` blocks keep their activations (None: as many as
-    the GPU memory left holds, after room for the GPU updates' state). `least`: with an NVMe tier, also the least host budget (a walk
+    the GPU memory left holds, after room for the GPU updates' state); `mlp_tile` tokens per MLP tile (None:
+    MLP_TILE beyond that many tokens per micro-batch); `activations` "split": the checkpoints of the last
+    blocks on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe. `least`: with an NVMe tier, also the least host budget (a walk
     over every placement: the report's, not the search's); a miss for host memory always has it."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
              resident_gb=budgets.resident_gb)
@@ -155,12 +163,41 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     numels = [0 if u in resident else n for u, n in enumerate(all_numels)]  # what the host and its links carry
     resident_bytes = sum(all_numels[u] for u in resident) * sum(kb.values())
 
-    # ---- host and NVMe ----
-    ck_bytes = spec.num_hidden_layers * T * H * 4
-    ck_cost = host_cost if hw.unified else torch_pinned_cost  # pinned for the GPU's copies
-    host_ck = spec.num_hidden_layers * ck_cost(ck_bytes // spec.num_hidden_layers) if activations == "host" else 0
+    # ---- GPU, the checkpoints aside ----
+    wdt = 2 if dtype == "bfloat16" else 4
+    blk, own = max(all_numels[1:-1]), all_numels[0] + all_numels[-1]
+    tokens = micro * seq_len
+    p.mlp_tile = (MLP_TILE if tokens > MLP_TILE else 0) if mlp_tile is None else mlp_tile
+    tiled = bool(p.mlp_tile) and tokens > p.mlp_tile
+    p.gpu = {"resident units' state": resident_bytes, "weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
+             "fp32 staging": max(all_numels) * 4 if (stream == "master" and wdt == 2) else 0,
+             "grad accumulators": (2 * blk + own) * 4,
+             "activation grads": T * H * 4,
+             "working set": WORK_H * H * tokens + WORK_FF * FF * (min(tokens, p.mlp_tile) if tiled else tokens)
+             + (MLP_TILE_SUMS * H * FF if tiled else 0) + 3 * (64 << 20)}
+    gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
+
+    # ---- activation checkpoints: a (tokens x H) fp32 tensor per block, on the GPU, the host or NVMe ----
+    nl, ck_unit = spec.num_hidden_layers, T * H * 4
+    ck_bytes = nl * ck_unit
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
     nvme_on = bool(budgets.nvme_gb)
+    if activations == "nvme" and not nvme_on:
+        p.short_of, p.why = "NVMe", "NVMe: checkpoints on NVMe need an NVMe tier; pass --nvme-dir"
+        return p
+    n_gpu = {"gpu": nl, "split": min(nl, max(0, int((gpu_budget - p.gpu_total) // ck_unit) - 1))}.get(activations, 0)
+    n_host = {"host": nl, "split": nl - n_gpu}.get(activations, 0)
+    if activations == "split" and nvme_on and n_host:  # RAM after the whole state, the rest on NVMe
+        room = host_budget - sum(host_cost(n * b) for n in numels for b in kb.values())
+        n_host = min(n_host, max(0, int(room // host_cost(ck_unit))))
+        if n_host < nl - n_gpu:
+            n_host = max(0, int((room - CK_RING_BYTES) // host_cost(ck_unit)))
+    p.checkpoints = {"gpu": n_gpu, "host": n_host, "nvme": nl - n_gpu - n_host}
+    # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
+    p.gpu["checkpoints"] = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit
+    host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if p.checkpoints["nvme"] else 0)
+
+    # ---- host and NVMe ----
     where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)
     if total > host_budget and not nvme_on:
         p.short_of, p.why = "host", (f"host: the state needs {gb(total)} and the budget is {gb(host_budget)}; "
@@ -185,26 +222,21 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and least:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
-    disk = disk_bytes(numels, kb, where)
+    disk = disk_bytes(numels, kb, where) + p.checkpoints["nvme"] * ck_disk_bytes(T * H * 4 // batch, batch // micro)
     if nvme_on and disk > budgets.nvme_gb * 1e9:
-        p.short_of, p.why = "NVMe", (f"NVMe: the spilled state takes {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "
-                 "raise --nvme-gb or --host-gb")
+        what = "the spilled state and checkpoints take" if p.checkpoints["nvme"] else "the spilled state takes"
+        p.short_of, p.why = "NVMe", (f"NVMe: {what} {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "
+                                     "raise --nvme-gb or --host-gb")
         return p
 
     # ---- GPU ----
-    wdt = 2 if dtype == "bfloat16" else 4
-    blk, own = max(all_numels[1:-1]), all_numels[0] + all_numels[-1]
-    p.gpu = {"resident units' state": resident_bytes, "weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
-             "fp32 staging": max(all_numels) * 4 if (stream == "master" and wdt == 2) else 0,
-             "grad accumulators": (2 * blk + own) * 4,
-             "checkpoints": ck_bytes if activations == "gpu" else min(2, spec.num_hidden_layers) * T * H * 4,
-             "activation grads": T * H * 4,
-             "working set": WORK_PER_TOKEN * (16 * H + 8 * FF) * micro * seq_len + 3 * (64 << 20)}
     gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
     in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
     cands = in_ram if "weights" not in kb else []
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
     per_kept = KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T - (T * H * 4 if activations == "gpu" else 0)
+    if activations == "split" and keep is None:
+        keep = 0  # split: memory is short, and a kept block's graph takes several checkpoints' room
     if keep is None and dtype == "float32" and spec.n_kv_heads != spec.num_attention_heads:
         keep = 0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
     if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
@@ -289,8 +321,12 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     gpu = gpu_updated(cands, p.gpu_updates, p.gpu_speculated)  # the units of each update mode, as the runtime takes them
     host = alternate_from_last([u for u in in_ram if u not in set(gpu)], len(in_ram))
     nl = spec.num_hidden_layers
+    # checkpoint homes from the last recomputed block back: the GPU's, the host's, then NVMe's (written first,
+    # read last: the most time for the disk)
+    order = [h for h in ("gpu", "host", "nvme") for _ in range(p.checkpoints[h])][:nl - p.kept]
+    homes = dict(zip(range(nl - p.kept, 0, -1), order))
     p.units = [u.to_dict() for u in unit_plans([u.name for u in spec.units()], where, resident, gpu, p.gpu_speculated,
-                                               host[:p.speculated], range(nl + 1 - p.kept, nl + 1))]
+                                               host[:p.speculated], range(nl + 1 - p.kept, nl + 1), homes)]
     return p
 
 
@@ -330,12 +366,13 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int | str = "auto",
          speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None,
-         keep: int | None = None) -> Plan:
+         keep: int | None = None, mlp_tile: int | None = None) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
     `stream`, `activations`, `speculate`, `keep`: fixed choices (None: searched); budgets.resident_gb "auto":
     part of the GPU memory the rest of the plan leaves (kept activations aside), for resident units, the
     kept activations taking what those leave, in the proportion that gives the shortest step. `clipping`:
-    the global norm is clipped (a speculative update then writes copies)."""
+    the global norm is clipped (a speculative update then writes copies). `activations` None: the GPU or the
+    host, and a split of the checkpoints across the GPU, the host and NVMe where neither holds them all."""
     from .advice import explain  # advice plans variants with this module
 
     if hw.unified:  # see HardwareSpec.unified: what the config leaves to the plan is none of them
@@ -351,7 +388,7 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         """One (micro-batch, stream, checkpoint home), with the resident budget "auto" settled for it."""
         def at(b: Budgets) -> Plan:
             return evaluate(spec, batch, seq_len, dtype, m, s, a, b, hw, name, gpu_updates, speculate=speculate,
-                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep)
+                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep, mlp_tile=mlp_tile)
         if budgets.resident_gb != "auto":
             return at(budgets)
         best = at(replace(budgets, resident_gb=0.0))
@@ -365,6 +402,8 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         return best
 
     cands = [choice(m, s, a) for m in micros or [batch] for s in streams for a in places]
+    if not activations and not any(c.fits for c in cands):
+        cands += [choice(m, s, "split") for m in micros or [batch] for s in streams]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
         # of those short of host memory with an NVMe tier, the one that needs the least

@@ -18,6 +18,16 @@ def to_json(p: Plan) -> str:
     return json.dumps(d, indent=1, default=float)
 
 
+def _checkpoints(p: Plan) -> str:
+    """Where the activation checkpoints live, and the MLP's tiles."""
+    where = {"gpu": "the GPU", "host": "the host", "nvme": "NVMe"}
+    homes = [(where[h], n) for h, n in p.checkpoints.items() if n]
+    text = ("activation checkpoints on " + homes[0][0] if len(homes) == 1 else
+            "activation checkpoints split: " + ", ".join(f"{n} on {h}" for h, n in homes)) if homes else \
+        "no activation checkpoints"
+    return text + (f"; the MLP in tiles of {p.mlp_tile:,} tokens" if p.mlp_tile else "")
+
+
 def to_markdown(p: Plan) -> str:
     out = [f"# Plan: {p.model}, {p.params / 1e9:.2f} B parameters, batch {p.batch} x {p.seq_len} tokens, {p.dtype}",
            "", f"hardware: {p.hardware}", ""]
@@ -29,7 +39,7 @@ def to_markdown(p: Plan) -> str:
             + (f"{p.resident_gb:g} GB of GPU memory holds the whole state of the first units; " if p.resident_gb else "")
             + "weights stream as "
             f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
-            f"activation checkpoints on the {p.activations}"
+            + _checkpoints(p)
             + (f" ({p.kept} last blocks keep their activations on the GPU instead: no recompute); " if p.kept else "; ")
             + _updates(p), "",
             "## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]

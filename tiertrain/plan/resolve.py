@@ -6,7 +6,7 @@ from ..config import AUTO, Config, fixed
 from ..errors import ConfigError
 from ..sizes import budget, gb
 from ..tiers.placement import kind_bytes, least_host, resident_units
-from ..tiers.slab import SlabLayout, host_cost, torch_pinned_cost
+from ..tiers.slab import SlabLayout, host_cost
 from .hardware import HardwareSpec
 from .planner import Budgets, Plan, plan
 from .runplan import RunPlan
@@ -28,7 +28,7 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
                 gpu_updates=t.gpu_update_units, micro=fixed(tc.micro_batch_size) or micro,
                 clipping=o.grad_clip > 0, speculate=fixed(o.speculate_units),
                 speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations),
-                keep=fixed(tc.keep_activations))
+                keep=fixed(tc.keep_activations), mlp_tile=fixed(tc.mlp_chunk_tokens))
 
 
 def chosen(cfg: Config) -> tuple[str, ...]:
@@ -37,7 +37,7 @@ def chosen(cfg: Config) -> tuple[str, ...]:
     named = {"stream": t.stream, "activations": t.activations, "micro-batch": tc.micro_batch_size,
              "speculation": o.speculate_units, "GPU updates": t.gpu_update_units,
              "GPU updates' speculation": o.speculate_gpu_updates, "resident GB": t.gpu_resident_gb,
-             "kept activations": tc.keep_activations}
+             "kept activations": tc.keep_activations, "MLP tile": tc.mlp_chunk_tokens}
     return tuple(k for k, v in named.items() if v == AUTO)
 
 
@@ -55,11 +55,11 @@ def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None,
         # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False)
     if not p.fits:
-        raise ConfigError(_refusal(cfg, p, micro, pin=not hw.unified))
+        raise ConfigError(_refusal(cfg, p, micro))
     return p, p.run_plan(), chosen(cfg)
 
 
-def _refusal(cfg: Config, p: Plan, micro: int | None, pin: bool) -> str:
+def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
     """What a plan that misses says to change, in the flags and settings of `tiertrain run`."""
     t, tc = cfg.tiers, cfg.train
     if p.short_of == "GPU":
@@ -67,7 +67,7 @@ def _refusal(cfg: Config, p: Plan, micro: int | None, pin: bool) -> str:
         fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
                  *(["lower train.micro_batch_size"] if fixed(tc.micro_batch_size) or micro else []),
                  *([f"lower train.keep_activations ({tc.keep_activations})"] if fixed(tc.keep_activations) else []),
-                 *(['set tiers.activations="host"'] if t.activations == "gpu" else []),
+                 *(['set tiers.activations="auto"'] if t.activations == "gpu" else []),
                  "lower train.seq_len"]
         return f"{p.why}: " + ", or ".join(fixes)
     if p.short_of == "host":  # no NVMe tier
@@ -76,8 +76,7 @@ def _refusal(cfg: Config, p: Plan, micro: int | None, pin: bool) -> str:
         resident = resident_units(numels, kb, p.resident_gb * 1e9)
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
         spec = cfg.model
-        acts = spec.num_hidden_layers * (torch_pinned_cost if pin else host_cost)(
-            tc.batch_size * tc.seq_len * spec.hidden_size * 4) if p.activations == "host" else 0
+        acts = p.checkpoints.get("host", 0) * host_cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4)
         total = sum(host_cost(n * b) for n in rest for b in kb.values()) + acts
         least = least_host(rest, kb, acts, host_cost)
         return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
@@ -85,7 +84,7 @@ def _refusal(cfg: Config, p: Plan, micro: int | None, pin: bool) -> str:
                 "is the least)")
     if p.short_of == "ring":
         return (f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
-                + (" and the host activation checkpoints" if p.activations == "host" else "")
+                + (" and the host activation checkpoints" if p.checkpoints.get("host") else "")
                 + f" with all it can spill on NVMe: raise --host-gb to at least {budget(p.least_host)}")
     if p.short_of == "copies":
         n, gpu = cfg.optim.speculate_units, cfg.optim.speculate_gpu_updates is True

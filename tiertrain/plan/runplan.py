@@ -11,6 +11,8 @@ A unit's `update` says where and when its AdamW runs:
 Its `homes` say where each kind of its state lives: gpu (resident units), host (RAM) or nvme (the disk tier).
 Its `recompute` says how its backward pass gets its activations: true, by running its forward pass again from
 its checkpoint (the block's input); false, kept on the GPU from the forward pass (a block only).
+Its `checkpoint` says where a recomputed block's checkpoint waits for the backward pass: gpu, host (pinned RAM)
+or nvme (the disk tier, through a ring of pinned buffers); "" for the embedding, the head and kept blocks.
 """
 from __future__ import annotations
 
@@ -28,14 +30,16 @@ class UnitPlan:
     update: str  # one of UPDATES
     homes: tuple[tuple[str, str], ...]  # (kind, home) for every kind of slab the run keeps
     recompute: bool = True  # false: the block's activations are kept on the GPU for its backward pass
+    checkpoint: str = ""  # where the block's checkpoint lives (one of HOMES); "": it has none
 
     def to_dict(self) -> dict:
         return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes),
-                "recompute": self.recompute}
+                "recompute": self.recompute, "checkpoint": self.checkpoint}
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitPlan":
-        return cls(d["index"], d["name"], d["update"], tuple(d["homes"].items()), d.get("recompute", True))
+        return cls(d["index"], d["name"], d["update"], tuple(d["homes"].items()), d.get("recompute", True),
+                   d.get("checkpoint", ""))
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,14 @@ class RunPlan:
     """The run-wide choices and one UnitPlan per unit, in unit order."""
     micro_batch: int
     stream: str  # "compute": a compute-dtype copy streams; "master": the fp32 master, cast on the GPU
-    activations: str  # where activation checkpoints live: "gpu" (the device's memory) or "host"
+    activations: str  # the checkpoints' home: "gpu", "host", "nvme", or "split" (each unit's entry says)
     resident_gb: float  # GPU memory for the whole state of the first units (their update: "resident")
     units: tuple[UnitPlan, ...]
+    mlp_tile: int = 0  # tokens per tile of the MLP; 0: untiled
+
+    def checkpoints(self, home: str | None = None) -> dict[int, str]:
+        """{block: its checkpoint's home} of the blocks that have one (only those at `home`, if given)."""
+        return {u.index: u.checkpoint for u in self.units if u.checkpoint and home in (None, u.checkpoint)}
 
     def where(self) -> dict[tuple[int, str], str]:
         """{(unit, kind): home}: the placement the tiers obey."""
@@ -85,19 +94,21 @@ class RunPlan:
 
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
-                "resident_gb": self.resident_gb, "units": [u.to_dict() for u in self.units]}
+                "resident_gb": self.resident_gb, "mlp_tile": self.mlp_tile, "units": [u.to_dict() for u in self.units]}
 
 
 def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],
-               gpu_speculated: bool, host_speculated: Iterable[int], kept: Iterable[int] = ()) -> tuple[UnitPlan, ...]:
-    """The entries of units `names` from a placement, the sets of units each update mode takes and the blocks
-    whose activations are kept."""
+               gpu_speculated: bool, host_speculated: Iterable[int], kept: Iterable[int] = (),
+               checkpoints: dict[int, str] | None = None) -> tuple[UnitPlan, ...]:
+    """The entries of units `names` from a placement, the sets of units each update mode takes, the blocks
+    whose activations are kept and the home of each block's checkpoint."""
     resident, gpu, early, kept = set(resident), set(gpu), set(host_speculated), set(kept)
+    checkpoints = checkpoints or {}
     out = []
     for u, name in enumerate(names):
         kinds = sorted(k for (v, k) in where if v == u)
         homes = tuple((k, "gpu" if u in resident else where[(u, k)]) for k in kinds)
         update = ("resident" if u in resident else ("gpu-speculated" if gpu_speculated else "gpu") if u in gpu
                   else "host-speculated" if u in early else "host")
-        out.append(UnitPlan(u, name, update, homes, u not in kept))
+        out.append(UnitPlan(u, name, update, homes, u not in kept, checkpoints.get(u, "")))
     return tuple(out)

@@ -97,6 +97,16 @@ def gpu_updated(ram: list[int], k: int, speculated: bool) -> list[int]:
     return sorted(alternate_from_last(ram, k))
 
 
+CK_PIECE_BYTES = 64 << 20  # activation checkpoints on NVMe move in pieces of this many bytes (a file each)
+CK_RING_PIECES = 8  # pinned buffers of a piece each, shared by the checkpoints' writes and reads
+CK_RING_BYTES = CK_PIECE_BYTES * CK_RING_PIECES
+
+
+def ck_disk_bytes(micro_bytes: int, micros: int) -> int:
+    """Disk bytes of one block's checkpoint on NVMe: each micro-batch's in whole pieces."""
+    return micros * -(-micro_bytes // CK_PIECE_BYTES) * CK_PIECE_BYTES
+
+
 def ring_bytes(widths: dict[str, int], kb: dict[str, int], cost) -> int:
     """Host bytes of the staging ring: for each spilled kind, RING_SLOTS buffers as wide as its widest
     spilled unit (`widths`, in elements), twice that for the streamed kind. The TierManager allocates

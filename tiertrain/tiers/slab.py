@@ -68,12 +68,6 @@ def host_cost(nbytes: int) -> int:
     return _round_up(max(nbytes, 1), PAGE)
 
 
-def torch_pinned_cost(nbytes: int) -> int:
-    """Host bytes of a tensor from torch's pinned allocator, which rounds blocks up to a power of two
-    (host activation checkpoints use it)."""
-    return 1 << (nbytes - 1).bit_length()
-
-
 def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """A zeroed flat tensor on its own anonymous mapping: page-aligned (direct I/O and fast DMA need it),
     exactly the pages it needs. `pin` page-locks it with cudaHostRegister: torch's pinned allocator would
