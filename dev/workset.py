@@ -7,7 +7,7 @@ import torch
 from tiertrain.config import load_config
 from tiertrain.model import llama
 from tiertrain.model.llama import Context
-from tiertrain.plan import planner
+from tiertrain.plan import workset as planner
 
 cfg_path, tile = sys.argv[1], int(sys.argv[2])
 spec = load_config(cfg_path).model

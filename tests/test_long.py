@@ -41,15 +41,15 @@ def test_tiled_mlp_and_loss_match_untiled():
 
 
 def test_plan_tiles_the_mlp_beyond_a_tile():
-    """"auto": no tiles up to MLP_TILE tokens per micro-batch, tiles beyond; and the tiled working set no longer
-    grows with the intermediate size times the length."""
+    """"auto": no tiles while the untiled MLP takes at most an eighth of the GPU (they cost its forward pass
+    again), tiles beyond; and the tiled working set no longer grows with the intermediate size times the length."""
     spec = load_config("llama-7b").model
     b = Budgets(host_gb=1000, gpu_gb=141)
-    short = plan(spec, 1, 8192, "bfloat16", b, REFERENCE, micro=1, advise=False)
-    long = plan(spec, 1, 65536, "bfloat16", b, REFERENCE, micro=1, advise=False)
-    untiled = plan(spec, 1, 65536, "bfloat16", b, REFERENCE, micro=1, advise=False, mlp_tile=0)
+    short = plan(spec, 1, 65536, "bfloat16", b, REFERENCE, micro=1, advise=False)
+    long = plan(spec, 1, 131072, "bfloat16", b, REFERENCE, micro=1, advise=False)
+    untiled = plan(spec, 1, 131072, "bfloat16", b, REFERENCE, micro=1, advise=False, mlp_tile=0)
     assert short.mlp_tile == 0 and long.mlp_tile == 8192 and untiled.mlp_tile == 0
-    assert untiled.gpu["working set"] - long.gpu["working set"] > 0.5 * 16.8 * spec.intermediate_size * 65536
+    assert untiled.gpu["working set"] - long.gpu["working set"] > 0.5 * 16.8 * spec.intermediate_size * 131072
     assert long.times["compute bwd"] > untiled.times["compute bwd"]  # the tiles' forward runs again
 
 

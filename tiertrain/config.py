@@ -61,7 +61,8 @@ class TrainConfig:
     # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
     keep_activations: int | Auto = "auto"
     # tokens per tile of the MLP (forward and backward over tiles: no (tokens x intermediate) tensor of a whole
-    # micro-batch); "auto": the plan's (tiles of 8192 tokens beyond 8192 per micro-batch); 0: off
+    # micro-batch); "auto": the plan's (tiles of 8192 tokens where the untiled MLP would take over an eighth of the
+    # GPU memory); 0: off
     mlp_chunk_tokens: int | Auto = "auto"
 
     def validate(self) -> None:

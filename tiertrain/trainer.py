@@ -375,6 +375,15 @@ class Trainer:
             self.tiers.close()
         self.checkpoints.close()
 
+    def _checkpoint_homes(self) -> str:
+        """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
+        homes = list(self.run_plan.checkpoints().values())
+        where = {"gpu": "on the device", "host": "in pinned host memory", "nvme": "on NVMe"}
+        text = ", ".join(f"{homes.count(h)} checkpoints {w}" for h, w in where.items() if h in homes) or "no checkpoints"
+        store = self.checkpoints.store
+        return text + (f" in {store.root}" if store else "") + (
+            f", the MLP in tiles of {self.run_plan.mlp_tile:,} tokens" if self.run_plan.mlp_tile else "")
+
     def discard_scratch(self) -> None:
         """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""
         for store in (self.tiers.store if self.tiers else None, self.checkpoints.store if self.checkpoints else None):
@@ -404,7 +413,7 @@ class Trainer:
               if self.predicts else []),
             f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
             f"GPU updates' state, "
-            f"plus activations (checkpoints on the {'host' if self.run_plan.activations == 'host' else 'device'}); "
+            f"plus activations ({self._checkpoint_homes()}); "
             f"weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.host.kinds else 'fp32 master'}"
             + (f" ({', '.join(self.chosen)}: the plan)"

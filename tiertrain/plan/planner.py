@@ -27,12 +27,15 @@ from itertools import accumulate
 
 from ..model.spec import ModelSpec
 from ..sizes import budget, gb
-from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes, gpu_updated, host_state_bytes,
-                               kind_bytes, least_host, place_within, resident_units, streamed_kind, update_candidates)
+from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes,
+                               gpu_updated, host_state_bytes, kind_bytes, least_host, place_within, resident_units,
+                               streamed_kind, update_candidates)
 from ..tiers.slab import SlabLayout, host_cost
 from .hardware import HardwareSpec
 from .runplan import RunPlan, UnitPlan, unit_plans
 from .times import step_times
+from .workset import (KEPT_SLACK, MLP_SHARE, MLP_TILE, MLP_TILE_SUMS, WORK_FF, WORK_H,
+                      kept_bytes_per_token)
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
@@ -46,24 +49,7 @@ SPEC_MARGIN = 1.5
 GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
-# a micro-batch's working set: WORK_H x H bytes per token and WORK_FF x FF per token of the MLP (of a tile, when
-# tiled; then with its weights' gradient sums, MLP_TILE_SUMS x H x FF): a block's backward pass measured on an
-# H200 at 16k-128k tokens, tiled, is 32-34.4 x H per token (dev/workset.py); untiled llama-3b at 8k 5.2 GB
-WORK_H, WORK_FF, MLP_TILE_SUMS = 34.5, 16.8, 12
-MLP_TILE = 8192  # tokens per MLP tile when the plan tiles it: beyond this many tokens per micro-batch
-KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)  # of the GPU memory left: the resident budgets "auto" tries
-
-
-def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
-    """GPU bytes a block's autograd graph saves per token (what keeping its activations costs): the fp32
-    residual and norms (16 H), four H-wide and four FF-wide matmul inputs or outputs in the compute dtype,
-    K and V, the attention's log-sum-exp per head, the RoPE tables cast per call. Counted exactly with
-    saved-tensor hooks on llama.block (tests/test_keep.py checks it)."""
-    w = 2 if dtype == "bfloat16" else 4
-    kv = spec.n_kv_heads * spec.hd
-    return (16 * spec.hidden_size + 4 * w * spec.hidden_size + 4 * w * spec.intermediate_size + 2 * w * kv
-            + 4 * spec.num_attention_heads + 8 * spec.hd + 8)
 
 
 @dataclass
@@ -150,7 +136,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
     host budget holds), with copies when `clipping`; `keep` blocks keep their activations (None: as many as
     the GPU memory left holds, after room for the GPU updates' state); `mlp_tile` tokens per MLP tile (None:
-    MLP_TILE beyond that many tokens per micro-batch); `activations` "split": the checkpoints of the last
+    MLP_TILE where the untiled MLP's working set would take more than MLP_SHARE of the GPU budget); `activations` "split": the checkpoints of the last
     blocks on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe. `least`: with an NVMe tier, also the least host budget (a walk
     over every placement: the report's, not the search's); a miss for host memory always has it."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
@@ -167,7 +153,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     wdt = 2 if dtype == "bfloat16" else 4
     blk, own = max(all_numels[1:-1]), all_numels[0] + all_numels[-1]
     tokens = micro * seq_len
-    p.mlp_tile = (MLP_TILE if tokens > MLP_TILE else 0) if mlp_tile is None else mlp_tile
+    gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
+    big = tokens > MLP_TILE and WORK_FF * FF * tokens > MLP_SHARE * gpu_budget  # tiles cost a forward pass again
+    p.mlp_tile = (MLP_TILE if big else 0) if mlp_tile is None else mlp_tile
     tiled = bool(p.mlp_tile) and tokens > p.mlp_tile
     p.gpu = {"resident units' state": resident_bytes, "weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
              "fp32 staging": max(all_numels) * 4 if (stream == "master" and wdt == 2) else 0,
@@ -175,7 +163,6 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              "activation grads": T * H * 4,
              "working set": WORK_H * H * tokens + WORK_FF * FF * (min(tokens, p.mlp_tile) if tiled else tokens)
              + (MLP_TILE_SUMS * H * FF if tiled else 0) + 3 * (64 << 20)}
-    gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
 
     # ---- activation checkpoints: a (tokens x H) fp32 tensor per block, on the GPU, the host or NVMe ----
     nl, ck_unit = spec.num_hidden_layers, T * H * 4

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 23's long-context runs on one H200 (bench/results/2026-11-24-issue23-long-context.md), as command lines.
+# Usage (on the GPU machine, after ../shared/device/README.md's setup): bash bench/long.sh OUT_DIR [RUN...]
+# RUN: 7b-256k 3b-512k 1b-1m 3b-32k baselines (default: all, several hours of device time).
+out=${1:-bench/results}; shift
+mk() {  # a config at one length, one sequence per step
+  sed "s/^seq_len = .*/seq_len = $2/; s/^max_position_embeddings = .*/max_position_embeddings = $2/;
+       s/^batch_size = .*/batch_size = 1/; s/^micro_batch_size = .*/micro_batch_size = 1/" \
+    tiertrain/configs/$1.toml > /tmp/$1-$2.toml
+}
+python3 -c "import numpy as np; np.save('/tmp/long.npy', np.random.default_rng(0).integers(0, 32000, 3_000_000).astype(np.uint32))"
+budgets=(tiers.host_gb=115 tiers.nvme_gb=55 'tiers.nvme_dir="/tmp/nvme"' 'data.path="/tmp/long.npy"')
+long() {  # config length steps
+  mk "$1" "$2"
+  python3 -m bench.pipeline --config "/tmp/$1-$2.toml" --systems long --define long "${budgets[@]}" --batches 1 \
+    --micro 1 --warmup $(($3 - 1)) --steps 1 --timeout 3600 --tag="-long-$2" --out "$out"
+  rm -rf /tmp/nvme
+}
+for run in ${@:-7b-256k 3b-512k 1b-1m 3b-32k baselines}; do
+  case $run in
+    7b-256k) long llama-7b 262144 2 ;;
+    3b-512k) long llama-3b 524288 2 ;;
+    1b-1m) long llama-1b 1048576 2 ;;
+    3b-32k) mk llama-3b 32768
+      python3 -m bench.pipeline --config /tmp/llama-3b-32768.toml --systems tiertrain,gpu,deepspeed --batches 1 \
+        --micro 1 --warmup 1 --steps 2 --tag=-32k-batch1 --out "$out" ;;
+    baselines) for S in 65536 131072 262144; do mk llama-3b $S
+      python3 -m bench.pipeline --config /tmp/llama-3b-$S.toml --systems gpu,deepspeed --batches 1 --micro 1 \
+        --warmup 0 --steps 1 --tag=-$S-baselines --out "$out"; done ;;
+  esac
+done
