@@ -9,6 +9,7 @@ from conftest import tiny_config
 from tiertrain.config import load_config
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import Budgets, plan
+from tiertrain.plan.report import to_markdown
 from tiertrain.plan.resolve import search
 from tiertrain.trainer import Trainer
 
@@ -104,7 +105,8 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
     assert homes.count("nvme") == p.checkpoints["nvme"] > 0 and homes.count("gpu") == p.checkpoints["gpu"] > 0
     ck = seq * cfg.model.hidden_size * 4
     assert p.host_total <= 115e9 + 3e9 and p.gpu_total <= 141e9 * 0.95
-    assert sum(p.nvme_bytes.values()) + p.checkpoints["nvme"] * ck <= 55e9
+    assert p.nvme_checkpoints >= p.checkpoints["nvme"] * ck and sum(p.nvme_bytes.values()) + p.nvme_checkpoints <= 55e9
+    assert f"activation checkpoints on NVMe | | {p.nvme_checkpoints / 1e9:.1f} GB" in to_markdown(p)
     assert p.times["NVMe bwd"] > 0  # the checkpoints' reads are priced in the backward pass
     longer = load_config(config, [f"train.seq_len={p.longest_seq_len + 1024}", "train.batch_size=1",
                                   "train.micro_batch_size=1", f"model.max_position_embeddings={p.longest_seq_len + 1024}"])

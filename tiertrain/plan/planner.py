@@ -85,6 +85,7 @@ class Plan:
     host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
     nvme_bytes: dict = field(default_factory=dict)
     nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
+    nvme_checkpoints: int = 0  # disk bytes of the activation checkpoints on NVMe
     least_host: float = 0.0  # with an NVMe tier: the least host budget this choice could run in (bytes)
     placement: dict = field(default_factory=dict)  # kind -> {"host": units, "nvme": units}
     host_fixed: dict = field(default_factory=dict)  # ring, host checkpoints, process
@@ -209,7 +210,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and least:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
-    disk = disk_bytes(numels, kb, where) + p.checkpoints["nvme"] * ck_disk_bytes(T * H * 4 // batch, batch // micro)
+    p.nvme_checkpoints = p.checkpoints["nvme"] * ck_disk_bytes(micro * seq_len * H * 4, batch // micro)
+    disk = disk_bytes(numels, kb, where) + p.nvme_checkpoints
     if nvme_on and disk > budgets.nvme_gb * 1e9:
         what = "the spilled state and checkpoints take" if p.checkpoints["nvme"] else "the spilled state takes"
         p.short_of, p.why = "NVMe", (f"NVMe: {what} {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "

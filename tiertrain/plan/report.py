@@ -48,7 +48,10 @@ def to_markdown(p: Plan) -> str:
                    f"{p.placement[k]['nvme']} of {p.placement[k]['host'] + p.placement[k]['nvme']} |")
     for k, v in p.host_fixed.items():
         out.append(f"| {k}{' (not in --host-gb)' if k == 'process' else ''} | {_gb(v)} | | |")
-    out += [f"| **total** | **{_gb(p.host_total)}** | **{_gb(sum(p.nvme_bytes.values()))}** | |", "",
+    if p.nvme_checkpoints:
+        out.append(f"| activation checkpoints on NVMe | | {_gb(p.nvme_checkpoints)} | {p.checkpoints['nvme']} of "
+                   f"{sum(p.checkpoints.values())} |")
+    out += [f"| **total** | **{_gb(p.host_total)}** | **{_gb(sum(p.nvme_bytes.values()) + p.nvme_checkpoints)}** | |", "",
             "Spill order when the host budget is short: Adam moments (touched once per step, by the "
             "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
             "optimizer's only), then gradients (written during the backward pass), and last the weights "
