@@ -261,8 +261,8 @@ def hit(path):
             os.kill(os.getpid(), signal.SIGKILL)
 
 if what == "chunk":  # killed before the nth chunk file of the save: a torn .tmp
-    write = ckpt._write_chunk
-    ckpt._write_chunk = lambda file, t, io: (hit(file), write(file, t, io))
+    body = ckpt._body
+    ckpt._body = lambda file, t, write, io, at=0: (write and hit(file), body(file, t, write, io, at))
 else:  # "before" / "after" the nth rename of the save
     rename = os.rename
     def patched(a, b):

@@ -12,6 +12,11 @@ at any point leaves the previous checkpoints whole, and recover() finishes a swa
 zarr writes the metadata; the chunk files (the slab's bytes, then their CRC32C as 4 little-endian
 bytes: what zarr's crc32c codec reads) are written and read here, straight between the slab and the
 disk with direct I/O, checksummed in place: no encode or decode copies.
+
+Several ranks (parallel.Ranks) save and load one checkpoint together, in the same format: rank 0 makes the
+group and sizes every chunk file, each rank writes (reads) its shard's byte range of each file, and the
+checksums of the ranges combine into the file's CRC32C (crc_combine). So a checkpoint resumes on any number of
+ranks. The run directory must then be one every rank sees (a shared filesystem across hosts).
 """
 from __future__ import annotations
 
@@ -38,7 +43,8 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 STEP = re.compile(r"step_(\d+)$")
 LEFT = re.compile(r"\.(step_\d+)\.(tmp|new|old)$")  # what a killed save leaves (see save and recover)
 
-Source = Callable[[int, str], AbstractContextManager[torch.Tensor]]
+# (unit, kind) -> a context manager giving (the element offset of this rank's part of the slab, that part)
+Source = Callable[[int, str], AbstractContextManager[tuple[int, torch.Tensor]]]
 
 
 @contextmanager
@@ -69,12 +75,15 @@ def _chunk(root: Path, kind: str, unit: int) -> Path:
     return Path(root) / kind / str(unit) / "c" / "0"
 
 
-def _body(file: Path, t: torch.Tensor, write: bool, io) -> None:
-    """Moves the slab's bytes to or from the start of the chunk file: direct I/O when `t` is page-aligned."""
-    if _direct(t):
-        (io.write if write else io.read)(file, t).result()
+def _body(file: Path, t: torch.Tensor, write: bool, io, at: int = 0) -> None:
+    """Moves `t`'s bytes to or from the chunk file at byte `at`: direct I/O when both are page-aligned."""
+    from .tiers.slab import PAGE
+
+    if _direct(t) and at % PAGE == 0:
+        (io.write if write else io.read)(file, t, at).result()
         return
     with open(file, "r+b" if write else "rb") as f:
+        f.seek(at)
         data = t.view(torch.uint8).numpy().data
         if write:
             f.write(data)
@@ -82,15 +91,48 @@ def _body(file: Path, t: torch.Tensor, write: bool, io) -> None:
             f.readinto(data)
 
 
-def _write_chunk(file: Path, t: torch.Tensor, io) -> None:
-    n = t.numel() * t.element_size()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    with open(file, "wb") as f:
-        f.truncate(n + 4)
-    _body(file, t, write=True, io=io)
+def _set_crc(file: Path, nbytes: int, crc: int) -> None:
     with open(file, "r+b") as f:
-        f.seek(n)
-        f.write(np.array([_crc(t)], dtype="<u4").tobytes())
+        f.seek(nbytes)
+        f.write(np.array([crc], dtype="<u4").tobytes())
+
+
+# ---- CRC32C of a file from its parts' (zlib's crc32_combine, with the Castagnoli polynomial) ----
+_POLY = 0x82F63B78  # CRC32C, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a x b modulo the polynomial (reflected bit order)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    p, out = 1 << 30, []  # x^1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return out
+
+
+_X2N = _x2n_table()
+
+
+def crc_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of A + B from A's (crc1), B's (crc2) and B's length in bytes."""
+    p, k, n = 1 << 31, 3, len2  # x^(8 * len2)
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
 
 
 class CheckpointError(UserError):
@@ -175,53 +217,97 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save(path: Path, numels: list[int], source: Source, meta: dict, threads: int = 4) -> int:
-    """Writes the checkpoint at `path` from `source(unit, kind)` (a context manager giving the unit's
-    fp32 slab); returns the bytes written. `threads` slabs are in flight at once."""
+def _create(tmp: Path, numels: list[int], attrs: dict) -> None:
+    """The group at `tmp`, an array per (kind, unit), and each chunk file at its size (slab and checksum)."""
     import zarr
     from zarr.codecs import Crc32cCodec
 
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    g = zarr.open_group(tmp, mode="w-", attributes=attrs)
+    for kind in KINDS:
+        sub = g.create_group(kind)
+        for u, n in enumerate(numels):
+            sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
+                             compressors=[Crc32cCodec()], config={"write_empty_chunks": True})  # zeros too: whole
+            file = _chunk(tmp, kind, u)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            with open(file, "wb") as f:
+                f.truncate(n * 4 + 4)
+
+
+def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, threads: int = 4) -> int:
+    """Writes the checkpoint at `path` from `source(unit, kind)` (this rank's part of the unit's fp32 slab);
+    returns the bytes this rank wrote. `threads` slabs are in flight at once. `ranks`: the ranks that save
+    together (parallel.Ranks; None: this process alone); rank 0 makes, checksums and renames the checkpoint."""
+    from .parallel import Ranks
+
+    ranks = ranks or Ranks()
     path = Path(path)
     tmp, new, old = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new", "old"))
-    if path.parent.is_dir():
-        recover(path.parent.parent)  # a save of this run killed before: finished first
+    keys = [(u, k) for k in KINDS for u in range(len(numels))]
     attrs = json.loads(json.dumps({"format": FORMAT, "tiertrain_version": __version__,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                    "kinds": list(KINDS), "numels": list(numels), **meta}))
     attrs[ATTRS_CRC] = _attrs_crc(attrs)
+    failure, parts = None, {}
     try:
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        g = zarr.open_group(tmp, mode="w-", attributes=attrs)
-        arrays = {}
-        for kind in KINDS:
-            sub = g.create_group(kind)
-            for u, n in enumerate(numels):
-                arrays[(u, kind)] = sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
-                                                     compressors=[Crc32cCodec()],
-                                                     config={"write_empty_chunks": True})  # zeros too: whole
-
+        if ranks.first:
+            if path.parent.is_dir():
+                recover(path.parent.parent)  # a save of this run killed before: finished first
+            _create(tmp, numels, attrs)
+    except OSError as e:
+        failure = e
+    if ranks.any_failed(failure is not None):
+        return _failed(path, tmp, failure, ranks)
+    try:
         with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
             def write(key: tuple[int, str]) -> None:
-                with source(*key) as t:
-                    _write_chunk(_chunk(tmp, key[1], key[0]), t, io)
+                with source(*key) as (start, t):
+                    file = _chunk(tmp, key[1], key[0])
+                    if t.numel():
+                        _body(file, t, True, io, start * 4)
+                    parts[key] = (_crc(t), t.numel() * 4)
+                    _fsync(file)  # this rank's bytes: another host's rank cannot fsync them
 
-            list(pool.map(write, sorted(arrays)))
-        _fsync_tree(tmp)
-        os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
-        _fsync(path.parent)
-        if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
-            os.rename(path, old)
-        os.rename(new, path)
-        _fsync(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+            list(pool.map(write, keys))
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing checkpoint {path} failed: {why(e)}; the previous checkpoint is intact. "
-                              "Free space in the run directory and resume with --resume latest") from None
+        failure = e
+    if ranks.any_failed(failure is not None):
+        return _failed(path, tmp, failure, ranks)
+    crcs = ranks.host_ints([x for key in keys for x in parts[key]])
+    try:
+        if ranks.first:
+            for i, (u, kind) in enumerate(keys):
+                crc = 0
+                for r in crcs:
+                    crc = crc_combine(crc, r[2 * i], r[2 * i + 1])
+                _set_crc(_chunk(tmp, kind, u), numels[u] * 4, crc)
+            _fsync_tree(tmp)
+            os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
+            _fsync(path.parent)
+            if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
+                os.rename(path, old)
+            os.rename(new, path)
+            _fsync(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        failure = e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return sum(numels) * 4 * len(KINDS)
+    if ranks.any_failed(failure is not None):
+        return _failed(path, tmp, failure, ranks)
+    return sum(n for key in keys for n in parts[key][1:])
+
+
+def _failed(path: Path, tmp: Path, failure: OSError | None, ranks) -> int:
+    """A save that failed on some rank: its temporary goes, and every rank stops with the failing rank's words."""
+    if ranks.first:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = f" (rank {ranks.rank})" if ranks.size > 1 else ""
+    said = f"{why(failure)}{where}" if failure is not None else "on another rank"
+    raise CheckpointError(f"writing checkpoint {path} failed: {said}; the previous checkpoint is intact. "
+                          "Free space in the run directory and resume with --resume latest")
 
 
 def read_meta(path: Path) -> dict:
@@ -290,15 +376,39 @@ def load(path: Path, kind: str, unit: int, out: torch.Tensor, io=None) -> None:
                               f"computed {computed:#010x}); resume from another checkpoint")
 
 
-def load_all(path: Path, numels: list[int], target: Source, threads: int = 4) -> None:
-    """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving the slab to
-    fill), `threads` at a time, as save writes them."""
+def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads: int = 4) -> None:
+    """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving this rank's part
+    of the slab to fill), `threads` at a time, as save writes them; the parts' checksums, combined across
+    the ranks (parallel.Ranks; None: this process alone), must give each file's."""
+    from .parallel import Ranks
+
+    ranks = ranks or Ranks()
+    keys = [(u, k) for u in range(len(numels)) for k in KINDS]
+    parts = {}
     with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
         def one(key: tuple[int, str]) -> None:
-            with target(*key) as flat:
-                load(path, key[1], key[0], flat, io)
+            u, kind = key
+            file = _chunk(path, kind, u)
+            if file.stat().st_size != numels[u] * 4 + 4:
+                raise CheckpointError(f"{path} is corrupt: {kind}/{u} holds {file.stat().st_size - 4} bytes, the "
+                                      f"model needs {numels[u] * 4}; resume from another checkpoint")
+            with target(*key) as (start, flat):
+                if flat.numel():
+                    _body(file, flat, False, io, start * 4)
+                parts[key] = (_crc(flat), flat.numel() * 4)
 
-        list(pool.map(one, [(u, k) for u in range(len(numels)) for k in KINDS]))
+        list(pool.map(one, keys))
+    crcs = ranks.host_ints([x for key in keys for x in parts[key]])
+    for i, (u, kind) in enumerate(keys):
+        crc = 0
+        for r in crcs:
+            crc = crc_combine(crc, r[2 * i], r[2 * i + 1])
+        with open(_chunk(path, kind, u), "rb") as f:
+            f.seek(numels[u] * 4)
+            stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
+        if stored != crc:
+            raise CheckpointError(f"{path} is corrupt: {kind}/{u} fails its checksum (stored {stored:#010x}, "
+                                  f"computed {crc:#010x}); resume from another checkpoint")
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -97,7 +97,7 @@ def host_need(cfg: Config, rp: RunPlan, numels: list[int], copied, pin: bool) ->
 def host_checkpoints(cfg: Config, rp: RunPlan) -> int:
     """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
     tc, spec = cfg.train, cfg.model
-    return (len(rp.checkpoints("host")) * host_cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4)
+    return (len(rp.checkpoints("host")) * host_cost(tc.batch_size // rp.gpus * tc.seq_len * spec.hidden_size * 4)
             + (CK_RING_BYTES if rp.checkpoints("nvme") else 0))
 
 
@@ -108,7 +108,7 @@ def checkpoint_store(cfg: Config, rp: RunPlan, run_name: str) -> PieceStore | No
     if not rows:
         return None
     micro_bytes = rp.micro_batch * tc.seq_len * cfg.model.hidden_size * 4
-    pieces = ck_disk_bytes(micro_bytes, tc.batch_size // rp.micro_batch) // CK_PIECE_BYTES
+    pieces = ck_disk_bytes(micro_bytes, tc.batch_size // rp.gpus // rp.micro_batch) // CK_PIECE_BYTES
     root = new_scratch(t.nvme_dir, run_name)
     try:
         return PieceStore(root, rows, pieces, make_io(t.io, t.io_threads))

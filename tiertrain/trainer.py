@@ -25,11 +25,12 @@ from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, lr_at
 from .optim.updates import Updates
+from .parallel import Ranks
 from .plan.resolve import resolve
 from .tiers.host import HostStore
 from .tiers.nvme import check_backend, discard
 from .tiers.placement import kind_bytes, spilled_bytes
-from .tiers.slab import SlabLayout
+from .tiers.slab import Shard, SlabLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
@@ -54,11 +55,13 @@ def resolve_device(name: str) -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None,
-                 updates: dict[int, str] | None = None, hardware: Path | None = None):
+                 updates: dict[int, str] | None = None, hardware: Path | None = None, ranks: Ranks | None = None):
         """`resume`: a checkpoint to continue from (its state replaces the init); else the weights come
         from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init.
         `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them).
-        `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference)."""
+        `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference).
+        `ranks`: the ranks training together (parallel.Ranks; None: the torchrun job of the environment, or
+        this process alone): each holds 1/N of the state and takes 1/N of every batch's rows."""
         hf_reader = None
         if cfg.train.tensorboard:
             tensorboard_writer(None)  # refused here, before anything is allocated, when the package is missing
@@ -70,7 +73,9 @@ class Trainer:
             hf_reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
         self.cfg, self.run_name = cfg, run_name
         spec, tc = cfg.model, cfg.train
-        self.device = resolve_device(tc.device)
+        self.ranks = ranks or Ranks.from_env()
+        self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
+        self.device = self.ranks.device(resolve_device(tc.device))
         self.dtype = DTYPES[tc.compute_dtype]
         if cfg.data.path:
             tokens, name = read_tokens(cfg.data.path), cfg.data.path
@@ -92,26 +97,28 @@ class Trainer:
 
         self.units = spec.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
+        self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]  # this rank's part
         pin = self.device.type == "cuda"
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
         micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
         self.hw = placing.hardware(self.device, hardware, cfg.optim.host_kernel)  # the figures the run plans with
         # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
         # what the host cannot hold goes to the GPU's memory when it has room
-        ram = None if self.hw.unified else placing.available_ram() * 0.9 / 1e9
-        self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro, ram)
+        ram = None if self.hw.unified else placing.available_ram() * 0.9 / 1e9  # the host's, for its ranks
+        self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro, ram, self.ranks.size,
+                                                        self.ranks.local_size)
         self.predicts = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
         if updates:
             self.run_plan = self.run_plan.with_updates(updates)
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.where, self.tiers = self.run_plan.where(), None
-        numels = [lay.numel for lay in self.layouts]
+        numels = [sh.numel for sh in self.shards]
         speculated = self.run_plan.updated("host-speculated", "gpu-speculated")
         copied = speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
         placing.check_ram(cfg, self.run_plan, numels, copied, pin, self.plan.gpu_total if self.hw.unified else 0.0)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
-        self.host = HostStore(self.layouts, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",
+        self.host = HostStore(self.shards, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",
                               where=self.where, device=self.device)
         if "nvme" in self.where.values():
             self.tiers = placing.nvme_tier(cfg, self.run_plan, numels,
@@ -134,15 +141,17 @@ class Trainer:
         self.streams = Streams(self.device)
         self.clock = StallClock(self.streams)
         self.slots = WeightSlots(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
-                                 reader=self.tiers if self.tiers and self.tiers.s_units else None)
-        self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self._grad_sink)
-        self.updates = Updates(self.run_plan, HostAdamW(self.host, self.layouts, cfg.optim, self.tiers), self.grads,
+                                 reader=self.tiers if self.tiers and self.tiers.s_units else None, shards=self.shards,
+                                 ranks=self.ranks)
+        self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self._grad_sink, self.shards,
+                                  self.ranks)
+        self.updates = Updates(self.run_plan, HostAdamW(self.host, self.shards, cfg.optim, self.tiers), self.grads,
                                self.streams, self.device, tc.overlap, self.tiers)
         self.checkpoints = Checkpoints(self.run_plan.checkpoints(), self.streams, self.clock, self.device, pin,
                                        placing.checkpoint_store(cfg, self.run_plan, self.run_name))
         self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
                            self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device, self.run_plan.mlp_tile),
-                           fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, self.run_plan.kept())
+                           fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, self.run_plan.kept(), self.ranks)
         self.step = 0
         if resume is not None:
             self.restore(resume)
@@ -175,7 +184,7 @@ class Trainer:
         depend on placement, order or device."""
         std = self.cfg.model.initializer_range
         for unit, lay in zip(self.units, self.layouts):
-            with self._slab(unit.index, "master", read=False) as flat:
+            with self._whole(unit.index, read=False) as flat:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     v = views[t.name]
@@ -186,16 +195,14 @@ class Trainer:
                         v.zero_()
                     else:
                         v.fill_(1.0)
-                self._master_set(unit.index, flat)
 
     def _import_weights(self, reader: HFReader) -> None:
         """A Hugging Face model's weights, streamed tensor by tensor into the master slabs."""
         for unit, lay in zip(self.units, self.layouts):
-            with self._slab(unit.index, "master", read=False) as flat:
+            with self._whole(unit.index, read=False) as flat:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(reader.get(t.hf_name, t.shape))
-                self._master_set(unit.index, flat)
 
     # ---- checkpoints --------------------------------------------------------------------------
     @contextmanager
@@ -214,6 +221,27 @@ class Trainer:
         else:
             with self.tiers.borrowed(unit, kind, read) as buf:
                 yield buf
+
+    @contextmanager
+    def _whole(self, unit: int, read: bool) -> Iterator[torch.Tensor]:
+        """The unit's whole fp32 master, every rank's part: gathered from the ranks when `read`; when not, set
+        from it on exit (each rank keeps its part, the compute-dtype copy follows). One rank: the slab itself."""
+        if self.ranks.size == 1:
+            with self._slab(unit, "master", read) as flat:
+                yield flat
+                if not read:
+                    self._master_set(unit, flat)
+            return
+        sh = self.shards[unit]
+        whole = torch.zeros(sh.padded, dtype=torch.float32)
+        if read:
+            with self._slab(unit, "master", read=True) as part:
+                self.ranks.host_gather(part, whole)
+        yield whole[:sh.layout.numel]
+        if not read:
+            with self._slab(unit, "master", read=False) as part:
+                part.copy_(whole[sh.start:sh.start + sh.numel])
+                self._master_set(unit, part)
 
     def _master_set(self, unit: int, master: torch.Tensor) -> None:
         """The unit's master was set outside the optimizer (init, import, restore): the compute-dtype copy
@@ -249,10 +277,20 @@ class Trainer:
                               "min_lr": o.min_lr},
                 "units": [u.name for u in self.units], "plan": self.run_plan.to_dict()}
         path = ckpt.step_path(run_dir, self.step)
-        nbytes = ckpt.save(path, [lay.numel for lay in self.layouts],
-                           lambda u, k: self._slab(u, k, read=True), meta)
-        ckpt.prune(run_dir, self.cfg.checkpoint.keep)
+        nbytes = ckpt.save(path, [lay.numel for lay in self.layouts], lambda u, k: self._part(u, k, read=True),
+                           meta, self.ranks)
+        if self.ranks.first:
+            ckpt.prune(run_dir, self.cfg.checkpoint.keep)
+        self.ranks.barrier()  # every rank's checkpoint is whole before any goes on
         return path, nbytes / 1e9 / (time.perf_counter() - t0)
+
+    @contextmanager
+    def _part(self, unit: int, kind: str, read: bool) -> Iterator[tuple[int, torch.Tensor]]:
+        """(offset, this rank's part of the unit's slab inside the slab) wherever it lives: what checkpoints
+        write and read. One rank: (0, the slab)."""
+        sh = self.shards[unit]
+        with self._slab(unit, kind, read) as flat:
+            yield sh.start, flat[:sh.stored]
 
     def restore(self, path: Path) -> float:
         """The state of a checkpoint (any placement: slabs go to whichever tier this run put them on).
@@ -267,17 +305,19 @@ class Trainer:
         self._quiesce()
         t0 = time.perf_counter()
         @contextmanager
-        def fill(u: int, kind: str) -> Iterator[torch.Tensor]:
+        def fill(u: int, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
+            sh = self.shards[u]
             with self._slab(u, kind, read=False) as flat:
-                yield flat
+                flat[sh.stored:].zero_()  # the padding of a shard beyond the slab
+                yield sh.start, flat[:sh.stored]
                 if kind == "master":
                     self._master_set(u, flat)
 
-        ckpt.load_all(path, numels, fill)
+        ckpt.load_all(path, numels, fill, self.ranks)
         self.step = meta["step"]
         self.updates.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
-        self.restore_gbs = sum(numels) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
+        self.restore_gbs = sum(sh.stored for sh in self.shards) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
         return self.restore_gbs
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -285,7 +325,7 @@ class Trainer:
         self._quiesce()
         out = {}
         for unit, lay in zip(self.units, self.layouts):
-            with self._slab(unit.index, "master", read=True) as flat:
+            with self._whole(unit.index, read=True) as flat:
                 views = lay.views(flat)
                 out.update({t.hf_name: views[t.name].clone() for t in unit.tensors})
         return out
@@ -293,16 +333,17 @@ class Trainer:
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self._quiesce()
         for unit, lay in zip(self.units, self.layouts):
-            with self._slab(unit.index, "master", read=False) as flat:
+            with self._whole(unit.index, read=False) as flat:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(sd[t.hf_name])
-                self._master_set(unit.index, flat)
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self) -> dict:
+        """The next step on this rank's rows of its batch (parallel.Ranks.rows)."""
         inp, tgt = self.loader.batch(self.step)
-        return self.train_on(torch.from_numpy(inp), torch.from_numpy(tgt))
+        rows = self.ranks.rows(len(inp))
+        return self.train_on(torch.from_numpy(inp[rows]), torch.from_numpy(tgt[rows]))
 
     def evaluate(self) -> float:
         """The validation loss of the weights after the last step: the mean token loss over the first
@@ -312,12 +353,14 @@ class Trainer:
         n = min(self.cfg.train.eval_batches, self.val.rows // self.val.B)
         total = torch.zeros((), dtype=torch.float64)
         for k in range(n):
-            inp, tgt = (torch.from_numpy(a).to(self.device).split(self.run_plan.micro_batch) for a in self.val.batch(k))
+            inp, tgt = (torch.from_numpy(a[self.ranks.rows(len(a))]).to(self.device).split(self.run_plan.micro_batch)
+                        for a in self.val.batch(k))
             total += self.schedule.evaluate(list(inp), list(tgt)).double().cpu()
         return float(total / n)
 
     def train_on(self, inp: torch.Tensor, tgt: torch.Tensor) -> dict:
-        """One optimizer step on a (B, S) batch; the update itself finishes during the next step."""
+        """One optimizer step on this rank's (B / N, S) rows of a batch; the update itself finishes during the
+        next step. The record's loss, norm, tokens and rates are the whole batch's; bytes and times this rank's."""
         tc = self.cfg.train
         t0 = time.perf_counter()
         upd, tiers = self.updates, self.tiers
@@ -332,7 +375,7 @@ class Trainer:
         loss = float(loss)
         dt = time.perf_counter() - t0
         self.step += 1
-        tokens = tgt.numel()
+        tokens = tgt.numel() * self.ranks.size
         tflops = self.cfg.model.flops_per_token(tgt.shape[1]) * tokens / dt / 1e12
         rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.step * tokens,
                "step_s": dt, "tokens_per_s": tokens / dt, "model_tflops": tflops}
@@ -354,7 +397,7 @@ class Trainer:
         if self.device.type == "cuda":
             rec["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
-        if self.predicts and tgt.shape == (tc.batch_size, tc.seq_len):  # what the plan predicted for this step:
+        if self.predicts and tgt.shape == (tc.batch_size // self.ranks.size, tc.seq_len):  # what the plan predicted for this step:
             # its forward pass waited for the last update, speculated beside a backward pass unless a norm clipped
             p = self.plan
             pt, ps = (p.times, p.step_s) if spec_kept else (p.clipped_times, p.clipped_step_s)

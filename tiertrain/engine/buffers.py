@@ -10,6 +10,10 @@ it back.
 
 Gradients (Accumulators): two block accumulators alternate, so the D2H of one overlaps the next unit's
 backward; the embedding and the head have their own (a tied embedding collects the head's gradient first).
+
+Several ranks (parallel.Ranks): the host holds this rank's shard of each slab (tiers.slab.Shard). A load copies
+the shard into its place in the buffer and all-gathers the rest from the other ranks, on the H2D stream; a
+drain reduce-scatters the accumulator in place, on the D2H stream, and sends down only this rank's part.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from typing import Callable
 
 import torch
 
+from ..parallel import Ranks
 from ..tiers.host import HostStore
-from ..tiers.slab import SlabLayout
+from ..tiers.slab import Shard, SlabLayout
 from .streams import StallClock, Streams
 
 
@@ -29,23 +34,27 @@ class _Buf:
         self.free = None  # event: the stream that last used the contents is done with them
 
 
-def _own(layouts: list[SlabLayout]) -> tuple[tuple[int, int], int]:
-    """(the units with buffers of their own: the embedding and the head; the largest block's numel)."""
-    own = (0, len(layouts) - 1)
-    return own, max((lay.numel for i, lay in enumerate(layouts) if i not in own), default=0)
+def _own(shards: list[Shard]) -> tuple[tuple[int, int], int]:
+    """(the units with buffers of their own: the embedding and the head; the largest block's padded numel)."""
+    own = (0, len(shards) - 1)
+    return own, max((sh.padded for i, sh in enumerate(shards) if i not in own), default=0)
 
 
 class WeightSlots:
     def __init__(self, layouts: list[SlabLayout], host: HostStore, device: torch.device, dtype: torch.dtype,
-                 streams: Streams, clock: StallClock, reader=None):
-        """`reader`: the NVMe tier, for units whose streamed slab is spilled (its `s_units`)."""
+                 streams: Streams, clock: StallClock, reader=None, shards: list[Shard] | None = None,
+                 ranks: Ranks | None = None):
+        """`reader`: the NVMe tier, for units whose streamed slab is spilled (its `s_units`). `shards`: this
+        rank's part of each unit's slab, which the host holds (None: the whole slab); `ranks`: who holds the rest."""
         self.layouts, self.host, self.s, self.clock = layouts, host, streams, clock
-        self.own, blk = _own(layouts)
+        self.shards, self.ranks = shards or [Shard(lay) for lay in layouts], ranks or Ranks()
+        self.own, blk = _own(self.shards)
         self.slots = [_Buf(blk, dtype, device) for _ in range(2)]
-        self.res = {i: _Buf(layouts[i].numel, dtype, device) for i in self.own}
+        self.res = {i: _Buf(self.shards[i].padded, dtype, device) for i in self.own}
         # fp32 master streamed for a bf16 run: copy into an fp32 stage, cast on the H2D stream
         casts = host.dtype(host.streamed_kind) != dtype
-        self.stage = torch.empty(max(lay.numel for lay in layouts) if casts else 0, dtype=torch.float32, device=device)
+        self.stage = torch.empty(max(sh.numel for sh in self.shards) if casts else 0, dtype=torch.float32,
+                                 device=device)
         self._mru = 1
         self._at: dict[int, _Buf] = {}
         self.ready: dict[int, object] = {}  # unit -> event: its weights are in its buffer
@@ -59,7 +68,8 @@ class WeightSlots:
         event the copy from the host waits for (a GPU update writing the host's slab back)."""
         key = (unit, self.host.version[unit])
         buf, self._mru = self._buffer_for(unit, key, self._mru, lambda b: b.holds)
-        n = self.layouts[unit].numel
+        sh = self.shards[unit]
+        n, part = sh.numel, buf.t[sh.start:sh.start + sh.numel]  # this rank's part of the unit's weights
         self._at[unit] = buf
         if buf.holds == key:
             return
@@ -70,14 +80,15 @@ class WeightSlots:
             self.s.wait(self.s.h2d, buf.free)
             self.s.wait(self.s.h2d, after)
             if updated is not None:  # already on the device: cast there
-                buf.t[:n].copy_(updated)
+                part.copy_(updated)
             elif len(self.stage):
                 self.stage[:n].copy_(src, non_blocking=True)
-                buf.t[:n].copy_(self.stage[:n])
+                part.copy_(self.stage[:n])
             else:
-                buf.t[:n].copy_(src, non_blocking=True)
+                part.copy_(src, non_blocking=True)
             if updated is None and not src.is_cuda:  # a resident unit's copy is device to device
                 self.h2d_bytes += src.numel() * src.element_size()
+            self.ranks.all_gather(buf.t[:sh.padded], sh.start, n)  # the other ranks' parts, over NVLink
             self.ready[unit] = self.s.record(self.s.h2d)
         if spilled:
             self.reader.copied(unit, self.ready[unit])
@@ -130,13 +141,15 @@ class WeightSlots:
 
 class Accumulators:
     def __init__(self, layouts: list[SlabLayout], device: torch.device, streams: Streams, clock: StallClock,
-                 sink: Callable[[int], tuple[torch.Tensor, Callable | None]]):
+                 sink: Callable[[int], tuple[torch.Tensor, Callable | None]], shards: list[Shard] | None = None,
+                 ranks: Ranks | None = None):
         """`sink(unit)`: where a unit's gradient goes and what to call with the copy's event (its host slab,
-        or for a spilled gradient a staging buffer, then the disk)."""
+        or for a spilled gradient a staging buffer, then the disk): this rank's shard (`shards`, as WeightSlots)."""
         self.layouts, self.s, self.clock, self.sink = layouts, streams, clock, sink
-        own, blk = _own(layouts)
+        self.shards, self.ranks = shards or [Shard(lay) for lay in layouts], ranks or Ranks()
+        own, blk = _own(self.shards)
         self.blocks = [_Buf(blk, torch.float32, device) for _ in range(2)]
-        self.res = {i: _Buf(layouts[i].numel, torch.float32, device) for i in own}
+        self.res = {i: _Buf(self.shards[i].padded, torch.float32, device) for i in own}
         self._turn = 0
         self._at: dict[int, _Buf] = {}
         self.ready: dict[int, object] = {}  # unit -> event: its gradient has left the accumulator
@@ -155,7 +168,7 @@ class Accumulators:
             b = self.blocks[self._turn]
             self._turn ^= 1
             self.clock.wait("d2h_wait", b.free)
-            b.t[:self.layouts[unit].numel].zero_()
+            b.t[:self.shards[unit].padded].zero_()
             self._at[unit] = b
         return self.acc(unit)
 
@@ -167,20 +180,28 @@ class Accumulators:
         self._at[unit].free = event
 
     def drain(self, unit: int) -> torch.Tensor:
-        """Sends the unit's gradient to its home on the D2H stream; returns its norm (on the device)."""
-        acc = self.acc(unit)
-        norm = torch.linalg.vector_norm(acc)
+        """Sends the unit's gradient (this rank's part of the sum over the ranks) to its home on the D2H stream;
+        returns that part's norm (on the device: after norms_ready() on the compute stream)."""
+        sh = self.shards[unit]
         done = self.s.record(self.s.compute)
         dst, landed = self.sink(unit)
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
-            dst.copy_(acc, non_blocking=True)
+            part = self.ranks.reduce_scatter(self._at[unit].t[:sh.padded], sh.start, sh.numel)
+            norm = torch.linalg.vector_norm(part)
+            if norm.is_cuda:
+                norm.record_stream(self.s.compute)  # read there after norms_ready()
+            dst.copy_(part, non_blocking=True)
             self._at[unit].free = self.ready[unit] = self.s.record(self.s.d2h)
         if landed is not None:
             landed(self.ready[unit])
         if not dst.is_cuda:
-            self.d2h_bytes += acc.numel() * 4
+            self.d2h_bytes += part.numel() * 4
         return norm
+
+    def norms_ready(self) -> None:
+        """The compute stream waits for the drains, whose norms it reads next."""
+        self.s.wait(self.s.compute, self.ready.get(0))
 
     def nbytes(self) -> int:
         return sum(b.t.numel() * 4 for b in self.blocks + list(self.res.values()))

@@ -10,7 +10,8 @@ backward  unit L-2..1: recompute each micro-batch from its checkpoint with autog
           loaded weights (a kept block: its graph, reading the weights loaded again), backprop, add the weight gradients into an fp32 accumulator; the accumulator
           drains on the D2H stream while the next unit computes; the embedding's gradient is an fp32
           scatter-add of the incoming gradients
-norm      the global gradient norm from the per-unit norms left on the device: the step's one synchronization
+norm      the global gradient norm from the per-unit norms left on the device, summed over the ranks with the loss
+          in one all-reduce: the step's one synchronization
 Where and when each unit's AdamW runs is its RunPlan entry's, carried out by optim.updates.Updates.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..model.llama import Context
 from ..model.spec import UnitSpec
 from ..optim.adamw import clip_coefficient
 from ..optim.updates import Updates
+from ..parallel import Ranks
 from ..tiers.slab import SlabLayout
 from .activations import Checkpoints
 from .buffers import Accumulators, WeightSlots
@@ -32,7 +34,8 @@ from .streams import StallClock
 class Step:
     def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], slots: WeightSlots,
                  grads: Accumulators, checkpoints: Checkpoints, updates: Updates, clock: StallClock, ctx: Context,
-                 loss_chunk_tokens: int | None, max_norm: float, kept: frozenset[int] = frozenset()):
+                 loss_chunk_tokens: int | None, max_norm: float, kept: frozenset[int] = frozenset(),
+                 ranks: Ranks | None = None):
         self.units, self.layouts, self.slots, self.grads, self.ck, self.updates, self.clock, self.ctx = (
             units, layouts, slots, grads, checkpoints, updates, clock, ctx)
         self.kept = kept  # blocks whose activations stay on the GPU from forward to backward
@@ -40,12 +43,13 @@ class Step:
         self.weights_now: dict[int, torch.Tensor] = {}  # kept block -> its flat weights for the backward pass
         self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)  # ~64 MiB of fp32 logits
         self.max_norm = max_norm
+        self.ranks = ranks or Ranks()  # each takes as many rows of the batch
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, float]:
         """Forward, backward, norm and the start of the update, over the micro-batches; (summed loss, the
-        global gradient norm). The update finishes during the next step's forward pass."""
+        global gradient norm), over every rank's rows. The update finishes during the next step's forward pass."""
         L, slots, grads, ck, updates, clock = len(self.units), self.slots, self.grads, self.ck, self.updates, self.clock
-        n_tokens = sum(t.numel() for t in targets)
+        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
 
         def load(u: int) -> None:  # the unit's update, where one is due, runs before its weights go to the GPU
             slots.load(u, *updates.before_load(u))
@@ -104,16 +108,27 @@ class Step:
         norms[0] = grads.drain(0)
         updates.gradient_ready(0)
 
-        grad_norm, clip = clip_coefficient(norms, self.max_norm)  # ---- norm and update
+        grads.norms_ready()  # ---- norm and update
+        loss, grad_norm, clip = self.global_norm(loss, norms)
         updates.after_norm(lr, clip)
         return loss, grad_norm
+
+    def global_norm(self, loss: torch.Tensor, norms: list[torch.Tensor]) -> tuple[torch.Tensor, float, float]:
+        """(the batch's loss, the global gradient norm, the clip factor): one rank's from its units' norms; several
+        ranks' from their shards' squared norms and their losses, summed in one all-reduce."""
+        if self.ranks.size == 1:
+            return (loss, *clip_coefficient(norms, self.max_norm))
+        both = torch.stack([loss, torch.stack([n.float() for n in norms]).square().sum()])
+        self.ranks.all_sum(both)
+        return (both[0], *clip_coefficient([both[1].sqrt()], self.max_norm))
 
     def evaluate(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
         """The mean token loss of a forward pass over the micro-batches, with the weights as they are (the
         caller lands the pending update first): the training forward pass and loss, nothing saved, no
-        gradient. The slots are left stale: the next step's forward pass copies every unit again."""
+        gradient. The slots are left stale: the next step's forward pass copies every unit again. Summed over
+        the ranks' rows."""
         L, slots, updates = len(self.units), self.slots, self.updates
-        n_tokens = sum(t.numel() for t in targets)
+        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
 
         def load(u: int) -> None:
             slots.load(u, *updates.before_load(u))
@@ -139,7 +154,7 @@ class Step:
                     loss += F.cross_entropy(lg, t[a:a + self.chunk], reduction="sum") / n_tokens
             self.release(L - 1)
         slots.forget()
-        return loss
+        return self.ranks.all_sum(loss)
 
     # ---- binding weights ----------------------------------------------------------------------
     def bind(self, unit: int) -> dict[str, torch.Tensor]:

@@ -54,8 +54,8 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
 
 def adam_threads() -> int:
     """Threads of the host AdamW: memory-bound, two cores fewer lose nothing, and leave the main thread
-    free to launch kernels."""
-    return max(1, (os.cpu_count() or 2) - 2)
+    free to launch kernels; each of the ranks of a host (torchrun's LOCAL_WORLD_SIZE) takes its share."""
+    return max(1, ((os.cpu_count() or 2) - 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def adam_pool(threads: int | None = None) -> ThreadPoolExecutor:

@@ -7,7 +7,7 @@ says so.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -69,6 +69,11 @@ class HardwareSpec:
     # the device computes in the host's memory with the host's cores (a CPU): keeping state or checkpoints
     # on it, updating on it, or overlapping updates with compute gains nothing, so the plan does none of them
     unified: bool = False
+    # Several GPUs: each GPU's rate of all-gathers and reduce-scatters (NCCL bus bandwidth) with the other GPUs
+    # of its host (NVLink), and with GPUs of other hosts (the network, per GPU). Not probed: datasheet-level
+    # figures for H100/H200 NVLink 4 (450 GB/s a direction, NCCL reaches about two thirds) and 200 Gb/s links
+    peer_gbs: float = 300.0
+    network_gbs: float = 25.0
     source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
 
     @classmethod
@@ -80,6 +85,18 @@ class HardwareSpec:
                    bidir_gbs=10.0, bf16_tflops=0.05, fp32_tflops=0.1, host_adam_params_per_s=0.5e9,
                    host_adam_copy_params_per_s=0.5e9, compute_efficiency=1.0, unified=True,
                    source="this CPU (rough figures: on a CPU the plan's times are not predictions)")
+
+    def per_rank(self, per_host: int) -> "HardwareSpec":
+        """What one of `per_host` ranks of a host has of it: a share of its RAM, cores, DRAM bandwidth and disk
+        (each GPU keeps its own PCIe link)."""
+        if per_host <= 1:
+            return self
+        n = per_host
+        return replace(self, host_ram_gb=self.host_ram_gb / n, cpu_count=max(1, self.cpu_count // n),
+                       host_adam_params_per_s=self.host_adam_params_per_s / n,
+                       host_adam_copy_params_per_s=self.host_adam_copy_params_per_s / n,
+                       host_dram_gbs=self.host_dram_gbs / n, disk_read_gbs=self.disk_read_gbs / n,
+                       disk_write_gbs=self.disk_write_gbs / n, disk_mixed_gbs=self.disk_mixed_gbs / n)
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareSpec":

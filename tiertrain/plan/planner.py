@@ -30,7 +30,7 @@ from ..sizes import budget, gb
 from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes,
                                gpu_updated, host_state_bytes, kind_bytes, least_host, place_within, resident_units,
                                streamed_kind, update_candidates)
-from ..tiers.slab import SlabLayout, host_cost
+from ..tiers.slab import SLAB_ALIGN, SlabLayout, host_cost
 from .hardware import HardwareSpec
 from .runplan import RunPlan, UnitPlan, unit_plans
 from .times import step_times
@@ -104,12 +104,19 @@ class Plan:
     longest_seq_len: int = 0  # the longest sequence (batch 1) that fits these budgets (the report's)
     longest_bound: str = ""  # the budgets the next longer one misses: "GPU", "host", "NVMe", comma-separated
     hardware: str = ""
+    gpus: int = 1  # ranks, one GPU each: each holds 1/gpus of the state and takes 1/gpus of the batch's rows
+    gpus_per_host: int = 1  # they share a host's RAM, cores, DRAM bandwidth and disk; budgets are per host
     units: list = field(default_factory=list)  # one RunPlan entry per unit (plan.runplan.UnitPlan.to_dict)
 
     def run_plan(self) -> RunPlan:
         """The RunPlan of this choice: what the runtime obeys."""
         return RunPlan(self.micro_batch, self.stream, self.activations, float(self.resident_gb),
-                       tuple(UnitPlan.from_dict(u) for u in self.units), self.mlp_tile)
+                       tuple(UnitPlan.from_dict(u) for u in self.units), self.mlp_tile, self.gpus)
+
+    @property
+    def rows(self) -> int:
+        """Rows of each step's batch one rank takes."""
+        return self.batch // self.gpus
 
     @property
     def host_total(self) -> float:
@@ -120,8 +127,13 @@ class Plan:
         return sum(self.gpu.values())
 
 
-def _layouts(spec: ModelSpec) -> list[int]:
-    return [_slab_numel(tuple((t.name, t.shape) for t in u.tensors)) for u in spec.units()]
+def _layouts(spec: ModelSpec, gpus: int = 1) -> list[int]:
+    """Each unit's slab size, or with several GPUs each rank's shard of it (tiers.slab.Shard)."""
+    return [_shard_numel(_slab_numel(tuple((t.name, t.shape) for t in u.tensors)), gpus) for u in spec.units()]
+
+
+def _shard_numel(n: int, gpus: int) -> int:
+    return n if gpus == 1 else -(-(-(-n // gpus)) // SLAB_ALIGN) * SLAB_ALIGN
 
 
 @functools.lru_cache(maxsize=256)  # blocks share their table: a deep model builds one layout, not thousands
@@ -132,22 +144,29 @@ def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int | str = "auto",
              least: bool = False, speculate: int | None = None, clipping: bool = True,
-             speculate_gpu: bool | None = None, keep: int | None = 0, mlp_tile: int | None = None) -> Plan:
+             speculate_gpu: bool | None = None, keep: int | None = 0, mlp_tile: int | None = None,
+             gpus: int = 1, per_host: int = 1) -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
     host budget holds), with copies when `clipping`; `keep` blocks keep their activations (None: as many as
     the GPU memory left holds, after room for the GPU updates' state); `mlp_tile` tokens per MLP tile (None:
     MLP_TILE where the untiled MLP's working set would take more than MLP_SHARE of the GPU budget); `activations` "split": the checkpoints of the last
     blocks on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe. `least`: with an NVMe tier, also the least host budget (a walk
-    over every placement: the report's, not the search's); a miss for host memory always has it."""
+    over every placement: the report's, not the search's); a miss for host memory always has it. `gpus`: the
+    plan of one of that many ranks (`per_host` of them on each host, `hw` and the budgets that host's), with
+    `micro` rows of its batch / gpus rows at a time."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
-             resident_gb=budgets.resident_gb)
-    all_numels = _layouts(spec)
+             resident_gb=budgets.resident_gb, gpus=gpus, gpus_per_host=per_host)
+    shards = _layouts(spec, gpus)
+    all_numels = [n * gpus for n in shards]  # the device's buffers hold a whole unit (padded to whole shards)
+    hw = hw.per_rank(per_host)
+    budgets = replace(budgets, host_gb=None if budgets.host_gb is None else budgets.host_gb / per_host,
+                      nvme_gb=budgets.nvme_gb and budgets.nvme_gb / per_host)
     H, FF = spec.hidden_size, spec.intermediate_size
-    T = batch * seq_len
+    T = p.rows * seq_len
     kb = kind_bytes(dtype, stream)
     resident = resident_units(all_numels, kb, budgets.resident_gb * 1e9)
-    numels = [0 if u in resident else n for u, n in enumerate(all_numels)]  # what the host and its links carry
+    numels = [0 if u in resident else n for u, n in enumerate(shards)]  # what the host and its links carry
     resident_bytes = sum(all_numels[u] for u in resident) * sum(kb.values())
 
     # ---- GPU, the checkpoints aside ----
@@ -210,7 +229,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and least:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
-    p.nvme_checkpoints = p.checkpoints["nvme"] * ck_disk_bytes(micro * seq_len * H * 4, batch // micro)
+    p.nvme_checkpoints = p.checkpoints["nvme"] * ck_disk_bytes(micro * seq_len * H * 4, p.rows // micro)
     disk = disk_bytes(numels, kb, where) + p.nvme_checkpoints
     if nvme_on and disk > budgets.nvme_gb * 1e9:
         what = "the spilled state and checkpoints take" if p.checkpoints["nvme"] else "the spilled state takes"
@@ -266,7 +285,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         on_gpu = sum(numels[u] for u in gpu)
 
         def step(n: int):
-            t, bwd, fwd = step_times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_speculated=ge)
+            t, bwd, fwd = step_times(spec, p, sums, on_gpu, params[n], clipping, ck_bytes, kb, hw, gpu_speculated=ge,
+                                     whole=sum(all_numels))
             return bwd + fwd, (k, bwd, fwd, t, sets, n, copies[n], ge)
 
         if speculate is not None and copies[min(speculate, len(host))] > room:
@@ -294,18 +314,18 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.clipped_times, p.clipped_step_s = t, p.step_s
     if clipping and (p.speculated or p.gpu_speculated):
         on_gpu = sum(numels[u] for u in gpu_updated(cands, p.gpu_updates, p.gpu_speculated))
-        ct, cb, cf = step_times(spec, p, sums, on_gpu, 0, clipping, ck_bytes, kb, hw)
+        ct, cb, cf = step_times(spec, p, sums, on_gpu, 0, clipping, ck_bytes, kb, hw, whole=sum(all_numels))
         p.clipped_times, p.clipped_step_s = ct, cb + cf
     # what limits each phase: the backward pass, then the forward pass with the update beside it
     limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
               "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),
               "host AdamW": (t["host AdamW bwd"], t["host AdamW"]), "host DRAM": (t["host DRAM bwd"], t["host DRAM fwd"]),
-              "NVMe": (t["NVMe bwd"], t["NVMe"])}
+              "NVMe": (t["NVMe bwd"], t["NVMe"]), "GPU links": (t["peer bwd"], t["peer fwd"])}
     phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}
     p.bottleneck = max(phase, key=phase.get)
     F = spec.flops_per_token(seq_len)
-    p.tokens_per_s = T / p.step_s
-    p.model_tflops = F * T / p.step_s / 1e12
+    p.tokens_per_s = T * gpus / p.step_s  # the whole batch's, over every rank
+    p.model_tflops = F * T * gpus / p.step_s / 1e12
     p.fits, p.why = True, "fits"
     gpu = gpu_updated(cands, p.gpu_updates, p.gpu_speculated)  # the units of each update mode, as the runtime takes them
     host = alternate_from_last([u for u in in_ram if u not in set(gpu)], len(in_ram))
@@ -355,13 +375,15 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int | str = "auto",
          speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None,
-         keep: int | None = None, mlp_tile: int | None = None) -> Plan:
+         keep: int | None = None, mlp_tile: int | None = None, gpus: int = 1, per_host: int | None = None) -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
     `stream`, `activations`, `speculate`, `keep`: fixed choices (None: searched); budgets.resident_gb "auto":
     part of the GPU memory the rest of the plan leaves (kept activations aside), for resident units, the
     kept activations taking what those leave, in the proportion that gives the shortest step. `clipping`:
     the global norm is clipped (a speculative update then writes copies). `activations` None: the GPU or the
-    host, and a split of the checkpoints across the GPU, the host and NVMe where neither holds them all."""
+    host, and a split of the checkpoints across the GPU, the host and NVMe where neither holds them all.
+    `gpus`: the plan of one of that many ranks (`per_host` on each host, default all on one), each holding
+    1/gpus of the state in host RAM and updating it there (no GPU updates, no resident state)."""
     from .advice import explain  # advice plans variants with this module
 
     if hw.unified:  # see HardwareSpec.unified: what the config leaves to the plan is none of them
@@ -369,7 +391,12 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         keep = 0 if keep is None else keep  # the device's memory is the host's: keep what the config says
         gpu_updates, speculate_gpu = 0 if gpu_updates == "auto" else gpu_updates, bool(speculate_gpu)
         budgets = replace(budgets, resident_gb=0.0 if budgets.resident_gb == "auto" else budgets.resident_gb)
-    micros = [micro] if micro else [m for m in range(1, batch + 1) if batch % m == 0 and m * seq_len <= 65536]
+    per_host = per_host or gpus
+    if gpus > 1:  # a rank's shard is updated by the host; the GPU holds no state between steps
+        gpu_updates, speculate_gpu = 0, False
+        budgets = replace(budgets, resident_gb=0.0)
+    rows = batch // gpus
+    micros = [micro] if micro else [m for m in range(1, rows + 1) if rows % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])
     places = [activations] if activations else ["gpu", "host"]
 
@@ -377,7 +404,8 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         """One (micro-batch, stream, checkpoint home), with the resident budget "auto" settled for it."""
         def at(b: Budgets) -> Plan:
             return evaluate(spec, batch, seq_len, dtype, m, s, a, b, hw, name, gpu_updates, speculate=speculate,
-                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep, mlp_tile=mlp_tile)
+                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep, mlp_tile=mlp_tile,
+                            gpus=gpus, per_host=per_host)
         if budgets.resident_gb != "auto":
             return at(budgets)
         best = at(replace(budgets, resident_gb=0.0))
@@ -390,9 +418,9 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
             return tries[0]  # what the host and disk still lack
         return best
 
-    cands = [choice(m, s, a) for m in micros or [batch] for s in streams for a in places]
+    cands = [choice(m, s, a) for m in micros or [rows] for s in streams for a in places]
     if not activations and not any(c.fits for c in cands):
-        cands += [choice(m, s, "split") for m in micros or [batch] for s in streams]
+        cands += [choice(m, s, "split") for m in micros or [rows] for s in streams]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
         # of those short of host memory with an NVMe tier, the one that needs the least

@@ -6,16 +6,17 @@ from ..config import AUTO, Config, fixed
 from ..errors import ConfigError
 from ..sizes import budget, gb
 from ..tiers.placement import kind_bytes, least_host, resident_units
-from ..tiers.slab import SlabLayout, host_cost
+from ..tiers.slab import host_cost
 from .hardware import HardwareSpec
-from .planner import Budgets, Plan, plan
+from .planner import Budgets, Plan, _layouts, plan
 from .runplan import RunPlan
 
 
 def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
-           name: str, micro: int | None = None, advise: bool = True) -> Plan:
-    """The plan of `cfg` under these budgets (None: see Budgets). `micro`: the micro-batch a resumed run ran
-    with, kept where the config leaves it to the plan."""
+           name: str, micro: int | None = None, advise: bool = True, gpus: int = 1, per_host: int | None = None) -> Plan:
+    """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host). `micro`:
+    the micro-batch a resumed run ran with, kept where the config leaves it to the plan. `gpus`: of one of
+    that many ranks, `per_host` on each host (default: all on one)."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
     stream = fixed(t.stream)
     if t.gpu_update_units not in (AUTO, 0) and tc.compute_dtype == "bfloat16":
@@ -28,7 +29,7 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
                 gpu_updates=t.gpu_update_units, micro=fixed(tc.micro_batch_size) or micro,
                 clipping=o.grad_clip > 0, speculate=fixed(o.speculate_units),
                 speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations),
-                keep=fixed(tc.keep_activations), mlp_tile=fixed(tc.mlp_chunk_tokens))
+                keep=fixed(tc.keep_activations), mlp_tile=fixed(tc.mlp_chunk_tokens), gpus=gpus, per_host=per_host)
 
 
 def chosen(cfg: Config) -> tuple[str, ...]:
@@ -41,19 +42,21 @@ def chosen(cfg: Config) -> tuple[str, ...]:
     return tuple(k for k, v in named.items() if v == AUTO)
 
 
-def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None,
-            ram_gb: float | None = None) -> tuple[Plan, RunPlan, tuple[str, ...]]:
+def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None, ram_gb: float | None = None, gpus: int = 1,
+            per_host: int = 1) -> tuple[Plan, RunPlan, tuple[str, ...]]:
     """`tiertrain run`'s (plan of this exact run, the RunPlan it obeys, the settings the plan chose): the
     search on the device's figures `hw` settles what the config leaves "auto", and a run that cannot fit
     stops here, before anything is allocated, naming the setting to change. `micro`: the micro-batch a
     resumed run ran with, kept where the config leaves it to the plan. `ram_gb`: the host budget when
-    --host-gb is not given (the RAM free here; None: unbounded, the RAM check after the plan refuses)."""
+    --host-gb is not given (the RAM free here; None: unbounded, the RAM check after the plan refuses). `gpus`,
+    `per_host`: the ranks of the run, and of this host."""
     t = cfg.tiers
     nvme = t.nvme_gb or (1e9 if t.nvme_dir else None)
-    p = search(cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False)
+    ranks = {"gpus": gpus, "per_host": per_host}
+    p = search(cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
     if not p.fits and not t.host_gb and ram_gb and p.short_of != "GPU":
         # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
-        p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False)
+        p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
     if not p.fits:
         raise ConfigError(_refusal(cfg, p, micro))
     return p, p.run_plan(), chosen(cfg)
@@ -72,13 +75,13 @@ def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
         return f"{p.why}: " + ", or ".join(fixes)
     if p.short_of == "host":  # no NVMe tier
         kb = kind_bytes(tc.compute_dtype, p.stream)
-        numels = [SlabLayout.build([(x.name, x.shape) for x in u.tensors]).numel for u in cfg.model.units()]
+        numels = _layouts(cfg.model, p.gpus)  # a rank's shards; the budget is the host's, for its ranks
         resident = resident_units(numels, kb, p.resident_gb * 1e9)
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
         spec = cfg.model
-        acts = p.checkpoints.get("host", 0) * host_cost(tc.batch_size * tc.seq_len * spec.hidden_size * 4)
-        total = sum(host_cost(n * b) for n in rest for b in kb.values()) + acts
-        least = least_host(rest, kb, acts, host_cost)
+        acts = p.checkpoints.get("host", 0) * host_cost(p.rows * tc.seq_len * spec.hidden_size * 4)
+        total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.gpus_per_host
+        least = least_host(rest, kb, acts, host_cost) * p.gpus_per_host
         return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
                 f"{budget(total)}, or pass --nvme-dir to spill part of it to disk (then --host-gb {budget(least)} "
                 "is the least)")

@@ -51,6 +51,7 @@ class RunPlan:
     resident_gb: float  # GPU memory for the whole state of the first units (their update: "resident")
     units: tuple[UnitPlan, ...]
     mlp_tile: int = 0  # tokens per tile of the MLP; 0: untiled
+    gpus: int = 1  # ranks: each takes batch / gpus rows of every batch and holds 1/gpus of every slab (homes: its shard's)
 
     def checkpoints(self, home: str | None = None) -> dict[int, str]:
         """{block: its checkpoint's home} of the blocks that have one (only those at `home`, if given)."""
@@ -94,7 +95,8 @@ class RunPlan:
 
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
-                "resident_gb": self.resident_gb, "mlp_tile": self.mlp_tile, "units": [u.to_dict() for u in self.units]}
+                "resident_gb": self.resident_gb, "mlp_tile": self.mlp_tile, "gpus": self.gpus,
+                "units": [u.to_dict() for u in self.units]}
 
 
 def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],

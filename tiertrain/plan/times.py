@@ -35,15 +35,18 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
 
 def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, speculated: int, copies: bool,
                ck_bytes: int, kb: dict[str, int], hw: HardwareSpec,
-               gpu_speculated: bool = False) -> tuple[dict[str, float], float, float]:
+               gpu_speculated: bool = False, whole: int = 0) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
     `on_gpu` parameters updated on the GPU and `speculated` queued for the host during the backward pass
     (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM
     traffic), as many as that pass has room for (the rest after the norm: "host AdamW" counts them).
     `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their state's copies with it
-    (the gradient is already there; the kept master streams in the next forward pass like the others)."""
+    (the gradient is already there; the kept master streams in the next forward pass like the others).
+    Several GPUs (p.gpus): `sums` are this rank's shards, `whole` the units' padded sizes summed; each GPU
+    all-gathers (gpus - 1) / gpus of every unit it loads, in the compute dtype, and reduce-scatters as much of
+    every fp32 gradient, over NVLink (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
-    T, F = p.batch * p.seq_len, spec.flops_per_token(p.seq_len)
+    T, F = p.batch // p.gpus * p.seq_len, spec.flops_per_token(p.seq_len)
     # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
     recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
@@ -63,7 +66,12 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     dram = hw.host_dram_gbs * 1e9
+    others = (p.gpus - 1) / p.gpus  # of each unit, the part the other ranks hold
+    link = (hw.peer_gbs if p.gpus <= p.gpus_per_host else hw.network_gbs) * 1e9
+    wdt = 2 if p.dtype == "bfloat16" else 4
+    reloaded_whole = whole * reloaded / streamed if streamed else 0
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate,
+         "peer fwd": others * wdt * whole / link, "peer bwd": others * (wdt * reloaded_whole + 4 * whole) / link,
          "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
          "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
          "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
@@ -73,7 +81,7 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
          / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
          "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads + ck_disk, bwd_writes, hw)}
-    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"])
+    bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"], t["peer bwd"])
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
     # (Updates.after_norm): those left run after it with the others
@@ -86,7 +94,7 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
           # the copies and the host AdamW share the host's DRAM
           "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
           "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram}
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"])
+    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"], t["peer fwd"])
     if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
         bwd = max(bwd, t["host DRAM bwd"])
     update = max(t["host AdamW"], t["NVMe"])

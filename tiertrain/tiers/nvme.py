@@ -52,10 +52,10 @@ class PosixIO:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
-    def _run(self, path: Path, buf: torch.Tensor, write: bool) -> Future:
+    def _run(self, path: Path, buf: torch.Tensor, write: bool, at: int = 0) -> Future:
         view = memoryview(buf.view(torch.uint8).numpy())
         fd = _open(path, write)
-        parts = [self.pool.submit(self._piece, fd, view[o:o + TASK_BYTES], o, write)
+        parts = [self.pool.submit(self._piece, fd, view[o:o + TASK_BYTES], at + o, write)
                  for o in range(0, len(view), TASK_BYTES)]
         done: Future = Future()
 
@@ -75,11 +75,12 @@ class PosixIO:
         if n != len(view):
             raise OSError(errno.EIO, f"short {'write' if write else 'read'}: {n} of {len(view)} bytes")
 
-    def read(self, path: Path, buf: torch.Tensor) -> Future:
-        return self._run(path, buf, write=False)
+    def read(self, path: Path, buf: torch.Tensor, at: int = 0) -> Future:
+        """Reads the file's bytes from offset `at` into `buf`."""
+        return self._run(path, buf, False, at)
 
-    def write(self, path: Path, buf: torch.Tensor) -> Future:
-        return self._run(path, buf, write=True)
+    def write(self, path: Path, buf: torch.Tensor, at: int = 0) -> Future:
+        return self._run(path, buf, True, at)
 
 
 class KvikioIO:

@@ -92,3 +92,35 @@ def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     flat = raw[:nbytes].view(dtype)
     assert flat.data_ptr() % PAGE == 0
     return flat
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank`'s part of a unit's slab when `ranks` ranks share it: elements [start, start + numel) of the
+    slab padded to `padded` = ranks x numel (whole pages each); one rank's shard is the whole slab. The optimizer
+    updates a shard as it would the slab: `ranges` are the slab's groups, cut to the shard."""
+    layout: SlabLayout
+    rank: int = 0
+    ranks: int = 1
+
+    @property
+    def numel(self) -> int:
+        n = self.layout.numel
+        return n if self.ranks == 1 else _round_up(-(-n // self.ranks), SLAB_ALIGN)
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.numel
+
+    @property
+    def padded(self) -> int:
+        return self.numel * self.ranks
+
+    @property
+    def stored(self) -> int:
+        """Elements of the shard inside the slab (the last ranks' shards are partly or wholly padding)."""
+        return max(0, min(self.numel, self.layout.numel - self.start))
+
+    def ranges(self) -> list[tuple[int, int, bool]]:
+        a, b = self.start, self.start + self.numel
+        return [(max(x, a) - a, min(y, b) - a, d) for x, y, d in self.layout.ranges() if max(x, a) < min(y, b)]

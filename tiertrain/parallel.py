@@ -1,0 +1,135 @@
+"""Several GPUs: the ranks of a `torchrun` job and the collectives a step makes (torch.distributed: NCCL on GPUs,
+gloo on CPUs). A process started without torchrun is a job of one rank: nothing is initialized and every
+collective is the identity.
+
+Each rank owns 1/N of every unit's slabs (tiers.slab.Shard). The step copies a unit's weight shard over the
+rank's own PCIe link and all-gathers the unit over NVLink (or the network), reduce-scatters each unit's
+gradient so that each rank drains only its shard, and sums the squared norm and the loss in one all-reduce.
+Checkpoints and state gathers move host tensors through a second, gloo group.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _gather(out: torch.Tensor, part: torch.Tensor, group=None) -> None:
+    dist = _dist()  # torch 2.13 renamed all_gather_into_tensor; the GPU machines run 2.11
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, part, group=group)
+
+
+@dataclass
+class Ranks:
+    rank: int = 0
+    size: int = 1
+    local_size: int = 1  # ranks on this host: they share its RAM, cores and disks
+    local_rank: int = 0
+    host: object = None  # the gloo group for host tensors (None: the default group is gloo already)
+    owned: bool = False  # this object initialized the process group: close() destroys it
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        """The job torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK, ...); one rank without it.
+        The default group's backend follows the device: NCCL where CUDA is, gloo where not."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size <= 1:
+            return cls()
+        dist = _dist()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        owned = not dist.is_initialized()
+        if owned:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        host = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+                   local_rank, host, owned)
+
+    @property
+    def first(self) -> bool:
+        """Rank 0: the one that logs, writes metrics and the run's files."""
+        return self.rank == 0
+
+    def device(self, device: torch.device) -> torch.device:
+        """The rank's own GPU (LOCAL_RANK), or the CPU."""
+        if device.type == "cuda" and self.size > 1:
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def check_batch(self, batch: int, micro: int | None) -> None:
+        if batch % self.size:
+            raise ConfigError(f"train.batch_size {batch} does not split over {self.size} ranks: make it a multiple "
+                              f"of {self.size}")
+        if micro and (batch // self.size) % micro:
+            raise ConfigError(f"train.micro_batch_size {micro} does not divide a rank's {batch // self.size} rows "
+                              f"of the batch: make it a divisor of {batch // self.size}, or \"auto\"")
+
+    def rows(self, batch: int) -> slice:
+        """This rank's rows of a batch of `batch`: the r-th contiguous block of batch / N rows."""
+        n = batch // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+    # ---- collectives (each a no-op for one rank) ---------------------------------------------------
+    def all_gather(self, out: torch.Tensor, start: int, numel: int) -> None:
+        """`out` (every rank's part, in rank order) from each rank's out[start:start + numel], in place; on the
+        current stream."""
+        if self.size > 1:
+            _gather(out, out[start:start + numel])
+
+    def reduce_scatter(self, t: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+        """t[start:start + numel] becomes the sum over the ranks of theirs (in place); the rest of `t` is left
+        undefined. Returns that part."""
+        part = t[start:start + numel]
+        if self.size > 1:
+            dist = _dist()
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter(part, t)
+        return part
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            _dist().all_reduce(t)
+        return t
+
+    def host_gather(self, part: torch.Tensor, whole: torch.Tensor) -> None:
+        """Every rank's equal-sized host `part`, in rank order, into `whole` (on every rank)."""
+        if self.size == 1:
+            whole.copy_(part)
+        else:
+            _gather(whole, part, self.host)
+
+    def host_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of (as many) integers, in rank order."""
+        t = torch.tensor(values, dtype=torch.int64)
+        if self.size == 1:
+            return [values]
+        out = torch.zeros(self.size * len(values), dtype=torch.int64)
+        _gather(out, t, self.host)
+        return [r.tolist() for r in out.view(self.size, len(values))]
+
+    def any_failed(self, failed: bool) -> bool:
+        """Whether some rank failed (each says whether it did): every rank learns it together."""
+        if self.size == 1:
+            return failed
+        t = torch.tensor([int(failed)], dtype=torch.int64)
+        _dist().all_reduce(t, group=self.host)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            _dist().barrier(group=self.host)
+
+    def close(self) -> None:
+        if self.owned:
+            _dist().destroy_process_group()
+            self.owned = False
