@@ -11,8 +11,9 @@ from . import __version__
 from .errors import UserError
 
 
-def _fail(err: Exception) -> None:
-    click.echo(f"error: {err}", err=True)
+def _fail(err: Exception, ranks=None) -> None:
+    where = f"rank {ranks.rank}: " if ranks is not None and ranks.size > 1 else ""
+    click.echo(f"error: {where}{err}", err=True)
     sys.exit(2)
 
 
@@ -40,10 +41,57 @@ def main() -> None:
 @click.option("--hardware", default=None, metavar="FILE",
               help="JSON from `tiertrain probe` for the plan. Default: probe's default file if present, else reference "
                    "figures.")
+@click.option("--gpus", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Train on N GPUs of this host, one rank each: the job `torchrun --nproc-per-node N -m tiertrain "
+                   "run` runs. --host-gb and --nvme-gb are the host's.")
 def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, host_gb: float | None,
         nvme_dir: str | None, nvme_gb: float | None, save_every: int | None, resume: str | None,
-        init_from: str | None, hardware: str | None) -> None:
+        init_from: str | None, hardware: str | None, gpus: int | None) -> None:
     """Train a model."""
+    import json
+    import os
+
+    if gpus and gpus > 1 and "WORLD_SIZE" not in os.environ:
+        from .launch import launch
+
+        sys.exit(launch(gpus, _without_gpus(sys.argv[1:])))
+    from .parallel import Ranks
+
+    ranks = Ranks.from_env()
+    try:
+        _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,
+             ranks)
+    except UserError as e:
+        _fail(e, ranks)
+    finally:
+        ranks.close()
+
+
+def _without_gpus(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--gpus":
+            skip = True
+        elif not a.startswith("--gpus="):
+            out.append(a)
+    return out
+
+
+def _agree(ranks, failure: UserError | None) -> None:
+    """Every rank stops together where any failed, with the words of the lowest rank that failed."""
+    who = ranks.first_failed(failure is not None)
+    if who is None:
+        return
+    if who == ranks.rank:
+        raise failure
+    sys.exit(2)
+
+
+def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,
+         ranks) -> None:
+    """`run` on one rank of the job (rank 0 alone checks, heals and marks the run directory)."""
     import json
 
     from . import checkpoint, rundir
@@ -54,36 +102,54 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
     flags = {"tiers.host_gb": host_gb, "tiers.nvme_dir": nvme_dir, "tiers.nvme_gb": nvme_gb,
              "checkpoint.every": save_every, "train.init_from": init_from}
     overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
+    failure, ckpt, out_dir, made, cfg = None, None, None, "", None
     try:
         if hardware and not Path(hardware).is_file():
             raise UserError(f"--hardware {hardware} is not a file; write one with `tiertrain probe --out FILE`")
+        if resume and init_from:
+            raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
+        if ranks.first:  # the checkpoint (a save killed in its own run healed first) and the run directory
+            if resume:
+                own = resume == "latest" or not out or Path(resume).resolve() == Path(out).resolve()
+                ckpt = checkpoint.resolve(resume, Path(out) if out else None, recover_run=own)
+                out_dir = rundir.check_resume(ckpt, Path(out) if out else None)
+            else:
+                stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
+                out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+                rundir.check_new(out_dir)
+    except UserError as e:
+        failure = e
+    _agree(ranks, failure)
+    out_dir = Path(ranks.share(str(out_dir)))
+    ckpt = Path(ranks.share(str(ckpt))) if resume else None
+    try:
         if resume:
-            if init_from:
-                raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
-            own = resume == "latest" or not out or Path(resume).resolve() == Path(out).resolve()
-            ckpt = checkpoint.resolve(resume, Path(out) if out else None, recover_run=own)  # its own run: heal it
-            out_dir = rundir.check_resume(ckpt, Path(out) if out else None)
             meta = checkpoint.read_meta(ckpt)
             cfg = load_config(config_path, list(overrides)) if config_path else \
                 config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
             cfg.train.init_from = ""  # the checkpoint holds the weights
         else:
-            ckpt = None
             cfg = load_config(config_path, list(overrides))
-            stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
-            out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-            rundir.check_new(out_dir)
-        rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
-        made = rundir.claim(out_dir)
-        try:
-            trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt,
-                              hardware=Path(hardware) if hardware else None)
-        except UserError:
-            rundir.release(out_dir, made)
-            raise
-        fit(trainer, out_dir, echo=click.echo)
+        if ranks.first:
+            rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
+            made = rundir.claim(out_dir)
     except UserError as e:
-        _fail(e)
+        failure = e
+    _agree(ranks, failure)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt,
+                          hardware=Path(hardware) if hardware else None, ranks=ranks)
+    except UserError as e:
+        failure = e
+    if ranks.first_failed(failure is not None) is not None:
+        if trainer is not None:
+            trainer.close()
+            trainer.discard_scratch()
+        if ranks.first:
+            rundir.release(out_dir, made)
+        _agree(ranks, failure)
+    fit(trainer, out_dir, echo=click.echo)
 
 
 @main.command()
@@ -156,8 +222,12 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
 @click.option("--seq-len", type=int, default=None)
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
 @click.option("--chart", default=None, metavar="FILE.png", help="Also draw the time split and memory per tier.")
+@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
+              help="GPUs (ranks) of the run; the report then says the scaling against one and what bounds it.")
+@click.option("--gpus-per-host", type=click.IntRange(min=1), default=None,
+              help="Of them, on each host (sharing its RAM, cores and disk; the budgets are a host's). Default: all.")
 def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, fmt,
-         chart) -> None:
+         chart, gpus, gpus_per_host) -> None:
     """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
     import shutil
 
@@ -175,12 +245,17 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         hw = HardwareSpec.load(hardware) if hardware else REFERENCE
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
-        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name=Path(config_path).name.removesuffix(".toml"))  # as `run` plans
+        name = Path(config_path).name.removesuffix(".toml")
+        if cfg.train.batch_size % gpus:
+            raise UserError(f"train.batch_size {cfg.train.batch_size} does not split over {gpus} GPUs: pass a "
+                            f"--batch-size that is a multiple of {gpus}")
+        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, gpus=gpus, per_host=gpus_per_host)  # as `run` plans
+        one = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, advise=False) if gpus > 1 else None
     except UserError as e:
         _fail(e)
     except OSError as e:
         _fail(UserError(f"--nvme-dir {nvme_dir}: {e.strerror}"))
-    click.echo(to_json(p) if fmt == "json" else to_markdown(p))
+    click.echo(to_json(p, one) if fmt == "json" else to_markdown(p, one))
     if chart and p.fits:
         from .charts import plan_chart
 

@@ -16,8 +16,11 @@ from .trainer import Trainer
 def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dict]:
     """Trains to train.steps, checkpointing every checkpoint.every steps and always at the end.
     SIGINT / SIGTERM finish the current step, save a checkpoint and return. A resumed trainer
-    (step > 0) continues metrics.jsonl from its step."""
+    (step > 0) continues metrics.jsonl from its step. Of several ranks, rank 0 writes the run's files and logs;
+    the others train beside it."""
     shown = echo
+    if not tr.ranks.first:
+        return _train(tr, out, lambda line: None, None)
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(tr.cfg.to_toml())
@@ -40,7 +43,7 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         echo.close()
 
 
-def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog) -> list[dict]:
+def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog | None) -> list[dict]:
     tc, every = tr.cfg.train, tr.cfg.checkpoint.every
     if tr.step:
         echo(f"resumed at step {tr.step} of {tc.steps}")
@@ -50,14 +53,15 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
     t_run = t_start
     with StopSignals() as stop:
         try:
-            while tr.step < tc.steps and not stop.signal:
+            while tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):  # a signal stops every rank
                 rec = tr.train_step()
                 evals = tr.val is not None and (tc.eval_every and tr.step % tc.eval_every == 0 or tr.step == tc.steps)
                 if evals:
                     t0 = time.perf_counter()
                     rec["val_loss"] = tr.evaluate()
                     t_start += time.perf_counter() - t0  # the ETA counts training steps only
-                log.write(rec)
+                if log:
+                    log.write(rec)
                 history.append(rec)
                 if rec["step"] == first + 1:  # the ETA leaves out the first step: it builds and warms up
                     t_start = time.perf_counter()
@@ -69,15 +73,16 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog)
                         echo("  measured / predicted s: " + ", ".join(
                             f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
                             for k in ("step", "forward", "backward", "opt_wait")))
-                if every and tr.step % every == 0 and tr.step < tc.steps and not stop.signal:
+                if every and tr.step % every == 0 and tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):
                     _checkpoint(tr, out, echo)
             if history or not ckpt.checkpoints(out):
                 _checkpoint(tr, out, echo)
         finally:
-            log.close()
+            if log:
+                log.close()
             _close(tr)
-    if stop.signal:
-        echo(f"stopped by {stop.signal} after step {tr.step}; continue with: "
+    if stop.signal or tr.step < tc.steps:
+        echo(f"stopped by {stop.signal or 'a signal to another rank'} after step {tr.step}; continue with: "
              f"tiertrain run --resume latest --out {out}")
     else:
         echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_run)}"

@@ -5,7 +5,8 @@ collective is the identity.
 Each rank owns 1/N of every unit's slabs (tiers.slab.Shard). The step copies a unit's weight shard over the
 rank's own PCIe link and all-gathers the unit over NVLink (or the network), reduce-scatters each unit's
 gradient so that each rank drains only its shard, and sums the squared norm and the loss in one all-reduce.
-Checkpoints and state gathers move host tensors through a second, gloo group.
+The process group routes each tensor by its device: CUDA tensors to NCCL, host tensors (checkpoint checksums,
+state gathers, flags) to gloo.
 """
 from __future__ import annotations
 
@@ -34,13 +35,12 @@ class Ranks:
     size: int = 1
     local_size: int = 1  # ranks on this host: they share its RAM, cores and disks
     local_rank: int = 0
-    host: object = None  # the gloo group for host tensors (None: the default group is gloo already)
     owned: bool = False  # this object initialized the process group: close() destroys it
 
     @classmethod
     def from_env(cls) -> "Ranks":
-        """The job torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK, ...); one rank without it.
-        The default group's backend follows the device: NCCL where CUDA is, gloo where not."""
+        """The job torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK, ...); one rank without it:
+        its process group (gloo for host tensors, NCCL for CUDA ones where CUDA is), and its GPU made current."""
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if size <= 1:
             return cls()
@@ -48,12 +48,12 @@ class Ranks:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         owned = not dist.is_initialized()
         if owned:
-            if torch.cuda.is_available():
+            cuda = torch.cuda.is_available()
+            if cuda:
                 torch.cuda.set_device(local_rank)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        host = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-                   local_rank, host, owned)
+                   local_rank, owned)
 
     @property
     def first(self) -> bool:
@@ -106,7 +106,7 @@ class Ranks:
         if self.size == 1:
             whole.copy_(part)
         else:
-            _gather(whole, part, self.host)
+            _gather(whole, part)
 
     def host_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of (as many) integers, in rank order."""
@@ -114,7 +114,7 @@ class Ranks:
         if self.size == 1:
             return [values]
         out = torch.zeros(self.size * len(values), dtype=torch.int64)
-        _gather(out, t, self.host)
+        _gather(out, t)
         return [r.tolist() for r in out.view(self.size, len(values))]
 
     def any_failed(self, failed: bool) -> bool:
@@ -122,12 +122,30 @@ class Ranks:
         if self.size == 1:
             return failed
         t = torch.tensor([int(failed)], dtype=torch.int64)
-        _dist().all_reduce(t, group=self.host)
+        _dist().all_reduce(t)
         return bool(t.item())
+
+    def first_failed(self, failed: bool) -> int | None:
+        """The lowest rank that failed (each says whether it did), the same on every rank; None: none did."""
+        if self.size == 1:
+            return 0 if failed else None
+        t = torch.tensor([self.rank if failed else self.size], dtype=torch.int64)
+        _dist().all_reduce(t, op=_dist().ReduceOp.MIN)
+        return None if t.item() == self.size else int(t.item())
+
+    def share(self, text: str) -> str:
+        """Rank 0's `text` (up to 4 KiB of UTF-8), on every rank."""
+        if self.size == 1:
+            return text
+        t = torch.zeros(4096, dtype=torch.uint8)
+        raw = text.encode()[:4096] if self.first else b""
+        t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else t[:0]
+        _dist().broadcast(t, 0)
+        return bytes(t.numpy()).rstrip(b"\0").decode()
 
     def barrier(self) -> None:
         if self.size > 1:
-            _dist().barrier(group=self.host)
+            _dist().all_reduce(torch.zeros(1))  # on the host (gloo): NCCL's barrier would want a device
 
     def close(self) -> None:
         if self.owned:

@@ -12,9 +12,11 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB"
 
 
-def to_json(p: Plan) -> str:
+def to_json(p: Plan, one: Plan | None = None) -> str:
     d = asdict(p)
     d.update(host_total_bytes=p.host_total, gpu_total_bytes=p.gpu_total)
+    if one is not None and p.gpus > 1:
+        d["scaling"] = {"one_gpu_tokens_per_s": one.tokens_per_s, "speedup": _speedup(p, one), "bound": _bound(p)}
     return json.dumps(d, indent=1, default=float)
 
 
@@ -28,11 +30,40 @@ def _checkpoints(p: Plan) -> str:
     return text + (f"; the MLP in tiles of {p.mlp_tile:,} tokens" if p.mlp_tile else "")
 
 
-def to_markdown(p: Plan) -> str:
+def _speedup(p: Plan, one: Plan) -> float:
+    return p.tokens_per_s / one.tokens_per_s if one.fits and p.fits else 0.0
+
+
+def _bound(p: Plan) -> str:
+    """What keeps N GPUs from N times one GPU's rate: the links and the host that every rank shares."""
+    shared = {"host AdamW": "the host AdamW (the host's cores are shared by its ranks)",
+              "host DRAM": "the host's DRAM bandwidth (shared by its ranks)",
+              "NVMe": "the disk (shared by the host's ranks)",
+              "GPU links": "the all-gathers and reduce-scatters between the GPUs"}
+    return shared.get(p.bottleneck, f"{p.bottleneck}, each GPU's own")
+
+
+def _ranks(p: Plan, one: Plan | None) -> list[str]:
+    """What N GPUs do: each rank's share, the scaling against one GPU at the same batch, and what bounds it."""
+    if p.gpus == 1:
+        return []
+    head = (f"**{p.gpus} GPUs**, {p.gpus_per_host} per host: each rank takes {p.rows} of the batch's {p.batch} rows, "
+            f"holds 1/{p.gpus} of every slab (the tables below are one rank's; --host-gb is the host's) and updates it "
+            f"with the host AdamW; the weights cross each GPU's PCIe link as shards and are all-gathered, the "
+            f"gradients reduce-scattered.")
+    if one is None or not one.fits:
+        return [head, ""]
+    return [head + f" Scaling: {_speedup(p, one):.2f}x one GPU ({one.tokens_per_s:,.0f} tokens/s at this batch), "
+            f"bound by {_bound(p)}.", ""]
+
+
+def to_markdown(p: Plan, one: Plan | None = None) -> str:
+    """`one`: the plan of one GPU at the same batch, for a plan of several (the scaling)."""
     out = [f"# Plan: {p.model}, {p.params / 1e9:.2f} B parameters, batch {p.batch} x {p.seq_len} tokens, {p.dtype}",
            "", f"hardware: {p.hardware}", ""]
     if not p.fits:
         return "\n".join(out + [f"**Does not fit.** {p.why}", ""])
+    out += _ranks(p, one)
     out += [f"**Fits.** Predicted step {p.step_s:.2f} s: {p.tokens_per_s:,.0f} tokens/s, "
             f"{p.model_tflops:.0f} model TFLOP/s; bottleneck: **{p.bottleneck}**.", "",
             f"Micro-batch {p.micro_batch}; "

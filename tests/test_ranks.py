@@ -1,0 +1,158 @@
+"""Several ranks, on CPUs as CI runs them: `tiertrain run --gpus 2` (two processes, gloo) against one process with the
+same global batch; checkpoints of two ranks resumed on one and on two; the shards; the plan for N GPUs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import zarr
+from conftest import tiny_config
+from test_faults import cli, refused, tiny
+
+from tiertrain.checkpoint import KINDS
+from tiertrain.plan.hardware import REFERENCE
+from tiertrain.plan.planner import Budgets, _layouts, plan
+from tiertrain.sizes import budget
+from tiertrain.tiers.placement import kind_bytes, least_host
+from tiertrain.tiers.slab import Shard, SlabLayout, host_cost
+
+STEPS = ["--set", "train.steps=6", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=5"]
+
+
+def losses(run) -> list[tuple[float, float]]:
+    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def state(run, step: int) -> dict[str, np.ndarray]:
+    g = zarr.open_group(run / "checkpoints" / f"step_{step}", mode="r")
+    return {f"{k}/{u}": g[k][str(u)][:] for k in KINDS for u in range(len(g.attrs["numels"]))}
+
+
+def close(a, b, rel: float = 1e-5) -> None:
+    """Every slab of `a` within `rel` of its largest value of `b`'s, and not bit-equal everywhere (the sums over
+    the ranks round differently: the comparison would pass by accident otherwise)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.abs(a[k] - b[k]).max() <= rel * np.abs(b[k]).max(), k
+
+
+def train(token_file, out, *more, gpus: int = 1):
+    r = cli("run", *(["--gpus", str(gpus)] if gpus > 1 else []), *tiny(token_file), *STEPS, "--out", str(out), *more)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def test_two_ranks_train_as_one_process(token_file, tmp_path):
+    """The same global batch on two ranks: the losses, norms, weights and moments of the one-process run
+    within 1e-5 relative; only rank 0 logs."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(token_file, one)
+    r = train(token_file, two, gpus=2)
+    assert r.stdout.count("done: 6 steps") == 1  # rank 0's lines only
+    a, b = losses(one), losses(two)
+    assert len(a) == len(b) == 6
+    for (la, na), (lb, nb) in zip(a, b):
+        assert lb == pytest.approx(la, rel=1e-5) and nb == pytest.approx(na, rel=1e-5)
+    close(state(two, 6), state(one, 6))
+    assert any(not np.array_equal(x, y) for x, y in zip(state(two, 6).values(), state(one, 6).values()))
+    assert json.loads((two / "plan.json").read_text())["gpus"] == 2
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_two_and_on_one(token_file, tmp_path):
+    """Saved by two ranks at step 3: resumed by two, the run that never stopped, bit for bit; resumed by one
+    process, that run within 1e-5. And one process's checkpoint resumed by two ranks."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    train(token_file, two, gpus=2)
+    train(token_file, one)
+    for name, gpus, source, exact in (("2on2", 2, two, True), ("2on1", 1, two, False), ("1on2", 2, one, False)):
+        out = tmp_path / name
+        r = cli("run", *(["--gpus", str(gpus)] if gpus > 1 else []), "--resume",
+                str(source / "checkpoints" / "step_3"), "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        got, want = losses(out), losses(source)[3:]
+        assert len(got) == 3
+        if exact:
+            assert got == want
+            assert all(np.array_equal(x, y) for x, y in zip(state(out, 6).values(), state(source, 6).values()))
+        else:
+            for (la, na), (lb, nb) in zip(got, want):
+                assert la == pytest.approx(lb, rel=1e-5) and na == pytest.approx(nb, rel=1e-5)
+            close(state(out, 6), state(source, 6))
+
+
+def test_two_ranks_spilling_to_nvme_give_the_plain_bits(token_file, tmp_path):
+    """Each rank's shards spilled to its own scratch store under --nvme-dir: the bits of two ranks in RAM; the
+    scratch stores are gone afterwards."""
+    deep = ["--set", "model.num_hidden_layers=8"]
+    cfg = tiny_config(token_file, "model.num_hidden_layers=8")
+    least = least_host(_layouts(cfg.model, 2), kind_bytes("float32", "master"), 0, host_cost) * 2  # the host's
+    plain, spilled, disk = tmp_path / "plain", tmp_path / "spilled", tmp_path / "nvme"
+    train(token_file, plain, *deep, gpus=2)
+    r = train(token_file, spilled, *deep, "--host-gb", budget(least), "--nvme-dir", str(disk), gpus=2)
+    assert "NVMe tier" in r.stdout
+    assert losses(spilled) == losses(plain)
+    assert all(np.array_equal(x, y) for x, y in zip(state(spilled, 6).values(), state(plain, 6).values()))
+    assert not any(disk.iterdir())
+
+
+def test_a_batch_the_ranks_cannot_split_is_one_line(token_file, tmp_path):
+    r = cli("run", "--gpus", "3", *tiny(token_file), "--out", str(tmp_path / "run"))
+    refused(r, "train.batch_size 8", "3 ranks")
+    assert not (tmp_path / "run").exists()
+    r = cli("run", "--gpus", "2", *tiny(token_file), "--set", "train.micro_batch_size=8", "--out", str(tmp_path / "run"))
+    refused(r, "train.micro_batch_size 8", "4 rows")
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
+def test_shards_cover_each_slab_once(ranks):
+    """Whatever the number of ranks, the shards' parts inside the slab tile it, on whole pages, and their
+    optimizer ranges are the slab's, cut at the shards' edges."""
+    for shapes in ([("w", (7, 300)), ("b", (300,))], [("n", (64,))], [("e", (97, 64)), ("h", (64, 97)), ("g", (5,))]):
+        lay = SlabLayout.build(shapes)
+        shards = [Shard(lay, r, ranks) for r in range(ranks)]
+        assert sum(s.stored for s in shards) == lay.numel
+        assert all(s.numel % 2048 == 0 and s.start == r * s.numel for r, s in enumerate(shards))
+        cut = [(a + s.start, b + s.start, d) for s in shards for a, b, d in s.ranges()]
+        merged = []
+        for a, b, d in cut:
+            if merged and merged[-1][1] == a and merged[-1][2] == d:
+                merged[-1] = (merged[-1][0], b, d)
+            else:
+                merged.append((a, b, d))
+        assert merged == lay.ranges()
+
+
+def test_the_plan_for_two_gpus_halves_each_ranks_share():
+    """llama-3b at 64k tokens per step on two H200s of one host: each rank holds half the state and moves half
+    the weights over its PCIe link, computes half the tokens (and, with half the activations, keeps more blocks'
+    on the GPU: more than twice one GPU's rate is possible); the host's budget is shared; the report says the
+    scaling and its bound."""
+    from tiertrain.config import load_config
+    from tiertrain.plan.report import to_markdown
+
+    spec = load_config("llama-3b", []).model
+    one = plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=250), REFERENCE, advise=False)
+    two = plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=250), REFERENCE, advise=False, gpus=2)
+    assert one.fits and two.fits and two.gpus == 2 and two.rows == 4
+    assert sum(two.host_bytes.values()) == pytest.approx(sum(one.host_bytes.values()) / 2, rel=0.01)
+    assert two.times["H2D fwd"] == pytest.approx(one.times["H2D fwd"] / 2, rel=0.02)
+    assert two.times["compute fwd"] == pytest.approx(one.times["compute fwd"] / 2, rel=1e-6)
+    assert two.times["peer fwd"] > 0 and one.times["peer fwd"] == 0
+    assert two.tokens_per_s > 1.5 * one.tokens_per_s and two.kept >= one.kept
+    assert all(u["update"] in ("host", "host-speculated") for u in two.units)
+    text = to_markdown(two, one)
+    assert "2 GPUs" in text and "x one GPU" in text
+    # the host budget is the host's: what one rank's half of the state needs, twice over, and not less
+    need = two.host_total - two.host_fixed["process"]
+    assert plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE, advise=False,
+                gpus=2, speculate=two.speculated).fits
+    assert not plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=need / 1e9), REFERENCE, advise=False, gpus=2).fits
+
+
+def test_one_rank_is_the_unsharded_run(token_file):
+    """With one rank a shard is the slab: the run's numbers do not depend on the ranks' code path."""
+    cfg = tiny_config(token_file)
+    layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in cfg.model.units()]
+    assert [Shard(lay).numel for lay in layouts] == [lay.numel for lay in layouts]
+    assert [Shard(lay).ranges() for lay in layouts] == [lay.ranges() for lay in layouts]
