@@ -156,3 +156,47 @@ def test_one_rank_is_the_unsharded_run(token_file):
     layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in cfg.model.units()]
     assert [Shard(lay).numel for lay in layouts] == [lay.numel for lay in layouts]
     assert [Shard(lay).ranges() for lay in layouts] == [lay.ranges() for lay in layouts]
+
+
+def test_two_ranks_import_a_hugging_face_model_and_export_it(token_file, tmp_path):
+    """--init-from on two ranks (each keeps its shard of the imported weights) trains as one process, and
+    `export` writes the two ranks' checkpoint as it writes one process's."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from test_hf import _hf_dir
+
+    _hf_dir("qwen2", tmp_path / "hf")  # tied embeddings: the head reads the embedding's gathered weights
+    runs = {}
+    for gpus in (1, 2):
+        out = tmp_path / f"run{gpus}"
+        r = cli("run", *(["--gpus", "2"] if gpus == 2 else []), "--init-from", str(tmp_path / "hf"),
+                "--set", f'data.path="{token_file}"', "--set", "train.steps=3", "--set", "train.seq_len=32",
+                "--set", "train.batch_size=4", "--set", "train.micro_batch_size=2", "--set", 'train.device="cpu"',
+                "--set", 'train.compute_dtype="float32"', "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        r = cli("export", str(out), "--to", str(tmp_path / f"hf{gpus}"))
+        assert r.returncode == 0, r.stderr
+        runs[gpus] = load_file(tmp_path / f"hf{gpus}" / "model.safetensors")
+    for (la, na), (lb, nb) in zip(losses(tmp_path / "run2"), losses(tmp_path / "run1")):
+        assert la == pytest.approx(lb, rel=1e-5) and na == pytest.approx(nb, rel=1e-5)
+    assert runs[1].keys() == runs[2].keys()
+    for k, v in runs[1].items():
+        assert (runs[2][k] - v).abs().max() <= 1e-5 * v.abs().max(), k
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_the_gpu_train_as_one(token_file, tmp_path):
+    """The CUDA path of two ranks (streams, events, pinned shards), on one GPU through gloo: as one rank on
+    the GPU within 1e-5 relative. NCCL itself needs two GPUs: bench/ranks.py runs it."""
+    import os
+
+    runs = {}
+    for gpus in (1, 2):
+        out = tmp_path / f"run{gpus}"
+        r = cli("run", *(["--gpus", "2"] if gpus == 2 else []), *tiny(token_file), *STEPS, "--set",
+                'train.device="cuda"', "--out", str(out), env={**os.environ, "TIERTRAIN_DIST_BACKEND": "gloo"})
+        assert r.returncode == 0, r.stderr
+        runs[gpus] = out
+    for (la, na), (lb, nb) in zip(losses(runs[2]), losses(runs[1])):
+        assert la == pytest.approx(lb, rel=1e-5) and na == pytest.approx(nb, rel=1e-5)
+    close(state(runs[2], 6), state(runs[1], 6))

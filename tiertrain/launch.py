@@ -20,15 +20,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(n: int, args: list[str]) -> int:
-    """Runs `tiertrain <args>` as n ranks; returns the job's exit status."""
+def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain") -> int:
+    """Runs `python -m <module> <args>` (module None: `python <args>`) as n ranks, their output to `stdout`
+    (None: this process's); returns the job's exit status."""
     port, cores = _free_port(), os.cpu_count() or 1
     procs = []
     for r in range(n):
         env = dict(os.environ, WORLD_SIZE=str(n), RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))  # the host's cores shared, as torchrun would
-        procs.append(subprocess.Popen([sys.executable, "-m", "tiertrain", *args], env=env))
+        cmd = [sys.executable, *(["-m", module] if module else []), *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None))
 
     def forward(signum, frame) -> None:
         for p in procs:

@@ -40,7 +40,8 @@ class Ranks:
     @classmethod
     def from_env(cls) -> "Ranks":
         """The job torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK, ...); one rank without it:
-        its process group (gloo for host tensors, NCCL for CUDA ones where CUDA is), and its GPU made current."""
+        its process group (gloo for host tensors, NCCL for CUDA ones where CUDA is; TIERTRAIN_DIST_BACKEND
+        replaces that choice: "gloo" runs several ranks on one GPU, for tests), and its GPU made current."""
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if size <= 1:
             return cls()
@@ -50,8 +51,9 @@ class Ranks:
         if owned:
             cuda = torch.cuda.is_available()
             if cuda:
-                torch.cuda.set_device(local_rank)
-            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+                torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            backend = os.environ.get("TIERTRAIN_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
+            dist.init_process_group(backend)
         return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", size)),
                    local_rank, owned)
 
@@ -63,7 +65,7 @@ class Ranks:
     def device(self, device: torch.device) -> torch.device:
         """The rank's own GPU (LOCAL_RANK), or the CPU."""
         if device.type == "cuda" and self.size > 1:
-            return torch.device("cuda", self.local_rank)
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
         return device
 
     def check_batch(self, batch: int, micro: int | None) -> None:

@@ -56,16 +56,17 @@ def available_ram() -> int:
 
 
 def check_ram(cfg: Config, rp: RunPlan, numels: list[int], copied: frozenset[int], pin: bool,
-              device: float = 0.0) -> None:
+              device: float = 0.0, avail: int | None = None) -> None:
     """Refuses, before anything is allocated, a run whose host memory (the state placed in RAM, the staging
     ring, host checkpoints, speculation's copies, and `device` bytes: on a CPU the working set, in the same
     RAM) is more than this machine has available, naming the --host-gb and --nvme-dir that would fit: the
-    kernel would kill it mid-run otherwise."""
+    kernel would kill it mid-run otherwise. `avail`: the RAM this process may take (default: what is available;
+    one of several ranks of a host: its share, measured before any of them allocated)."""
     t, where = cfg.tiers, rp.where()
     kb = kind_bytes(cfg.train.compute_dtype, rp.stream)
     acts = host_checkpoints(cfg, rp)
     need = host_need(cfg, rp, numels, copied, pin) + device
-    avail = available_ram()
+    avail = available_ram() if avail is None else avail
     if need <= avail:
         return
     rest = [0 if where.get((u, "master")) == "gpu" else n for u, n in enumerate(numels)]

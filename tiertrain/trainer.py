@@ -101,10 +101,14 @@ class Trainer:
         pin = self.device.type == "cuda"
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
         micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
+        if micro and (tc.batch_size // self.ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
+            micro = None
         self.hw = placing.hardware(self.device, hardware, cfg.optim.host_kernel)  # the figures the run plans with
         # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
         # what the host cannot hold goes to the GPU's memory when it has room
-        ram = None if self.hw.unified else placing.available_ram() * 0.9 / 1e9  # the host's, for its ranks
+        avail = placing.available_ram()
+        self.ranks.barrier()  # every rank of the host has seen its RAM before any allocates
+        ram = None if self.hw.unified else avail * 0.9 / 1e9  # the host's, for its ranks
         self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro, ram, self.ranks.size,
                                                         self.ranks.local_size)
         self.predicts = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
@@ -115,7 +119,8 @@ class Trainer:
         numels = [sh.numel for sh in self.shards]
         speculated = self.run_plan.updated("host-speculated", "gpu-speculated")
         copied = speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
-        placing.check_ram(cfg, self.run_plan, numels, copied, pin, self.plan.gpu_total if self.hw.unified else 0.0)
+        placing.check_ram(cfg, self.run_plan, numels, copied, pin, self.plan.gpu_total if self.hw.unified else 0.0,
+                          avail // self.ranks.local_size)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
         self.host = HostStore(self.shards, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",
@@ -437,7 +442,10 @@ class Trainer:
         spec, tc = self.cfg.model, self.cfg.train
         host = self.host.nbytes()
         nv = spilled_bytes([lay.numel for lay in self.layouts], self.kind_bytes(), self.where)
+        r = self.ranks
         return [
+            *([f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of every batch "
+               f"and holding 1/{r.size} of every slab; the tiers below are rank 0's"] if r.size > 1 else []),
             f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
