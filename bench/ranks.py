@@ -88,7 +88,7 @@ def run_deepspeed(a) -> dict:
             engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"system": f"DeepSpeed ZeRO-3 offload CPU, {n} GPUs", "kind": "deepspeed", "gpus": n, "batch": a.batch,
+    return {"system": f"DeepSpeed ZeRO-3 offload CPU, {n} GPU" + "s" * (n > 1), "kind": "deepspeed", "gpus": n, "batch": a.batch,
             "tokens": a.batch * S, "step_s": median(times[a.warmup:]),
             "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9, "host_peak_rss_gb": peak_rss_gb()}
 
@@ -107,7 +107,9 @@ def launch_worker(a, system: str, B: int, gpus: int, out: Path) -> dict | str:
     print(f"{system} x{gpus} batch {B}: exit {code} in {time.perf_counter() - t0:.0f} s", flush=True)
     if code or not js.exists():
         return f"exit {code}: " + " | ".join(log.read_text().strip().splitlines()[-3:])[-400:]
-    return json.loads(js.read_text())
+    row = json.loads(js.read_text())
+    js.unlink()
+    return row
 
 
 def main() -> None:
@@ -151,11 +153,13 @@ def write(a, out: Path, rows: list[dict], errors: dict[str, str]) -> None:
     cfg = load_config(a.config)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date, name = time.strftime("%Y-%m-%d"), Path(a.config).name.removesuffix(".toml")
-    stem = out / f"{date}-{gpu.split()[-1]}-{name}-gpus{a.gpus}"
+    short = next((w for w in gpu.split() if w[:1] in "HABL" and any(c.isdigit() for c in w)), gpu.split()[-1])
+    stem = out / f"{date}-{short}-{name}-gpus{a.gpus}"
     meta = {"date": date, "gpu": gpu, "gpus": a.gpus, **commit(), "command": "python -m bench.ranks " + " ".join(sys.argv[1:])}
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1) + "\n")
     S = cfg.train.seq_len
-    lines = [f"# {name}: tiertrain on 1 and {a.gpus} GPUs vs DeepSpeed ZeRO-3 CPU offload on {a.gpus}", "",
+    lines = [f"# {name}: tiertrain on 1 and {a.gpus} GPUs vs DeepSpeed ZeRO-3 CPU offload on {a.gpus}" if a.gpus > 1
+             else f"# {name}: tiertrain vs DeepSpeed ZeRO-3 CPU offload on one GPU (bench.ranks with --gpus 1)", "",
              f"- {meta['date']}, {a.gpus} x {gpu}, commit {meta['commit']}" + " (with uncommitted changes)" * meta["dirty"],
              f"- command: `{meta['command']}`",
              f"- seq {S}, bf16 compute, random tokens, gradient clipping {a.grad_clip:g}; {a.warmup} warm-up + "

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import __version__
-from .errors import UserError, why
+from .errors import ElsewhereError, UserError, why
 
 FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
 FORMATS = (FORMAT, "tiertrain-checkpoint/1")
@@ -304,9 +304,9 @@ def _failed(path: Path, tmp: Path, failure: OSError | None, ranks) -> int:
     """A save that failed on some rank: its temporary goes, and every rank stops with the failing rank's words."""
     if ranks.first:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = f" (rank {ranks.rank})" if ranks.size > 1 else ""
-    said = f"{why(failure)}{where}" if failure is not None else "on another rank"
-    raise CheckpointError(f"writing checkpoint {path} failed: {said}; the previous checkpoint is intact. "
+    if failure is None:
+        raise ElsewhereError(f"writing checkpoint {path} failed on another rank")
+    raise CheckpointError(f"writing checkpoint {path} failed: {why(failure)}; the previous checkpoint is intact. "
                           "Free space in the run directory and resume with --resume latest")
 
 

@@ -12,8 +12,14 @@ from .errors import UserError
 
 
 def _fail(err: Exception, ranks=None) -> None:
-    where = f"rank {ranks.rank}: " if ranks is not None and ranks.size > 1 else ""
-    click.echo(f"error: {where}{err}", err=True)
+    """One line, exit 2. Of several ranks: the failing rank's, with its number; an error every rank meets alike
+    by rank 0 alone; a rank stopping for another's failure says nothing."""
+    from .errors import ElsewhereError, Everywhere
+
+    several = ranks is not None and ranks.size > 1
+    if not (several and (isinstance(err, ElsewhereError) or isinstance(err, Everywhere) and not ranks.first)):
+        mine = several and not isinstance(err, Everywhere)
+        click.echo(f"error: {f'rank {ranks.rank}: ' if mine else ''}{err}", err=True)
     sys.exit(2)
 
 
@@ -63,8 +69,19 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
              ranks)
     except UserError as e:
         _fail(e, ranks)
+    except Exception as e:  # noqa: BLE001 - re-raised unless a peer's exit broke a collective
+        if ranks.size > 1 and _peer_gone(e):
+            sys.exit(2)  # the rank that failed says why
+        raise
     finally:
         ranks.close()
+
+
+def _peer_gone(e: Exception) -> bool:
+    """A collective failed because another rank's process is gone (it failed, and says so itself)."""
+    import torch.distributed as dist
+
+    return isinstance(e, getattr(dist, "DistError", ())) or any(w in str(e) for w in ("by peer", "remote worker"))
 
 
 def _without_gpus(args: list[str]) -> list[str]:
@@ -86,7 +103,9 @@ def _agree(ranks, failure: UserError | None) -> None:
         return
     if who == ranks.rank:
         raise failure
-    sys.exit(2)
+    from .errors import ElsewhereError
+
+    raise ElsewhereError("another rank failed")
 
 
 def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,

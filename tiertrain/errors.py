@@ -7,6 +7,14 @@ class UserError(Exception):
     """Bad input: the message says what to change."""
 
 
+class Everywhere(UserError):
+    """An error every rank of a job meets alike (from a value they agree on): rank 0 alone says it."""
+
+
+class ElsewhereError(UserError):
+    """This rank stops because another one failed, which says why: nothing to print here."""
+
+
 class ConfigError(UserError):
     pass
 

@@ -56,12 +56,13 @@ def available_ram() -> int:
 
 
 def check_ram(cfg: Config, rp: RunPlan, numels: list[int], copied: frozenset[int], pin: bool,
-              device: float = 0.0, avail: int | None = None) -> None:
+              device: float = 0.0, avail: int | None = None, share: int = 1) -> None:
     """Refuses, before anything is allocated, a run whose host memory (the state placed in RAM, the staging
     ring, host checkpoints, speculation's copies, and `device` bytes: on a CPU the working set, in the same
     RAM) is more than this machine has available, naming the --host-gb and --nvme-dir that would fit: the
     kernel would kill it mid-run otherwise. `avail`: the RAM this process may take (default: what is available;
-    one of several ranks of a host: its share, measured before any of them allocated)."""
+    one of `share` ranks of a host: its share, measured before any of them allocated); the refusal names the
+    host's figures (--host-gb is the host's)."""
     t, where = cfg.tiers, rp.where()
     kb = kind_bytes(cfg.train.compute_dtype, rp.stream)
     acts = host_checkpoints(cfg, rp)
@@ -71,6 +72,7 @@ def check_ram(cfg: Config, rp: RunPlan, numels: list[int], copied: frozenset[int
         return
     rest = [0 if where.get((u, "master")) == "gpu" else n for u, n in enumerate(numels)]
     least = least_host(rest, kb, acts, host_cost) + device
+    need, least, device, avail = need * share, least * share, device * share, avail * share  # the host's
     have = f"this machine has {gb(avail)} of RAM available"
     if least > avail * 0.9:
         raise ConfigError(f"the run needs {gb(need)} of host memory and {have}; even with every slab it can "

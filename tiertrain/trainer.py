@@ -120,7 +120,7 @@ class Trainer:
         speculated = self.run_plan.updated("host-speculated", "gpu-speculated")
         copied = speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
         placing.check_ram(cfg, self.run_plan, numels, copied, pin, self.plan.gpu_total if self.hw.unified else 0.0,
-                          avail // self.ranks.local_size)
+                          avail // self.ranks.local_size, self.ranks.local_size)
         if "nvme" in self.where.values():
             check_backend(cfg.tiers.io)
         self.host = HostStore(self.shards, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",

@@ -175,6 +175,11 @@ class Accumulators:
     def acc(self, unit: int) -> torch.Tensor:
         return self._at[unit].t[:self.layouts[unit].numel]
 
+    def part(self, unit: int) -> torch.Tensor:
+        """This rank's part of the unit's accumulator: after its drain, the gradient summed over the ranks."""
+        sh = self.shards[unit]
+        return self._at[unit].t[sh.start:sh.start + sh.numel]
+
     def read_until(self, unit: int, event) -> None:
         """Another copy out of the unit's accumulator (a speculated GPU update's) ends at `event`."""
         self._at[unit].free = event

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import OptimConfig
-from ..errors import UserError
+from ..errors import Everywhere, UserError
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
 from . import kernel
@@ -45,7 +45,7 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
     per-unit norms stay where they are (the GPU): one transfer, the step's one synchronization."""
     total = float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
     if not math.isfinite(total):
-        raise UserError(f"the gradient norm is {total}: training diverged; lower optim.lr or "
+        raise Everywhere(f"the gradient norm is {total}: training diverged; lower optim.lr or "
                         "set optim.grad_clip, and check the data")
     if max_norm <= 0:
         return total, 1.0

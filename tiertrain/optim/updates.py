@@ -67,7 +67,7 @@ class GpuUpdates:
         st = self._next_set()
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, st.free)
-            acc = self.grads.acc(unit)
+            acc = self.grads.part(unit)  # this rank's part of the gradient summed over the ranks
             st.t["grad"][:acc.numel()].copy_(acc)
             copied = self.s.record(self.s.d2h)
         self.grads.read_until(unit, copied)

@@ -165,9 +165,9 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     H, FF = spec.hidden_size, spec.intermediate_size
     T = p.rows * seq_len
     kb = kind_bytes(dtype, stream)
-    resident = resident_units(all_numels, kb, budgets.resident_gb * 1e9)
+    resident = resident_units(shards, kb, budgets.resident_gb * 1e9)  # a rank's shards of the first units
     numels = [0 if u in resident else n for u, n in enumerate(shards)]  # what the host and its links carry
-    resident_bytes = sum(all_numels[u] for u in resident) * sum(kb.values())
+    resident_bytes = sum(shards[u] for u in resident) * sum(kb.values())
 
     # ---- GPU, the checkpoints aside ----
     wdt = 2 if dtype == "bfloat16" else 4
@@ -382,8 +382,8 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
     kept activations taking what those leave, in the proportion that gives the shortest step. `clipping`:
     the global norm is clipped (a speculative update then writes copies). `activations` None: the GPU or the
     host, and a split of the checkpoints across the GPU, the host and NVMe where neither holds them all.
-    `gpus`: the plan of one of that many ranks (`per_host` on each host, default all on one), each holding
-    1/gpus of the state in host RAM and updating it there (no GPU updates, no resident state)."""
+    `gpus`: the plan of one of that many ranks (`per_host` on each host, default all on one), each holding and
+    updating 1/gpus of the state (its shards: resident, updated on the GPU or the host as for one GPU)."""
     from .advice import explain  # advice plans variants with this module
 
     if hw.unified:  # see HardwareSpec.unified: what the config leaves to the plan is none of them
@@ -392,9 +392,6 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         gpu_updates, speculate_gpu = 0 if gpu_updates == "auto" else gpu_updates, bool(speculate_gpu)
         budgets = replace(budgets, resident_gb=0.0 if budgets.resident_gb == "auto" else budgets.resident_gb)
     per_host = per_host or gpus
-    if gpus > 1:  # a rank's shard is updated by the host; the GPU holds no state between steps
-        gpu_updates, speculate_gpu = 0, False
-        budgets = replace(budgets, resident_gb=0.0)
     rows = batch // gpus
     micros = [micro] if micro else [m for m in range(1, rows + 1) if rows % m == 0 and m * seq_len <= 65536]
     streams = [stream] if stream else (["compute", "master"] if dtype == "bfloat16" else ["master"])

@@ -48,9 +48,9 @@ def _ranks(p: Plan, one: Plan | None) -> list[str]:
     if p.gpus == 1:
         return []
     head = (f"**{p.gpus} GPUs**, {p.gpus_per_host} per host: each rank takes {p.rows} of the batch's {p.batch} rows, "
-            f"holds 1/{p.gpus} of every slab (the tables below are one rank's; --host-gb is the host's) and updates it "
-            f"with the host AdamW; the weights cross each GPU's PCIe link as shards and are all-gathered, the "
-            f"gradients reduce-scattered.")
+            f"holds and updates 1/{p.gpus} of every slab (the tables below are one rank's; --host-gb is the "
+            f"host's); the weights cross each GPU's PCIe link as shards and are all-gathered, the gradients "
+            f"reduce-scattered.")
     if one is None or not one.fits:
         return [head, ""]
     return [head + f" Scaling: {_speedup(p, one):.2f}x one GPU ({one.tokens_per_s:,.0f} tokens/s at this batch), "
