@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import zarr
 from conftest import tiny_config
 from test_faults import cli, refused, tiny
@@ -157,6 +158,8 @@ def test_the_plan_for_two_gpus_halves_each_ranks_share():
     assert two.times["compute fwd"] == pytest.approx(one.times["compute fwd"] / 2, rel=1e-6)
     assert two.times["peer fwd"] > 0 and one.times["peer fwd"] == 0
     assert two.tokens_per_s > 1.5 * one.tokens_per_s and two.kept >= one.kept
+    apart = plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=125), REFERENCE, advise=False, gpus=2, per_host=1)
+    assert apart.times["peer bwd"] == pytest.approx(two.times["peer bwd"] * REFERENCE.peer_gbs / REFERENCE.network_gbs)
     text = to_markdown(two, one)
     assert "2 GPUs" in text and "x one GPU" in text
     # the host budget is the host's: what one rank's half of the state needs, twice over, and not less
@@ -261,3 +264,60 @@ def test_a_divergence_every_rank_meets_is_said_once(token_file, tmp_path):
     r = cli("run", "--gpus", "2", *tiny(token_file), "--set", "optim.lr=1e30", "--set", "optim.grad_clip=0",
             "--set", "optim.warmup_steps=0", "--out", str(tmp_path / "run"))
     refused(r, "training diverged", "optim.lr")
+
+
+STATE = """
+import sys
+import torch
+from safetensors.torch import save_file
+sys.path.insert(0, sys.argv[1])
+from conftest import tiny_config
+from tiertrain.trainer import Trainer
+
+tr = Trainer(tiny_config(sys.argv[2]))
+for _ in range(2):
+    tr.train_step()
+sd = tr.state_dict()  # every rank's parts, gathered
+tr.load_state_dict({k: v * 0.5 for k, v in sd.items()})  # each rank keeps its part of what it is given
+half = tr.state_dict()
+tr.close()
+if tr.ranks.first:
+    save_file({**sd, **{"half." + k: v for k, v in half.items()}}, sys.argv[3])
+"""
+
+
+def test_two_ranks_gather_and_set_the_whole_state(token_file, tmp_path):
+    """Trainer.state_dict on two ranks gathers every rank's part (as one process's, within 1e-5 after two steps),
+    and load_state_dict sets each rank's part of what it is given."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tiertrain.launch import launch
+
+    tests = str(Path(__file__).parent)
+    for n in (1, 2):
+        assert launch(n, ["-c", STATE, tests, str(token_file), str(tmp_path / f"{n}.safetensors")], module=None) == 0
+    one, two = (load_file(tmp_path / f"{n}.safetensors") for n in (1, 2))
+    assert one.keys() == two.keys()
+    for k, v in one.items():
+        assert (two[k] - v).abs().max() <= 1e-5 * v.abs().max(), k
+    for k in (k for k in two if not k.startswith("half.")):
+        assert torch.equal(two["half." + k], two[k] * 0.5), k
+
+
+def test_torchrun_runs_the_job_run_gpus_runs(token_file, tmp_path):
+    """`torchrun --nproc-per-node 2 -m tiertrain run` is the job `tiertrain run --gpus 2` starts: the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's default; --gpus takes the cores' share
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    assert cli("run", "--gpus", "2", *tiny(token_file), *STEPS, "--out", str(ours), env=env).returncode == 0
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "tiertrain", "run", *tiny(token_file), *STEPS, "--out", str(theirs)],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert losses(theirs) == losses(ours)
+    assert all(np.array_equal(x, y) for x, y in zip(state(theirs, 6).values(), state(ours, 6).values()))
