@@ -162,7 +162,7 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
     if s == "weights":  # plain zarr reads the bf16 copy, as its bits
         arr = zarr.open_group(tr.tiers.store.root, mode="r")["weights"]
         u = L - 2
-        with tr._slab(u, "master", read=True) as m:
+        with tr.state.slab(u, "master", read=True) as m:
             want_w = m.to(torch.bfloat16)
         assert torch.equal(torch.from_numpy(arr[u, :sizes[u]]).view(torch.bfloat16), want_w)
     tr.close()

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import copy
 import time
-import zlib
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import torch
@@ -27,6 +24,7 @@ from .optim.adamw import HostAdamW, lr_at
 from .optim.updates import Updates
 from .parallel import Ranks
 from .plan.resolve import resolve
+from .state import State
 from .tiers.host import HostStore
 from .tiers.nvme import check_backend, discard
 from .tiers.placement import kind_bytes, spilled_bytes
@@ -148,8 +146,9 @@ class Trainer:
         self.slots = WeightSlots(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
                                  reader=self.tiers if self.tiers and self.tiers.s_units else None, shards=self.shards,
                                  ranks=self.ranks)
-        self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self._grad_sink, self.shards,
-                                  self.ranks)
+        self.state = State(self.units, self.layouts, self.shards, self.ranks, self.host, self.tiers, self.where)
+        self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self.state.grad_sink,
+                                  self.shards, self.ranks)
         self.updates = Updates(self.run_plan, HostAdamW(self.host, self.shards, cfg.optim, self.tiers), self.grads,
                                self.streams, self.device, tc.overlap, self.tiers)
         self.checkpoints = Checkpoints(self.run_plan.checkpoints(), self.streams, self.clock, self.device, pin,
@@ -161,9 +160,9 @@ class Trainer:
         if resume is not None:
             self.restore(resume)
         elif hf_reader is not None:
-            self._import_weights(hf_reader)
+            self.state.load(hf_reader.get)
         else:
-            self._init_weights()
+            self.state.init_weights(spec.initializer_range, tc.seed)
         self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
 
     def plan_json(self) -> str:
@@ -181,85 +180,6 @@ class Trainer:
 
     def kind_bytes(self) -> dict[str, int]:
         return kind_bytes(self.cfg.train.compute_dtype, self.run_plan.stream)
-
-    # ---- weights ------------------------------------------------------------------------------
-    def _init_weights(self) -> None:
-        """Hugging Face's Llama init: normal(0, initializer_range) matrices, unit norms, zero biases.
-        Each tensor draws from its own generator, seeded by (train.seed, its name): the init does not
-        depend on placement, order or device."""
-        std = self.cfg.model.initializer_range
-        for unit, lay in zip(self.units, self.layouts):
-            with self._whole(unit.index, read=False) as flat:
-                views = lay.views(flat)
-                for t in unit.tensors:
-                    v = views[t.name]
-                    if len(t.shape) >= 2:
-                        g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + zlib.crc32(t.hf_name.encode()))
-                        v.normal_(0.0, std, generator=g)
-                    elif t.name.endswith(".bias"):
-                        v.zero_()
-                    else:
-                        v.fill_(1.0)
-
-    def _import_weights(self, reader: HFReader) -> None:
-        """A Hugging Face model's weights, streamed tensor by tensor into the master slabs."""
-        for unit, lay in zip(self.units, self.layouts):
-            with self._whole(unit.index, read=False) as flat:
-                views = lay.views(flat)
-                for t in unit.tensors:
-                    views[t.name].copy_(reader.get(t.hf_name, t.shape))
-
-    # ---- checkpoints --------------------------------------------------------------------------
-    @contextmanager
-    def _slab(self, unit: int, kind: str, read: bool) -> Iterator[torch.Tensor]:
-        """A unit's slab wherever it lives: the host's, or an NVMe one through a staging-ring buffer
-        (read from the store first when `read`, written back after when not)."""
-        tier = self.where[(unit, kind)]
-        if tier == "host":
-            yield self.host.slab(unit, kind)
-        elif tier == "gpu":  # a resident unit's: through a host copy
-            dev = self.host.slab(unit, kind)
-            flat = dev.cpu()  # its current contents: writers may fill only the tensors, not the padding
-            yield flat
-            if not read:
-                dev.copy_(flat)
-        else:
-            with self.tiers.borrowed(unit, kind, read) as buf:
-                yield buf
-
-    @contextmanager
-    def _whole(self, unit: int, read: bool) -> Iterator[torch.Tensor]:
-        """The unit's whole fp32 master, every rank's part: gathered from the ranks when `read`; when not, set
-        from it on exit (each rank keeps its part, the compute-dtype copy follows). One rank: the slab itself."""
-        if self.ranks.size == 1:
-            with self._slab(unit, "master", read) as flat:
-                yield flat
-                if not read:
-                    self._master_set(unit, flat)
-            return
-        sh = self.shards[unit]
-        whole = torch.zeros(sh.padded, dtype=torch.float32)
-        if read:
-            with self._slab(unit, "master", read=True) as part:
-                self.ranks.host_gather(part, whole)
-        yield whole[:sh.layout.numel]
-        if not read:
-            with self._slab(unit, "master", read=False) as part:
-                part.copy_(whole[sh.start:sh.start + sh.numel])
-                self._master_set(unit, part)
-
-    def _master_set(self, unit: int, master: torch.Tensor) -> None:
-        """The unit's master was set outside the optimizer (init, import, restore): the compute-dtype copy
-        follows, on the host or on NVMe."""
-        if self.where.get((unit, "weights")) == "nvme":
-            with self.tiers.borrowed(unit, "weights", read=False) as w:
-                w.copy_(master)
-        self.host.updated(unit, master)
-
-    def _grad_sink(self, unit: int):
-        if self.where[(unit, "grad")] == "nvme":
-            return self.tiers.sink(unit, "grad")
-        return self.host.slab(unit, "grad"), None
 
     def _quiesce(self) -> None:
         """The update in flight lands (on the GPU too), and the NVMe write-backs with it: the state is
@@ -282,20 +202,12 @@ class Trainer:
                               "min_lr": o.min_lr},
                 "units": [u.name for u in self.units], "plan": self.run_plan.to_dict()}
         path = ckpt.step_path(run_dir, self.step)
-        nbytes = ckpt.save(path, [lay.numel for lay in self.layouts], lambda u, k: self._part(u, k, read=True),
+        nbytes = ckpt.save(path, [lay.numel for lay in self.layouts], lambda u, k: self.state.part(u, k, read=True),
                            meta, self.ranks)
         if self.ranks.first:
             ckpt.prune(run_dir, self.cfg.checkpoint.keep)
         self.ranks.barrier()  # every rank's checkpoint is whole before any goes on
         return path, nbytes / 1e9 / (time.perf_counter() - t0)
-
-    @contextmanager
-    def _part(self, unit: int, kind: str, read: bool) -> Iterator[tuple[int, torch.Tensor]]:
-        """(offset, this rank's part of the unit's slab inside the slab) wherever it lives: what checkpoints
-        write and read. One rank: (0, the slab)."""
-        sh = self.shards[unit]
-        with self._slab(unit, kind, read) as flat:
-            yield sh.start, flat[:sh.stored]
 
     def restore(self, path: Path) -> float:
         """The state of a checkpoint (any placement: slabs go to whichever tier this run put them on).
@@ -309,16 +221,7 @@ class Trainer:
                                        "differ); resume with the run's own config, or start a new run")
         self._quiesce()
         t0 = time.perf_counter()
-        @contextmanager
-        def fill(u: int, kind: str) -> Iterator[tuple[int, torch.Tensor]]:
-            sh = self.shards[u]
-            with self._slab(u, kind, read=False) as flat:
-                flat[sh.stored:].zero_()  # the padding of a shard beyond the slab
-                yield sh.start, flat[:sh.stored]
-                if kind == "master":
-                    self._master_set(u, flat)
-
-        ckpt.load_all(path, numels, fill, self.ranks)
+        ckpt.load_all(path, numels, lambda u, k: self.state.part(u, k, read=False), self.ranks)
         self.step = meta["step"]
         self.updates.opt.step_count = meta["optimizer"]["step_count"]
         ckpt.set_rng_state(meta["rng"], self.device)
@@ -326,22 +229,13 @@ class Trainer:
         return self.restore_gbs
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under Hugging Face names (copies)."""
+        """fp32 master weights under Hugging Face names (copies; of several ranks, every rank's parts)."""
         self._quiesce()
-        out = {}
-        for unit, lay in zip(self.units, self.layouts):
-            with self._whole(unit.index, read=True) as flat:
-                views = lay.views(flat)
-                out.update({t.hf_name: views[t.name].clone() for t in unit.tensors})
-        return out
+        return self.state.to_dict()
 
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self._quiesce()
-        for unit, lay in zip(self.units, self.layouts):
-            with self._whole(unit.index, read=False) as flat:
-                views = lay.views(flat)
-                for t in unit.tensors:
-                    views[t.name].copy_(sd[t.hf_name])
+        self.state.load(lambda name, shape: sd[name])
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -441,7 +335,7 @@ class Trainer:
     def describe(self) -> list[str]:
         spec, tc = self.cfg.model, self.cfg.train
         host = self.host.nbytes()
-        nv = spilled_bytes([lay.numel for lay in self.layouts], self.kind_bytes(), self.where)
+        nv = spilled_bytes([sh.numel for sh in self.shards], self.kind_bytes(), self.where)
         r = self.ranks
         return [
             *([f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of every batch "
