@@ -321,3 +321,27 @@ def test_torchrun_runs_the_job_run_gpus_runs(token_file, tmp_path):
     assert r.returncode == 0, r.stderr
     assert losses(theirs) == losses(ours)
     assert all(np.array_equal(x, y) for x, y in zip(state(theirs, 6).values(), state(ours, 6).values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_over_nccl_train_as_one(token_file, tmp_path):
+    """Two ranks on two GPUs, NCCL between them (the all-gathers and reduce-scatters on the GPUs' streams): as
+    one GPU within 1e-5 relative, with the shards resident, updated on the GPU and speculated, or on the host."""
+    for sets in ([], ["--set", "tiers.gpu_resident_gb=0.0003", "--set", "tiers.gpu_update_units=2",
+                      "--set", "optim.speculate_gpu_updates=true"]):
+        runs = {}
+        for gpus in (1, 2):
+            runs[gpus] = tmp_path / f"run{gpus}-{len(sets)}"
+            train(token_file, runs[gpus], *sets, "--set", 'train.device="cuda"', gpus=gpus)
+        for (la, na), (lb, nb) in zip(losses(runs[2]), losses(runs[1])):
+            assert la == pytest.approx(lb, rel=1e-5) and na == pytest.approx(nb, rel=1e-5)
+        close(state(runs[2], 6), state(runs[1], 6))
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_gpus_is_one_line(token_file, tmp_path):
+    n = torch.cuda.device_count()
+    r = cli("run", "--gpus", str(n + 1), *tiny(token_file), "--set", 'train.device="cuda"', "--out", str(tmp_path / "r"))
+    refused(r, f"--gpus {n + 1}", f"pass --gpus {n} or fewer")
+    assert not (tmp_path / "r").exists()

@@ -58,8 +58,14 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
     import os
 
     if gpus and gpus > 1 and "WORLD_SIZE" not in os.environ:
+        import torch
+
         from .launch import launch
 
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if 0 < have < gpus and not os.environ.get("TIERTRAIN_DIST_BACKEND"):  # NCCL takes one GPU per rank
+            _fail(UserError(f"--gpus {gpus}: this host has {have} GPU{'s' * (have > 1)}; pass --gpus {have} or "
+                            "fewer, or torchrun across hosts"))
         sys.exit(launch(gpus, _without_gpus(sys.argv[1:])))
     from .parallel import Ranks
 
