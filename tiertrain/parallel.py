@@ -31,6 +31,8 @@ def _gather(out: torch.Tensor, part: torch.Tensor, group=None) -> None:
 
 @dataclass
 class Ranks:
+    """This process's place in the job, and its collectives. Main thread only: every rank issues the same
+    collectives in the same order (the step's, a checkpoint's, the loop's), which is what keeps them matched."""
     rank: int = 0
     size: int = 1
     local_size: int = 1  # ranks on this host: they share its RAM, cores and disks
@@ -93,9 +95,8 @@ class Ranks:
         undefined. Returns that part."""
         part = t[start:start + numel]
         if self.size > 1:
-            dist = _dist()
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            scatter(part, t)
+            dist = _dist()  # renamed like all_gather_into_tensor
+            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, t)
         return part
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -121,11 +122,7 @@ class Ranks:
 
     def any_failed(self, failed: bool) -> bool:
         """Whether some rank failed (each says whether it did): every rank learns it together."""
-        if self.size == 1:
-            return failed
-        t = torch.tensor([int(failed)], dtype=torch.int64)
-        _dist().all_reduce(t)
-        return bool(t.item())
+        return self.first_failed(failed) is not None
 
     def first_failed(self, failed: bool) -> int | None:
         """The lowest rank that failed (each says whether it did), the same on every rank; None: none did."""
