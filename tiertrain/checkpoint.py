@@ -278,10 +278,7 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
     try:
         if ranks.first:
             for i, (u, kind) in enumerate(keys):
-                crc = 0
-                for r in crcs:
-                    crc = crc_combine(crc, r[2 * i], r[2 * i + 1])
-                _set_crc(_chunk(tmp, kind, u), numels[u] * 4, crc)
+                _set_crc(_chunk(tmp, kind, u), numels[u] * 4, _combined(crcs, i))
             _fsync_tree(tmp)
             os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
             _fsync(path.parent)
@@ -361,19 +358,36 @@ def load(path: Path, kind: str, unit: int, out: torch.Tensor, io=None) -> None:
     if io is None:
         with _direct_io(2) as own:
             return load(path, kind, unit, out, own)
-    file = _chunk(path, kind, unit)
     n = out.numel() * out.element_size()
-    if file.stat().st_size != n + 4:
-        raise CheckpointError(f"{path} is corrupt: {kind}/{unit} holds {file.stat().st_size - 4} bytes, the model "
-                              f"needs {n}; resume from another checkpoint")
-    _body(file, out, write=False, io=io)
-    with open(file, "rb") as f:
-        f.seek(n)
+    _check_size(path, kind, unit, n)
+    _body(_chunk(path, kind, unit), out, write=False, io=io)
+    _verify(path, kind, unit, n, _crc(out))
+
+
+def _check_size(path: Path, kind: str, unit: int, nbytes: int) -> None:
+    """The chunk file holds the slab's `nbytes` and its checksum."""
+    size = _chunk(path, kind, unit).stat().st_size
+    if size != nbytes + 4:
+        raise CheckpointError(f"{path} is corrupt: {kind}/{unit} holds {size - 4} bytes, the model "
+                              f"needs {nbytes}; resume from another checkpoint")
+
+
+def _verify(path: Path, kind: str, unit: int, nbytes: int, computed: int) -> None:
+    """The checksum stored after the slab's `nbytes` is `computed`."""
+    with open(_chunk(path, kind, unit), "rb") as f:
+        f.seek(nbytes)
         stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
-    computed = _crc(out)
     if stored != computed:
         raise CheckpointError(f"{path} is corrupt: {kind}/{unit} fails its checksum (stored {stored:#010x}, "
                               f"computed {computed:#010x}); resume from another checkpoint")
+
+
+def _combined(crcs: list[list[int]], i: int) -> int:
+    """The CRC32C of the i-th slab from every rank's (crc, bytes) of its part, in rank order (host_ints' lists)."""
+    crc = 0
+    for r in crcs:
+        crc = crc_combine(crc, r[2 * i], r[2 * i + 1])
+    return crc
 
 
 def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads: int = 4) -> None:
@@ -388,27 +402,16 @@ def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads:
     with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
         def one(key: tuple[int, str]) -> None:
             u, kind = key
-            file = _chunk(path, kind, u)
-            if file.stat().st_size != numels[u] * 4 + 4:
-                raise CheckpointError(f"{path} is corrupt: {kind}/{u} holds {file.stat().st_size - 4} bytes, the "
-                                      f"model needs {numels[u] * 4}; resume from another checkpoint")
+            _check_size(path, kind, u, numels[u] * 4)
             with target(*key) as (start, flat):
                 if flat.numel():
-                    _body(file, flat, False, io, start * 4)
+                    _body(_chunk(path, kind, u), flat, False, io, start * 4)
                 parts[key] = (_crc(flat), flat.numel() * 4)
 
         list(pool.map(one, keys))
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     for i, (u, kind) in enumerate(keys):
-        crc = 0
-        for r in crcs:
-            crc = crc_combine(crc, r[2 * i], r[2 * i + 1])
-        with open(_chunk(path, kind, u), "rb") as f:
-            f.seek(numels[u] * 4)
-            stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
-        if stored != crc:
-            raise CheckpointError(f"{path} is corrupt: {kind}/{u} fails its checksum (stored {stored:#010x}, "
-                                  f"computed {crc:#010x}); resume from another checkpoint")
+        _verify(path, kind, u, numels[u] * 4, _combined(crcs, i))
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -30,7 +30,7 @@ from ..sizes import budget, gb
 from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes,
                                gpu_updated, host_state_bytes, kind_bytes, least_host, place_within, resident_units,
                                streamed_kind, update_candidates)
-from ..tiers.slab import SLAB_ALIGN, SlabLayout, host_cost
+from ..tiers.slab import SlabLayout, host_cost, shard_numel
 from .hardware import HardwareSpec
 from .runplan import RunPlan, UnitPlan, unit_plans
 from .times import step_times
@@ -129,11 +129,7 @@ class Plan:
 
 def _layouts(spec: ModelSpec, gpus: int = 1) -> list[int]:
     """Each unit's slab size, or with several GPUs each rank's shard of it (tiers.slab.Shard)."""
-    return [_shard_numel(_slab_numel(tuple((t.name, t.shape) for t in u.tensors)), gpus) for u in spec.units()]
-
-
-def _shard_numel(n: int, gpus: int) -> int:
-    return n if gpus == 1 else -(-(-(-n // gpus)) // SLAB_ALIGN) * SLAB_ALIGN
+    return [shard_numel(_slab_numel(tuple((t.name, t.shape) for t in u.tensors)), gpus) for u in spec.units()]
 
 
 @functools.lru_cache(maxsize=256)  # blocks share their table: a deep model builds one layout, not thousands

@@ -94,6 +94,11 @@ def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return flat
 
 
+def shard_numel(numel: int, ranks: int) -> int:
+    """Elements of each rank's shard of a slab of `numel`: its 1/ranks, in whole pages (the slab's, for one)."""
+    return numel if ranks == 1 else _round_up(-(-numel // ranks), SLAB_ALIGN)
+
+
 @dataclass(frozen=True)
 class Shard:
     """Rank `rank`'s part of a unit's slab when `ranks` ranks share it: elements [start, start + numel) of the
@@ -105,8 +110,7 @@ class Shard:
 
     @property
     def numel(self) -> int:
-        n = self.layout.numel
-        return n if self.ranks == 1 else _round_up(-(-n // self.ranks), SLAB_ALIGN)
+        return shard_numel(self.layout.numel, self.ranks)
 
     @property
     def start(self) -> int:
