@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 23's long-context runs on one H200 (bench/results/2026-11-24-issue23-long-context.md), as command lines.
+# The long-context runs as command lines: issue 23's on one H200 (bench/results/2026-11-24-issue23-long-context.md)
+# and issue 34's llama3.1-8b on the machines' real RAM and disk (bench/results/2026-11-25-issue34-long-8b.md).
 # Usage (on the GPU machine, after ../shared/device/README.md's setup): bash bench/long.sh OUT_DIR [RUN...]
-# RUN: 7b-256k 3b-512k 1b-1m 3b-32k baselines (default: all, several hours of device time).
+# RUN: 7b-256k 3b-512k 1b-1m 3b-32k baselines (H200), 8b-128k 8b-256k (H100), 8b-360k (H200); default: issue 23's.
 out=${1:-bench/results}; shift
 mk() {  # a config at one length, one sequence per step
   sed "s/^seq_len = .*/seq_len = $2/; s/^max_position_embeddings = .*/max_position_embeddings = $2/;
@@ -10,10 +11,11 @@ mk() {  # a config at one length, one sequence per step
 }
 python3 -c "import numpy as np; np.save('/tmp/long.npy', np.random.default_rng(0).integers(0, 32000, 3_000_000).astype(np.uint32))"
 budgets=(tiers.host_gb=115 tiers.nvme_gb=55 'tiers.nvme_dir="/tmp/nvme"' 'data.path="/tmp/long.npy"')
-long() {  # config length steps
+long() {  # config length steps [more --set...]
   mk "$1" "$2"
-  python3 -m bench.pipeline --config "/tmp/$1-$2.toml" --systems long --define long "${budgets[@]}" --batches 1 \
-    --micro 1 --warmup $(($3 - 1)) --steps 1 --timeout 3600 --tag="-long-$2" --out "$out"
+  python3 -m bench.pipeline --config "/tmp/$1-$2.toml" --systems long --define long "${budgets[@]}" "${@:4}" \
+    --batches 1 --micro 1 --warmup $(($3 > 2 ? 1 : $3 - 1)) --steps $(($3 > 2 ? $3 - 1 : 1)) --timeout 3600 \
+    --tag="-long-$2" --out "$out"
   rm -rf /tmp/nvme
 }
 for run in ${@:-7b-256k 3b-512k 1b-1m 3b-32k baselines}; do
@@ -24,6 +26,10 @@ for run in ${@:-7b-256k 3b-512k 1b-1m 3b-32k baselines}; do
     3b-32k) mk llama-3b 32768
       python3 -m bench.pipeline --config /tmp/llama-3b-32768.toml --systems tiertrain,gpu,deepspeed --batches 1 \
         --micro 1 --warmup 1 --steps 2 --tag=-32k-batch1 --out "$out" ;;
+    8b-128k) budgets[0]=tiers.host_gb=120; budgets[1]=tiers.nvme_gb=0; long llama3.1-8b 131072 3 ;;
+    8b-256k) budgets[0]=tiers.host_gb=120; budgets[1]=tiers.nvme_gb=0
+      long llama3.1-8b 262144 2 'tiers.checkpoint_dtype="bfloat16"' ;;
+    8b-360k) long llama3.1-8b 364544 1 'tiers.checkpoint_dtype="bfloat16"' ;;
     baselines) for S in 65536 131072 262144; do mk llama-3b $S
       python3 -m bench.pipeline --config /tmp/llama-3b-$S.toml --systems gpu,deepspeed --batches 1 --micro 1 \
         --warmup 0 --steps 1 --tag=-$S-baselines --out "$out"; done ;;

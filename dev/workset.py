@@ -1,13 +1,15 @@
-"""Measures a block's GPU working set per token (forward, then recompute and backward as Step.block_backward
-does), tiled MLP or not, beside the planner's WORK_H / WORK_FF model. One line per (config, tokens)."""
+"""Measures a block's GPU working set per token beside the planner's (plan/workset.py): its forward pass without
+gradients, then its backward pass from its checkpoint as Step.block_backward runs it, tiled (model/tiled.py) or
+not, the input and its gradient allocated before. One line per (config, tokens).
+    python dev/workset.py configs/llama3.1-8b.toml TILE TOKENS...      (TILE 0: untiled)"""
 import sys
 
 import torch
 
 from tiertrain.config import load_config
-from tiertrain.model import llama
+from tiertrain.model import llama, tiled
 from tiertrain.model.llama import Context
-from tiertrain.plan import workset as planner
+from tiertrain.plan.workset import working_set
 
 cfg_path, tile = sys.argv[1], int(sys.argv[2])
 spec = load_config(cfg_path).model
@@ -15,30 +17,40 @@ dev, dt = torch.device("cuda"), torch.bfloat16
 shapes = {t.name: t.shape for t in spec.units()[1].tensors}
 w = {n: (torch.randn(s, device=dev) * 0.02).to(dt) if len(s) > 1 else torch.ones(s, device=dev, dtype=dt)
      for n, s in shapes.items()}
+accs = {n: torch.zeros(s, device=dev) for n, s in shapes.items()}
 for tokens in map(int, sys.argv[3:]):
     spec.max_position_embeddings = max(spec.max_position_embeddings, tokens)
     ctx = Context.build(spec, tokens, dt, dev, tile)
     x = torch.randn(1, tokens, spec.hidden_size, device=dev)
     g = torch.randn_like(x)
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1, t2 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
     with torch.no_grad():
-        y = llama.block(w, x, ctx)
-    fwd = torch.cuda.max_memory_allocated() - base
+        y = tiled.forward(w, x, ctx) if ctx.tiled(x) else llama.block(w, x, ctx)
+    t1.record()
+    fwd = torch.cuda.max_memory_allocated() - base - y.numel() * 4
     del y
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
-    xr = x.detach().requires_grad_()
-    with torch.enable_grad():
-        y = llama.block(leaves, xr, ctx)
-    out = torch.autograd.grad(y, [xr] + list(leaves.values()), g)
+    if ctx.tiled(x):
+        tiled.backward(w, accs, x, g, ctx)
+    else:
+        leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
+        xr = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = torch.autograd.grad(llama.block(leaves, xr, ctx), [xr] + list(leaves.values()), g)
+        del out, leaves, xr
+    t2.record()
     torch.cuda.synchronize()
     bwd = torch.cuda.max_memory_allocated() - base
-    H, FF = spec.hidden_size, spec.intermediate_size
-    model = planner.WORK_H * H * tokens + planner.WORK_FF * FF * (min(tokens, tile) if tile else tokens) \
-        + (planner.MLP_TILE_SUMS * H * FF if tile else 0)
-    print(f"{cfg_path} tile {tile} tokens {tokens}: fwd {fwd / 1e9:.2f} GB, bwd {bwd / 1e9:.2f} GB "
-          f"({bwd / tokens / H:.1f} x H per token); model {model / 1e9:.2f} GB", flush=True)
-    del out, y, leaves, xr, x, g
+    H = spec.hidden_size
+    model = working_set(spec, "bfloat16", tokens, tile)
+    print(f"{cfg_path} tile {tile} tokens {tokens}: fwd {fwd / 1e9:.2f} GB {t0.elapsed_time(t1) / 1e3:.2f} s, "
+          f"bwd {bwd / 1e9:.2f} GB ({bwd / tokens / H:.1f} x H per token) {t1.elapsed_time(t2) / 1e3:.2f} s; "
+          f"model {model / 1e9:.2f} GB ({model / tokens / H:.1f} x H)", flush=True)
+    del x, g
     torch.cuda.empty_cache()

@@ -60,10 +60,10 @@ class TrainConfig:
     # the last N blocks keep their activations on the GPU for the backward pass instead of recomputing their
     # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
     keep_activations: int | Auto = "auto"
-    # tokens per tile of the MLP (forward and backward over tiles: no (tokens x intermediate) tensor of a whole
-    # micro-batch); "auto": the plan's (tiles of 8192 tokens where the untiled MLP would take over an eighth of the
-    # GPU memory); 0: off
-    mlp_chunk_tokens: int | Auto = "auto"
+    # tokens per tile of a block (model/tiled.py: norms, projections and MLP over tiles of the sequence, the
+    # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled block would
+    # take over an eighth of the GPU memory); 0: off
+    tile_tokens: int | Auto = "auto"
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
@@ -75,7 +75,7 @@ class TrainConfig:
               'must be "auto" or a positive integer')
         _need(_auto_or(self.keep_activations, 0), "train", "keep_activations", self,
               'must be "auto" (the plan chooses), 0 (recompute every block) or a number of blocks')
-        _need(_auto_or(self.mlp_chunk_tokens, 0), "train", "mlp_chunk_tokens", self,
+        _need(_auto_or(self.tile_tokens, 0), "train", "tile_tokens", self,
               'must be "auto" (the plan chooses), 0 (no tiling) or a number of tokens')
         _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
         _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
@@ -132,6 +132,9 @@ class TiersConfig:
     # where activation checkpoints live: "gpu", "host" (pinned, copied on side streams) or "nvme" (the NVMe tier,
     # through a ring of pinned buffers); "auto": the plan's, split across the three when no one of them holds all
     activations: str = "auto"
+    # the dtype activation checkpoints are kept in: "float32" (the residual stream's own: exact recompute) or
+    # "bfloat16" (half the bytes on every tier and link; the recompute starts from the rounded input)
+    checkpoint_dtype: str = "float32"
     host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
@@ -145,6 +148,7 @@ class TiersConfig:
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
         _need(self.activations in PLACES, "tiers", "activations", self, f"must be one of {_q(PLACES)}")
+        _need(self.checkpoint_dtype in DTYPES, "tiers", "checkpoint_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.host_gb >= 0, "tiers", "host_gb", self, "must be 0 (no budget) or a positive number of GB")
         _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
@@ -334,6 +338,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 LEGACY = {("train", "micro_batch_size"): {0: AUTO}, ("train", "loss_chunk_tokens"): {0: AUTO},
           ("optim", "speculate_units"): {-1: AUTO}, ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
           ("tiers", "gpu_resident_gb"): {-1: AUTO, -1.0: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
+RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens"}
 
 
 def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the config",
@@ -341,7 +346,9 @@ def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the c
     """A config from parsed TOML (or a checkpoint's config), then `--set` overrides. `legacy`: a checkpoint's,
     whose older numbers for "auto" are read as it."""
     cfg = Config()
-    if legacy:
+    if legacy:  # and a key renamed since: the MLP's tiles became the block's
+        data = {sec: {RENAMED.get((sec, k), k): v for k, v in vals.items()} if isinstance(vals, dict) else vals
+                for sec, vals in data.items()}
         data = {sec: {k: LEGACY[(sec, k)].get(v, v) if (sec, k) in LEGACY and not isinstance(v, bool) else v
                       for k, v in vals.items()} if isinstance(vals, dict) else vals for sec, vals in data.items()}
     _apply(cfg, data, origin)

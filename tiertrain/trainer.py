@@ -152,9 +152,10 @@ class Trainer:
         self.updates = Updates(self.run_plan, HostAdamW(self.host, self.shards, cfg.optim, self.tiers), self.grads,
                                self.streams, self.device, tc.overlap, self.tiers)
         self.checkpoints = Checkpoints(self.run_plan.checkpoints(), self.streams, self.clock, self.device, pin,
-                                       placing.checkpoint_store(cfg, self.run_plan, self.run_name))
+                                       placing.checkpoint_store(cfg, self.run_plan, self.run_name),
+                                       getattr(torch, self.run_plan.checkpoint_dtype))
         self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
-                           self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device, self.run_plan.mlp_tile),
+                           self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device, self.run_plan.tile),
                            fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, self.run_plan.kept(), self.ranks)
         self.step = 0
         if resume is not None:
@@ -324,7 +325,7 @@ class Trainer:
         text = ", ".join(f"{homes.count(h)} checkpoints {w}" for h, w in where.items() if h in homes) or "no checkpoints"
         store = self.checkpoints.store
         return text + (f" in {store.root}" if store else "") + (
-            f", the MLP in tiles of {self.run_plan.mlp_tile:,} tokens" if self.run_plan.mlp_tile else "")
+            f", blocks in tiles of {self.run_plan.tile:,} tokens" if self.run_plan.tile else "")
 
     def discard_scratch(self) -> None:
         """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""

@@ -27,9 +27,11 @@ IN_FLIGHT = 2  # blocks whose inputs may be on their way to NVMe at once
 
 class Checkpoints:
     def __init__(self, homes: dict[int, str], streams: Streams, clock: StallClock, device: torch.device, pin: bool,
-                 store=None):
-        """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones."""
+                 store=None, dtype: torch.dtype = torch.float32):
+        """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones; `dtype`: the
+        checkpoints' (RunPlan.checkpoint_dtype): a block's fp32 input is cast to it when saved, back when got."""
         self.homes, self.s, self.clock, self.device, self.pin, self.store = homes, streams, clock, device, pin, store
+        self.dtype = dtype
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.ready: dict[int, object] = {}  # block -> its H2D event (host)
         self._host: dict[int, torch.Tensor] = {}
@@ -62,6 +64,7 @@ class Checkpoints:
     # ---- the forward pass --------------------------------------------------------------------
     def save(self, unit: int, xs: list[torch.Tensor]) -> None:
         home = self.homes.get(unit, "gpu")
+        xs = [x.to(self.dtype) for x in xs]  # no copy in fp32
         shape = (len(xs),) + tuple(xs[0].shape)
         if shape != self._shape:  # a new batch shape: drop the old host buffers
             self._host.clear()
@@ -76,7 +79,7 @@ class Checkpoints:
             job = self._out.submit(self._write, unit, xs, self.s.record(self.s.compute))
             self.written[unit] = job
             self.on_way.append(job)
-            self.d2h_bytes += sum(x.numel() * 4 for x in xs)
+            self.d2h_bytes += sum(x.numel() * x.element_size() for x in xs)
 
     def _save_host(self, unit: int, xs: list[torch.Tensor]) -> None:
         if unit not in self._host:  # page-rounded (torch's pinned allocator rounds up to a power of two)
@@ -93,7 +96,7 @@ class Checkpoints:
 
     def _pieces(self, xs: list[torch.Tensor]):
         """(micro-batch, piece index in the row, element range) of every piece of a block's inputs."""
-        per, n = CK_PIECE_BYTES // 4, xs[0].numel()
+        per, n = CK_PIECE_BYTES // xs[0].element_size(), xs[0].numel()
         k = -(-n // per)
         return [(m, m * k + p, p * per, min(n, (p + 1) * per)) for m in range(len(xs)) for p in range(k)]
 
@@ -105,7 +108,7 @@ class Checkpoints:
             buf = self.ring.get()
             with self.s.on(self.s.d2h):
                 self.s.wait(self.s.d2h, done)
-                buf[:b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
+                buf.view(self.dtype)[:b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
                 copied = self.s.record(self.s.d2h)
             if copied is not None:
                 copied.synchronize()
@@ -124,10 +127,10 @@ class Checkpoints:
             shape, count = host.shape[1:], host.shape[0]
         else:
             shape, count = self._shape[1:], self._shape[0]
-        bufs = [torch.empty(shape, dtype=torch.float32, device=self.device) for _ in range(count)]
+        bufs = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(count)]
         allocated = self.s.record(self.s.compute)  # the memory may have been freed by earlier compute
         self.saved[unit] = bufs
-        self.h2d_bytes += count * bufs[0].numel() * 4
+        self.h2d_bytes += count * bufs[0].numel() * bufs[0].element_size()
         if home == "nvme":
             self.reads[unit] = self._in.submit(self._read, unit, bufs, allocated, self.written.pop(unit))
             return
@@ -152,10 +155,10 @@ class Checkpoints:
                 flight.append((m, a, b, buf, self.store.read(unit, i, buf)))
             m, a, b, buf, f = flight.popleft()
             f.result()
-            self.disk_bytes += 2 * (b - a) * 4
+            self.disk_bytes += 2 * (b - a) * bufs[m].element_size()
             with self.s.on(self.s.h2d):
                 self.s.wait(self.s.h2d, allocated)
-                bufs[m].view(-1)[a:b].copy_(buf[:b - a], non_blocking=True)
+                bufs[m].view(-1)[a:b].copy_(buf.view(self.dtype)[:b - a], non_blocking=True)
                 last = self.s.record(self.s.h2d)
             if last is not None:
                 last.synchronize()  # the buffer is free once its copy has read it
@@ -167,7 +170,7 @@ class Checkpoints:
         if unit in self.reads:
             self.ready[unit] = self._wait(self.reads.pop(unit))
         self.clock.wait("h2d_wait", self.ready.pop(unit, None))
-        return self.saved[unit]
+        return [x.float() for x in self.saved[unit]]  # no copy in fp32
 
     def drop(self, unit: int) -> None:
         self.saved.pop(unit, None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model import llama
+from ..model import llama, tiled
 from ..model.llama import Context
 from ..model.spec import UnitSpec
 from ..optim.adamw import clip_coefficient
@@ -69,7 +69,7 @@ class Step:
                 if i not in self.kept:
                     ck.save(i, xs)
                 with clock.computing("forward"):
-                    xs = self.forward_kept(i, w, xs) if i in self.kept else [llama.block(w, x, self.ctx) for x in xs]
+                    xs = self.forward_kept(i, w, xs) if i in self.kept else [self.block(w, x) for x in xs]
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
 
@@ -141,16 +141,16 @@ class Step:
             load(1)
             for i in range(1, L - 1):
                 w = self.bind(i)
-                xs = [llama.block(w, x, self.ctx) for x in xs]
+                xs = [self.block(w, x) for x in xs]
                 self.release(i)
                 load(i + 1)
             w = self.bind(L - 1)
             loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
             for x, tgt in zip(xs, targets):
-                h = llama.final_norm({"norm.weight": w["norm.weight"]}, x, self.ctx).reshape(-1, x.shape[-1])
-                t = tgt.reshape(-1)
-                for a in range(0, h.shape[0], self.chunk):
-                    lg = llama.logits({"lm_head.weight": w["lm_head.weight"]}, h[a:a + self.chunk], self.ctx)
+                xf, t = x.reshape(-1, x.shape[-1]), tgt.reshape(-1)
+                for a in range(0, xf.shape[0], self.chunk):
+                    h = llama.final_norm({"norm.weight": w["norm.weight"]}, xf[a:a + self.chunk], self.ctx)
+                    lg = llama.logits({"lm_head.weight": w["lm_head.weight"]}, h, self.ctx)
                     loss += F.cross_entropy(lg, t[a:a + self.chunk], reduction="sum") / n_tokens
             self.release(L - 1)
         slots.forget()
@@ -176,11 +176,18 @@ class Step:
         self.slots.release(unit, *(owner for _, owner, _ in self.units[unit].borrows))
 
     # ---- compute ------------------------------------------------------------------------------
+    def block(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it."""
+        return tiled.forward(w, x, self.ctx) if self.ctx.tiled(x) else llama.block(w, x, self.ctx)
+
     def block_backward(self, leaves, pairs, saved: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each micro-batch's block recomputed from its checkpoint and differentiated; weight gradients added
-        into the accumulators. Returns the gradients of the block's inputs."""
+        into the accumulators. Returns the gradients of the block's inputs (a tiled block's in `grads`' memory)."""
         out_grads = []
         for x, g in zip(saved, grads):
+            if self.ctx.tiled(x):
+                out_grads.append(tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, self.ctx))
+                continue
             x = x.requires_grad_()
             with torch.enable_grad():
                 y = llama.block(leaves, x, self.ctx)
@@ -250,24 +257,19 @@ class Step:
         loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
         grads = []
         with self.clock.computing("backward"):
-            for x, tgt in zip(xs, targets):
-                x = x.requires_grad_()
-                with torch.enable_grad():
-                    h = llama.final_norm({"norm.weight": wn}, x, self.ctx)
-                hd = h.detach().reshape(-1, h.shape[-1])
-                gh = torch.empty_like(hd)
-                t = tgt.reshape(-1)
-                for a in range(0, hd.shape[0], self.chunk):
-                    b = min(a + self.chunk, hd.shape[0])
-                    hc = hd[a:b].detach().requires_grad_()
+            for x, tgt in zip(xs, targets):  # the final norm too a chunk at a time: nothing (tokens x H) but x, gx
+                xf, t = x.reshape(-1, x.shape[-1]), tgt.reshape(-1)
+                gx = torch.empty_like(xf)
+                for a in range(0, xf.shape[0], self.chunk):
+                    b = min(a + self.chunk, xf.shape[0])
+                    xc = xf[a:b].detach().requires_grad_()
                     with torch.enable_grad():
-                        lg = llama.logits({"lm_head.weight": wh}, hc, self.ctx)
+                        h = llama.final_norm({"norm.weight": wn}, xc, self.ctx)
+                        lg = llama.logits({"lm_head.weight": wh}, h, self.ctx)
                         part = F.cross_entropy(lg, t[a:b], reduction="sum") / n_tokens
-                    g_h, g_w = torch.autograd.grad(part, [hc, wh])
-                    gh[a:b] = g_h
+                    gx[a:b], g_n, g_w = torch.autograd.grad(part, [xc, wn, wh])
                     acc[id(wh)].add_(g_w)
+                    acc[id(wn)].add_(g_n)
                     loss += part.detach()
-                gx, gn = torch.autograd.grad(h, [x, wn], gh.view_as(h))
-                acc[id(wn)].add_(gn)
-                grads.append(gx)
+                grads.append(gx.view_as(x))
         return loss, grads

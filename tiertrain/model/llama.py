@@ -41,15 +41,19 @@ class Context:
     dtype: torch.dtype
     cos: torch.Tensor  # (S, head_dim) fp32
     sin: torch.Tensor
-    mlp_tile: int = 0  # tokens per MLP tile (RunPlan.mlp_tile); 0: the MLP runs on all tokens at once
+    tile: int = 0  # tokens per tile of a block (RunPlan.tile); 0: a block runs on all its tokens at once
 
     @classmethod
     def build(cls, spec: ModelSpec, seq_len: int, dtype: torch.dtype, device: torch.device,
-              mlp_tile: int = 0) -> "Context":
+              tile: int = 0) -> "Context":
         pos = torch.arange(seq_len, dtype=torch.float32)
         freqs = pos[:, None] * rope_inv_freq(spec)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return cls(spec, dtype, emb.cos().to(device), emb.sin().to(device), mlp_tile)
+        return cls(spec, dtype, emb.cos().to(device), emb.sin().to(device), tile)
+
+    def tiled(self, x: torch.Tensor) -> bool:
+        """Whether a block runs over tiles of the sequence on this micro-batch (model.tiled)."""
+        return bool(self.tile) and x.shape[0] * x.shape[1] > self.tile
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,7 +83,16 @@ def embed(w: dict[str, torch.Tensor], tokens: torch.Tensor, ctx: Context) -> tor
     return F.embedding(tokens, w["embed_tokens.weight"]).float()
 
 
-def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:
+ATTN_IN = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.q_norm.weight",
+           "self_attn.k_norm.weight")
+MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+               "mlp.down_proj.weight")
+
+
+def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 0):
+    """The attention's inputs for the positions start.. of x (B, t, H): q (B, heads, t, hd), k and v
+    (B, kv heads, t, hd), in the compute dtype, RoPE applied."""
     s, dt = ctx.spec, ctx.dtype
     b, t, _ = x.shape
     h = rms_norm(x, w["input_layernorm.weight"], s.rms_norm_eps).to(dt)
@@ -92,61 +105,26 @@ def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Te
     if s.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps).to(dt)
         k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps).to(dt)
-    cos, sin = ctx.cos[:t], ctx.sin[:t]
-    q = _rope(q.transpose(1, 2), cos, sin)
-    k = _rope(k.transpose(1, 2), cos, sin)
-    o = attention(q, k, v).transpose(1, 2).reshape(b, t, s.num_attention_heads * s.hd)
+    cos, sin = ctx.cos[start:start + t], ctx.sin[start:start + t]
+    return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
+
+
+def block_out(w: dict[str, torch.Tensor], x: torch.Tensor, o: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """The block after its attention, on any slice of tokens: x (B, t, H) and the attention's output o
+    (B, t, heads x hd) give x1 = x + o_proj(o), then x1 + MLP(norm(x1))."""
     x = x + F.linear(o, w["self_attn.o_proj.weight"]).float()
-    ws = tuple(w[n] for n in MLP_WEIGHTS)
-    if ctx.mlp_tile and b * t > ctx.mlp_tile:
-        return TiledMLP.apply(x, ctx, *ws)
-    return _mlp(ws, x, ctx)
-
-
-MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-               "mlp.down_proj.weight")
-
-
-def _mlp(ws: tuple[torch.Tensor, ...], x: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """The block's second half on any slice of tokens: x + MLP(norm(x))."""
-    norm, gate, up, down = ws
+    norm, gate, up, down = (w[n] for n in MLP_WEIGHTS)
     h = rms_norm(x, norm, ctx.spec.rms_norm_eps).to(ctx.dtype)
     m = F.silu(F.linear(h, gate)) * F.linear(h, up)
     return x + F.linear(m, down).float()
 
 
-class TiledMLP(torch.autograd.Function):
-    """_mlp over tiles of ctx.mlp_tile tokens: the (tokens x intermediate) tensors exist one tile at a time.
-    It saves only its input; the backward pass runs each tile again with autograd and sums the weights'
-    gradients over the tiles in fp32."""
-
-    @staticmethod
-    def forward(fc, x: torch.Tensor, ctx: Context, *ws: torch.Tensor) -> torch.Tensor:
-        fc.save_for_backward(x, *ws)
-        fc.ctx = ctx
-        xf, out = x.reshape(-1, x.shape[-1]), torch.empty_like(x)
-        of, n = out.view(-1, x.shape[-1]), ctx.mlp_tile
-        for a in range(0, xf.shape[0], n):
-            of[a:a + n] = _mlp(ws, xf[a:a + n], ctx)
-        return out
-
-    @staticmethod
-    def backward(fc, g: torch.Tensor):
-        x, *ws = fc.saved_tensors
-        ctx, n = fc.ctx, fc.ctx.mlp_tile
-        leaves = tuple(w.detach().requires_grad_() for w in ws)
-        sums = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in ws]
-        xf, gf = x.detach().reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-        gx = torch.empty_like(xf)
-        for a in range(0, xf.shape[0], n):
-            xa = xf[a:a + n].requires_grad_()
-            with torch.enable_grad():
-                y = _mlp(leaves, xa, ctx)
-            out = torch.autograd.grad(y, (xa, *leaves), gf[a:a + n])
-            gx[a:a + n] = out[0]
-            for s, gw in zip(sums, out[1:]):
-                s.add_(gw)
-        return (gx.view_as(x), None, *(s.to(w.dtype) for s, w in zip(sums, ws)))
+def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """A decoder block on all its tokens at once (model.tiled runs it over tiles of the sequence)."""
+    b, t, _ = x.shape
+    q, k, v = qkv(w, x, ctx)
+    o = attention(q, k, v).transpose(1, 2).reshape(b, t, q.shape[1] * q.shape[3])
+    return block_out(w, x, o, ctx)
 
 
 def final_norm(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:

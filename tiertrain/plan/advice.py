@@ -20,7 +20,8 @@ def explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_up
     if budgets.nvme_gb:
         p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
                                 hw, p.model, gpu_updates, least=True, clipping=clipping,
-                                speculate=p.speculated, speculate_gpu=p.gpu_speculated).least_host
+                                speculate=p.speculated, speculate_gpu=p.gpu_speculated,
+                                ck_dtype=p.checkpoint_dtype).least_host
     return p
 
 
@@ -39,7 +40,8 @@ def advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list
     tries.append(("twice the batch (tokens per step)", None))
     out = []
     for text, b in tries:
-        q = plan(spec, p.batch * (1 if b else 2), p.seq_len, p.dtype, b or budgets, hw, advise=False)
+        q = plan(spec, p.batch * (1 if b else 2), p.seq_len, p.dtype, b or budgets, hw, advise=False,
+                 ck_dtype=p.checkpoint_dtype)
         if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
             out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
     return [t for _, t in sorted(out, reverse=True)]
@@ -78,7 +80,8 @@ def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budget
     for stream in ("compute", "master") if p.dtype == "bfloat16" else ("master",):
         for acts in ("gpu", "host", "split"):
             def at(b: Budgets) -> Plan:
-                return evaluate(spec, batch, seq_len, p.dtype, micro, stream, acts, b, hw, gpu_updates=0, speculate=0)
+                return evaluate(spec, batch, seq_len, p.dtype, micro, stream, acts, b, hw, gpu_updates=0, speculate=0,
+                                ck_dtype=p.checkpoint_dtype)
             # "auto": all the GPU leaves (the most memory resident state can add)
             resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.resident_gb
             q = at(replace(budgets, resident_gb=resident))

@@ -28,14 +28,13 @@ from itertools import accumulate
 from ..model.spec import ModelSpec
 from ..sizes import budget, gb
 from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes,
-                               gpu_updated, host_state_bytes, kind_bytes, least_host, place_within, resident_units,
-                               streamed_kind, update_candidates)
+                               gpu_updated, host_state_bytes, kind_bytes, least_host, place_within, read_ahead_bytes,
+                               resident_units, streamed_kind, update_candidates)
 from ..tiers.slab import SlabLayout, host_cost, shard_numel
 from .hardware import HardwareSpec
 from .runplan import RunPlan, UnitPlan, unit_plans
 from .times import step_times
-from .workset import (KEPT_SLACK, MLP_SHARE, MLP_TILE, MLP_TILE_SUMS, WORK_FF, WORK_H,
-                      kept_bytes_per_token)
+from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
 
 PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
@@ -75,7 +74,9 @@ class Plan:
     kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
     kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
     checkpoints: dict = field(default_factory=dict)  # home -> blocks whose checkpoint lives there
-    mlp_tile: int = 0  # tokens per MLP tile; 0: untiled
+    tile: int = 0  # tokens per tile of a block (model.tiled); 0: untiled
+    checkpoint_dtype: str = "float32"  # the activation checkpoints' dtype
+    nvme_ahead: int = 0  # of the update's disk reads, the bytes read ahead as the backward pass starts
     speculated: int = 0  # units the host updates from RAM in the backward pass (alternate_from_last)
     gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
@@ -111,7 +112,7 @@ class Plan:
     def run_plan(self) -> RunPlan:
         """The RunPlan of this choice: what the runtime obeys."""
         return RunPlan(self.micro_batch, self.stream, self.activations, float(self.resident_gb),
-                       tuple(UnitPlan.from_dict(u) for u in self.units), self.mlp_tile, self.gpus)
+                       tuple(UnitPlan.from_dict(u) for u in self.units), self.tile, self.checkpoint_dtype, self.gpus)
 
     @property
     def rows(self) -> int:
@@ -140,19 +141,19 @@ def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
 def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, stream: str, activations: str,
              budgets: Budgets, hw: HardwareSpec, name: str = "model", gpu_updates: int | str = "auto",
              least: bool = False, speculate: int | None = None, clipping: bool = True,
-             speculate_gpu: bool | None = None, keep: int | None = 0, mlp_tile: int | None = None,
-             gpus: int = 1, per_host: int = 1) -> Plan:
+             speculate_gpu: bool | None = None, keep: int | None = 0, tile: int | None = None,
+             gpus: int = 1, per_host: int = 1, ck_dtype: str = "float32") -> Plan:
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
     host budget holds), with copies when `clipping`; `keep` blocks keep their activations (None: as many as
-    the GPU memory left holds, after room for the GPU updates' state); `mlp_tile` tokens per MLP tile (None:
-    MLP_TILE where the untiled MLP's working set would take more than MLP_SHARE of the GPU budget); `activations` "split": the checkpoints of the last
+    the GPU memory left holds, after room for the GPU updates' state); `tile` tokens per MLP tile (None:
+    TILE where the untiled MLP's working set would take more than MLP_SHARE of the GPU budget); `activations` "split": the checkpoints of the last
     blocks on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe. `least`: with an NVMe tier, also the least host budget (a walk
     over every placement: the report's, not the search's); a miss for host memory always has it. `gpus`: the
     plan of one of that many ranks (`per_host` of them on each host, `hw` and the budgets that host's), with
-    `micro` rows of its batch / gpus rows at a time."""
+    `micro` rows of its batch / gpus rows at a time. `ck_dtype`: the activation checkpoints' dtype."""
     p = Plan(name, spec.n_params, batch, seq_len, dtype, micro, stream, activations, hardware=hw.source,
-             resident_gb=budgets.resident_gb, gpus=gpus, gpus_per_host=per_host)
+             resident_gb=budgets.resident_gb, gpus=gpus, gpus_per_host=per_host, checkpoint_dtype=ck_dtype)
     shards = _layouts(spec, gpus)
     all_numels = [n * gpus for n in shards]  # the device's buffers hold a whole unit (padded to whole shards)
     hw = hw.per_rank(per_host)
@@ -170,18 +171,18 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     blk, own = max(all_numels[1:-1]), all_numels[0] + all_numels[-1]
     tokens = micro * seq_len
     gpu_budget = (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * 1e9 * GPU_RESERVE
-    big = tokens > MLP_TILE and WORK_FF * FF * tokens > MLP_SHARE * gpu_budget  # tiles cost a forward pass again
-    p.mlp_tile = (MLP_TILE if big else 0) if mlp_tile is None else mlp_tile
-    tiled = bool(p.mlp_tile) and tokens > p.mlp_tile
+    big = tokens > TILE and WORK_FF * FF * tokens > MLP_SHARE * gpu_budget  # tiles cost a forward pass again
+    p.tile = (TILE if big else 0) if tile is None else tile
+    tiled = bool(p.tile) and tokens > p.tile
     p.gpu = {"resident units' state": resident_bytes, "weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
              "fp32 staging": max(all_numels) * 4 if (stream == "master" and wdt == 2) else 0,
              "grad accumulators": (2 * blk + own) * 4,
              "activation grads": T * H * 4,
-             "working set": WORK_H * H * tokens + WORK_FF * FF * (min(tokens, p.mlp_tile) if tiled else tokens)
-             + (MLP_TILE_SUMS * H * FF if tiled else 0) + 3 * (64 << 20)}
+             "working set": working_set(spec, dtype, tokens, p.tile) + 3 * (64 << 20)}
 
-    # ---- activation checkpoints: a (tokens x H) fp32 tensor per block, on the GPU, the host or NVMe ----
-    nl, ck_unit = spec.num_hidden_layers, T * H * 4
+    # ---- activation checkpoints: a (tokens x H) tensor per block, on the GPU, the host or NVMe ----
+    ckw = 2 if ck_dtype == "bfloat16" else 4
+    nl, ck_unit = spec.num_hidden_layers, T * H * ckw
     ck_bytes = nl * ck_unit
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9
     nvme_on = bool(budgets.nvme_gb)
@@ -197,7 +198,8 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
             n_host = max(0, int((room - CK_RING_BYTES) // host_cost(ck_unit)))
     p.checkpoints = {"gpu": n_gpu, "host": n_host, "nvme": nl - n_gpu - n_host}
     # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
-    p.gpu["checkpoints"] = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit
+    p.gpu["checkpoints"] = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit \
+        + (T * H * 4 if ckw == 2 else 0)  # the block's, cast back to fp32 for its backward pass
     host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if p.checkpoints["nvme"] else 0)
 
     # ---- host and NVMe ----
@@ -222,10 +224,11 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
         p.placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
         if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):
             p.nvme_bwd_reads += size
+    p.nvme_ahead = read_ahead_bytes(numels, kb, where)
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and least:
         p.least_host = least_host(numels, kb, host_ck, host_cost)
-    p.nvme_checkpoints = p.checkpoints["nvme"] * ck_disk_bytes(micro * seq_len * H * 4, p.rows // micro)
+    p.nvme_checkpoints = p.checkpoints["nvme"] * ck_disk_bytes(micro * seq_len * H * ckw, p.rows // micro)
     disk = disk_bytes(numels, kb, where) + p.nvme_checkpoints
     if nvme_on and disk > budgets.nvme_gb * 1e9:
         what = "the spilled state and checkpoints take" if p.checkpoints["nvme"] else "the spilled state takes"
@@ -238,9 +241,11 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
     cands = in_ram if "weights" not in kb else []
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
-    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T - (T * H * 4 if activations == "gpu" else 0)
+    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T - (ck_unit if activations == "gpu" else 0)
     if activations == "split" and keep is None:
         keep = 0  # split: memory is short, and a kept block's graph takes several checkpoints' room
+    if keep is None and tiled:
+        keep = 0  # a kept block runs untiled: its graph and working set grow with the MLP's width times the length
     if keep is None and dtype == "float32" and spec.n_kv_heads != spec.num_attention_heads:
         keep = 0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
     if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
@@ -249,7 +254,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     p.kept = min(keep, spec.num_hidden_layers)
     if p.kept:  # shown gross: the blocks kept have no checkpoint
         p.gpu["kept activations"] = p.kept * KEPT_SLACK * kept_bytes_per_token(spec, dtype) * T
-        p.kept_checkpoints = p.kept * T * H * 4 if activations == "gpu" else 0
+        p.kept_checkpoints = p.kept * ck_unit if activations == "gpu" else 0
         p.gpu["checkpoints"] -= p.kept_checkpoints
     if p.gpu_total > gpu_budget:
         p.short_of, p.why = "GPU", f"GPU: needs {gb(p.gpu_total)} of {gb(gpu_budget)} usable"
@@ -371,7 +376,8 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
          name: str = "model", micro: int | None = None, stream: str | None = None,
          activations: str | None = None, advise: bool = True, gpu_updates: int | str = "auto",
          speculate: int | None = None, clipping: bool = True, speculate_gpu: bool | None = None,
-         keep: int | None = None, mlp_tile: int | None = None, gpus: int = 1, per_host: int | None = None) -> Plan:
+         keep: int | None = None, tile: int | None = None, gpus: int = 1, per_host: int | None = None,
+         ck_dtype: str = "float32") -> Plan:
     """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `micro`,
     `stream`, `activations`, `speculate`, `keep`: fixed choices (None: searched); budgets.resident_gb "auto":
     part of the GPU memory the rest of the plan leaves (kept activations aside), for resident units, the
@@ -397,8 +403,8 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         """One (micro-batch, stream, checkpoint home), with the resident budget "auto" settled for it."""
         def at(b: Budgets) -> Plan:
             return evaluate(spec, batch, seq_len, dtype, m, s, a, b, hw, name, gpu_updates, speculate=speculate,
-                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep, mlp_tile=mlp_tile,
-                            gpus=gpus, per_host=per_host)
+                            clipping=clipping, speculate_gpu=speculate_gpu, keep=keep, tile=tile,
+                            gpus=gpus, per_host=per_host, ck_dtype=ck_dtype)
         if budgets.resident_gb != "auto":
             return at(budgets)
         best = at(replace(budgets, resident_gb=0.0))
@@ -412,7 +418,9 @@ def plan(spec: ModelSpec, batch: int, seq_len: int, dtype: str, budgets: Budgets
         return best
 
     cands = [choice(m, s, a) for m in micros or [rows] for s in streams for a in places]
-    if not activations and not any(c.fits for c in cands):
+    # with an NVMe tier, checkpoints there beside the state in RAM: each costs the disk a write beside the forward
+    # pass and a read beside the backward one, where a spilled moment costs both after the norm
+    if not activations and (budgets.nvme_gb or not any(c.fits for c in cands)):
         cands += [choice(m, s, "split") for m in micros or [rows] for s in streams]
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;

@@ -27,7 +27,7 @@ def _checkpoints(p: Plan) -> str:
     text = ("activation checkpoints on " + homes[0][0] if len(homes) == 1 else
             "activation checkpoints split: " + ", ".join(f"{n} on {h}" for h, n in homes)) if homes else \
         "no activation checkpoints"
-    return text + (f"; the MLP in tiles of {p.mlp_tile:,} tokens" if p.mlp_tile else "")
+    return text + (f"; blocks in tiles of {p.tile:,} tokens" if p.tile else "")
 
 
 def _speedup(p: Plan, one: Plan) -> float:

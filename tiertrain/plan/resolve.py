@@ -29,7 +29,8 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
                 gpu_updates=t.gpu_update_units, micro=fixed(tc.micro_batch_size) or micro,
                 clipping=o.grad_clip > 0, speculate=fixed(o.speculate_units),
                 speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations),
-                keep=fixed(tc.keep_activations), mlp_tile=fixed(tc.mlp_chunk_tokens), gpus=gpus, per_host=per_host)
+                keep=fixed(tc.keep_activations), tile=fixed(tc.tile_tokens), gpus=gpus, per_host=per_host,
+                ck_dtype=t.checkpoint_dtype)
 
 
 def chosen(cfg: Config) -> tuple[str, ...]:
@@ -38,7 +39,7 @@ def chosen(cfg: Config) -> tuple[str, ...]:
     named = {"stream": t.stream, "activations": t.activations, "micro-batch": tc.micro_batch_size,
              "speculation": o.speculate_units, "GPU updates": t.gpu_update_units,
              "GPU updates' speculation": o.speculate_gpu_updates, "resident GB": t.gpu_resident_gb,
-             "kept activations": tc.keep_activations, "MLP tile": tc.mlp_chunk_tokens}
+             "kept activations": tc.keep_activations, "tile": tc.tile_tokens}
     return tuple(k for k, v in named.items() if v == AUTO)
 
 

@@ -50,8 +50,14 @@ class RunPlan:
     activations: str  # the checkpoints' home: "gpu", "host", "nvme", or "split" (each unit's entry says)
     resident_gb: float  # GPU memory for the whole state of the first units (their update: "resident")
     units: tuple[UnitPlan, ...]
-    mlp_tile: int = 0  # tokens per tile of the MLP; 0: untiled
+    tile: int = 0  # tokens per tile of a block's token-wise parts (model/tiled.py); 0: untiled
+    checkpoint_dtype: str = "float32"  # the activation checkpoints' dtype: "float32" or "bfloat16"
     gpus: int = 1  # ranks: each takes batch / gpus rows of every batch and holds 1/gpus of every slab (homes: its shard's)
+
+    @property
+    def checkpoint_width(self) -> int:
+        """Bytes per element of an activation checkpoint."""
+        return 2 if self.checkpoint_dtype == "bfloat16" else 4
 
     def checkpoints(self, home: str | None = None) -> dict[int, str]:
         """{block: its checkpoint's home} of the blocks that have one (only those at `home`, if given)."""
@@ -95,7 +101,8 @@ class RunPlan:
 
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
-                "resident_gb": self.resident_gb, "mlp_tile": self.mlp_tile, "gpus": self.gpus,
+                "resident_gb": self.resident_gb, "tile": self.tile,
+                "checkpoint_dtype": self.checkpoint_dtype, "gpus": self.gpus,
                 "units": [u.to_dict() for u in self.units]}
 
 

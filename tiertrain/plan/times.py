@@ -51,12 +51,14 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
     ck_unit = ck_bytes / spec.num_hidden_layers
-    if p.mlp_tile and p.micro_batch * p.seq_len > p.mlp_tile:  # a tiled MLP's forward runs again in its backward
-        recompute += 6 * spec.hidden_size * spec.intermediate_size * spec.num_hidden_layers
+    if p.tile and p.micro_batch * p.seq_len > p.tile:  # a tiled block's q/k/v projections run twice in its backward
+        recompute += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd \
+            * spec.num_hidden_layers
     host_ck_io = (p.checkpoints.get("host", 0) + p.checkpoints.get("nvme", 0)) * ck_unit  # each way over PCIe
     ck_disk = p.checkpoints.get("nvme", 0) * ck_unit  # written in the forward pass, read in the backward pass
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
+    reads -= p.nvme_ahead  # read ahead of the optimizer in the backward pass (RunPlan.read_ahead)
     writes += ck_disk
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
     fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
@@ -80,7 +82,7 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
          "PCIe both bwd": (h2d_bwd + d2h_bwd)
          / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
          "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
-         "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads + ck_disk, bwd_writes, hw)}
+         "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads + ck_disk + p.nvme_ahead, bwd_writes, hw)}
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"], t["peer bwd"])
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm

@@ -1,14 +1,16 @@
-"""What a micro-batch holds on the GPU: the working set of a block's backward pass (the MLP tiled or not) and
-what a kept block's autograd graph saves. Pure Python."""
+"""What a micro-batch holds on the GPU: the working set of a block's backward pass (tiled or not) and what a
+kept block's autograd graph saves. Pure Python."""
 from __future__ import annotations
 
 from ..model.spec import ModelSpec
 
-# a micro-batch's working set: WORK_H x H bytes per token and WORK_FF x FF per token of the MLP (of a tile, when
-# tiled; then with its weights' gradient sums, MLP_TILE_SUMS x H x FF): a block's backward pass measured on an
-# H200 at 16k-128k tokens, tiled, is 32-34.4 x H per token (dev/workset.py); untiled llama-3b at 8k 5.2 GB
-WORK_H, WORK_FF, MLP_TILE_SUMS = 34.5, 16.8, 12
-MLP_TILE = 8192  # tokens per MLP tile when the plan tiles it
+# an untiled micro-batch's working set: WORK_H x H bytes per token and WORK_FF x FF per token of the MLP
+# (untiled llama-3b at 8k: 5.2 GB on an H200, dev/workset.py); a tiled one's is that of one tile, with its
+# weights' gradients (TILE_SUMS x H x FF), and per token of the whole sequence what model/tiled.py holds
+# across the attention: TILED_Q x (heads x hd) + TILED_KV x (kv heads x hd) compute-dtype elements
+WORK_H, WORK_FF, TILE_SUMS = 34.5, 16.8, 12
+TILED_Q, TILED_KV = 3.5, 4
+TILE = 8192  # tokens per tile when the plan tiles a block
 MLP_SHARE = 1 / 8  # the plan tiles the MLP where its untiled working set would take more of the GPU budget
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 
@@ -22,3 +24,14 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     kv = spec.n_kv_heads * spec.hd
     return (16 * spec.hidden_size + 4 * w * spec.hidden_size + 4 * w * spec.intermediate_size + 2 * w * kv
             + 4 * spec.num_attention_heads + 8 * spec.hd + 8)
+
+
+def working_set(spec: ModelSpec, dtype: str, tokens: int, tile: int) -> float:
+    """GPU bytes a micro-batch of `tokens` needs beyond its checkpoints and its gradient, in a block's backward
+    pass: untiled, or over tiles of `tile` tokens (0: untiled)."""
+    H, FF = spec.hidden_size, spec.intermediate_size
+    if not tile or tokens <= tile:
+        return WORK_H * H * tokens + WORK_FF * FF * tokens
+    w = 2 if dtype == "bfloat16" else 4
+    held = w * spec.hd * (TILED_Q * spec.num_attention_heads + TILED_KV * spec.n_kv_heads)
+    return held * tokens + (WORK_H * H + WORK_FF * FF) * tile + TILE_SUMS * H * FF

@@ -20,6 +20,7 @@ SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
 COPIED = ("master", "exp_avg", "exp_avg_sq")  # what a speculative update writes beside the current state
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
 # the streamed kind has twice that: its own for the forward and backward passes' reads
+READ_AHEAD = RING_SLOTS - 2  # units whose spilled slabs the optimizer's ring reads ahead (TierManager's depth)
 
 
 def streamed_kind(kb: dict[str, int]) -> str:
@@ -175,6 +176,15 @@ def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixe
     where = place(numels, kb)
     where.update({uk: "nvme" for uk in _spill_sequence(numels, kb, cap)[:j]})
     return where, ring_bytes(ring_widths(numels, where), kb, cost), total
+
+
+def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[int, str], str]) -> int:
+    """Disk bytes the ring reads ahead of the optimizer as the backward pass starts (TierManager.start): the
+    spilled slabs of the first READ_AHEAD units with any, but their gradients (drained late in that pass) and
+    compute-dtype copies (written whole, never read)."""
+    units = sorted({u for (u, _), t in where.items() if t == "nvme" and numels[u]})[:READ_AHEAD]
+    return sum(numels[u] * kb[k] for (u, k), t in where.items()
+               if t == "nvme" and u in units and k not in ("grad", "weights"))
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
