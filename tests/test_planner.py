@@ -102,7 +102,8 @@ def test_everything_spilled_by_hand():
     """llama-3b with a bf16 copy streaming under the least host budget: every slab on NVMe. Beside the
     forward pass the disk reads the moments, master and gradient for the optimizer and the bf16 copy
     for the forward pass, and writes moments, master and copy; in the backward pass it takes the
-    gradients and gives the copy of every block but the last two."""
+    gradients and gives the copy of every block but the last two, and the first two units' master and
+    moments, read ahead of the optimizer."""
     spec = load_config("llama-3b").model
     sizes = (98_304_000, *[113_252_352] * 26, 98_308_096)
     n, hw = sum(sizes), HardwareSpec(disk_mixed_gbs=0.0)  # first without a rate of both directions at once
@@ -112,16 +113,17 @@ def test_everything_spilled_by_hand():
                  hw)
     assert p.fits and p.host_bytes == {} and p.nvme_bytes == {k: n * b for k, b in kind_bytes("bfloat16", "compute").items()}
     r, w = hw.disk_read_gbs * 1e9, hw.disk_write_gbs * 1e9
-    assert p.times["NVMe read"] == pytest.approx(18 * n / r) and p.times["NVMe write"] == pytest.approx(14 * n / w)
-    assert p.times["NVMe bwd"] == pytest.approx(2 * sum(sizes[1:25]) / r + 4 * n / w)
+    ahead = 12 * (sizes[0] + sizes[1])
+    assert p.times["NVMe read"] == pytest.approx((18 * n - ahead) / r) and p.times["NVMe write"] == pytest.approx(14 * n / w)
+    assert p.times["NVMe bwd"] == pytest.approx((2 * sum(sizes[1:25]) + ahead) / r + 4 * n / w)
     assert p.step_s == pytest.approx(p.times["NVMe bwd"] + p.times["NVMe read"] + p.times["NVMe write"])
     assert p.bottleneck == "NVMe"
     # a probed rate of reads and writes at once: each phase's bytes within it, each direction within its own
     q = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100),
                  dataclasses.replace(hw, disk_mixed_gbs=3.0))
-    assert q.times["NVMe"] == pytest.approx(max(18 * n / r, 14 * n / w, 32 * n / 3e9))
-    assert q.times["NVMe bwd"] == pytest.approx(max(2 * sum(sizes[1:25]) / r, 4 * n / w,
-                                                    (2 * sum(sizes[1:25]) + 4 * n) / 3e9))
+    assert q.times["NVMe"] == pytest.approx(max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9))
+    assert q.times["NVMe bwd"] == pytest.approx(max((2 * sum(sizes[1:25]) + ahead) / r, 4 * n / w,
+                                                    (2 * sum(sizes[1:25]) + ahead + 4 * n) / 3e9))
     assert q.step_s == pytest.approx(q.times["NVMe bwd"] + q.times["NVMe"]) and q.step_s < p.step_s
 
 
@@ -321,3 +323,38 @@ def test_longest_sequence_is_the_edge_of_the_budgets():
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "115",
                         "--nvme-gb", "55", "--format", "json"], capture_output=True, text=True)
     assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] >= 1024
+
+
+def test_plan_on_a_gpu_machine_plans_for_its_gpu_and_ram(tmp_path, monkeypatch):
+    """`plan` without --hardware where nvidia-smi answers (a stand-in for an H100's): that GPU's memory and this
+    host's RAM, as `run` plans, so a plan that fits the reference H200 can miss; with no probe file only. With
+    `--hardware reference`, or where no nvidia-smi answers: the reference H200."""
+    import psutil
+    from click.testing import CliRunner
+
+    from tiertrain.cli import main
+    from tiertrain.plan import hardware
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(hardware, "PROBE_FILE", tmp_path / "no-probe.json")
+    args = ["plan", "--config", "llama3.1-8b", "--seq-len", "262144", "--set", "model.max_position_embeddings=262144",
+            "--batch-size", "1", "--host-gb", "115", "--nvme-gb", "55", "--format", "json"]
+
+    def planned(*more: str, path: str = str(smi.parent)) -> dict:
+        monkeypatch.setenv("PATH", path)
+        r = CliRunner().invoke(main, args + list(more))
+        return json.loads(r.output)
+
+    ref, h100 = planned("--hardware", "reference"), planned()
+    ram = psutil.virtual_memory().total / 1e9
+    assert ref["hardware"] == REFERENCE.source and ref["longest_seq_len"] > 262144
+    assert f"NVIDIA H100 80GB HBM3 ({81559 * 2**20 / 1e9:.1f} GB) and {ram:.0f} GB of RAM" in h100["hardware"]
+    assert h100["longest_seq_len"] < ref["longest_seq_len"]
+    assert planned(path=str(tmp_path))["hardware"] == REFERENCE.source  # no nvidia-smi: no GPU to plan for
+    probe = tmp_path / "probe.json"
+    dataclasses.replace(REFERENCE, disk_read_gbs=1.0, source="probed here").save(probe)
+    monkeypatch.setattr(hardware, "PROBE_FILE", probe)
+    assert planned()["hardware"] == "probed here"  # probe's default file, as `run` reads it

@@ -238,11 +238,14 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
 @click.option("--config", "config_path", required=True, metavar="FILE", help="TOML config, or a shipped name.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
 @click.option("--host-gb", type=float, default=None,
-              help="Host memory budget. Default: the RAM of the --hardware machine (of the reference without one).")
+              help="Host memory budget. Default: the RAM of the machine planned for (see --hardware).")
 @click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
 @click.option("--nvme-gb", type=float, default=None, help="NVMe tier size. Default: none.")
 @click.option("--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget.")
-@click.option("--hardware", default=None, metavar="FILE", help="JSON from `tiertrain probe`. Default: reference figures.")
+@click.option("--hardware", default=None, metavar="FILE",
+              help="JSON from `tiertrain probe`, or `reference` (the H200 machine). Default: on a machine with a GPU, "
+                   "what `run` plans with (probe's file if there is one, else the reference's rates with this GPU and "
+                   "RAM); without a GPU, the reference.")
 @click.option("--batch-size", type=int, default=None)
 @click.option("--seq-len", type=int, default=None)
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
@@ -257,7 +260,7 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
     import shutil
 
     from .config import load_config
-    from .plan.hardware import REFERENCE, HardwareSpec
+    from .plan.hardware import REFERENCE, HardwareSpec, local_gpu, this_machine
     from .plan.report import to_json, to_markdown
     from .plan.resolve import search
 
@@ -267,7 +270,9 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
         if batch_size:
             sets.append('train.micro_batch_size="auto"')  # the config's may not divide it: the planner chooses
         cfg = load_config(config_path, sets)
-        hw = HardwareSpec.load(hardware) if hardware else REFERENCE
+        gpu = None if hardware else local_gpu()  # by default, plan for this machine as `run` will
+        hw = HardwareSpec.load(hardware) if hardware not in (None, "reference") else \
+            this_machine(gpu) if gpu else REFERENCE
         if nvme_dir and nvme_gb is None:
             nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
         name = Path(config_path).name.removesuffix(".toml")

@@ -12,32 +12,28 @@ import torch
 from .config import Config
 from .errors import ConfigError
 from .optim import kernel
-from .plan.hardware import REFERENCE, TORCH_COPIES, HardwareSpec
+from .plan.hardware import TORCH_COPIES, HardwareSpec, this_machine
 from .plan.runplan import RunPlan
 from .sizes import gb
 from .tiers.manager import TierManager
 from .tiers.nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
 from .tiers.pieces import PieceStore
-from .tiers.placement import (CK_PIECE_BYTES, CK_RING_BYTES, RING_SLOTS, ck_disk_bytes, copy_bytes, host_state_bytes, kind_bytes, least_host, ring_bytes,
+from .tiers.placement import (CK_PIECE_BYTES, CK_RING_BYTES, READ_AHEAD, ck_disk_bytes, copy_bytes, host_state_bytes, kind_bytes, least_host, ring_bytes,
                               ring_widths, spilled_bytes)
 from .tiers.slab import host_cost
 
-HARDWARE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
-
 
 def hardware(device: torch.device, path: Path | None = None, host_kernel: str = "auto") -> HardwareSpec:
-    """The figures a run plans with. On a GPU: the `tiertrain probe` file `path`, else the one `probe` saves
-    by default if there is one, else the reference, with this GPU's memory; on a CPU: HardwareSpec.cpu.
+    """The figures a run plans with. On a GPU: plan.hardware.this_machine (the probe file `path`, else probe's
+    default file, else the reference's rates with this machine's GPU memory and RAM); on a CPU: HardwareSpec.cpu.
     With torch's host AdamW (optim.host_kernel), an update into copies copies first."""
     if device.type != "cuda":
         import psutil
 
         hw = HardwareSpec.cpu(psutil.virtual_memory().total / 1e9, os.cpu_count() or 1)
     else:
-        gpu_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-        if path is None and HARDWARE_FILE.is_file():
-            path = HARDWARE_FILE
-        hw = dataclasses.replace(HardwareSpec.load(path) if path else REFERENCE, gpu_mem_gb=gpu_gb)  # a copy
+        props = torch.cuda.get_device_properties(device)
+        hw = this_machine((props.name, props.total_memory / 1e9), path)
     return dataclasses.replace(hw, **TORCH_COPIES) if kernel.wanted(host_kernel) is None else hw
 
 
@@ -100,7 +96,8 @@ def host_need(cfg: Config, rp: RunPlan, numels: list[int], copied, pin: bool) ->
 def host_checkpoints(cfg: Config, rp: RunPlan) -> int:
     """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
     tc, spec = cfg.train, cfg.model
-    return (len(rp.checkpoints("host")) * host_cost(tc.batch_size // rp.gpus * tc.seq_len * spec.hidden_size * 4)
+    return (len(rp.checkpoints("host")) * host_cost(tc.batch_size // rp.gpus * tc.seq_len * spec.hidden_size
+                                                    * rp.checkpoint_width)
             + (CK_RING_BYTES if rp.checkpoints("nvme") else 0))
 
 
@@ -110,7 +107,7 @@ def checkpoint_store(cfg: Config, rp: RunPlan, run_name: str) -> PieceStore | No
     rows, t, tc = sorted(rp.checkpoints("nvme")), cfg.tiers, cfg.train
     if not rows:
         return None
-    micro_bytes = rp.micro_batch * tc.seq_len * cfg.model.hidden_size * 4
+    micro_bytes = rp.micro_batch * tc.seq_len * cfg.model.hidden_size * rp.checkpoint_width
     pieces = ck_disk_bytes(micro_bytes, tc.batch_size // rp.gpus // rp.micro_batch) // CK_PIECE_BYTES
     root = new_scratch(t.nvme_dir, run_name)
     try:
@@ -141,4 +138,4 @@ def nvme_tier(cfg: Config, rp: RunPlan, numels: list[int], dtypes: dict[str, tor
     except BaseException:
         discard(root)
         raise
-    return TierManager(store, where, {k: dtypes[k] for k in kinds}, pin, depth=RING_SLOTS - 2, streamed=streamed)
+    return TierManager(store, where, {k: dtypes[k] for k in kinds}, pin, depth=READ_AHEAD, streamed=streamed)

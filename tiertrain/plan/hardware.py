@@ -7,6 +7,9 @@ says so.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -119,3 +122,34 @@ class HardwareSpec:
 
 
 REFERENCE = HardwareSpec()
+PROBE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
+
+
+def local_gpu() -> tuple[str, float] | None:
+    """(name, GB of memory) of this machine's first GPU, from nvidia-smi (no torch); None without one."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        name, mib = out.splitlines()[0].rsplit(",", 1)
+        return name.strip(), float(mib) * 2**20 / 1e9
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # a driver that does not answer
+        return None
+
+
+def this_machine(gpu: tuple[str, float], path: str | Path | None = None) -> HardwareSpec:
+    """The figures a machine with this GPU (name, GB) plans with: the probe file `path`, else the one `tiertrain
+    probe` saves by default if there is one, else the reference's rates with this machine's RAM and cores; with
+    this GPU's memory either way (a probe file may come from another machine)."""
+    import psutil
+
+    if path is None and PROBE_FILE.is_file():
+        path = PROBE_FILE
+    if path:
+        return replace(HardwareSpec.load(path), gpu_mem_gb=gpu[1])
+    ram = psutil.virtual_memory().total / 1e9
+    return replace(REFERENCE, gpu=gpu[0], gpu_mem_gb=gpu[1], host_ram_gb=ram, cpu_count=os.cpu_count() or 1,
+                   source=f"reference rates (no probe file: `tiertrain probe` measures this machine), with this "
+                          f"machine's {gpu[0]} ({gpu[1]:.1f} GB) and {ram:.0f} GB of RAM")
