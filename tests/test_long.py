@@ -140,7 +140,7 @@ def test_nvme_checkpoints_need_an_nvme_tier(token_file):
 @pytest.mark.parametrize("config,seq", [("llama-7b", 262144), ("llama-3b", 524288), ("llama-1b", 1048576)])
 def test_long_runs_plan_under_the_issues_budgets(config, seq):
     """115 GB of RAM, 55 GB of disk, a 141 GB GPU: the checkpoints split across the three (the last blocks' on the
-    GPU, the first ones' on NVMe), blocks tiled, the attention's FLOPs counted; no longer sequence by 1024 tokens
+    GPU, NVMe's spread from the first block), blocks tiled, the attention's FLOPs counted; no longer sequence by 1024 tokens
     more than the report's longest fits."""
     cfg = load_config(config, [f"train.seq_len={seq}", "train.batch_size=1", "train.micro_batch_size=1",
                                f"model.max_position_embeddings={seq}"])
@@ -148,7 +148,12 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
     assert p.fits, p.why
     assert p.activations == "split" and p.tile and p.longest_seq_len >= seq
     homes = [u["checkpoint"] for u in p.units[1:-1]]
-    assert homes == sorted(homes, key=("nvme", "host", "gpu").index)  # NVMe first, the GPU's last
+    nvme = [b for b, h in enumerate(homes, 1) if h == "nvme"]
+    if nvme:  # spread evenly from the first block: each write and read gets the blocks between to hide behind
+        gaps = [b - a for a, b in zip(nvme, nvme[1:])]
+        assert nvme[0] == 1 and (not gaps or max(gaps) - min(gaps) <= 1)
+    rest = [h for h in homes if h != "nvme"]
+    assert rest == sorted(rest, key=("host", "gpu").index)  # the GPU's the last blocks
     assert all(homes.count(h) == p.checkpoints[h] for h in ("nvme", "host")) and homes.count("gpu") == p.checkpoints["gpu"] > 0
     ck = seq * cfg.model.hidden_size * 4
     assert p.host_total <= 115e9 + 3e9 and p.gpu_total <= 141e9 * 0.95

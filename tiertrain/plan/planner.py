@@ -331,13 +331,22 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     gpu = gpu_updated(cands, p.gpu_updates, p.gpu_speculated)  # the units of each update mode, as the runtime takes them
     host = alternate_from_last([u for u in in_ram if u not in set(gpu)], len(in_ram))
     nl = spec.num_hidden_layers
-    # checkpoint homes from the last recomputed block back: the GPU's, the host's, then NVMe's (written first,
-    # read last: the most time for the disk)
-    order = [h for h in ("gpu", "host", "nvme") for _ in range(p.checkpoints[h])][:nl - p.kept]
-    homes = dict(zip(range(nl - p.kept, 0, -1), order))
+    homes = checkpoint_homes(nl - p.kept, p.checkpoints)
     p.units = [u.to_dict() for u in unit_plans([u.name for u in spec.units()], where, resident, gpu, p.gpu_speculated,
                                                host[:p.speculated], range(nl + 1 - p.kept, nl + 1), homes)]
     return p
+
+
+def checkpoint_homes(blocks: int, counts: dict[str, int]) -> dict[int, str]:
+    """The home of each recomputed block's checkpoint (blocks 1..`blocks`), `counts` of them per home: NVMe's
+    spread evenly from the first block (each write and read then has the blocks between to hide behind; a run of
+    first blocks made the forward pass wait for the disk, at most two blocks on their way down at once), then the
+    GPU's from the last block back (the first the backward pass needs), the host's for the rest."""
+    n = min(counts.get("nvme", 0), blocks)
+    nvme = {1 + i * blocks // n for i in range(n)}
+    rest = [b for b in range(blocks, 0, -1) if b not in nvme]
+    gpu = min(counts.get("gpu", 0), len(rest))
+    return {b: "nvme" for b in nvme} | {b: "gpu" if i < gpu else "host" for i, b in enumerate(rest)}
 
 
 def _counts(n: int) -> list[int]:
