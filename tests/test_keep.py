@@ -80,7 +80,8 @@ def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
     tight = plan(*args, Budgets(host_gb=200, gpu_gb=30), REFERENCE, advise=False)
     assert roomy.kept == spec.num_hidden_layers and 0 < tight.kept < spec.num_hidden_layers
     assert tight.gpu_total <= 30e9 * 0.95 and roomy.step_s < none.step_s
-    F = spec.flops_per_token(2048)  # kept: the backward pass skips the blocks' forward pass, a third of theirs
+    # kept: the backward pass skips the blocks' forward pass, a third of theirs (attention at its own rate)
+    F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (1 - 1 / REFERENCE.attention_rate(spec.hd))
     blocks = F - 6 * spec.vocab_size * spec.hidden_size
     assert roomy.times["compute bwd"] == pytest.approx(none.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9)
     flags = [not u["recompute"] for u in tight.units]  # the last blocks, the head not among them

@@ -169,8 +169,11 @@ class ModelSpec:
         return self._count()[1]
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls with weights, plus causal attention
-        (QK^T and AV, 2 FLOPs per multiply-add, forward + 2x backward, average context (S+1)/2).
+        """Training FLOPs per token: 6N for the matmuls with weights, plus causal attention.
         Recomputation is not counted: this is the model's FLOPs, the figure MFU is quoted on."""
-        attn = 3 * 2 * 2 * self.num_hidden_layers * self.num_attention_heads * self.hd * (seq_len + 1) / 2
-        return 6.0 * self.n_matmul_params + attn
+        return 6.0 * self.n_matmul_params + self.attention_flops_per_token(seq_len)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Of those, causal attention's: QK^T and AV, 2 FLOPs per multiply-add, forward + 2x backward, average
+        context (S+1)/2."""
+        return 3 * 2 * 2 * self.num_hidden_layers * self.num_attention_heads * self.hd * (seq_len + 1) / 2

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -57,6 +57,12 @@ class HardwareSpec:
     # sharing of DRAM with the PCIe copies.
     compute_efficiency: float = 0.50
     adam_contention: float = 1.0
+    # causal attention's FLOPs (SDPA's flash kernel) run at this many times the rate of the rest, by head size
+    # (the nearest is taken): fitted on the long runs, where attention is 70-97% of the FLOPs and the plan had
+    # the GPU's compute 1.19-1.21x the measured at head size 128 (llama3.1-8b at 128k and 256k on an H100,
+    # llama-7b at 256k and llama-3b at 512k on an H200: 1.22-1.32, the median taken) and 0.90x at 64 (llama-1b
+    # at 1M): bench/results/2026-11-25-issue34-long-8b.md
+    attention_speed: dict = field(default_factory=lambda: {"64": 0.89, "128": 1.24})
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
     # AdamW together; the same refit (not probed: bench.dram measures what the steps reached, 125-148).
     host_dram_gbs: float = 135.0
@@ -79,6 +85,12 @@ class HardwareSpec:
     network_gbs: float = 25.0
     source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
 
+    def attention_rate(self, head_dim: int) -> float:
+        """attention_speed at the head size nearest `head_dim` (1 where none is known)."""
+        if not self.attention_speed:
+            return 1.0
+        return self.attention_speed[min(self.attention_speed, key=lambda k: abs(int(k) - head_dim))]
+
     @classmethod
     def cpu(cls, ram_gb: float, cores: int) -> "HardwareSpec":
         """A CPU as the device: its memory is the host's (no budget of its own: the run checks its working set
@@ -86,7 +98,7 @@ class HardwareSpec:
         its times are not predictions."""
         return cls(gpu="cpu", gpu_mem_gb=1e6, host_ram_gb=ram_gb, cpu_count=cores, h2d_gbs=10.0, d2h_gbs=10.0,
                    bidir_gbs=10.0, bf16_tflops=0.05, fp32_tflops=0.1, host_adam_params_per_s=0.5e9,
-                   host_adam_copy_params_per_s=0.5e9, compute_efficiency=1.0, unified=True,
+                   host_adam_copy_params_per_s=0.5e9, compute_efficiency=1.0, unified=True, attention_speed={},
                    source="this CPU (rough figures: on a CPU the plan's times are not predictions)")
 
     def per_rank(self, per_host: int) -> "HardwareSpec":

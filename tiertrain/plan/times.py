@@ -47,6 +47,7 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     every fp32 gradient, over NVLink (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
     rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     T, F = p.batch // p.gpus * p.seq_len, spec.flops_per_token(p.seq_len)
+    F -= spec.attention_flops_per_token(p.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))  # at the rest's rate
     # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
     recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
