@@ -32,7 +32,7 @@ from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes
                                resident_units, streamed_kind, update_candidates)
 from ..tiers.slab import SlabLayout, host_cost, shard_numel
 from .hardware import HardwareSpec
-from .runplan import RunPlan, UnitPlan, unit_plans
+from .runplan import CHECKPOINT_WIDTH, RunPlan, UnitPlan, unit_plans
 from .times import step_times
 from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
 
@@ -181,7 +181,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
              "working set": working_set(spec, dtype, tokens, p.tile) + 3 * (64 << 20)}
 
     # ---- activation checkpoints: a (tokens x H) tensor per block, on the GPU, the host or NVMe ----
-    ckw = 2 if ck_dtype == "bfloat16" else 4
+    ckw = CHECKPOINT_WIDTH[ck_dtype]
     nl, ck_unit = spec.num_hidden_layers, T * H * ckw
     ck_bytes = nl * ck_unit
     host_budget = (budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb - PROCESS_GB) * 1e9

@@ -23,6 +23,9 @@ UPDATES = ("host", "host-speculated", "gpu", "gpu-speculated", "resident")
 HOMES = ("gpu", "host", "nvme")
 
 
+CHECKPOINT_WIDTH = {"float32": 4, "bfloat16": 2}  # bytes per element of an activation checkpoint, by dtype
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     index: int
@@ -57,7 +60,7 @@ class RunPlan:
     @property
     def checkpoint_width(self) -> int:
         """Bytes per element of an activation checkpoint."""
-        return 2 if self.checkpoint_dtype == "bfloat16" else 4
+        return CHECKPOINT_WIDTH[self.checkpoint_dtype]
 
     def checkpoints(self, home: str | None = None) -> dict[int, str]:
         """{block: its checkpoint's home} of the blocks that have one (only those at `home`, if given)."""

@@ -59,7 +59,7 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     ck_disk = p.checkpoints.get("nvme", 0) * ck_unit  # written in the forward pass, read in the backward pass
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
-    reads -= p.nvme_ahead  # read ahead of the optimizer in the backward pass (RunPlan.read_ahead)
+    reads -= p.nvme_ahead  # read ahead of the optimizer as the backward pass starts (TierManager.start)
     writes += ck_disk
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
     fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
