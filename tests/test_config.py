@@ -93,3 +93,15 @@ def test_config_toml_has_every_section():
     for section in ("[model]", "[data]", "[train]", "[optim]"):
         assert section in text
     assert parse_override("a.b=3") == {"a": {"b": 3}}
+
+
+def test_a_checkpoints_older_config_loads_with_renamed_keys_and_numbers():
+    """A checkpoint's config from before `train.tile_tokens` (then `train.mlp_chunk_tokens`) and with older numbers
+    for "auto" loads as it meant; the same keys in a config a user gives are refused, naming the key."""
+    from tiertrain.config import ConfigError, config_from_dict
+
+    old = {"train": {"mlp_chunk_tokens": 4096, "micro_batch_size": 0}, "tiers": {"gpu_update_units": -1}}
+    cfg = config_from_dict(old, legacy=True)
+    assert cfg.train.tile_tokens == 4096 and cfg.train.micro_batch_size == "auto" and cfg.tiers.gpu_update_units == "auto"
+    with pytest.raises(ConfigError, match="mlp_chunk_tokens"):
+        config_from_dict({"train": {"mlp_chunk_tokens": 4096}})
