@@ -61,8 +61,8 @@ class TrainConfig:
     # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
     keep_activations: int | Auto = "auto"
     # tokens per tile of a block (model/tiled.py: norms, projections and MLP over tiles of the sequence, the
-    # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled block would
-    # take over an eighth of the GPU memory); 0: off
+    # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled MLP's working
+    # set would take over an eighth of the GPU memory); 0: off
     tile_tokens: int | Auto = "auto"
 
     def validate(self) -> None:

@@ -1,6 +1,7 @@
 """A decoder block over tiles of the sequence, for long context: what a block holds on the GPU beyond its input
-and its gradient is the attention's q, k, v and output (and in the backward pass the output's gradient), about
-7 H compute-dtype bytes per token for a GQA model, whatever the intermediate size.
+and its gradient is the attention's q, k, v and output (and in the backward pass the output's gradient) and one
+tile's intermediates, whatever the intermediate size: 8.8-12 H bytes per token for llama3.1-8b at 128k-512k
+(dev/workset.py on an H100).
 
 The token-wise parts (the input norm and the q/k/v projections with RoPE; the output projection, the residual,
 the MLP norm and the MLP) run one tile of ctx.tile tokens at a time; the attention runs over the whole sequence,

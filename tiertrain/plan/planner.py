@@ -146,7 +146,7 @@ def evaluate(spec: ModelSpec, batch: int, seq_len: int, dtype: str, micro: int, 
     """The plan of one choice of (micro-batch, streaming, checkpoint placement); `gpu_updates` units
     updated on the GPU (-1: the best number); `speculate` units speculated (None: the best number the
     host budget holds), with copies when `clipping`; `keep` blocks keep their activations (None: as many as
-    the GPU memory left holds, after room for the GPU updates' state); `tile` tokens per MLP tile (None:
+    the GPU memory left holds, after room for the GPU updates' state); `tile` tokens per tile of a block (None:
     TILE where the untiled MLP's working set would take more than MLP_SHARE of the GPU budget); `activations` "split": the checkpoints of the last
     blocks on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe. `least`: with an NVMe tier, also the least host budget (a walk
     over every placement: the report's, not the search's); a miss for host memory always has it. `gpus`: the

@@ -11,7 +11,7 @@ from ..model.spec import ModelSpec
 WORK_H, WORK_FF, TILE_SUMS = 34.5, 16.8, 12
 TILED_Q, TILED_KV = 3.5, 4
 TILE = 8192  # tokens per tile when the plan tiles a block
-MLP_SHARE = 1 / 8  # the plan tiles the MLP where its untiled working set would take more of the GPU budget
+MLP_SHARE = 1 / 8  # the plan tiles blocks where the untiled MLP's working set would take more of the GPU budget
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 
 

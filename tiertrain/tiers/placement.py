@@ -182,7 +182,7 @@ def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[in
     """Disk bytes the ring reads ahead of the optimizer as the backward pass starts (TierManager.start): the
     spilled slabs of the first READ_AHEAD units with any, but their gradients (drained late in that pass) and
     compute-dtype copies (written whole, never read)."""
-    units = sorted({u for (u, _), t in where.items() if t == "nvme" and numels[u]})[:READ_AHEAD]
+    units = set(sorted({u for (u, _), t in where.items() if t == "nvme" and numels[u]})[:READ_AHEAD])
     return sum(numels[u] * kb[k] for (u, k), t in where.items()
                if t == "nvme" and u in units and k not in ("grad", "weights"))
 
