@@ -71,7 +71,7 @@ class Trainer:
             hf_reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
         self.cfg, self.run_name = cfg, run_name
         spec, tc = cfg.model, cfg.train
-        self.ranks = ranks or Ranks.from_env()
+        self.ranks, self.owns_ranks = ranks or Ranks.from_env(), ranks is None  # close() ends the group it made
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
         self.dtype = DTYPES[tc.compute_dtype]
@@ -312,11 +312,14 @@ class Trainer:
                 self.grads.d2h_bytes + gpu.d2h_bytes + ck.d2h_bytes)
 
     def close(self) -> None:
-        """The optimizer's thread, then the NVMe tier's threads (their writes landed first), then the checkpoints'."""
+        """The optimizer's thread, then the NVMe tier's threads (their writes landed first), then the checkpoints',
+        then the process group this trainer made (gloo's threads abort the process at exit without it)."""
         self.updates.close()
         if self.tiers:
             self.tiers.close()
         self.checkpoints.close()
+        if self.owns_ranks:
+            self.ranks.close()
 
     def _checkpoint_homes(self) -> str:
         """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
