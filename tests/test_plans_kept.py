@@ -1,0 +1,100 @@
+"""The planner's answers kept: `tiertrain plan --format json` over the shipped configs and the budgets of
+test_planner.py gives, byte for byte, what tests/data/plans.json.gz recorded. A change meant to alter plans
+rewrites the record (`python tests/test_plans_kept.py --write`) and says why in its commit."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+RECORD = Path(__file__).parent / "data" / "plans.json.gz"
+CONFIGS = ["debug", "llama-1b", "llama-3b", "llama-5b", "llama-7b", "llama3.1-8b", "mistral-7b", "qwen2.5-7b",
+           "qwen3-8b", "llama-13b", "qwen2.5-32b", "llama-70b", "llama-120b"]
+BIG = ["--host-gb", "1500", "--gpu-gb", "141", "--nvme-gb", "8000"]  # for the largest models (a report's search
+# for the largest model that fits takes a minute there for the small ones)
+BUDGETS = [["--host-gb", "60", "--gpu-gb", "80", "--nvme-gb", "500"],
+           ["--host-gb", "40"],
+           ["--host-gb", "115", "--gpu-gb", "141", "--nvme-gb", "55", "--set", 'tiers.gpu_resident_gb="auto"'],
+           ["--host-gb", "200", "--gpu-gb", "80"]]
+LONG = ["--config", "llama3.1-8b", "--batch-size", "1", "--set", "model.max_position_embeddings=1048576"]
+MORE = [  # the choices a config fixes, the long-context plans of issue 34, several GPUs, other hardware
+    [*LONG, "--seq-len", "524288", "--gpu-gb", "80", "--host-gb", "240", "--nvme-gb", "2000"],
+    [*LONG, "--seq-len", "1048576", "--gpu-gb", "141", "--host-gb", "240", "--nvme-gb", "2000"],
+    [*LONG, "--seq-len", "262144", "--gpu-gb", "80", "--host-gb", "120", "--nvme-gb", "55",
+     "--set", 'tiers.checkpoint_dtype="bfloat16"'],
+    [*LONG, "--seq-len", "131072", "--gpu-gb", "80", "--host-gb", "120", "--nvme-gb", "55"],
+    ["--config", "llama-3b", "--host-gb", "200", "--gpus", "2"],
+    ["--config", "llama-13b", "--host-gb", "400", "--nvme-gb", "1000", "--gpus", "4", "--gpus-per-host", "2"],
+    ["--config", "llama-3b", "--host-gb", "200", "--set", "optim.speculate_units=4"],
+    ["--config", "llama-3b", "--host-gb", "200", "--set", "optim.grad_clip=0"],
+    ["--config", "llama-3b", "--host-gb", "200", "--set", 'tiers.activations="host"', "--set",
+     "train.micro_batch_size=1"],
+    ["--config", "llama-3b", "--host-gb", "200", "--set", 'tiers.stream="master"', "--set",
+     "tiers.gpu_update_units=3"],
+    ["--config", "llama-3b", "--host-gb", "200", "--set", 'train.compute_dtype="float32"'],
+    ["--config", "llama-7b", "--host-gb", "60", "--nvme-gb", "500", "--set", "tiers.gpu_resident_gb=10",
+     "--set", "train.keep_activations=2"],
+    ["--config", "llama-3b", "--host-gb", "5", "--nvme-gb", "100"],
+    ["--config", "llama-3b", "--host-gb", "1000", "--gpu-gb", "2"],
+    ["--config", "llama-3b", "--host-gb", "200", "--hardware", "SLOW_HOST"],
+    ["--config", "llama-1b", "--hardware", "CPU", "--set", 'train.tile_tokens=512'],
+]
+
+
+def cases() -> list[list[str]]:
+    return ([["--config", c, *b] for c in CONFIGS for b in BUDGETS] + MORE
+            + [["--config", c, *BIG] for c in ("qwen2.5-32b", "llama-70b", "llama-120b")])
+
+
+def answer(args: list[str], tmp: Path) -> str:
+    """The JSON `tiertrain plan` prints for `args` (hardware SLOW_HOST and CPU: tests' stand-ins, as files)."""
+    from click.testing import CliRunner
+    from conftest import SLOW_HOST
+
+    from tiertrain.cli import main
+    from tiertrain.plan.hardware import REFERENCE, HardwareSpec
+
+    files = {"SLOW_HOST": SLOW_HOST, "CPU": HardwareSpec.cpu(24.0, 2)}
+    args = [str(tmp / a) if a in files else a for a in args]
+    for name, hw in files.items():
+        (tmp / name).write_text(json.dumps(dataclasses.asdict(hw)))
+    hw = [] if "--hardware" in args else ["--hardware", "reference"]
+    r = CliRunner().invoke(main, ["plan", *args, *hw, "--format", "json"])
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.output
+    return r.output
+
+
+@pytest.mark.parametrize("args", cases(), ids=lambda a: " ".join(a))
+def test_plan_is_as_recorded(args, tmp_path):
+    """The case's JSON as recorded; where it differs, the first keys that differ are named."""
+    key = " ".join(args)
+    want, got = _record()[key], answer(args, tmp_path)
+    if got != want:
+        a, b = json.loads(got), json.loads(want)
+        diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)][:5]
+        pytest.fail(f"{diff} differ, e.g. {diff[0]}: {a.get(diff[0])} != {b.get(diff[0])}" if diff else
+                    "the same values, other bytes")
+
+
+def test_every_case_is_recorded():
+    assert sorted(_record()) == sorted(" ".join(a) for a in cases())
+
+
+@functools.cache
+def _record() -> dict[str, str]:
+    return json.loads(gzip.decompress(RECORD.read_bytes()))
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as d:
+        out = {" ".join(a): answer(a, Path(d)) for a in cases()}
+    RECORD.write_bytes(gzip.compress(json.dumps(out, indent=0, sort_keys=True).encode(), mtime=0))
+    print(f"{len(out)} plans recorded in {RECORD} ({RECORD.stat().st_size:,} bytes)")
