@@ -58,15 +58,17 @@ def _placement(tr) -> dict:
 
 
 def _predict(tr, B: int) -> dict:
-    from tiertrain.plan.planner import Budgets, evaluate
+    from tiertrain.plan.planner import evaluate
+    from tiertrain.plan.values import Budgets, Choice, Job
 
     c, t = tr.cfg, tr.cfg.tiers
     if tr.device.type != "cuda":
         return {}
     hw = tr.hw
     rp = tr.run_plan
-    p = evaluate(c.model, B, c.train.seq_len, c.train.compute_dtype, rp.micro_batch, rp.stream,
-                 rp.activations, Budgets(t.host_gb, hw.gpu_mem_gb, 1e9), hw, name="bench")
+    job = Job(c.model, B, c.train.seq_len, c.train.compute_dtype, name="bench")
+    p = evaluate(job, Choice(rp.micro_batch, rp.stream, rp.activations, keep=0), Budgets(t.host_gb, hw.gpu_mem_gb, 1e9),
+                 hw)
     return {"pred_step_s": p.step_s, "pred_bottleneck": p.bottleneck, "pred_nvme_s": p.times.get("NVMe", 0),
             "pred_fits": p.fits}
 
@@ -174,7 +176,7 @@ def run_least(a) -> list[dict]:
 
 def worker(a) -> None:
     if a.worker == "probe":
-        from tiertrain.plan.probe import disk_rates, probe_spec
+        from tiertrain.probe import disk_rates, probe_spec
 
         spec, notes = probe_spec(a.nvme_dir)
         # the disk's own rates: our O_DIRECT thread pool and kvikio, 4 GiB, at 8 / 16 / 32 threads; the best

@@ -199,7 +199,7 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
 
 def worker(a) -> None:
     if a.worker == "probe":
-        from tiertrain.plan.probe import probe
+        from tiertrain.probe import probe
 
         out = probe()
     elif a.worker == "tiertrain":
@@ -382,7 +382,7 @@ def main() -> None:
             if a.plan_on_probe and data:  # tiertrain's plans reason about this machine, as measured here
                 import psutil
 
-                from tiertrain.plan.probe import spec_of
+                from tiertrain.probe import spec_of
 
                 spec_of(data, psutil.virtual_memory().total / 1e9, "the bench's probe").save(hardware)
                 meta["hardware"] = "this run's probe"

@@ -8,7 +8,9 @@ import torch
 from tiertrain.config import load_config
 from tiertrain.model import llama
 from tiertrain.model.spec import ModelSpec
-from tiertrain.plan.planner import Budgets, kept_bytes_per_token, plan
+from tiertrain.plan.planner import plan
+from tiertrain.plan.values import Budgets, Choice, Job
+from tiertrain.plan.workset import kept_bytes_per_token
 from tiertrain.plan.resolve import resolve
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.errors import ConfigError
@@ -74,17 +76,17 @@ def test_kept_activations_give_the_bits_of_recompute(token_file, variant, sets):
 
 def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
     cfg = load_config("llama-3b", ["train.batch_size=4", "train.micro_batch_size=4", "tiers.gpu_resident_gb=0"])
-    spec, args = cfg.model, (cfg.model, 4, 2048, "bfloat16")
-    roomy = plan(*args, Budgets(host_gb=200, gpu_gb=141), REFERENCE, advise=False)
-    none = plan(*args, Budgets(host_gb=200, gpu_gb=141), REFERENCE, advise=False, keep=0)
-    tight = plan(*args, Budgets(host_gb=200, gpu_gb=30), REFERENCE, advise=False)
+    spec, job = cfg.model, Job(cfg.model, 4, 2048)
+    roomy = plan(job, Budgets(host_gb=200, gpu_gb=141), REFERENCE)
+    none = plan(job, Budgets(host_gb=200, gpu_gb=141), REFERENCE, Choice(keep=0))
+    tight = plan(job, Budgets(host_gb=200, gpu_gb=30), REFERENCE)
     assert roomy.kept == spec.num_hidden_layers and 0 < tight.kept < spec.num_hidden_layers
     assert tight.gpu_total <= 30e9 * 0.95 and roomy.step_s < none.step_s
     # kept: the backward pass skips the blocks' forward pass, a third of theirs (attention at its own rate)
     F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (1 - 1 / REFERENCE.attention_rate(spec.hd))
     blocks = F - 6 * spec.vocab_size * spec.hidden_size
     assert roomy.times["compute bwd"] == pytest.approx(none.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9)
-    flags = [not u["recompute"] for u in tight.units]  # the last blocks, the head not among them
+    flags = [not u.recompute for u in tight.run_plan.units]  # the last blocks, the head not among them
     assert flags == [False] * (spec.num_hidden_layers + 1 - tight.kept) + [True] * tight.kept + [False]
     with pytest.raises(ConfigError, match="lower train.keep_activations"):
         resolve(load_config("llama-3b", ["train.keep_activations=26", 'train.device="cuda"']),

@@ -8,7 +8,8 @@ from conftest import TINY, VARIANTS, tiny_config
 
 from tiertrain.config import load_config
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import Budgets, plan
+from tiertrain.plan.planner import plan
+from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.plan.report import to_markdown
 from tiertrain.plan.resolve import search
 from tiertrain.trainer import Trainer
@@ -74,10 +75,10 @@ def test_plan_tiles_the_mlp_beyond_a_tile():
     again), tiles beyond; and the tiled working set no longer grows with the intermediate size times the length."""
     spec = load_config("llama-7b").model
     b = Budgets(host_gb=1000, gpu_gb=141)
-    short = plan(spec, 1, 65536, "bfloat16", b, REFERENCE, micro=1, advise=False)
-    long = plan(spec, 1, 131072, "bfloat16", b, REFERENCE, micro=1, advise=False)
-    untiled = plan(spec, 1, 131072, "bfloat16", b, REFERENCE, micro=1, advise=False, tile=0)
-    assert short.tile == 0 and long.tile == 8192 and untiled.tile == 0
+    short = plan(Job(spec, 1, 65536), b, REFERENCE, Choice(1))
+    long = plan(Job(spec, 1, 131072), b, REFERENCE, Choice(1))
+    untiled = plan(Job(spec, 1, 131072), b, REFERENCE, Choice(1, tile=0))
+    assert short.run_plan.tile == 0 and long.run_plan.tile == 8192 and untiled.run_plan.tile == 0
     assert untiled.gpu["working set"] - long.gpu["working set"] > 0.5 * 16.8 * spec.intermediate_size * 131072
     assert long.times["compute bwd"] > untiled.times["compute bwd"]  # the tiles' forward runs again
 
@@ -146,8 +147,8 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
                                f"model.max_position_embeddings={seq}"])
     p = search(cfg, REFERENCE, 115, 141, 55, config)
     assert p.fits, p.why
-    assert p.activations == "split" and p.tile and p.longest_seq_len >= seq
-    homes = [u["checkpoint"] for u in p.units[1:-1]]
+    assert p.run_plan.activations == "split" and p.run_plan.tile and p.longest_seq_len >= seq
+    homes = [u.checkpoint for u in p.run_plan.units[1:-1]]
     nvme = [b for b, h in enumerate(homes, 1) if h == "nvme"]
     if nvme:  # spread evenly from the first block: each write and read gets the blocks between to hide behind
         gaps = [b - a for a, b in zip(nvme, nvme[1:])]

@@ -90,7 +90,7 @@ def test_auto_on_a_cpu(token_file, sets, stream, acts):
     tr = Trainer(cfg)
     t = tr.run_plan
     tr.close()
-    assert t == tr.plan.run_plan() or "tiers.gpu_update_units=2" in sets  # that one asks for another update
+    assert t == tr.plan.run_plan or "tiers.gpu_update_units=2" in sets  # that one asks for another update
     assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
     assert ("weights" in tr.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
     assert set(tr.checkpoints.homes.values()) == {acts}
@@ -121,31 +121,33 @@ def test_what_saves_pcie_is_not_chosen_on_a_cpu(token_file):
 def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     """On CUDA "auto" is the plan's choice: a copy of the weights in bf16 when PCIe is what bounds the
     step, the fp32 master when rounding into the copy is; checkpoints on the host when the GPU is short."""
-    from tiertrain import placing
+    from tiertrain import trainer
     from tiertrain.plan.hardware import REFERENCE
-    from tiertrain.plan.planner import GPU_RESERVE, Budgets, evaluate
+    from tiertrain.plan.planner import GPU_RESERVE, evaluate
+    from tiertrain.plan.values import Budgets, Choice, Job
 
     sets = ['train.device="cuda"', 'train.compute_dtype="bfloat16"', 'tiers.activations="auto"']
     cfg = tiny_config(token_file, *sets)
     tc = cfg.train
-    gpu = {a: evaluate(cfg.model, tc.batch_size, tc.seq_len, "bfloat16", tc.micro_batch_size, "compute", a,
-                       Budgets(1e9, 1e3, None), REFERENCE).gpu_total / 1e9 for a in ("gpu", "host")}
+    job = Job(cfg.model, tc.batch_size, tc.seq_len)
+    gpu = {a: evaluate(job, Choice(tc.micro_batch_size, "compute", a, keep=0), Budgets(1e9, 1e3, None),
+                       REFERENCE).gpu_total / 1e9 for a in ("gpu", "host")}
     assert gpu["host"] < gpu["gpu"]
     hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
           "slow rounding": dict(host_adam_copy_params_per_s=1e3),
           "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {},
           "resident": {}}[case]
-    monkeypatch.setattr(placing, "hardware", lambda *a: dataclasses.replace(REFERENCE, **hw))
+    monkeypatch.setattr(trainer, "run_hardware", lambda *a: dataclasses.replace(REFERENCE, **hw))
     more = {"micro-batch": ['train.micro_batch_size="auto"'], "resident": ['tiers.gpu_resident_gb="auto"']}.get(case, [])
     tr = Trainer(tiny_config(token_file, *sets, *more))
     tr.train_step()
     tr.close()
-    assert tr.run_plan == tr.plan.run_plan()  # the runtime obeys the planner's RunPlan, unit by unit
-    assert tr.run_plan.micro_batch == (tr.plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
+    assert tr.run_plan == tr.plan.run_plan  # the runtime obeys the planner's RunPlan, unit by unit
+    assert tr.run_plan.micro_batch == (tr.plan.run_plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
     if case == "small GPU":
         assert tr.run_plan.activations == "host"
     elif case == "resident":  # the tiny model's whole state fits what the plan leaves: every unit resident
-        assert tr.run_plan.resident_gb == tr.plan.resident_gb >= 1 and set(tr.where.values()) == {"gpu"}
+        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1 and set(tr.where.values()) == {"gpu"}
     elif case == "micro-batch":
         assert tc.batch_size % tr.run_plan.micro_batch == 0 and "micro-batch" in tr.chosen
     else:

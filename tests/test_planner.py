@@ -14,7 +14,9 @@ import pytest
 from conftest import SLOW_HOST
 from tiertrain.config import load_config
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
-from tiertrain.plan.planner import Budgets, evaluate, plan
+from tiertrain.plan.advice import explain
+from tiertrain.plan.planner import evaluate, plan
+from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.tiers.placement import kind_bytes, least_host
 from tiertrain.tiers.slab import host_cost
 
@@ -36,8 +38,7 @@ def test_plan_runs_without_torch(tmp_path):
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.toml")))
 def test_every_shipped_config_gets_a_plan(path):
     cfg = load_config(path)
-    p = plan(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype,
-             Budgets(host_gb=1500, gpu_gb=141, nvme_gb=8000), REFERENCE, advise=False)
+    p = plan(Job(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype), Budgets(host_gb=1500, gpu_gb=141, nvme_gb=8000), REFERENCE)
     assert p.fits, p.why
     assert p.step_s > 0 and p.tokens_per_s > 0 and p.gpu_total <= 141e9
 
@@ -47,7 +48,7 @@ def test_arithmetic_by_hand():
     spec = load_config("llama-3b").model
     hw = HardwareSpec(bf16_tflops=776.0, h2d_gbs=55.5, d2h_gbs=55.4, bidir_gbs=101.3, host_adam_params_per_s=3.78e9,
                       compute_efficiency=0.54, adam_contention=1.18, host_dram_gbs=120.0, copy_efficiency=0.75)
-    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw, gpu_updates=0, speculate=0)
+    p = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0), Budgets(), hw)
     # slabs by hand: embedding 32000 x 3072 = 98,304,000 (a multiple of 2048); a block's matrices
     # 4 x 3072^2 + 3 x 8192 x 3072 = 113,246,208, plus two 3072 norms = 113,252,352 (a multiple of 2048);
     # head 98,304,000 + 3072 = 98,307,072, rounded up to 2048s: 98,308,096
@@ -77,13 +78,13 @@ def test_arithmetic_by_hand():
         return p.times["compute bwd"] + fwd
 
     best = min(range(len(sizes) + 1), key=step_with)
-    q = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), hw, speculate=0)
+    q = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", speculate=0, keep=0), Budgets(), hw)
     assert 0 < q.gpu_updates == best < len(sizes)
     assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.9 * p.step_s
     assert q.gpu["GPU update sets"] == 2 * 16 * 113_252_352
     assert q.bottleneck in ("H2D", "host AdamW", "host DRAM", "PCIe both ways")
     # a bf16 copy streamed: the GPU update needs the fp32 master there, so none
-    assert evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "host", Budgets(), hw).gpu_updates == 0
+    assert evaluate(Job(spec, 4, 2048), Choice(4, "compute", "host", keep=0), Budgets(), hw).gpu_updates == 0
 
 
 def test_spill_plan_matches_the_runtime_placement():
@@ -92,7 +93,7 @@ def test_spill_plan_matches_the_runtime_placement():
     for moments: every exp_avg (11.7 GiB) and 11.7 - 6.7 = 5.0 GiB of exp_avg_sq go to NVMe, as the
     runtime's placement (the same function) puts them."""
     spec = load_config("llama-3b").model
-    p = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "gpu", Budgets(host_gb=36, nvme_gb=60), REFERENCE)
+    p = evaluate(Job(spec, 4, 2048), Choice(4, "master", "gpu", keep=0), Budgets(host_gb=36, nvme_gb=60), REFERENCE)
     assert p.fits and p.bottleneck == "NVMe"
     assert round(p.nvme_bytes["exp_avg"] / 2**30, 1) == 11.7 and round(p.nvme_bytes["exp_avg_sq"] / 2**30, 1) == 5.0
     assert "master" not in p.nvme_bytes
@@ -109,8 +110,7 @@ def test_everything_spilled_by_hand():
     n, hw = sum(sizes), HardwareSpec(disk_mixed_gbs=0.0)  # first without a rate of both directions at once
     least = least_host(list(sizes), kind_bytes("bfloat16", "compute"), 0, host_cost)
     assert least == 4 * host_cost(113_252_352 * 4) * 4 + 4 * host_cost(113_252_352 * 2) * 2  # 4 + 2x the copy's
-    p = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100),
-                 hw)
+    p = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100), hw)
     assert p.fits and p.host_bytes == {} and p.nvme_bytes == {k: n * b for k, b in kind_bytes("bfloat16", "compute").items()}
     r, w = hw.disk_read_gbs * 1e9, hw.disk_write_gbs * 1e9
     ahead = 12 * (sizes[0] + sizes[1])
@@ -119,8 +119,7 @@ def test_everything_spilled_by_hand():
     assert p.step_s == pytest.approx(p.times["NVMe bwd"] + p.times["NVMe read"] + p.times["NVMe write"])
     assert p.bottleneck == "NVMe"
     # a probed rate of reads and writes at once: each phase's bytes within it, each direction within its own
-    q = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100),
-                 dataclasses.replace(hw, disk_mixed_gbs=3.0))
+    q = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100), dataclasses.replace(hw, disk_mixed_gbs=3.0))
     assert q.times["NVMe"] == pytest.approx(max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9))
     assert q.times["NVMe bwd"] == pytest.approx(max((2 * sum(sizes[1:25]) + ahead) / r, 4 * n / w,
                                                     (2 * sum(sizes[1:25]) + ahead + 4 * n) / 3e9))
@@ -134,7 +133,7 @@ def test_more_budget_never_predicts_a_slower_step(knob):
     for gb in (40, 60, 90, 140, 400, 2000):
         b = Budgets(host_gb=60, gpu_gb=80, nvme_gb=500)
         setattr(b, knob, gb)
-        p = plan(spec, 16, 2048, "bfloat16", b, REFERENCE, advise=False)
+        p = plan(Job(spec, 16, 2048), b, REFERENCE)
         steps.append(p.step_s)
     assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
     assert steps[-1] < float("inf")
@@ -142,20 +141,19 @@ def test_more_budget_never_predicts_a_slower_step(knob):
 
 def test_a_plan_that_does_not_fit_says_which_budget():
     spec = load_config("llama-7b").model
-    p = plan(spec, 16, 2048, "bfloat16", Budgets(host_gb=40), REFERENCE)
+    p = explain(Job(spec, 16, 2048), plan(Job(spec, 16, 2048), Budgets(host_gb=40), REFERENCE), Budgets(host_gb=40), REFERENCE)
     assert not p.fits and "raise --host-gb or give an NVMe tier" in p.why
-    p = plan(spec, 16, 2048, "bfloat16", Budgets(host_gb=1000, gpu_gb=2), REFERENCE)
+    p = explain(Job(spec, 16, 2048), plan(Job(spec, 16, 2048), Budgets(host_gb=1000, gpu_gb=2), REFERENCE), Budgets(host_gb=1000, gpu_gb=2), REFERENCE)
     assert not p.fits and p.why.startswith("GPU: needs")
     # with an NVMe tier, too little host memory for even the ring: the least budget, of every choice
     one_b = load_config("llama-1b").model
-    p = plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=5, nvme_gb=100), REFERENCE, advise=False)
+    p = plan(Job(one_b, 16, 2048), Budgets(host_gb=5, nvme_gb=100), REFERENCE)
     need = float(re.search(r"raise --host-gb to at least ([0-9.]+)$", p.why).group(1))
-    assert plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need, nvme_gb=100), REFERENCE, advise=False).fits
+    assert plan(Job(one_b, 16, 2048), Budgets(host_gb=need, nvme_gb=100), REFERENCE).fits
     # the report of a plan that fits names its own choice's least budget: the same figure, unrounded
-    reported = plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need, nvme_gb=100), REFERENCE).least_host / 1e9
+    reported = explain(Job(one_b, 16, 2048), plan(Job(one_b, 16, 2048), Budgets(host_gb=need, nvme_gb=100), REFERENCE), Budgets(host_gb=need, nvme_gb=100), REFERENCE).least_host / 1e9
     assert need - 0.1 < reported <= need
-    assert not plan(one_b, 16, 2048, "bfloat16", Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE,
-                    advise=False).fits
+    assert not plan(Job(one_b, 16, 2048), Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE).fits
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40",
                         "--gpu-gb", "24"],  # a 141 GB GPU holds what the host does not
                        capture_output=True, text=True)
@@ -180,11 +178,10 @@ def test_plan_keeps_what_the_config_sets(tmp_path):
         return p["stream"], p["activations"], p["speculated"], p["clipping"], "update copies" in p["host_fixed"]
 
     searched = chosen()
-    ref = plan(load_config("llama-3b").model, 4, 2048, "bfloat16", Budgets(host_gb=200), SLOW_HOST, advise=False)
-    assert searched == (ref.stream, searched[1], ref.speculated, True, True) and ref.speculated > 0
+    ref = plan(Job(load_config("llama-3b").model, 4, 2048), Budgets(host_gb=200), SLOW_HOST)
+    assert searched == (ref.run_plan.stream, searched[1], ref.speculated, True, True) and ref.speculated > 0
     # the config's clipping and speculation too: with clipping off a speculated update runs in place
-    off = plan(load_config("llama-3b").model, 4, 2048, "bfloat16", Budgets(host_gb=200), SLOW_HOST, advise=False,
-               clipping=False)
+    off = plan(Job(load_config("llama-3b").model, 4, 2048, clipping=False), Budgets(host_gb=200), SLOW_HOST)
     assert chosen("optim.grad_clip=0")[2:] == (off.speculated, False, False) and off.speculated != ref.speculated
     assert chosen("optim.speculate_units=2")[2] == 2 and chosen("optim.speculate_units=0")[2:] == (0, True, False)
     other = {"compute": "master", "master": "compute"}[searched[0]]
@@ -211,8 +208,8 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
     assert HardwareSpec.load(tmp_path / "hw.json") == hw
     with pytest.raises(ConfigError, match="tiertrain probe"):
         HardwareSpec.load(tmp_path / "missing.json")
-    slow = plan(load_config("llama-3b").model, 16, 2048, "bfloat16", Budgets(), hw, advise=False)
-    fast = plan(load_config("llama-3b").model, 16, 2048, "bfloat16", Budgets(), REFERENCE, advise=False)
+    slow = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), hw)
+    fast = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), REFERENCE)
     assert slow.step_s >= fast.step_s
 
 
@@ -240,9 +237,8 @@ def test_resident_units_move_their_update_to_the_gpu():
     res = resident_units(numels, kind_bytes("bfloat16", "master"), 24e9)
     r = sum(numels[u] for u in res)
     assert res == list(range(len(res))) and r * 16 <= 24e9 < (r + numels[len(res)]) * 16
-    a = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(), REFERENCE, gpu_updates=0, speculate=0)
-    b = evaluate(spec, 4, 2048, "bfloat16", 4, "master", "host", Budgets(resident_gb=24), REFERENCE, gpu_updates=0,
-                 speculate=0)
+    a = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0), Budgets(), REFERENCE)
+    b = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0), Budgets(resident_gb=24), REFERENCE)
     assert b.gpu["resident units' state"] == r * 16 and a.gpu["resident units' state"] == 0
     assert b.times["host AdamW"] == pytest.approx(a.times["host AdamW"] * (sum(numels) - r) / sum(numels))
     assert b.times["D2H"] < a.times["D2H"] and b.step_s < a.step_s
@@ -256,19 +252,18 @@ def test_resident_auto_takes_what_the_gpu_has_left():
     state = spec.n_params * 16  # fp32 streaming: master, moments, gradient
 
     def at(batch, gpu_gb, resident):
-        return plan(spec, batch, 2048, "bfloat16", Budgets(host_gb=200, gpu_gb=gpu_gb, resident_gb=resident),
-                    REFERENCE, micro=4, advise=False)
+        return plan(Job(spec, batch, 2048), Budgets(host_gb=200, gpu_gb=gpu_gb, resident_gb=resident), REFERENCE, Choice(4))
 
     big = at(4, 141, "auto")
-    assert big.fits and big.resident_gb * 1e9 >= state and big.gpu["resident units' state"] >= state * 0.99
+    assert big.fits and big.run_plan.resident_gb * 1e9 >= state and big.gpu["resident units' state"] >= state * 0.99
     assert big.gpu_total <= 141e9 * 0.95 and big.step_s < at(4, 141, 0).step_s
     small = at(4, 24, "auto")
-    assert 1 <= small.resident_gb < 24 and small.gpu_total <= 24e9 * 0.95 and small.step_s < at(4, 24, 0).step_s
+    assert 1 <= small.run_plan.resident_gb < 24 and small.gpu_total <= 24e9 * 0.95 and small.step_s < at(4, 24, 0).step_s
     def expected(p):  # what "auto" is chosen by with clipping on: a step that clips as likely as not
         return (p.step_s + p.clipped_step_s) / 2
 
     assert expected(at(16, 24, "auto")) <= expected(at(16, 24, 0))  # never slower than none
-    assert at(4, 24, small.resident_gb).step_s == small.step_s  # what "auto" chose, as a number
+    assert at(4, 24, small.run_plan.resident_gb).step_s == small.step_s  # what "auto" chose, as a number
 
 
 def test_resident_auto_holds_what_host_and_disk_cannot():
@@ -277,14 +272,13 @@ def test_resident_auto_holds_what_host_and_disk_cannot():
     largest model the report names for these budgets plans as fitting, and one more layer does not."""
     spec = load_config("llama3.1-8b").model
     b = Budgets(host_gb=40, gpu_gb=141, nvme_gb=55, resident_gb="auto")
-    assert not plan(spec, 2, 4096, "bfloat16", replace(b, resident_gb=0), REFERENCE, micro=2, advise=False).fits
-    p = plan(spec, 2, 4096, "bfloat16", b, REFERENCE, micro=2)
-    assert p.fits and p.resident_gb >= 1 and p.gpu_total <= 141e9 * 0.95
+    assert not plan(Job(spec, 2, 4096), replace(b, resident_gb=0), REFERENCE, Choice(2)).fits
+    p = explain(Job(spec, 2, 4096), plan(Job(spec, 2, 4096), b, REFERENCE, Choice(2)), b, REFERENCE, Choice(2))
+    assert p.fits and p.run_plan.resident_gb >= 1 and p.gpu_total <= 141e9 * 0.95
     assert p.largest_layers > spec.num_hidden_layers
     big = replace(spec, num_hidden_layers=p.largest_layers)
-    assert plan(big, 2, 4096, "bfloat16", b, REFERENCE, micro=2, advise=False).fits
-    assert not plan(replace(big, num_hidden_layers=p.largest_layers + 1), 2, 4096, "bfloat16", b, REFERENCE,
-                    micro=2, advise=False).fits
+    assert plan(Job(big, 2, 4096), b, REFERENCE, Choice(2)).fits
+    assert not plan(Job(replace(big, num_hidden_layers=p.largest_layers + 1), 2, 4096), b, REFERENCE, Choice(2)).fits
 
 
 @pytest.mark.parametrize("name,params", [("llama3.1-8b", 8.03e9), ("qwen2.5-7b", 7.62e9), ("qwen3-8b", 8.19e9),
@@ -308,17 +302,17 @@ def test_longest_sequence_is_the_edge_of_the_budgets():
     names is the budget that longer sequence misses; a smaller GPU shortens it."""
     spec = load_config("llama-7b").model
     b = Budgets(host_gb=115, gpu_gb=141, nvme_gb=55, resident_gb="auto")
-    p = plan(spec, 4, 2048, "bfloat16", b, REFERENCE)
+    p = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b, REFERENCE), b, REFERENCE)
     n = p.longest_seq_len
     assert n > 2048 and n % 1024 == 0 and "GPU" in p.longest_bound.split(", ")
 
     def at(seq):
-        return plan(spec, 1, seq, "bfloat16", b, REFERENCE, micro=1, advise=False)
+        return plan(Job(spec, 1, seq), b, REFERENCE, Choice(1))
 
     miss = at(n + 1024)
     assert at(n).fits and not miss.fits
     assert {"ring": "host", "copies": "host"}.get(miss.short_of, miss.short_of) in p.longest_bound.split(", ")
-    small = plan(spec, 4, 2048, "bfloat16", replace(b, gpu_gb=80), REFERENCE)
+    small = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), replace(b, gpu_gb=80), REFERENCE), replace(b, gpu_gb=80), REFERENCE)
     assert 0 < small.longest_seq_len < n
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "115",
                         "--nvme-gb", "55", "--format", "json"], capture_output=True, text=True)

@@ -13,7 +13,8 @@ from test_faults import cli, refused, tiny
 
 from tiertrain.checkpoint import KINDS
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import Budgets, _layouts, plan
+from tiertrain.plan.planner import _layouts, plan
+from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.sizes import budget
 from tiertrain.tiers.placement import kind_bytes, least_host
 from tiertrain.tiers.slab import Shard, SlabLayout, host_cost
@@ -150,23 +151,22 @@ def test_the_plan_for_two_gpus_halves_each_ranks_share():
     from tiertrain.plan.report import to_markdown
 
     spec = load_config("llama-3b", []).model
-    one = plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=250), REFERENCE, advise=False)
-    two = plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=250), REFERENCE, advise=False, gpus=2)
-    assert one.fits and two.fits and two.gpus == 2 and two.rows == 4
+    one = plan(Job(spec, 8, 8192), Budgets(host_gb=250), REFERENCE)
+    two = plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=250), REFERENCE)
+    assert one.fits and two.fits and two.run_plan.gpus == 2 and two.rows == 4
     assert sum(two.host_bytes.values()) == pytest.approx(sum(one.host_bytes.values()) / 2, rel=0.01)
     assert two.times["H2D fwd"] == pytest.approx(one.times["H2D fwd"] / 2, rel=0.02)
     assert two.times["compute fwd"] == pytest.approx(one.times["compute fwd"] / 2, rel=1e-6)
     assert two.times["peer fwd"] > 0 and one.times["peer fwd"] == 0
     assert two.tokens_per_s > 1.5 * one.tokens_per_s and two.kept >= one.kept
-    apart = plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=125), REFERENCE, advise=False, gpus=2, per_host=1)
+    apart = plan(Job(spec, 8, 8192, gpus=2, per_host=1), Budgets(host_gb=125), REFERENCE)
     assert apart.times["peer bwd"] == pytest.approx(two.times["peer bwd"] * REFERENCE.peer_gbs / REFERENCE.network_gbs)
     text = to_markdown(two, one)
     assert "2 GPUs" in text and "x one GPU" in text
     # the host budget is the host's: what one rank's half of the state needs, twice over, and not less
     need = two.host_total - two.host_fixed["process"]
-    assert plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE, advise=False,
-                gpus=2, speculate=two.speculated).fits
-    assert not plan(spec, 8, 8192, "bfloat16", Budgets(host_gb=need / 1e9), REFERENCE, advise=False, gpus=2).fits
+    assert plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE, Choice(speculate=two.speculated)).fits
+    assert not plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=need / 1e9), REFERENCE).fits
 
 
 def test_one_rank_is_the_unsharded_run(token_file):

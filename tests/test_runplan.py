@@ -12,7 +12,8 @@ import pytest
 from conftest import tiny_config
 from test_nvme import DEEP, _budget_for
 from tiertrain.loop import fit
-from tiertrain.plan.runplan import UPDATES, RunPlan, unit_plans
+from tiertrain.modes import Update
+from tiertrain.plan.runplan import RunPlan, unit_plans
 from tiertrain.trainer import Trainer
 
 
@@ -35,7 +36,7 @@ def test_plan_json_lists_every_unit():
     units = p["units"]
     assert [u["index"] for u in units] == list(range(28)) and units[0]["name"] == "embed" and units[-1]["name"] == "head"
     n = Counter(u["update"] for u in units)
-    assert set(n) <= set(UPDATES) and n["host-speculated"] == p["speculated"]
+    assert set(n) <= set(Update) and n["host-speculated"] == p["speculated"]
     assert n["gpu"] + n["gpu-speculated"] == p["gpu_updates"] and n["resident"] >= 1
     homes = Counter(h for u in units for h in u["homes"].values())
     assert homes["nvme"] == sum(v["nvme"] for v in p["placement"].values())  # the report's counts, unit by unit
@@ -52,7 +53,7 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     p = json.loads((tmp_path / "run" / "plan.json").read_text())
     units = p["units"]
     assert len(units) == len(tr.units) and p["micro_batch"] == tr.run_plan.micro_batch == 2
-    assert tr.run_plan == tr.plan.run_plan()  # the planner's, unit by unit
+    assert tr.run_plan == tr.plan.run_plan  # the planner's, unit by unit
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
     assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
     assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,8 @@ from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.optim.adamw import OptimizerThread
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import SPEC_MARGIN, Budgets, _layouts, evaluate, plan
+from tiertrain.plan.planner import SPEC_MARGIN, _layouts, evaluate, plan
+from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.tiers.placement import RING_SLOTS, alternate_from_last, gpu_updated
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
@@ -236,17 +238,20 @@ def test_planner_balances_the_speculated_units():
     has room for the host AdamW, so the plan speculates and predicts a shorter step; its number is the
     best of every number; copies cost 12 B per speculated parameter when clipping is on."""
     spec = load_config("llama-3b").model
-    args = (spec, 16, 2048, "bfloat16", 16, "master", "host", Budgets(host_gb=120), REFERENCE)
-    off = evaluate(*args, speculate=0, speculate_gpu=False)
-    auto = evaluate(*args, clipping=False, speculate_gpu=False)
+    job, budgets = Job(spec, 16, 2048), Budgets(host_gb=120)
+
+    def at(job=job, **choice):
+        return evaluate(job, Choice(16, "master", "host", keep=0, **choice), budgets, REFERENCE)
+    unclipped = replace(job, clipping=False)
+    off = at(speculate=0, speculate_gpu=False)
+    auto = at(unclipped, speculate_gpu=False)
     assert auto.speculated > 0 and auto.step_s < off.step_s * 0.95
-    every = [evaluate(*args, clipping=False, speculate=n, gpu_updates=auto.gpu_updates, speculate_gpu=False).step_s
-             for n in range(29)]
+    every = [at(unclipped, speculate=n, gpu_updates=auto.gpu_updates, speculate_gpu=False).step_s for n in range(29)]
     assert auto.step_s == pytest.approx(min(every))
     # by hand: the backward phase's host AdamW time of n speculated blocks, in place and into copies
     n = 5
-    a = evaluate(*args, clipping=False, speculate=n, gpu_updates=0)
-    b = evaluate(*args, clipping=True, speculate=n, gpu_updates=0)
+    a = at(unclipped, speculate=n, gpu_updates=0)
+    b = at(speculate=n, gpu_updates=0)
     params = 98_308_096 + (n - 1) * 113_252_352  # the head, then the last blocks
     rate = REFERENCE.host_adam_params_per_s
     assert a.times["host AdamW bwd"] == pytest.approx(params / rate * REFERENCE.adam_contention)
@@ -254,18 +259,16 @@ def test_planner_balances_the_speculated_units():
     assert b.host_fixed["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
     assert "update copies" not in a.host_fixed
     # while the norm clips nothing speculates: the same plan without its speculation; clipping off, never
-    assert b.clipped_step_s == pytest.approx(evaluate(*args, clipping=True, speculate=0, gpu_updates=0).step_s)
+    assert b.clipped_step_s == pytest.approx(at(speculate=0, gpu_updates=0).step_s)
     assert a.clipped_step_s == a.step_s
-    at8k = evaluate(spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=120), REFERENCE, gpu_updates=0)
+    at8k = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", gpu_updates=0, keep=0), Budgets(host_gb=120), REFERENCE)
     assert at8k.speculated and at8k.clipped_step_s > at8k.step_s * 1.1
     assert at8k.clipped_times["host AdamW"] > at8k.times["host AdamW"]
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
     tight = Budgets(host_gb=sum(off.host_bytes.values()) / 1e9 + off.host_fixed["host checkpoints"] / 1e9 + 2)
-    miss = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
-                advise=False, speculate=28, gpu_updates=0, speculate_gpu=False)
+    miss = plan(Job(spec, 16, 2048), tight, REFERENCE, Choice(16, "master", "host", gpu_updates=0, speculate=28, speculate_gpu=False))
     assert not miss.fits and "copies of the speculative update" in miss.why
-    few = plan(spec, 16, 2048, "bfloat16", tight, REFERENCE, micro=16, stream="master", activations="host",
-               advise=False, gpu_updates=0)
+    few = plan(Job(spec, 16, 2048), tight, REFERENCE, Choice(16, "master", "host", gpu_updates=0))
     assert few.fits and 0 < few.speculated < 28 and few.host_fixed["update copies"] <= 2e9
 
 
@@ -275,18 +278,20 @@ def test_planner_queues_more_than_the_backward_pass_has_room_for():
     it), so more never lengthen the plan's step; the plan queues SPEC_MARGIN times the least number that
     gives its shortest step (the host's rate varies between runs), at the same predicted step."""
     spec = load_config("llama-3b").model
-    args = (spec, 4, 2048, "bfloat16", 4, "compute", "gpu", Budgets(host_gb=200), REFERENCE)
-    steps = [evaluate(*args, speculate=n, gpu_updates=0).step_s for n in range(29)]
+    def at(**choice):
+        return evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0, **choice), Budgets(host_gb=200),
+                        REFERENCE)
+    steps = [at(speculate=n, gpu_updates=0).step_s for n in range(29)]
     assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))
     least = next(n for n, s in enumerate(steps) if s <= min(steps) * (1 + 1e-9))
     assert 0 < least < 20 and steps[0] > min(steps) * 1.1
-    auto = evaluate(*args, gpu_updates=0)
+    auto = at(gpu_updates=0)
     numels = _layouts(spec)
     params = [sum(numels[u] for u in alternate_from_last(list(range(len(numels))), n)) for n in range(29)]
     assert params[auto.speculated - 1] < SPEC_MARGIN * params[least] <= params[auto.speculated]
     assert auto.step_s == pytest.approx(min(steps))
     # all queued: the backward pass takes what it has room for, in its time, the rest after the norm
-    every = evaluate(*args, speculate=28, gpu_updates=0)
+    every = at(speculate=28, gpu_updates=0)
     t, bwd = every.times, every.times["compute bwd"]
     assert t["host DRAM bwd"] == pytest.approx(bwd) and t["host AdamW bwd"] < bwd
     rate = REFERENCE.host_adam_copy_params_per_s / REFERENCE.adam_contention
@@ -300,13 +305,15 @@ def test_planner_speculates_gpu_updates_in_the_backward_pass():
     the backward pass, which has PCIe to spare, and the step shortens. The bytes move between the phases
     and their copies take host memory."""
     spec = load_config("llama-3b").model
-    args = (spec, 8, 2048, "bfloat16", 8, "master", "gpu", Budgets(host_gb=120), SLOW_HOST)
-    fwd = evaluate(*args, speculate_gpu=False)
-    auto = evaluate(*args)
+    def at(clipping=True, **choice):
+        return evaluate(Job(spec, 8, 2048, clipping=clipping), Choice(8, "master", "gpu", keep=0, **choice),
+                        Budgets(host_gb=120), SLOW_HOST)
+    fwd = at(speculate_gpu=False)
+    auto = at()
     assert auto.gpu_speculated and auto.gpu_updates > 0 and auto.step_s < fwd.step_s * 0.9
     k, n = auto.gpu_updates, auto.speculated
-    none = evaluate(*args, gpu_updates=0, speculate=n, speculate_gpu=False)
-    b = evaluate(*args, gpu_updates=k, speculate=n, speculate_gpu=True)
+    none = at(gpu_updates=0, speculate=n, speculate_gpu=False)
+    b = at(gpu_updates=k, speculate=n, speculate_gpu=True)
     numels = _layouts(spec)
     params = sum(numels[u] for u in gpu_updated(list(range(len(numels))), k, True))  # every other from the last
     rate = SLOW_HOST.h2d_gbs * 1e9
@@ -319,8 +326,7 @@ def test_planner_speculates_gpu_updates_in_the_backward_pass():
     gpu = gpu_updated(list(range(len(numels))), k, True)
     host = [u for u in range(len(numels)) if u not in gpu]
     assert b.host_fixed["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + alternate_from_last(host, n))
-    assert "update copies" not in evaluate(*args, gpu_updates=k, speculate=0, speculate_gpu=True,
-                                           clipping=False).host_fixed
+    assert "update copies" not in at(False, gpu_updates=k, speculate=0, speculate_gpu=True).host_fixed
 
 
 def test_timeline_accounts_for_every_host_update(token_file):

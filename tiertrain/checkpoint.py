@@ -36,10 +36,11 @@ import torch
 
 from . import __version__
 from .errors import ElsewhereError, UserError, why
+from .modes import STATE
 
 FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
 FORMATS = (FORMAT, "tiertrain-checkpoint/1")
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = STATE  # the optimizer's state, whole
 STEP = re.compile(r"step_(\d+)$")
 LEFT = re.compile(r"\.(step_\d+)\.(tmp|new|old)$")  # what a killed save leaves (see save and recover)
 
@@ -249,17 +250,15 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                    "kinds": list(KINDS), "numels": list(numels), **meta}))
     attrs[ATTRS_CRC] = _attrs_crc(attrs)
-    failure, parts = None, {}
-    try:
+    parts = {}
+    with ranks.together(OSError) as agreed:
         if ranks.first:
             if path.parent.is_dir():
                 recover(path.parent.parent)  # a save of this run killed before: finished first
             _create(tmp, numels, attrs)
-    except OSError as e:
-        failure = e
-    if ranks.any_failed(failure is not None):
-        return _failed(path, tmp, failure, ranks)
-    try:
+    if agreed.failed:
+        return _failed(path, tmp, agreed.error, ranks)
+    with ranks.together(OSError) as agreed:
         with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
             def write(key: tuple[int, str]) -> None:
                 with source(*key) as (start, t):
@@ -270,12 +269,10 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
                     _fsync(file)  # this rank's bytes: another host's rank cannot fsync them
 
             list(pool.map(write, keys))
-    except OSError as e:
-        failure = e
-    if ranks.any_failed(failure is not None):
-        return _failed(path, tmp, failure, ranks)
+    if agreed.failed:
+        return _failed(path, tmp, agreed.error, ranks)
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
-    try:
+    with ranks.together(OSError) as agreed, _removed_unless_done(tmp):
         if ranks.first:
             for i, (u, kind) in enumerate(keys):
                 _set_crc(_chunk(tmp, kind, u), numels[u] * 4, _combined(crcs, i))
@@ -287,14 +284,21 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
             os.rename(new, path)
             _fsync(path.parent)
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
-        failure = e
+    if agreed.failed:
+        return _failed(path, tmp, agreed.error, ranks)
+    return sum(n for key in keys for n in parts[key][1:])
+
+
+@contextmanager
+def _removed_unless_done(tmp: Path) -> Iterator[None]:
+    """`tmp` deleted where the block stops for anything but a disk's error (those every rank learns first)."""
+    try:
+        yield
+    except OSError:
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if ranks.any_failed(failure is not None):
-        return _failed(path, tmp, failure, ranks)
-    return sum(n for key in keys for n in parts[key][1:])
 
 
 def _failed(path: Path, tmp: Path, failure: OSError | None, ranks) -> int:

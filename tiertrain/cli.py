@@ -102,18 +102,6 @@ def _without_gpus(args: list[str]) -> list[str]:
     return out
 
 
-def _agree(ranks, failure: UserError | None) -> None:
-    """Every rank stops together where any failed, with the words of the lowest rank that failed."""
-    who = ranks.first_failed(failure is not None)
-    if who is None:
-        return
-    if who == ranks.rank:
-        raise failure
-    from .errors import ElsewhereError
-
-    raise ElsewhereError("another rank failed")
-
-
 def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,
          ranks) -> None:
     """`run` on one rank of the job (rank 0 alone checks, heals and marks the run directory)."""
@@ -127,8 +115,8 @@ def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, re
     flags = {"tiers.host_gb": host_gb, "tiers.nvme_dir": nvme_dir, "tiers.nvme_gb": nvme_gb,
              "checkpoint.every": save_every, "train.init_from": init_from}
     overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
-    failure, ckpt, out_dir, made, cfg = None, None, None, "", None
-    try:
+    ckpt, out_dir, made, cfg = None, None, "", None
+    with ranks.together(UserError) as agreed:
         if hardware and not Path(hardware).is_file():
             raise UserError(f"--hardware {hardware} is not a file; write one with `tiertrain probe --out FILE`")
         if resume and init_from:
@@ -142,12 +130,10 @@ def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, re
                 stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
                 out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
                 rundir.check_new(out_dir)
-    except UserError as e:
-        failure = e
-    _agree(ranks, failure)
+    agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
     out_dir = Path(ranks.share(str(out_dir)))
     ckpt = Path(ranks.share(str(ckpt))) if resume else None
-    try:
+    with ranks.together(UserError) as agreed:
         if resume:
             meta = checkpoint.read_meta(ckpt)
             cfg = load_config(config_path, list(overrides)) if config_path else \
@@ -158,22 +144,18 @@ def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, re
         if ranks.first:
             rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
             made = rundir.claim(out_dir)
-    except UserError as e:
-        failure = e
-    _agree(ranks, failure)
+    agreed.raise_any(ranks.rank)
     trainer = None
-    try:
+    with ranks.together(UserError) as agreed:
         trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt,
                           hardware=Path(hardware) if hardware else None, ranks=ranks)
-    except UserError as e:
-        failure = e
-    if ranks.first_failed(failure is not None) is not None:
+    if agreed.failed:
         if trainer is not None:
             trainer.close()
             trainer.discard_scratch()
         if ranks.first:
             rundir.release(out_dir, made)
-        _agree(ranks, failure)
+        agreed.raise_any(ranks.rank)
     fit(trainer, out_dir, echo=click.echo)
 
 
@@ -329,7 +311,7 @@ def report(run_dir: str, out: str | None) -> None:
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Measure the disk here (direct I/O, the runtime's backend).")
 def probe(out: str | None, nvme_dir: str | None) -> None:
     """Measure this machine for the planner, with the runtime's own code paths."""
-    from .plan.probe import probe_spec
+    from .probe import probe_spec
 
     import os
 

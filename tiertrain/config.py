@@ -16,16 +16,19 @@ import tomli_w
 
 from .errors import ConfigError
 from .model.spec import ModelSpec
+from .modes import Dtype
 
 SHIPPED = Path(__file__).parent / "configs"
 AUTO = "auto"  # the one spelling of "the plan decides"
 Auto = typing.Literal["auto"]
-DTYPES = ("bfloat16", "float32")
-SCHEDULES = ("constant", "cosine")
-DEVICES = ("auto", "cpu", "cuda")
-STREAMS = ("auto", "compute", "master")
-PLACES = ("auto", "gpu", "host", "nvme")
-IO_BACKENDS = ("auto", "posix", "kvikio")
+Device = typing.Literal["auto", "cpu", "cuda"]
+Schedule = typing.Literal["constant", "cosine"]
+HostKernel = typing.Literal["auto", "tiertrain", "torch"]
+StreamSetting = typing.Literal["auto", "compute", "master"]
+Places = typing.Literal["auto", "gpu", "host", "nvme"]
+IoBackend = typing.Literal["auto", "posix", "kvikio"]
+DTYPES, DEVICES, SCHEDULES, HOST_KERNELS, STREAMS, PLACES, IO_BACKENDS = (
+    typing.get_args(t) for t in (Dtype, Device, Schedule, HostKernel, StreamSetting, Places, IoBackend))
 
 
 @dataclass
@@ -47,9 +50,9 @@ class TrainConfig:
     batch_size: int = 16  # sequences per optimizer step
     micro_batch_size: int | Auto = 8  # sequences per forward/backward; "auto": the plan's
     seq_len: int = 256
-    compute_dtype: str = "bfloat16"
+    compute_dtype: Dtype = "bfloat16"
     seed: int = 0
-    device: str = "auto"
+    device: Device = "auto"
     log_every: int = 10
     loss_chunk_tokens: int | Auto = "auto"  # tokens per cross-entropy chunk; "auto": a chunk's logits near 64 MiB
     overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
@@ -91,7 +94,7 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1  # decoupled, on tensors of 2 or more dimensions only
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     warmup_steps: int = 0
     min_lr: float = 0.0
     # the last N units the host updates from RAM start their update in the backward pass, as soon as their
@@ -107,7 +110,7 @@ class OptimConfig:
     # the host AdamW's kernel: "tiertrain" (tiertrain/optim/csrc/adamw.cpp, one pass, also into a speculative
     # update's copies; built on first use: a C++ compiler and ninja), "torch" (torch's fused kernel, in place:
     # an update into copies copies first), "auto" (tiertrain's when it builds)
-    host_kernel: str = "auto"
+    host_kernel: HostKernel = "auto"
 
     def validate(self) -> None:
         _need(self.lr > 0, "optim", "lr", self, "must be positive")
@@ -118,8 +121,7 @@ class OptimConfig:
         _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
         _need(_auto_or(self.speculate_units, 0), "optim", "speculate_units", self,
               'must be "auto" (the plan chooses), 0 (none) or a number of units')
-        _need(self.host_kernel in ("auto", "tiertrain", "torch"), "optim", "host_kernel", self,
-              'must be "auto", "tiertrain" or "torch"')
+        _need(self.host_kernel in HOST_KERNELS, "optim", "host_kernel", self, f"must be one of {_q(HOST_KERNELS)}")
         _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")
         _need(self.warmup_steps >= 0, "optim", "warmup_steps", self, "must be 0 or positive")
         _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")
@@ -128,17 +130,17 @@ class OptimConfig:
 @dataclass
 class TiersConfig:
     # "auto" (both): the plan's choice (on a CPU, whose memory is the host's, checkpoints stay on the "gpu")
-    stream: str = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
+    stream: StreamSetting = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
     # where activation checkpoints live: "gpu", "host" (pinned, copied on side streams) or "nvme" (the NVMe tier,
     # through a ring of pinned buffers); "auto": the plan's, split across the three when no one of them holds all
-    activations: str = "auto"
+    activations: Places = "auto"
     # the dtype activation checkpoints are kept in: "float32" (the residual stream's own: exact recompute) or
     # "bfloat16" (half the bytes on every tier and link; the recompute starts from the rounded input)
-    checkpoint_dtype: str = "float32"
+    checkpoint_dtype: Dtype = "float32"
     host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
-    io: str = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
+    io: IoBackend = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
     # GPU memory for the whole state of the first units (updated there); "auto": what the plan leaves free
     # beside the streaming buffers and activations (none on a CPU); 0: none
@@ -260,7 +262,7 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
     elif base is float:  # inf and nan are TOML literals, and no setting means them
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         value = float(value) if ok else value
-    elif base is str:
+    elif base is str or base is typing.Literal:  # a Literal's values: validate() names them
         ok = isinstance(value, str)
     elif base is list:
         ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -270,6 +272,7 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
         ok = isinstance(value, dict)
     if not ok:
         want = {bool: "true or false", int: "an integer", float: "a finite number", str: "a quoted string",
+                typing.Literal: "a quoted string",
                 list: "a list of finite numbers", dict: "a table like {key = value}"}[base]
         if auto_ok:
             want += ' or "auto" (the plan decides)'

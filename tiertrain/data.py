@@ -152,3 +152,26 @@ class Loader:
         rows = [self._row(step * self.B + j) for j in range(self.B)]
         block = np.stack([np.asarray(self.tokens[r * S:r * S + S + 1], dtype=np.int64) for r in rows])
         return block[:, :-1], block[:, 1:]
+
+
+def loaders(path: str, val_path: str, val_fraction: float, shuffle: bool, seq_len: int, batch_size: int,
+            vocab_size: int, seed: int) -> tuple[Loader, Loader | None]:
+    """The training batches (the token file at `path`, else the built-in corpus) and the validation batches (the
+    file at `val_path`, or the last `val_fraction` of the training rows; None: neither), the validation ones the
+    first batches, unshuffled: every evaluation reads the same ones. A file tokenized with a larger vocabulary
+    than the model's is refused (a smaller one is fine: models pad their vocabulary)."""
+    if path:
+        tokens, name = read_tokens(path), path
+        if token_vocab(name) > vocab_size:
+            raise DataError(f"{name} was tokenized with a vocabulary of {token_vocab(name):,} and "
+                            f"model.vocab_size is {vocab_size:,}: tokenize with the model's tokenizer, "
+                            "or raise model.vocab_size")
+    else:
+        tokens, name = builtin_tokens(), "the built-in corpus"
+    tokens, val = held_out(tokens, seq_len, val_fraction) if val_fraction else (tokens, None)
+    train = Loader(tokens, seq_len, batch_size, vocab_size, shuffle, seed, name)
+    if val_path:
+        val, name = read_tokens(val_path), val_path
+    elif val is not None:
+        name = f"the last {val_fraction:g} of {name} (data.val_fraction)"
+    return train, Loader(val, seq_len, batch_size, vocab_size, False, 0, name) if val is not None else None

@@ -11,11 +11,13 @@ state gathers, flags) to gloo.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ElsewhereError
 
 
 def _dist():
@@ -27,6 +29,25 @@ def _dist():
 def _gather(out: torch.Tensor, part: torch.Tensor, group=None) -> None:
     dist = _dist()  # torch 2.13 renamed all_gather_into_tensor; the GPU machines run 2.11
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, part, group=group)
+
+
+@dataclass
+class Together:
+    """What the ranks learned together on leaving a `with ranks.together(...)` block."""
+    error: BaseException | None = None  # this rank's, caught in the block
+    first: int | None = None  # the lowest rank that failed, the same on every rank; None: none did
+
+    @property
+    def failed(self) -> bool:
+        return self.first is not None
+
+    def raise_any(self, rank: int) -> None:
+        """Raises this rank's error where it is the first that failed, ElsewhereError where another is."""
+        if self.first is None:
+            return
+        if self.first == rank and self.error is not None:
+            raise self.error
+        raise ElsewhereError("another rank failed")
 
 
 @dataclass
@@ -119,6 +140,18 @@ class Ranks:
         out = torch.zeros(self.size * len(values), dtype=torch.int64)
         _gather(out, t)
         return [r.tolist() for r in out.view(self.size, len(values))]
+
+    @contextmanager
+    def together(self, *catch: type[BaseException]) -> Iterator[Together]:
+        """A block every rank runs, then learns together whether any failed: an exception of the `catch` types
+        in it is kept (Together.error), others pass through at once; on leaving, Together.first is the lowest
+        rank that failed (None: none), the same on every rank."""
+        agreed = Together()
+        try:
+            yield agreed
+        except catch as e:
+            agreed.error = e
+        agreed.first = self.first_failed(agreed.error is not None)
 
     def any_failed(self, failed: bool) -> bool:
         """Whether some rank failed (each says whether it did): every rank learns it together."""

@@ -9,25 +9,29 @@ import psutil
 import torch
 
 from . import checkpoint as ckpt
-from . import placing
 from .config import Config, fixed
-from .data import Loader, builtin_tokens, held_out, read_tokens, token_vocab
+from .data import loaders
 from .engine.activations import Checkpoints
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError, DataError
+from .errors import ConfigError
 from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
 from .optim.adamw import HostAdamW, lr_at
 from .optim.updates import Updates
+from .modes import Home, Update
 from .parallel import Ranks
-from .plan.resolve import resolve
+from .plan.resolve import check_ram, resolve
+from .plan.runplan import RunPlan
+from .probe import available_ram, run_hardware
 from .state import State
 from .tiers.host import HostStore
+from .tiers.manager import nvme_tier
 from .tiers.nvme import check_backend, discard
-from .tiers.placement import kind_bytes, spilled_bytes
+from .tiers.pieces import checkpoint_store
+from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -51,6 +55,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _imported(cfg: Config, resume: Path | None) -> tuple[Config, HFReader | None]:
+    """The config a run trains: with train.init_from (and no checkpoint to resume), a copy whose [model] is the
+    Hugging Face model's (the caller's stays as given), checked whole before anything large is allocated; and
+    the reader of its weights."""
+    if not cfg.train.init_from or resume is not None:
+        return cfg, None
+    cfg = copy.deepcopy(cfg)
+    cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
+    cfg.validate()
+    reader = HFReader(cfg.train.init_from)
+    reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
+    return cfg, reader
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None,
                  updates: dict[int, str] | None = None, hardware: Path | None = None, ranks: Ranks | None = None):
@@ -60,75 +78,89 @@ class Trainer:
         `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference).
         `ranks`: the ranks training together (parallel.Ranks; None: the torchrun job of the environment, or
         this process alone): each holds 1/N of the state and takes 1/N of every batch's rows."""
-        hf_reader = None
         if cfg.train.tensorboard:
             tensorboard_writer(None)  # refused here, before anything is allocated, when the package is missing
-        if cfg.train.init_from and resume is None:  # checked whole before anything large is allocated
-            cfg = copy.deepcopy(cfg)  # the caller's Config stays as given; self.cfg holds the imported [model]
-            cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
-            cfg.validate()
-            hf_reader = HFReader(cfg.train.init_from)
-            hf_reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
-        self.cfg, self.run_name = cfg, run_name
-        spec, tc = cfg.model, cfg.train
+        cfg, hf_reader = _imported(cfg, resume)
+        self.cfg, self.run_name, tc, d = cfg, run_name, cfg.train, cfg.data
         self.ranks, self.owns_ranks = ranks or Ranks.from_env(), ranks is None  # close() ends the group it made
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
-        self.dtype = DTYPES[tc.compute_dtype]
-        if cfg.data.path:
-            tokens, name = read_tokens(cfg.data.path), cfg.data.path
-            if token_vocab(name) > spec.vocab_size:  # a smaller one is fine: models pad their vocabulary
-                raise DataError(f"{name} was tokenized with a vocabulary of {token_vocab(name):,} and "
-                                f"model.vocab_size is {spec.vocab_size:,}: tokenize with the model's tokenizer, "
-                                "or raise model.vocab_size")
-        else:
-            tokens, name = builtin_tokens(), "the built-in corpus"
-        d = cfg.data
-        tokens, val = held_out(tokens, tc.seq_len, d.val_fraction) if d.val_fraction else (tokens, None)
-        self.loader = Loader(tokens, tc.seq_len, tc.batch_size, spec.vocab_size, d.shuffle, tc.seed, name)
-        if d.val_path:
-            val, name = read_tokens(d.val_path), d.val_path
-        elif val is not None:
-            name = f"the last {d.val_fraction:g} of {name} (data.val_fraction)"
-        # the first batches, unshuffled: every evaluation reads the same ones
-        self.val = Loader(val, tc.seq_len, tc.batch_size, spec.vocab_size, False, 0, name) if val is not None else None
-
-        self.units = spec.units()
+        self.loader, self.val = loaders(d.path, d.val_path, d.val_fraction, d.shuffle, tc.seq_len, tc.batch_size,
+                                        cfg.model.vocab_size, tc.seed)
+        self.units = cfg.model.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]  # this rank's part
-        pin = self.device.type == "cuda"
+        # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
+        self.hw, self.plan, self.run_plan, self.chosen = self._plan(resume, updates, hardware)
+        self.dtype, self.where, rp = DTYPES[self.run_plan.compute_dtype], self.run_plan.where(), self.run_plan
+        self.predicts = pin = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
+        self.host = HostStore(self.shards, self.dtype, pin, compute_copy=rp.stream == "compute", where=self.where,
+                              device=self.device)
+        t, spilled = cfg.tiers, Home.NVME in self.where.values()
+        self.tiers = nvme_tier(rp, {k: self.host.dtype(k) for k in self.host.kinds}, self.host.streamed_kind, pin,
+                               t.nvme_dir, run_name, t.io, t.io_threads, {"model": cfg.to_dict()["model"]},
+                               replace=resume is not None) if spilled else None
+        self._build(cfg, resume, hf_reader, pin)
+
+    def _plan(self, resume: Path | None, updates: dict[int, str] | None, hardware: Path | None):
+        """(the figures the run plans with, its plan, the RunPlan it obeys, the settings the plan chose): what the
+        config leaves "auto" settled for this machine and this rank, and what cannot run here refused, before
+        anything is allocated, naming the setting to change."""
+        cfg, ranks, tc = self.cfg, self.ranks, self.cfg.train
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
         micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
-        if micro and (tc.batch_size // self.ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
+        if micro and (tc.batch_size // ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
             micro = None
-        self.hw = placing.hardware(self.device, hardware, cfg.optim.host_kernel)  # the figures the run plans with
+        hw = run_hardware(self.device, hardware, cfg.optim.host_kernel)
         # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
         # what the host cannot hold goes to the GPU's memory when it has room
-        avail = placing.available_ram()
-        self.ranks.barrier()  # every rank of the host has seen its RAM before any allocates
-        ram = None if self.hw.unified else avail * 0.9 / 1e9  # the host's, for its ranks
-        self.plan, self.run_plan, self.chosen = resolve(cfg, self.hw, micro, ram, self.ranks.size,
-                                                        self.ranks.local_size)
-        self.predicts = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
-        if updates:
-            self.run_plan = self.run_plan.with_updates(updates)
-        # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
-        self.where, self.tiers = self.run_plan.where(), None
-        numels = [sh.numel for sh in self.shards]
-        speculated = self.run_plan.updated("host-speculated", "gpu-speculated")
-        copied = speculated if cfg.optim.grad_clip > 0 else frozenset()  # clipping may undo them
-        placing.check_ram(cfg, self.run_plan, numels, copied, pin, self.plan.gpu_total if self.hw.unified else 0.0,
-                          avail // self.ranks.local_size, self.ranks.local_size)
-        if "nvme" in self.where.values():
+        avail = available_ram()
+        ranks.barrier()  # every rank of the host has seen its RAM before any allocates
+        ram = None if hw.unified else avail * 0.9 / 1e9  # the host's, for its ranks
+        p, rp, chosen = resolve(cfg, hw, micro, ram, ranks.size, ranks.local_size)
+        rp = rp.with_updates(updates) if updates else rp
+        if Home.NVME in rp.where().values():
             check_backend(cfg.tiers.io)
-        self.host = HostStore(self.shards, self.dtype, pin, compute_copy=self.run_plan.stream == "compute",
-                              where=self.where, device=self.device)
-        if "nvme" in self.where.values():
-            self.tiers = placing.nvme_tier(cfg, self.run_plan, numels,
-                                           {k: self.host.dtype(k) for k in self.host.kinds},
-                                           self.host.streamed_kind, pin, run_name, replace=resume is not None)
+        check_ram(rp, self.copied(rp), avail // ranks.local_size, cfg.tiers.host_gb, cfg.tiers.nvme_dir,
+                  p.gpu_total if hw.unified else 0.0, ranks.local_size)
+        return hw, p, rp, chosen
+
+    def copied(self, rp: RunPlan) -> frozenset[int]:
+        """The units whose speculated update writes copies of their master and moments: clipping may undo it."""
+        speculated = rp.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED)
+        return speculated if self.cfg.optim.grad_clip > 0 else frozenset()
+
+    def _build(self, cfg: Config, resume: Path | None, hf_reader, pin: bool) -> None:
+        """The rest of __init__: the device buffers, the updates, the initial state and the step."""
         try:
-            self._build(cfg, resume, hf_reader, copied, pin)
+            spec, tc, t = cfg.model, cfg.train, cfg.tiers
+            self.host.add_copies(self.copied(self.run_plan))
+            self.streams = Streams(self.device)
+            self.clock = StallClock(self.streams)
+            reader = self.tiers if self.tiers and self.tiers.s_units else None
+            self.slots = WeightSlots(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
+                                     reader=reader, shards=self.shards, ranks=self.ranks)
+            self.state = State(self.units, self.layouts, self.shards, self.ranks, self.host, self.tiers, self.where)
+            self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self.state.grad_sink,
+                                      self.shards, self.ranks)
+            rp = self.run_plan
+            self.updates = Updates(rp, HostAdamW(self.host, self.shards, cfg.optim, self.tiers), self.grads,
+                                   self.streams, self.device, tc.overlap, self.tiers)
+            self.checkpoints = Checkpoints(rp.checkpoints(), self.streams, self.clock, self.device, pin,
+                                           checkpoint_store(rp, t.nvme_dir, self.run_name, t.io, t.io_threads),
+                                           getattr(torch, rp.checkpoint_dtype))
+            context = Context.build(spec, tc.seq_len, self.dtype, self.device, rp.tile)
+            self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
+                                 self.clock, context, fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, rp.kept(),
+                                 self.ranks)
+            self.step = 0
+            if resume is not None:
+                self.restore(resume)
+            elif hf_reader is not None:
+                self.state.load(hf_reader.get)
+            else:
+                self.state.init_weights(spec.initializer_range, tc.seed)
+            self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
         except BaseException:  # a refusal after a store was made (another model's checkpoint): it goes
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.close()
@@ -137,50 +169,21 @@ class Trainer:
             self.discard_scratch()
             raise
 
-    def _build(self, cfg: Config, resume: Path | None, hf_reader, copied: frozenset[int], pin: bool) -> None:
-        """The rest of __init__: the device buffers, the updates, the initial state and the step."""
-        spec, tc = cfg.model, cfg.train
-        self.host.add_copies(copied)
-        self.streams = Streams(self.device)
-        self.clock = StallClock(self.streams)
-        self.slots = WeightSlots(self.layouts, self.host, self.device, self.dtype, self.streams, self.clock,
-                                 reader=self.tiers if self.tiers and self.tiers.s_units else None, shards=self.shards,
-                                 ranks=self.ranks)
-        self.state = State(self.units, self.layouts, self.shards, self.ranks, self.host, self.tiers, self.where)
-        self.grads = Accumulators(self.layouts, self.device, self.streams, self.clock, self.state.grad_sink,
-                                  self.shards, self.ranks)
-        self.updates = Updates(self.run_plan, HostAdamW(self.host, self.shards, cfg.optim, self.tiers), self.grads,
-                               self.streams, self.device, tc.overlap, self.tiers)
-        self.checkpoints = Checkpoints(self.run_plan.checkpoints(), self.streams, self.clock, self.device, pin,
-                                       placing.checkpoint_store(cfg, self.run_plan, self.run_name),
-                                       getattr(torch, self.run_plan.checkpoint_dtype))
-        self.schedule = Step(self.units, self.layouts, self.slots, self.grads, self.checkpoints, self.updates,
-                           self.clock, Context.build(spec, tc.seq_len, self.dtype, self.device, self.run_plan.tile),
-                           fixed(tc.loss_chunk_tokens), cfg.optim.grad_clip, self.run_plan.kept(), self.ranks)
-        self.step = 0
-        if resume is not None:
-            self.restore(resume)
-        elif hf_reader is not None:
-            self.state.load(hf_reader.get)
-        else:
-            self.state.init_weights(spec.initializer_range, tc.seed)
-        self.peak_tflops = bf16_peak_tflops(self.device) if self.dtype == torch.bfloat16 else None
-
     def plan_json(self) -> str:
         """<out>/plan.json: the RunPlan this run obeys (run-wide choices, every unit's update and homes), with
         the cost model's prediction (on a CPU from rough figures), in the keys of `tiertrain plan --format json`."""
         import json
-        from dataclasses import asdict
+        from dataclasses import replace
 
-        out = asdict(self.plan)
-        out.update(self.run_plan.to_dict())
-        return json.dumps(out, indent=1, default=float) + "\n"
+        from .plan.report import plan_dict
+
+        return json.dumps(plan_dict(replace(self.plan, run_plan=self.run_plan)), indent=1, default=float) + "\n"
 
     def device_nbytes(self) -> int:
         return self.slots.nbytes() + self.grads.nbytes() + self.updates.gpu.nbytes()
 
     def kind_bytes(self) -> dict[str, int]:
-        return kind_bytes(self.cfg.train.compute_dtype, self.run_plan.stream)
+        return self.run_plan.kind_bytes()
 
     def _quiesce(self) -> None:
         """The update in flight lands (on the GPU too), and the NVMe write-backs with it: the state is

@@ -10,14 +10,15 @@ reads a block's pieces, a few at a time, one unit ahead of the backward pass, af
 """
 from __future__ import annotations
 
-import queue
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..modes import Home
 from ..tiers.placement import CK_PIECE_BYTES, CK_RING_PIECES
+from ..tiers.ring import Ring
 from ..tiers.slab import alloc_slab
 from .streams import StallClock, Streams
 
@@ -42,11 +43,8 @@ class Checkpoints:
         self.reads: dict[int, Future] = {}  # block -> its reader job (-> the H2D event of its last piece)
         if store is not None:
             # threads: the main thread (save, prefetch, get), one writer and one reader (owned here, shut by
-            # close()); the ring is a thread-safe queue; `written` is set by the main thread before the reader reads it
-            piece = CK_PIECE_BYTES // 4
-            self.ring: queue.Queue = queue.Queue()
-            for _ in range(CK_RING_PIECES):
-                self.ring.put(alloc_slab(piece, torch.float32, pin))
+            # close()); the ring is thread-safe; `written` is set by the main thread before the reader reads it
+            self.ring = Ring(CK_RING_PIECES, CK_PIECE_BYTES // 4, torch.float32, pin)
             self._out = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-out")
             self._in = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-in")
             self.written: dict[int, Future] = {}  # block -> its writer job (-> the disk writes of its pieces)
@@ -59,11 +57,11 @@ class Checkpoints:
             self.store.close()
 
     def ring_nbytes(self) -> int:
-        return CK_RING_PIECES * CK_PIECE_BYTES if self.store is not None else 0
+        return self.ring.nbytes if self.store is not None else 0
 
     # ---- the forward pass --------------------------------------------------------------------
     def save(self, unit: int, xs: list[torch.Tensor]) -> None:
-        home = self.homes.get(unit, "gpu")
+        home = self.homes.get(unit, Home.GPU)
         xs = [x.to(self.dtype) for x in xs]  # no copy in fp32
         shape = (len(xs),) + tuple(xs[0].shape)
         if shape != self._shape:  # a new batch shape: drop the old host buffers
@@ -105,7 +103,7 @@ class Checkpoints:
         `xs` (their GPU memory) is let go when it returns."""
         writes = []
         for m, i, a, b in self._pieces(xs):
-            buf = self.ring.get()
+            buf = self.ring.take()
             with self.s.on(self.s.d2h):
                 self.s.wait(self.s.d2h, done)
                 buf.view(self.dtype)[:b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
@@ -113,14 +111,14 @@ class Checkpoints:
             if copied is not None:
                 copied.synchronize()
             f = self.store.write(unit, i, buf)
-            f.add_done_callback(lambda _, buf=buf: self.ring.put(buf))
+            self.ring.give(buf, after=f)  # free once its write has landed
             writes.append(f)
         return writes
 
     # ---- the backward pass -------------------------------------------------------------------
     def prefetch(self, unit: int) -> None:
-        home = self.homes.get(unit, "gpu")
-        if home == "gpu" or unit in self.saved:
+        home = self.homes.get(unit, Home.GPU)
+        if home == Home.GPU or unit in self.saved:
             return
         if home == "host":
             host = self._host[unit]
@@ -151,7 +149,7 @@ class Checkpoints:
         while todo or flight:
             while todo and len(flight) < READ_WINDOW:
                 m, i, a, b = todo.popleft()
-                buf = self.ring.get()
+                buf = self.ring.take()
                 flight.append((m, a, b, buf, self.store.read(unit, i, buf)))
             m, a, b, buf, f = flight.popleft()
             f.result()
@@ -162,7 +160,7 @@ class Checkpoints:
                 last = self.s.record(self.s.h2d)
             if last is not None:
                 last.synchronize()  # the buffer is free once its copy has read it
-            self.ring.put(buf)
+            self.ring.give(buf)
         return last
 
     def get(self, unit: int) -> list[torch.Tensor]:

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import torch
 
+from ..modes import STATE, Kind, Update
 from ..plan.runplan import RunPlan
 from .adamw import HostAdamW, OptimizerThread
 
-UPDATED = ("master", "exp_avg", "exp_avg_sq")  # what a GPU update writes back to the host slabs
-ON_GPU = ("gpu", "gpu-speculated", "resident")
+ON_GPU = (Update.GPU, Update.GPU_SPECULATED, Update.RESIDENT)
 
 
 class _StateSet:
     """fp32 master, gradient and moments of one unit being updated on the GPU."""
 
     def __init__(self, numel: int, device: torch.device):
-        self.t = {k: torch.empty(numel, dtype=torch.float32, device=device) for k in UPDATED + ("grad",)}
+        self.t = {k: torch.empty(numel, dtype=torch.float32, device=device) for k in (*STATE, Kind.GRAD)}
         self.free = None  # event: their write-back to the host has been read out
 
 
@@ -38,8 +38,8 @@ class GpuUpdates:
 
     def __init__(self, opt: HostAdamW, plan: RunPlan, grads, streams, device: torch.device):
         self.opt, self.host, self.grads, self.s = opt, opt.host, grads, streams
-        self.resident = plan.updated("resident")
-        crossing = plan.updated("gpu", "gpu-speculated")
+        self.resident = plan.updated(Update.RESIDENT)
+        crossing = plan.updated(Update.GPU, Update.GPU_SPECULATED)
         big = max((opt.layouts[u].numel for u in crossing), default=0)
         self.sets = [_StateSet(big, device) for _ in range(2 if crossing else 0)]
         self._turn = 0
@@ -58,7 +58,7 @@ class GpuUpdates:
                                step, lr, clip)
             return s["master"]
         st = self._next_set()
-        return self._in_set(unit, st, UPDATED + ("grad",), (st.free, self.grads.ready.get(unit), self.written.get(unit)),
+        return self._in_set(unit, st, (*STATE, Kind.GRAD), (st.free, self.grads.ready.get(unit), self.written.get(unit)),
                             (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])["master"]
 
     def speculate(self, unit: int, step: int, lr: float, into: dict | None) -> None:
@@ -71,7 +71,7 @@ class GpuUpdates:
             st.t["grad"][:acc.numel()].copy_(acc)
             copied = self.s.record(self.s.d2h)
         self.grads.read_until(unit, copied)
-        self._in_set(unit, st, UPDATED, (copied, self.written.get(unit)), (self.s.spec, self.s.back), step, lr, 1.0,
+        self._in_set(unit, st, STATE, (copied, self.written.get(unit)), (self.s.spec, self.s.back), step, lr, 1.0,
                      into or self.host.slabs[unit])
 
     def _next_set(self) -> _StateSet:
@@ -96,11 +96,11 @@ class GpuUpdates:
             done = self.s.record(s_in)
         with self.s.on(s_out):
             self.s.wait(s_out, done)
-            for k in UPDATED:
+            for k in STATE:
                 dst[k].copy_(t[k], non_blocking=True)
             st.free = self.written[unit] = self.s.record(s_out)
         self.h2d_bytes += len(kinds) * n * 4
-        self.d2h_bytes += len(UPDATED) * n * 4
+        self.d2h_bytes += len(STATE) * n * 4
         return t
 
     def synchronize(self) -> None:
@@ -120,10 +120,10 @@ class Updates:
                  tiers=None):
         self.plan, self.opt, self.grads, self.tiers = plan, opt, grads, tiers
         self.mode = [u.update for u in plan.units]
-        self.host = OptimizerThread(opt, len(plan.units), overlap, plan.updated("host", "host-speculated"),
-                                    plan.updated("host-speculated"))
+        self.host = OptimizerThread(opt, len(plan.units), overlap, plan.updated(Update.HOST, Update.HOST_SPECULATED),
+                                    plan.updated(Update.HOST_SPECULATED))
         self.gpu = GpuUpdates(opt, plan, grads, streams, device)
-        self.any_speculated = bool(plan.updated("host-speculated", "gpu-speculated"))
+        self.any_speculated = bool(plan.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED))
         self.timeline = self.host.timeline
         self.pending: dict[int, tuple[int, float, float]] = {}  # GPU updates due at the unit's next load
         self.speculating: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
@@ -162,9 +162,9 @@ class Updates:
         """Unit u's gradient is on its way out of its accumulator: a speculated update starts from it."""
         if self.speculating is None:
             return
-        if self.mode[unit] == "host-speculated":
+        if self.mode[unit] == Update.HOST_SPECULATED:
             self.host.speculate(unit, self.grads.ready.get(unit), *self.speculating)
-        elif self.mode[unit] == "gpu-speculated":
+        elif self.mode[unit] == Update.GPU_SPECULATED:
             self.gpu.speculate(unit, *self.speculating, self.opt.host.copies.get(unit))
             self.on_gpu.add(unit)
 

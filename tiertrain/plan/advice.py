@@ -4,28 +4,35 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..model.spec import ModelSpec
 from .hardware import HardwareSpec
-from .planner import LARGEST_LAYERS, LONGEST_SEQ, PROCESS_GB, Budgets, Plan, evaluate, plan, resident_room, spare_gb
+from .planner import PROCESS_GB, evaluate, plan, resident_room, settled, spare_gb
+from .values import Budgets, Choice, Job, Plan
+
+LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
+LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
 
 
-def explain(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec, gpu_updates: int,
-             clipping: bool = True) -> Plan:
-    """What the report adds to the chosen plan: advice, the largest model of its shape that fits these
-    budgets, and with an NVMe tier the least host budget of its choice."""
-    chosen = replace(budgets, resident_gb=p.resident_gb)  # "auto" settled
-    p.advice = advice(spec, p, chosen, hw)
-    p.largest_layers, p.largest_params = largest(spec, p, budgets, hw)
-    p.longest_seq_len, p.longest_bound = longest(spec, p, budgets, hw)
-    if budgets.nvme_gb:
-        p.least_host = evaluate(spec, p.batch, p.seq_len, p.dtype, p.micro_batch, p.stream, p.activations, chosen,
-                                hw, p.model, gpu_updates, least=True, clipping=clipping,
-                                speculate=p.speculated, speculate_gpu=p.gpu_speculated,
-                                ck_dtype=p.checkpoint_dtype).least_host
+def explain(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()) -> Plan:
+    """The chosen plan `p` of `job` (planner.plan's, with these budgets and `fixed`), with what the report adds:
+    advice, the largest model of its shape that fits these budgets, the longest sequence, and with an NVMe tier
+    the least host budget of its choice. A miss is returned as it is."""
+    if not p.fits:
+        return p
+    fixed, budgets = settled(fixed, budgets, hw)
+    rp = p.run_plan
+    chosen = replace(budgets, resident_gb=rp.resident_gb)  # "auto" settled
+    p.advice = advice(job, p, chosen, hw)
+    p.largest_layers, p.largest_params = largest(job, p, budgets, hw)
+    p.longest_seq_len, p.longest_bound = longest(job, p, budgets, hw)
+    if budgets.nvme_gb:  # the least host budget of this choice, on one rank
+        one = replace(job, gpus=1, per_host=0, name=p.model)
+        exact = Choice(rp.micro_batch, rp.stream, rp.activations, fixed.gpu_updates, p.speculated, p.gpu_speculated,
+                       keep=0)
+        p.least_host = evaluate(one, exact, chosen, hw, least=True).least_host
     return p
 
 
-def advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
+def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     """Single changes, each with its predicted gain, best first."""
     tries = []
     if p.nvme_bytes:
@@ -34,26 +41,29 @@ def advice(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list
                       "(NVMe traffic gone)", replace(budgets, host_gb=need)))
     spare = spare_gb(p, budgets, hw)
     if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
-        gb = int(p.resident_gb + spare * 0.9)
+        gb = int(p.run_plan.resident_gb + spare * 0.9)
         tries.append((f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
                       replace(budgets, resident_gb=gb)))
     tries.append(("twice the batch (tokens per step)", None))
     out = []
-    for text, b in tries:
-        q = plan(spec, p.batch * (1 if b else 2), p.seq_len, p.dtype, b or budgets, hw, advise=False,
-                 ck_dtype=p.checkpoint_dtype)
+    for text, b in tries:  # each variant on one rank, with every choice and clipping left to the plan
+        variant = Job(job.spec, p.batch * (1 if b else 2), p.seq_len, job.dtype, job.checkpoint_dtype)
+        q = plan(variant, b or budgets, hw)
         if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
             out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
     return [t for _, t in sorted(out, reverse=True)]
 
 
-def largest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
+def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
     """The most decoder layers of this shape that still fit the budgets (binary search, up to
     LARGEST_LAYERS). Memory alone decides, so each try plans the plan's micro-batch with nothing
     speculated or updated on the GPU (what costs the least memory), with a resident budget "auto" at all
     the GPU memory left: a few candidates, O(layers) each."""
+    spec = job.spec
+
     def fits(n: int) -> bool:
-        return _fits(replace(spec, num_hidden_layers=n), p, p.batch, p.seq_len, p.micro_batch, budgets, hw)[0]
+        deeper = Job(replace(spec, num_hidden_layers=n), p.batch, p.seq_len, job.dtype, job.checkpoint_dtype)
+        return _fits(deeper, p, p.run_plan.micro_batch, budgets, hw)[0]
 
     lo = _most(fits, spec.num_hidden_layers, LARGEST_LAYERS)
     return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
@@ -71,19 +81,20 @@ def _most(fits, start: int, cap: int) -> int:
     return lo
 
 
-def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budgets: Budgets,
-          hw: HardwareSpec) -> tuple[bool, str]:
-    """(whether `spec` at this batch fits the budgets in the least memory: nothing speculated or updated on
-    the GPU, either stream, any checkpoint home or their split, a resident budget "auto" at all the GPU memory left; the budget the
-    misses are short of, each named once: "GPU", "host", "NVMe")."""
+def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> tuple[bool, str]:
+    """(whether `job` fits the budgets in the least memory: nothing speculated or updated on the GPU, either
+    stream, any checkpoint home or their split, a resident budget "auto" at all the GPU memory left; the budget
+    the misses are short of, each named once: "GPU", "host", "NVMe")."""
     short: list[str] = []
-    for stream in ("compute", "master") if p.dtype == "bfloat16" else ("master",):
+    for stream in ("compute", "master") if job.dtype == "bfloat16" else ("master",):
         for acts in ("gpu", "host", "split"):
+            least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0)
+
             def at(b: Budgets) -> Plan:
-                return evaluate(spec, batch, seq_len, p.dtype, micro, stream, acts, b, hw, gpu_updates=0, speculate=0,
-                                ck_dtype=p.checkpoint_dtype)
+                return evaluate(job, least, b, hw)
             # "auto": all the GPU leaves (the most memory resident state can add)
-            resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.resident_gb
+            resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else \
+                p.run_plan.resident_gb
             q = at(replace(budgets, resident_gb=resident))
             if q.fits:
                 return True, ""
@@ -91,12 +102,12 @@ def _fits(spec: ModelSpec, p: Plan, batch: int, seq_len: int, micro: int, budget
     return False, ", ".join(sorted(set(short), key=("GPU", "host", "NVMe").index))
 
 
-def longest(spec: ModelSpec, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, str]:
+def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, str]:
     """The longest sequence, in multiples of 1024 tokens, that one sequence per step (batch 1) can train with
     under these budgets (binary search up to LONGEST_SEQ), and the budgets the next 1024 tokens miss
     ("GPU": its memory for the working set and activations; "host"; "NVMe"; comma-separated)."""
     def fits(n: int) -> tuple[bool, str]:
-        return _fits(spec, p, 1, n * 1024, 1, budgets, hw)
+        return _fits(Job(job.spec, 1, n * 1024, job.dtype, job.checkpoint_dtype), p, 1, budgets, hw)
 
     n, cap = _most(lambda n: fits(n)[0], 1, LONGEST_SEQ // 1024), LONGEST_SEQ // 1024
     return n * 1024, "" if n == cap else fits(n + 1)[1]

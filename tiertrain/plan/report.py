@@ -1,21 +1,38 @@
 """The capacity report: markdown for people, JSON for tools. Pure Python."""
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict
+from dataclasses import fields
 
 from ..sizes import budget
-from .planner import LARGEST_LAYERS, Plan
+from .advice import LARGEST_LAYERS
+from .values import Plan
+
+# the RunPlan's fields among the plan's own, in the order of the JSON (`tiertrain plan --format json`, plan.json)
+AFTER = {"seq_len": ("dtype", "micro_batch", "stream", "activations"), "gpu_updates": ("resident_gb",),
+         "checkpoints": ("tile", "checkpoint_dtype"), "hardware": ("gpus",), "gpus_per_host": ("units",)}
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB"
 
 
+def plan_dict(p: Plan) -> dict:
+    """The plan as one flat table: its own values and its RunPlan's (units as RunPlan.to_dict writes them)."""
+    rp = p.run_plan.to_dict() | {"dtype": p.run_plan.compute_dtype}
+    out = {}
+    for f in fields(p):
+        if f.name != "run_plan":
+            out[f.name] = copy.deepcopy(getattr(p, f.name))
+            out.update((k, rp[k]) for k in AFTER.get(f.name, ()))
+    return out
+
+
 def to_json(p: Plan, one: Plan | None = None) -> str:
-    d = asdict(p)
+    d = plan_dict(p)
     d.update(host_total_bytes=p.host_total, gpu_total_bytes=p.gpu_total)
-    if one is not None and p.gpus > 1:
+    if one is not None and p.run_plan.gpus > 1:
         d["scaling"] = {"one_gpu_tokens_per_s": one.tokens_per_s, "speedup": _speedup(p, one), "bound": _bound(p)}
     return json.dumps(d, indent=1, default=float)
 
@@ -27,7 +44,8 @@ def _checkpoints(p: Plan) -> str:
     text = ("activation checkpoints on " + homes[0][0] if len(homes) == 1 else
             "activation checkpoints split: " + ", ".join(f"{n} on {h}" for h, n in homes)) if homes else \
         "no activation checkpoints"
-    return text + (f"; blocks in tiles of {p.tile:,} tokens" if p.tile else "")
+    tile = p.run_plan.tile
+    return text + (f"; blocks in tiles of {tile:,} tokens" if tile else "")
 
 
 def _speedup(p: Plan, one: Plan) -> float:
@@ -45,10 +63,11 @@ def _bound(p: Plan) -> str:
 
 def _ranks(p: Plan, one: Plan | None) -> list[str]:
     """What N GPUs do: each rank's share, the scaling against one GPU at the same batch, and what bounds it."""
-    if p.gpus == 1:
+    gpus = p.run_plan.gpus
+    if gpus == 1:
         return []
-    head = (f"**{p.gpus} GPUs**, {p.gpus_per_host} per host: each rank takes {p.rows} of the batch's {p.batch} rows, "
-            f"holds and updates 1/{p.gpus} of every slab (the tables below are one rank's; --host-gb is the "
+    head = (f"**{gpus} GPUs**, {p.gpus_per_host} per host: each rank takes {p.rows} of the batch's {p.batch} rows, "
+            f"holds and updates 1/{gpus} of every slab (the tables below are one rank's; --host-gb is the "
             f"host's); the weights cross each GPU's PCIe link as shards and are all-gathered, the gradients "
             f"reduce-scattered.")
     if one is None or not one.fits:
@@ -59,17 +78,20 @@ def _ranks(p: Plan, one: Plan | None) -> list[str]:
 
 def to_markdown(p: Plan, one: Plan | None = None) -> str:
     """`one`: the plan of one GPU at the same batch, for a plan of several (the scaling)."""
-    out = [f"# Plan: {p.model}, {p.params / 1e9:.2f} B parameters, batch {p.batch} x {p.seq_len} tokens, {p.dtype}",
+    rp = p.run_plan
+    out = [f"# Plan: {p.model}, {p.params / 1e9:.2f} B parameters, batch {p.batch} x {p.seq_len} tokens, "
+           f"{rp.compute_dtype}",
            "", f"hardware: {p.hardware}", ""]
     if not p.fits:
         return "\n".join(out + [f"**Does not fit.** {p.why}", ""])
     out += _ranks(p, one)
     out += [f"**Fits.** Predicted step {p.step_s:.2f} s: {p.tokens_per_s:,.0f} tokens/s, "
             f"{p.model_tflops:.0f} model TFLOP/s; bottleneck: **{p.bottleneck}**.", "",
-            f"Micro-batch {p.micro_batch}; "
-            + (f"{p.resident_gb:g} GB of GPU memory holds the whole state of the first units; " if p.resident_gb else "")
+            f"Micro-batch {rp.micro_batch}; "
+            + (f"{rp.resident_gb:g} GB of GPU memory holds the whole state of the first units; " if rp.resident_gb
+               else "")
             + "weights stream as "
-            f"{'a host bf16 copy' if p.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
+            f"{'a host bf16 copy' if rp.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
             + _checkpoints(p)
             + (f" ({p.kept} last blocks keep their activations on the GPU instead: no recompute); " if p.kept else "; ")
             + _updates(p), "",

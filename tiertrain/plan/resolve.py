@@ -5,18 +5,26 @@ from __future__ import annotations
 from ..config import AUTO, Config, fixed
 from ..errors import ConfigError
 from ..sizes import budget, gb
-from ..tiers.placement import kind_bytes, least_host, resident_units
+from ..tiers.placement import (CK_RING_BYTES, copy_bytes, host_state_bytes, least_host, resident_units, ring_bytes,
+                               ring_widths)
 from ..tiers.slab import host_cost
+from .advice import explain
 from .hardware import HardwareSpec
-from .planner import Budgets, Plan, _layouts, plan
+from .planner import plan
 from .runplan import RunPlan
+from .values import Budgets, Choice, Job, Plan
 
 
-def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
-           name: str, micro: int | None = None, advise: bool = True, gpus: int = 1, per_host: int | None = None) -> Plan:
-    """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host). `micro`:
-    the micro-batch a resumed run ran with, kept where the config leaves it to the plan. `gpus`: of one of
-    that many ranks, `per_host` on each host (default: all on one)."""
+def job_of(cfg: Config, name: str, gpus: int = 1, per_host: int | None = None) -> Job:
+    """What `cfg` trains, as one of `gpus` ranks (`per_host` of them on each host; None: all on one)."""
+    tc = cfg.train
+    return Job(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, cfg.tiers.checkpoint_dtype,
+               cfg.optim.grad_clip > 0, gpus, per_host or 0, name)
+
+
+def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
+    """What `cfg` fixes of a plan (None where it says "auto"). `micro`: the micro-batch a resumed run ran with,
+    kept where the config leaves it to the plan."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
     stream = fixed(t.stream)
     if t.gpu_update_units not in (AUTO, 0) and tc.compute_dtype == "bfloat16":
@@ -24,13 +32,20 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
             raise ConfigError('tiers.gpu_update_units needs tiers.stream="master" (the GPU update makes the '
                               'weights from the fp32 master); set it, or tiers.gpu_update_units=0')
         stream = "master"
-    return plan(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype,
-                Budgets(host_gb, gpu_gb, nvme_gb, t.gpu_resident_gb), hw, name=name, advise=advise,
-                gpu_updates=t.gpu_update_units, micro=fixed(tc.micro_batch_size) or micro,
-                clipping=o.grad_clip > 0, speculate=fixed(o.speculate_units),
-                speculate_gpu=fixed(o.speculate_gpu_updates), stream=stream, activations=fixed(t.activations),
-                keep=fixed(tc.keep_activations), tile=fixed(tc.tile_tokens), gpus=gpus, per_host=per_host,
-                ck_dtype=t.checkpoint_dtype)
+    return Choice(fixed(tc.micro_batch_size) or micro, stream, fixed(t.activations), fixed(t.gpu_update_units),
+                  fixed(o.speculate_units), fixed(o.speculate_gpu_updates), fixed(tc.keep_activations),
+                  fixed(tc.tile_tokens))
+
+
+def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
+           name: str, micro: int | None = None, advise: bool = True, gpus: int = 1, per_host: int | None = None) -> Plan:
+    """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host), with the
+    report's findings where `advise`. `micro`: the micro-batch a resumed run ran with, kept where the config
+    leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""
+    job, choice = job_of(cfg, name, gpus, per_host), fixed_choice(cfg, micro)
+    budgets = Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb)
+    p = plan(job, budgets, hw, choice)
+    return explain(job, p, budgets, hw, choice) if advise else p
 
 
 def chosen(cfg: Config) -> tuple[str, ...]:
@@ -60,7 +75,7 @@ def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None, ram_gb: flo
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
     if not p.fits:
         raise ConfigError(_refusal(cfg, p, micro))
-    return p, p.run_plan(), chosen(cfg)
+    return p, p.run_plan, chosen(cfg)
 
 
 def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
@@ -75,12 +90,10 @@ def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
                  "lower train.seq_len"]
         return f"{p.why}: " + ", or ".join(fixes)
     if p.short_of == "host":  # no NVMe tier
-        kb = kind_bytes(tc.compute_dtype, p.stream)
-        numels = _layouts(cfg.model, p.gpus)  # a rank's shards; the budget is the host's, for its ranks
-        resident = resident_units(numels, kb, p.resident_gb * 1e9)
+        kb, numels = p.run_plan.kind_bytes(), list(p.run_plan.numels)  # a rank's shards; the budget is the host's
+        resident = resident_units(numels, kb, p.run_plan.resident_gb * 1e9)
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
-        spec = cfg.model
-        acts = p.checkpoints.get("host", 0) * host_cost(p.rows * tc.seq_len * spec.hidden_size * 4)
+        acts = p.checkpoints.get("host", 0) * host_cost(p.run_plan.checkpoint_bytes(p.rows))
         total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.gpus_per_host
         least = least_host(rest, kb, acts, host_cost) * p.gpus_per_host
         return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
@@ -99,3 +112,47 @@ def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
                 f"{gb(p.least_host - t.host_gb * 1e9)} more than --host-gb {t.host_gb:g} holds beside the state: "
                 f"raise --host-gb to {budget(p.least_host)}, or {', or '.join(fix)}")
     return p.why.partition(": ")[2]  # NVMe: the spilled state is larger than --nvme-gb
+
+
+def check_ram(rp: RunPlan, copied: frozenset[int], avail: int, host_gb: float, nvme_dir: str, device: float = 0.0,
+              share: int = 1) -> None:
+    """Refuses, before anything is allocated, a run whose host memory (host_need, and `device` bytes: on a CPU
+    the working set, in the same RAM) is more than the `avail` bytes this process may take (one of `share` ranks
+    of a host: its share, measured before any of them allocated), naming the --host-gb and --nvme-dir that would
+    fit: the kernel would kill it mid-run otherwise. The refusal names the host's figures (--host-gb is the
+    host's); `host_gb`, `nvme_dir`: the run's (0 and "": none given)."""
+    need = host_need(rp, copied) + device
+    if need <= avail:
+        return
+    where, kb = rp.where(), rp.kind_bytes()
+    rest = [0 if where.get((u, "master")) == "gpu" else n for u, n in enumerate(rp.numels)]
+    least = least_host(rest, kb, host_checkpoints(rp), host_cost) + device
+    need, least, device, avail = need * share, least * share, device * share, avail * share  # the host's
+    have = f"this machine has {gb(avail)} of RAM available"
+    if least > avail * 0.9:
+        raise ConfigError(f"the run needs {gb(need)} of host memory and {have}; even with every slab it can "
+                          f"spill on disk it needs {gb(least)}"
+                          + (f" ({gb(device)} of it the device's working set)" if device else "")
+                          + ": use a machine with more RAM, or a smaller model or batch")
+    fit = f"{(avail * 0.9 - device) / 1e9:.3g}"  # a tenth left for the process itself
+    spill = f"--host-gb {fit}" + ("" if nvme_dir else " --nvme-dir DIR (a directory on a fast disk)")
+    if host_gb:
+        raise ConfigError(f"--host-gb {host_gb:g} is more than the RAM here, and the run needs {gb(need)} of it: "
+                          f"{have}; pass {spill} to spill the rest to disk")
+    raise ConfigError(f"the run needs {gb(need)} of host memory and {have}: pass {spill} to spill the rest "
+                      "to disk")
+
+
+def host_need(rp: RunPlan, copied: frozenset[int]) -> int:
+    """Host bytes of a run: the slabs its plan puts in RAM, the staging ring, host checkpoints, and the copies
+    of the `copied` units' master and moments (speculation under clipping)."""
+    kb, where, numels = rp.kind_bytes(), rp.where(), list(rp.numels)
+    return (sum(host_state_bytes(numels, kb, where, host_cost).values())
+            + ring_bytes(ring_widths(numels, where), kb, host_cost) + host_checkpoints(rp)
+            + sum(copy_bytes(numels[u], host_cost) for u in copied))
+
+
+def host_checkpoints(rp: RunPlan) -> int:
+    """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
+    return (len(rp.checkpoints("host")) * host_cost(rp.checkpoint_bytes(rp.rows))
+            + (CK_RING_BYTES if rp.checkpoints("nvme") else 0))

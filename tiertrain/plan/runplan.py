@@ -16,24 +16,23 @@ or nvme (the disk tier, through a ring of pinned buffers); "" for the embedding,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
-UPDATES = ("host", "host-speculated", "gpu", "gpu-speculated", "resident")
-HOMES = ("gpu", "host", "nvme")
+from ..modes import Activations, Dtype, Home, Kind, Stream, Update
+from ..tiers.placement import kind_bytes
 
-
-CHECKPOINT_WIDTH = {"float32": 4, "bfloat16": 2}  # bytes per element of an activation checkpoint, by dtype
+WIDTH = {"float32": 4, "bfloat16": 2}  # bytes per element of a dtype
 
 
 @dataclass(frozen=True)
 class UnitPlan:
     index: int
     name: str
-    update: str  # one of UPDATES
-    homes: tuple[tuple[str, str], ...]  # (kind, home) for every kind of slab the run keeps
+    update: Update
+    homes: tuple[tuple[Kind, Home], ...]  # (kind, home) for every kind of slab the run keeps
     recompute: bool = True  # false: the block's activations are kept on the GPU for its backward pass
-    checkpoint: str = ""  # where the block's checkpoint lives (one of HOMES); "": it has none
+    checkpoint: Home | str = ""  # where the block's checkpoint lives; "": it has none
 
     def to_dict(self) -> dict:
         return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes),
@@ -41,26 +40,43 @@ class UnitPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitPlan":
-        return cls(d["index"], d["name"], d["update"], tuple(d["homes"].items()), d.get("recompute", True),
-                   d.get("checkpoint", ""))
+        return cls(d["index"], d["name"], Update(d["update"]), tuple((Kind(k), Home(h)) for k, h in d["homes"].items()),
+                   d.get("recompute", True), Home(d["checkpoint"]) if d.get("checkpoint") else "")
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The run-wide choices and one UnitPlan per unit, in unit order."""
+    """The run-wide choices and one UnitPlan per unit, in unit order (none in a plan that does not fit)."""
     micro_batch: int
-    stream: str  # "compute": a compute-dtype copy streams; "master": the fp32 master, cast on the GPU
-    activations: str  # the checkpoints' home: "gpu", "host", "nvme", or "split" (each unit's entry says)
+    stream: Stream  # "compute": a compute-dtype copy streams; "master": the fp32 master, cast on the GPU
+    activations: Activations  # the checkpoints' home, or "split" (each unit's entry says)
     resident_gb: float  # GPU memory for the whole state of the first units (their update: "resident")
-    units: tuple[UnitPlan, ...]
+    units: tuple[UnitPlan, ...] = ()
     tile: int = 0  # tokens per tile of a block's token-wise parts (model/tiled.py); 0: untiled
-    checkpoint_dtype: str = "float32"  # the activation checkpoints' dtype: "float32" or "bfloat16"
+    checkpoint_dtype: Dtype = "float32"  # the activation checkpoints' dtype
     gpus: int = 1  # ranks: each takes batch / gpus rows of every batch and holds 1/gpus of every slab (homes: its shard's)
+    compute_dtype: Dtype = "bfloat16"  # the matmuls', and the streamed weights' where a copy streams
+    numels: tuple[int, ...] = ()  # elements of each unit's slabs: this rank's shard (tiers.slab.Shard)
+    rows: int = 0  # rows of each batch this rank takes
+    row_numel: int = 0  # elements of one row's activation checkpoint of a block (seq_len x hidden)
 
     @property
     def checkpoint_width(self) -> int:
         """Bytes per element of an activation checkpoint."""
-        return CHECKPOINT_WIDTH[self.checkpoint_dtype]
+        return WIDTH[self.checkpoint_dtype]
+
+    @property
+    def compute_width(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return WIDTH[self.compute_dtype]
+
+    def kind_bytes(self) -> dict[Kind, int]:
+        """Bytes per parameter of each kind of slab the run keeps."""
+        return kind_bytes(self.compute_dtype, self.stream)
+
+    def checkpoint_bytes(self, rows: int) -> int:
+        """Bytes of a block's activation checkpoint for `rows` rows."""
+        return rows * self.row_numel * self.checkpoint_width
 
     def checkpoints(self, home: str | None = None) -> dict[int, str]:
         """{block: its checkpoint's home} of the blocks that have one (only those at `home`, if given)."""
@@ -78,34 +94,32 @@ class RunPlan:
         """The units whose update is one of `updates`."""
         return frozenset(u.index for u in self.units if u.update in updates)
 
-    def with_updates(self, updates: dict[int, str]) -> "RunPlan":
+    def with_updates(self, updates: dict[int, Update | str]) -> "RunPlan":
         """This plan with the updates of some units replaced (a test's, or a user's own choice), checked against
         where each unit's state lives: a unit updated on the GPU or speculated on the host has every slab in
         host RAM (and a GPU update makes the weights from the fp32 master: no compute-dtype copy); "resident"
         follows the homes, it is not chosen here; GPU updates speculate all or none."""
-        from dataclasses import replace
-
         units = list(self.units)
         for i, update in updates.items():
             u = units[i]
             homes = {h for _, h in u.homes}
-            ok = update in UPDATES and (update == "resident") == (homes == {"gpu"})
-            if update in ("gpu", "gpu-speculated", "host-speculated"):
-                ok = ok and homes == {"host"}
-            if update in ("gpu", "gpu-speculated"):
-                ok = ok and "weights" not in dict(u.homes)
+            ok = update in list(Update) and (update == Update.RESIDENT) == (homes == {Home.GPU})
+            if update in (Update.GPU, Update.GPU_SPECULATED, Update.HOST_SPECULATED):
+                ok = ok and homes == {Home.HOST}
+            if update in (Update.GPU, Update.GPU_SPECULATED):
+                ok = ok and Kind.WEIGHTS not in dict(u.homes)
             if not ok:
                 raise ValueError(f"unit {i} ({u.name}) cannot take update {update!r} with its state in "
                                  f"{dict(u.homes)}")
-            units[i] = replace(u, update=update)
-        if {"gpu", "gpu-speculated"} <= {u.update for u in units}:
+            units[i] = replace(u, update=Update(update))
+        if {Update.GPU, Update.GPU_SPECULATED} <= {u.update for u in units}:
             raise ValueError("GPU updates speculate all or none: give every GPU-updated unit the same update")
         return replace(self, units=tuple(units))
 
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
                 "resident_gb": self.resident_gb, "tile": self.tile,
-                "checkpoint_dtype": self.checkpoint_dtype, "gpus": self.gpus,
+                "checkpoint_dtype": self.checkpoint_dtype, "gpus": self.gpus, "compute_dtype": self.compute_dtype,
                 "units": [u.to_dict() for u in self.units]}
 
 
@@ -119,8 +133,8 @@ def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: It
     out = []
     for u, name in enumerate(names):
         kinds = sorted(k for (v, k) in where if v == u)
-        homes = tuple((k, "gpu" if u in resident else where[(u, k)]) for k in kinds)
-        update = ("resident" if u in resident else ("gpu-speculated" if gpu_speculated else "gpu") if u in gpu
-                  else "host-speculated" if u in early else "host")
-        out.append(UnitPlan(u, name, update, homes, u not in kept, checkpoints.get(u, "")))
+        homes = tuple((Kind(k), Home.GPU if u in resident else Home(where[(u, k)])) for k in kinds)
+        update = (Update.RESIDENT if u in resident else (Update.GPU_SPECULATED if gpu_speculated else Update.GPU)
+                  if u in gpu else Update.HOST_SPECULATED if u in early else Update.HOST)
+        out.append(UnitPlan(u, name, update, homes, u not in kept, Home(checkpoints[u]) if u in checkpoints else ""))
     return tuple(out)

@@ -2,14 +2,10 @@
 Pure Python."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..model.spec import ModelSpec
 from ..tiers.placement import streamed_kind
 from .hardware import HardwareSpec
-
-if TYPE_CHECKING:
-    from .planner import Plan
+from .values import Plan
 
 
 def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
@@ -45,14 +41,15 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     Several GPUs (p.gpus): `sums` are this rank's shards, `whole` the units' padded sizes summed; each GPU
     all-gathers (gpus - 1) / gpus of every unit it loads, in the compute dtype, and reduce-scatters as much of
     every fp32 gradient, over NVLink (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
-    rate = (hw.bf16_tflops if p.dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
-    T, F = p.batch // p.gpus * p.seq_len, spec.flops_per_token(p.seq_len)
+    rp = p.run_plan
+    rate = (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    T, F = p.batch // rp.gpus * p.seq_len, spec.flops_per_token(p.seq_len)
     F -= spec.attention_flops_per_token(p.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))  # at the rest's rate
     # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
     recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
     ck_unit = ck_bytes / spec.num_hidden_layers
-    if p.tile and p.micro_batch * p.seq_len > p.tile:  # a tiled block's q/k/v projections run twice in its backward
+    if rp.tile and rp.micro_batch * p.seq_len > rp.tile:  # a tiled block's q/k/v projections run twice in its backward
         recompute += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd \
             * spec.num_hidden_layers
     host_ck_io = (p.checkpoints.get("host", 0) + p.checkpoints.get("nvme", 0)) * ck_unit  # each way over PCIe
@@ -69,9 +66,9 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     dram = hw.host_dram_gbs * 1e9
-    others = (p.gpus - 1) / p.gpus  # of each unit, the part the other ranks hold
-    link = (hw.peer_gbs if p.gpus <= p.gpus_per_host else hw.network_gbs) * 1e9
-    wdt = 2 if p.dtype == "bfloat16" else 4
+    others = (rp.gpus - 1) / rp.gpus  # of each unit, the part the other ranks hold
+    link = (hw.peer_gbs if rp.gpus <= p.gpus_per_host else hw.network_gbs) * 1e9
+    wdt = rp.compute_width
     reloaded_whole = whole * reloaded / streamed if streamed else 0
     t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate,
          "peer fwd": others * wdt * whole / link, "peer bwd": others * (wdt * reloaded_whole + 4 * whole) / link,

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .placement import COPIED
+from ..modes import STATE, Kind
 from .slab import SlabLayout, alloc_slab
 
-FP32_KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+FP32_KINDS = (*STATE, Kind.GRAD)
 
 
 class HostStore:
@@ -28,7 +28,7 @@ class HostStore:
         self.version = [0] * len(layouts)
         copy = compute_copy and compute_dtype != torch.float32
         self.kinds = FP32_KINDS + (("weights",) if copy else ())
-        self.streamed_kind = "weights" if copy else "master"  # the slab that carries the weights to the GPU
+        self.streamed_kind = Kind.WEIGHTS if copy else Kind.MASTER  # the slab that carries the weights to the GPU
         self.slabs: list[dict[str, torch.Tensor]] = []
         for u, lay in enumerate(layouts):  # slabs placed on NVMe get no memory here; "gpu" ones live there
             tiers = {k: (where or {}).get((u, k), "host") for k in self.kinds}
@@ -39,13 +39,13 @@ class HostStore:
 
     def add_copies(self, units) -> None:
         for u in units:
-            self.copies[u] = {k: alloc_slab(self.layouts[u].numel, torch.float32, self.pin) for k in COPIED}
+            self.copies[u] = {k: alloc_slab(self.layouts[u].numel, torch.float32, self.pin) for k in STATE}
 
     def swap(self, unit: int) -> None:
         """The unit's speculative update is kept: its copies become the current slabs (and the old ones the
         copies the next speculation writes)."""
         s, c = self.slabs[unit], self.copies[unit]
-        for k in COPIED:
+        for k in STATE:
             s[k], c[k] = c[k], s[k]
         self.version[unit] += 1
 

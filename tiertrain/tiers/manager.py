@@ -18,7 +18,6 @@ without reading it first.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,9 +26,34 @@ from typing import Iterator
 
 import torch
 
-from .nvme import NvmeStore
-from .placement import ring_widths
-from .slab import alloc_slab
+from ..plan.runplan import RunPlan
+from .nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
+from .placement import READ_AHEAD, ring_widths, spilled_bytes
+from .ring import Ring
+
+
+def nvme_tier(rp: RunPlan, dtypes: dict[str, torch.dtype], streamed: str, pin: bool, parent: str, run_name: str,
+              io: str, io_threads: int, meta: dict, replace: bool) -> "TierManager":
+    """The run's store of the slabs `rp` spills (`dtypes`: each kind's), in a new scratch directory under
+    `parent`, and its manager; `meta`: what the store records (the model). `replace`: a resumed run first
+    deletes the stores its killed processes left (scratch: the checkpoint holds the state)."""
+    where, numels = rp.where(), list(rp.numels)
+    kinds = sorted(spilled_bytes(numels, rp.kind_bytes(), where))
+    # numpy has no bfloat16: the compute-dtype copy is stored as its bits
+    bits = {"weights": "bfloat16 bits, as uint16"} if "weights" in kinds else {}
+    meta = {**meta, "compute_dtype": rp.compute_dtype, **bits}
+    if replace:
+        discard_stale(parent, run_name)
+    units = {k: [u for (u, kk), tier in where.items() if kk == k and tier == "nvme"] for k in kinds}
+    backend = make_io(io, io_threads)
+    root = new_scratch(parent, run_name)
+    try:
+        store = NvmeStore(root, numels, {k: "uint16" if k == "weights" else "float32" for k in kinds},
+                          meta, backend, create=True, units=units)
+    except BaseException:
+        discard(root)
+        raise
+    return TierManager(store, where, {k: dtypes[k] for k in kinds}, pin, depth=READ_AHEAD, streamed=streamed)
 
 
 class TierManager:
@@ -41,26 +65,22 @@ class TierManager:
         kinds = sorted({k for ks in self.spilled.values() for k in ks})
         slots = depth + 2  # read ahead, in use, writing back
         width = ring_widths(store.numels, where)  # each kind's ring as wide as its widest spilled slab
-        self.free = {k: deque(alloc_slab(width[k], dtypes[k], pin) for _ in range(slots)) for k in kinds}
+        self.rings = {k: Ring(slots, width[k], dtypes[k], pin) for k in kinds}
         # the streamed kind, read for the device: read ahead, being copied, one spare
         self.s_units = {u for u, ks in self.spilled.items() if streamed in ks}
-        self.s_free = deque(alloc_slab(width[streamed], dtypes[streamed], pin)
-                            for _ in range(slots if self.s_units else 0))
-        self.s_busy: deque[tuple[object, torch.Tensor]] = deque()  # (H2D event or read future, buffer)
+        self.s_ring = Ring(slots, width[streamed], dtypes[streamed], pin) if self.s_units else None
         self.s_order: deque[int] = deque()
         self.s_loaded: dict[int, tuple[Future, torch.Tensor]] = {}
         self.s_out: dict[int, torch.Tensor] = {}  # handed to the device, not yet copied
         self.stale: set[int] = set()  # units whose streamed slab the optimizer is about to rewrite
         self.rewritten: dict[int, Future] = {}  # unit -> the optimizer's write of its new weights
         self.s_read_bytes = 0
-        self._ring_nbytes = sum(b.numel() * b.element_size() for q in [*self.free.values(), self.s_free] for b in q)
-        self.busy: dict[str, deque[tuple[Future, torch.Tensor]]] = {k: deque() for k in kinds}
+        self._ring_nbytes = sum(r.nbytes for r in [*self.rings.values(), *[self.s_ring] * bool(self.s_ring)])
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
         # threads: the main thread (the step: start, updating, sink, the streamed kind's reads), the optimizer's
-        # worker (acquire, release), checkpoint threads (borrowed: the free rings under _lock), and the
-        # gradient writer below (owned here, shut by close()), which runs sink's writes
-        self._lock = threading.Lock()
+        # worker (acquire, release), checkpoint threads (borrowed), and the gradient writer below (owned here,
+        # shut by close()), which runs sink's writes; the rings are thread-safe
         self.written: dict[int, Future] = {}  # unit -> the write of its gradient drained this pass
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-grad-out")
         self.read_bytes = 0  # totals, and those of the last whole pass (start to start)
@@ -87,11 +107,7 @@ class TierManager:
         return fut
 
     def _slot(self, kind: str) -> torch.Tensor:
-        if not self.free[kind]:
-            fut, buf = self.busy[kind].popleft()
-            fut.result()
-            self.free[kind].append(buf)
-        return self.free[kind].popleft()
+        return self.rings[kind].take()
 
     def _fetch(self, unit: int) -> None:
         """Reads the unit's spilled slabs not yet read; a gradient only once this pass has written it."""
@@ -125,7 +141,7 @@ class TierManager:
                 self.store.write(unit, kind, view).result()
 
             fut = self._timed(self._writer.submit(job))
-            self.busy[kind].append((fut, whole))
+            self.rings[kind].give(whole, after=fut)
             self.written[unit] = fut
             self.write_bytes += view.numel() * view.element_size()
 
@@ -163,10 +179,10 @@ class TierManager:
         n = self.store.numels[unit]
         for k, (_, buf) in self.loaded.pop(unit, {}).items():
             if k == "grad":  # consumed: the next backward pass writes a new one
-                self.free[k].append(buf)
+                self.rings[k].give(buf)
                 continue
             fut = self._timed(self.store.write(unit, k, buf[:n]))
-            self.busy[k].append((fut, buf))
+            self.rings[k].give(buf, after=fut)
             self.write_bytes += n * buf.element_size()
             if k == self.streamed:
                 self.rewritten[unit] = fut  # before leaving `stale`: the reader then finds it
@@ -177,8 +193,7 @@ class TierManager:
         """A ring buffer (the unit's slab size) outside the schedule, for checkpoints and imports: holds
         the unit's stored slab when `read`; written back to the store on exit when not. Call between
         passes (after flush), from at most `depth + 2` threads per kind."""
-        with self._lock:
-            whole = self.free[kind].popleft()
+        whole = self.rings[kind].take()
         buf = whole[:self.store.numels[unit]]
         try:
             if read:
@@ -187,8 +202,7 @@ class TierManager:
             if not read:
                 self.store.write(unit, kind, buf).result()
         finally:
-            with self._lock:
-                self.free[kind].append(whole)
+            self.rings[kind].give(whole)
 
     # ---- the streamed kind, read for the forward and backward passes --------------------------------
     def updating(self) -> None:
@@ -210,20 +224,11 @@ class TierManager:
     def _drop(self, unit: int) -> None:
         """A read-ahead buffer goes back to the ring once its read has landed."""
         if unit in self.s_loaded:
-            self.s_busy.append(self.s_loaded.pop(unit))
-
-    def _s_slot(self) -> torch.Tensor:
-        if not self.s_free:
-            done, buf = self.s_busy.popleft()
-            if isinstance(done, Future):
-                done.result()
-            elif done is not None:
-                done.synchronize()  # the H2D copy out of it has happened
-            self.s_free.append(buf)
-        return self.s_free.popleft()
+            fut, buf = self.s_loaded.pop(unit)
+            self.s_ring.give(buf, after=fut)
 
     def _stream_read(self, unit: int) -> None:
-        buf = self._s_slot()
+        buf = self.s_ring.take()
         view = buf[:self.store.numels[unit]]
         fut = _then(self.rewritten.pop(unit, None), lambda: self.store.read(unit, self.streamed, view))
         self.s_loaded[unit] = (self._timed(fut), buf)
@@ -250,14 +255,12 @@ class TierManager:
 
     def copied(self, unit: int, event) -> None:
         """The device has enqueued its copy of the unit's buffer (`event`: once it has happened)."""
-        self.s_busy.append((event, self.s_out.pop(unit)))
+        self.s_ring.give(self.s_out.pop(unit), after=event)  # free once the copy has happened
 
     def flush(self) -> None:
-        for k in self.busy:
-            while self.busy[k]:
-                fut, buf = self.busy[k].popleft()
-                fut.result()
-                self.free[k].append(buf)
+        """Every write-back has landed (an error of one is raised here)."""
+        for ring in self.rings.values():
+            ring.settle()
 
     def close(self) -> None:
         """Every write landed, then the gradient writer's thread and the store's I/O threads shut."""

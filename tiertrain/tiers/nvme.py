@@ -160,9 +160,41 @@ def make_io(backend: str = "auto", threads: int = 16):
     return PosixIO(threads)
 
 
-class NvmeStore:
+class ChunkStore:
+    """What the NVMe stores share: a directory of chunk files made whole at creation, whose bytes the I/O backend
+    (kvikio or POSIX) reads and writes in place. A store names each chunk's file by its two keys (`file`); it owns
+    its backend's threads, which close() shuts."""
+
+    def __init__(self, root: str | os.PathLike, io):
+        self.root, self.io = Path(root), io
+
+    def file(self, a, b) -> Path:
+        raise NotImplementedError
+
+    def read(self, a, b, buf: torch.Tensor) -> Future:
+        """Reads chunk (a, b) into `buf` (page-aligned, the chunk's size)."""
+        return self.io.read(self.file(a, b), buf)
+
+    def write(self, a, b, buf: torch.Tensor) -> Future:
+        return self.io.write(self.file(a, b), buf)
+
+    def close(self) -> None:
+        self.io.close()
+
+    def check_room(self, need: int, what: str, fix: str) -> None:
+        """Refuses a store whose `need` bytes the disk has not free, saying `what` needs them and the `fix`."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(self.root).free
+        except OSError as e:
+            raise StoreError(f"cannot use --nvme-dir {self.root}: {e.strerror}; pass a writable directory") from None
+        if need > free:
+            raise StoreError(f"--nvme-dir {self.root.parent} has {gb(free)} free, {what} {gb(need)}; {fix}")
+
+
+class NvmeStore(ChunkStore):
     """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit)); a kind's rows are
-    as wide as its widest spilled unit."""
+    as wide as its widest spilled unit. Its chunks are keyed (unit, kind)."""
 
     def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[str, str], meta: dict, io,
                  create: bool, units: dict[str, list[int]] | None = None):
@@ -171,7 +203,8 @@ class NvmeStore:
         `units`: the rows of each kind that are spilled (default all); only their chunks exist on disk."""
         import zarr
 
-        self.root, self.numels, self.kinds, self.io = Path(root), numels, kinds, io
+        super().__init__(root, io)
+        self.numels, self.kinds = numels, kinds
         self.units = {k: sorted(units[k]) if units else list(range(len(numels))) for k in kinds}
         # a kind's rows as wide as its widest spilled unit: a wide unit kept in RAM costs no disk
         self.width = {k: max((numels[u] for u in self.units[k]), default=1) for k in kinds}
@@ -199,14 +232,7 @@ class NvmeStore:
         import zarr
 
         need = sum(self.width[k] * np.dtype(dt).itemsize * len(self.units[k]) for k, dt in self.kinds.items())
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            free = shutil.disk_usage(self.root).free
-        except OSError as e:
-            raise StoreError(f"cannot use --nvme-dir {self.root}: {e.strerror}; pass a writable directory") from None
-        if need > free:
-            raise StoreError(f"--nvme-dir {self.root.parent} has {gb(free)} free, the spilled state needs "
-                             f"{gb(need)}; free space, or raise --host-gb to spill less")
+        self.check_room(need, "the spilled state needs", "free space, or raise --host-gb to spill less")
         try:
             g = zarr.open_group(self.root, mode="a", attributes=meta)  # never "w": that empties the directory
             for kind, dt in self.kinds.items():
@@ -233,16 +259,8 @@ class NvmeStore:
     def path(self, kind: str, unit: int) -> Path:
         return self.root / kind / "c" / str(unit) / "0"
 
-    def read(self, unit: int, kind: str, buf: torch.Tensor) -> Future:
-        """Reads the unit's slab into `buf` (page-aligned, the slab's size)."""
-        return self.io.read(self.path(kind, unit), buf)
-
-    def write(self, unit: int, kind: str, buf: torch.Tensor) -> Future:
-        return self.io.write(self.path(kind, unit), buf)
-
-    def close(self) -> None:
-        """The store owns its I/O backend's threads."""
-        self.io.close()
+    def file(self, unit: int, kind: str) -> Path:
+        return self.path(kind, unit)
 
 
 SCRATCH_MARKER = "tiertrain-scratch.json"  # in every directory new_scratch makes, and only there

@@ -8,28 +8,40 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-from concurrent.futures import Future
 from pathlib import Path
 
-import torch
-
+from ..plan.runplan import RunPlan
 from ..sizes import gb
-from .nvme import FORMAT, StoreError
-from .placement import CK_PIECE_BYTES
+from .nvme import FORMAT, ChunkStore, StoreError, discard, make_io, new_scratch
+from .placement import CK_PIECE_BYTES, ck_disk_bytes
 
 
-class PieceStore:
+def checkpoint_store(rp: RunPlan, parent: str, run_name: str, io: str, io_threads: int) -> "PieceStore | None":
+    """The store of the activation checkpoints `rp` puts on NVMe (None: none), in a new scratch directory under
+    `parent`."""
+    rows = sorted(rp.checkpoints("nvme"))
+    if not rows:
+        return None
+    pieces = ck_disk_bytes(rp.checkpoint_bytes(rp.micro_batch), rp.rows // rp.micro_batch) // CK_PIECE_BYTES
+    root = new_scratch(parent, run_name)
+    try:
+        return PieceStore(root, rows, pieces, make_io(io, io_threads))
+    except BaseException:
+        discard(root)
+        raise
+
+
+class PieceStore(ChunkStore):
+    """Its chunks are keyed (row, piece)."""
+
     def __init__(self, root: Path, rows: list[int], pieces: int, io):
         """`rows`: the row ids stored (block indices); `pieces`: pieces per row."""
         import zarr
 
-        self.root, self.rows, self.pieces, self.io = Path(root), sorted(rows), pieces, io
-        need = len(self.rows) * pieces * CK_PIECE_BYTES
-        free = shutil.disk_usage(self.root).free
-        if need > free:
-            raise StoreError(f"--nvme-dir {self.root.parent} has {gb(free)} free and the activation checkpoints "
-                             f"the plan puts on NVMe need {gb(need)}; free space, or lower --nvme-gb to what is free")
+        super().__init__(root, io)
+        self.rows, self.pieces = sorted(rows), pieces
+        self.check_room(len(self.rows) * pieces * CK_PIECE_BYTES, "the activation checkpoints the plan puts on "
+                        "NVMe need", "free space, or lower --nvme-gb to what is free")
         try:
             g = zarr.open_group(self.root, mode="a", attributes={"format": FORMAT, "contents": "activation checkpoints"})
             width = pieces * CK_PIECE_BYTES // 4
@@ -37,7 +49,7 @@ class PieceStore:
                            dtype="float32", fill_value=0, compressors=None)
             for r in self.rows:
                 for p in range(pieces):
-                    path = self.path(r, p)
+                    path = self.file(r, p)
                     path.parent.mkdir(parents=True, exist_ok=True)
                     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
                     try:
@@ -50,16 +62,5 @@ class PieceStore:
                                  "checkpoints; free space or lower --nvme-gb") from None
             raise StoreError(f"cannot create the checkpoint store in {self.root}: {e.strerror}") from None
 
-    def path(self, row: int, piece: int) -> Path:
+    def file(self, row: int, piece: int) -> Path:
         return self.root / "checkpoints" / "c" / str(row) / str(piece)
-
-    def write(self, row: int, piece: int, buf: torch.Tensor) -> Future:
-        """Writes a piece from `buf` (page-aligned, CK_PIECE_BYTES)."""
-        return self.io.write(self.path(row, piece), buf)
-
-    def read(self, row: int, piece: int, buf: torch.Tensor) -> Future:
-        return self.io.read(self.path(row, piece), buf)
-
-    def close(self) -> None:
-        """The store owns its I/O backend's threads."""
-        self.io.close()

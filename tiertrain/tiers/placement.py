@@ -16,8 +16,9 @@ import functools
 
 from typing import Iterator
 
-SPILL_ORDER = ("exp_avg", "exp_avg_sq", "master", "grad", "weights")
-COPIED = ("master", "exp_avg", "exp_avg_sq")  # what a speculative update writes beside the current state
+from ..modes import STATE, Kind
+
+SPILL_ORDER = (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER, Kind.GRAD, Kind.WEIGHTS)
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
 # the streamed kind has twice that: its own for the forward and backward passes' reads
 READ_AHEAD = RING_SLOTS - 2  # units whose spilled slabs the optimizer's ring reads ahead (TierManager's depth)
@@ -25,7 +26,7 @@ READ_AHEAD = RING_SLOTS - 2  # units whose spilled slabs the optimizer's ring re
 
 def streamed_kind(kb: dict[str, int]) -> str:
     """The kind whose slab carries the weights to the GPU."""
-    return "weights" if "weights" in kb else "master"
+    return Kind.WEIGHTS if Kind.WEIGHTS in kb else Kind.MASTER
 
 
 def spill_order(kb: dict[str, int]) -> tuple[str, ...]:
@@ -38,7 +39,7 @@ def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
     """Bytes per parameter of each kind of slab: fp32 master, moments and gradient, and a compute-dtype
     copy when bf16 weights stream from the host (`stream = "compute"`)."""
     copy = stream == "compute" and dtype == "bfloat16"
-    return {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, **({"weights": 2} if copy else {})}
+    return {Kind.MASTER: 4, Kind.EXP_AVG: 4, Kind.EXP_AVG_SQ: 4, Kind.GRAD: 4, **({Kind.WEIGHTS: 2} if copy else {})}
 
 
 def host_state_bytes(numels: list[int], kb: dict[str, int], where, cost, skip=()) -> dict[str, int]:
@@ -53,8 +54,8 @@ def host_state_bytes(numels: list[int], kb: dict[str, int], where, cost, skip=()
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for every unit of every candidate: blocks share a size
 def copy_bytes(numel: int, cost) -> int:
-    """Host bytes of one unit's copies for a speculative update: its fp32 master and moments."""
-    return len(COPIED) * cost(numel * 4)
+    """Host bytes of one unit's copies for a speculative update: its fp32 master and moments (modes.STATE)."""
+    return len(STATE) * cost(numel * 4)
 
 
 def resident_units(numels: list[int], kb: dict[str, int], gpu_bytes: float) -> list[int]:

@@ -1,9 +1,46 @@
-"""Measures the machine's ceilings with the runtime's own code paths: PCIe copies from pinned slabs,
-GPU matmul rate, host AdamW rate. torch is imported inside the functions: `plan` never needs it."""
+"""Measures the machine: its ceilings with the runtime's own code paths (PCIe copies from pinned slabs, GPU
+matmul rate, host AdamW rate, the disk), the figures a run plans with, and the RAM it can take. torch is
+imported inside the functions: `plan` never needs it."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from pathlib import Path
+
+from .plan.hardware import TORCH_COPIES, HardwareSpec, this_machine
+
+
+def run_hardware(device, path: Path | None = None, host_kernel: str = "auto") -> HardwareSpec:
+    """The figures a run on `device` (a torch.device) plans with. On a GPU: plan.hardware.this_machine (the probe
+    file `path`, else probe's default file, else the reference's rates with this machine's GPU memory and RAM);
+    on a CPU: HardwareSpec.cpu. With torch's host AdamW (optim.host_kernel), an update into copies copies first."""
+    import psutil
+
+    from .optim import kernel
+
+    if device.type != "cuda":
+        hw = HardwareSpec.cpu(psutil.virtual_memory().total / 1e9, os.cpu_count() or 1)
+    else:
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        hw = this_machine((props.name, props.total_memory / 1e9), path)
+    return dataclasses.replace(hw, **TORCH_COPIES) if kernel.wanted(host_kernel) is None else hw
+
+
+def available_ram() -> int:
+    """Bytes of memory this process can still take: the machine's available RAM, within a cgroup's limit."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            avail = min(avail, int(Path(limit).read_text()) - int(Path(used).read_text()))
+        except (OSError, ValueError):  # no such cgroup file, or "max": no limit
+            continue
+    return avail
 
 
 def _timed_cuda(fn, reps: int) -> float:
@@ -27,7 +64,7 @@ def pcie_rates(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
     """GB/s: pinned H2D, pinned D2H, both at once (sum), pageable H2D."""
     import torch
 
-    from ..tiers.slab import alloc_slab
+    from .tiers.slab import alloc_slab
 
     n = nbytes // 4
     host = alloc_slab(n, torch.float32, pin=True)
@@ -76,10 +113,10 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     caches; the median of `reps` updates after one to warm up."""
     import torch
 
-    from ..config import OptimConfig
-    from ..optim.adamw import HostAdamW, adam_pool
-    from ..tiers.host import HostStore
-    from ..tiers.slab import SlabLayout
+    from .config import OptimConfig
+    from .optim.adamw import HostAdamW, adam_pool
+    from .tiers.host import HostStore
+    from .tiers.slab import SlabLayout
 
     lay = SlabLayout.build([("w", (n_params // 1024, 1024))])
     pin = torch.cuda.is_available() if pin is None else pin
@@ -109,7 +146,7 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
 def probe(gpu: bool = True) -> dict:
     import torch
 
-    from ..optim import kernel
+    from .optim import kernel
 
     out: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                  "host_adam_params_per_s": host_adam_rate(), "host_adam_fp32_stream_params_per_s":
@@ -129,7 +166,7 @@ def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto",
                threads: int = 16) -> tuple[float, float, float]:
     """GB/s of whole-file direct I/O in `directory` through the runtime's backend: (read, write, both at
     once: half the bytes read from one file while the other half is written to another, summed)."""
-    from ..tiers.nvme import make_io
+    from .tiers.nvme import make_io
 
     io = make_io(backend, threads)
     try:
@@ -143,7 +180,7 @@ def _disk_rates(directory: str, nbytes: int, io) -> tuple[float, float, float]:
 
     import torch
 
-    from ..tiers.slab import alloc_slab
+    from .tiers.slab import alloc_slab
 
     buf = alloc_slab(nbytes // 4, torch.float32, pin=torch.cuda.is_available())
     buf.uniform_()
@@ -177,7 +214,7 @@ def _evict(fd: int) -> None:
 
 def spec_of(m: dict, host_ram_gb: float, source: str):
     """The HardwareSpec of probe()'s figures `m` (the reference's where it measured none)."""
-    from .hardware import REFERENCE, TORCH_COPIES, HardwareSpec
+    from .plan.hardware import REFERENCE
 
     spec = HardwareSpec(host_ram_gb=host_ram_gb, cpu_count=m["cpu_count"],
                         host_adam_params_per_s=m["host_adam_fp32_stream_params_per_s"],

@@ -1,0 +1,41 @@
+"""The names the planner and the runtime share: slab kinds, homes and update modes as string enums (each
+compares, sorts and prints as its string: in plan.json, in checkpoints, in code), and the config's string modes
+as Literal types. Pure Python."""
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+
+class Kind(StrEnum):
+    """A kind of slab: one flat buffer per unit and kind (tiers.slab)."""
+    WEIGHTS = "weights"  # the compute-dtype copy that streams (tiers.stream = "compute")
+    MASTER = "master"  # fp32 master weights
+    EXP_AVG = "exp_avg"  # Adam's first moment
+    EXP_AVG_SQ = "exp_avg_sq"  # Adam's second moment
+    GRAD = "grad"  # the fp32 gradient
+
+
+# the optimizer's state: what a checkpoint keeps, a speculative update copies and a GPU update writes back
+STATE = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+
+
+class Home(StrEnum):
+    """Where a slab or an activation checkpoint lives."""
+    GPU = "gpu"
+    HOST = "host"  # pinned RAM
+    NVME = "nvme"  # the disk tier
+
+
+class Update(StrEnum):
+    """Where and when a unit's AdamW runs (plan.runplan says each)."""
+    HOST = "host"
+    HOST_SPECULATED = "host-speculated"
+    GPU = "gpu"
+    GPU_SPECULATED = "gpu-speculated"
+    RESIDENT = "resident"
+
+
+Dtype = Literal["bfloat16", "float32"]
+Stream = Literal["compute", "master"]  # what carries the weights to the GPU: a compute-dtype copy, or the master
+Activations = Literal["gpu", "host", "nvme", "split"]  # the checkpoints' home; "split": each block's own
