@@ -1,0 +1,55 @@
+"""The package's shape: no import cycles between its modules, the planner pure and below the runtime (it imports
+no torch and nothing of the engine, the optimizer, the tiers' stores or the trainer), and every module small."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# what the planner may import: itself, the model's shape, the shared names, and the tiers' pure layout and policy
+BELOW_PLAN = {"tiertrain.model.spec", "tiertrain.modes", "tiertrain.sizes", "tiertrain.errors", "tiertrain.config",
+              "tiertrain.tiers.placement", "tiertrain.tiers.slab"}
+
+
+def _graph():
+    spec = importlib.util.spec_from_file_location("imports", ROOT / "dev" / "imports.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, mod.arrows()
+
+
+def test_no_import_cycles():
+    mod, g = _graph()
+    assert mod.cycles(g) == []
+    # the check itself: a cycle is found where there is one
+    assert mod.cycles({**g, "tiertrain.modes": {"tiertrain.plan.values"}})
+
+
+def test_the_planner_imports_only_what_is_below_it():
+    _, g = _graph()
+    seen, todo = set(), [m for m in g if m.startswith("tiertrain.plan.")]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += g.get(m, ())
+    assert {m for m in seen if not m.startswith("tiertrain.plan.")} <= BELOW_PLAN
+
+
+def test_the_planner_imports_no_torch():
+    """Every module of tiertrain.plan, and `tiertrain plan` itself, load without torch or numpy."""
+    mods = sorted(p.stem for p in (ROOT / "tiertrain" / "plan").glob("*.py") if p.stem != "__init__")
+    code = ("import sys, importlib; import tiertrain.plan; "
+            f"[importlib.import_module('tiertrain.plan.' + m) for m in {mods}]; "
+            "bad = [m for m in ('torch', 'numpy') if m in sys.modules]; assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert len(mods) >= 8
+
+
+def test_modules_stay_small():
+    """About 400 lines at most (the guide's), with a margin for the largest."""
+    sizes = {p: len(p.read_text().splitlines()) for p in (ROOT / "tiertrain").rglob("*.py")}
+    assert max(sizes.values()) <= 480, max(sizes, key=sizes.get)
