@@ -3,6 +3,7 @@ same global batch; checkpoints of two ranks resumed on one and on two; the shard
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from test_faults import cli, refused, tiny
 
 from tiertrain.checkpoint import KINDS
 from tiertrain.plan.hardware import REFERENCE
+from tiertrain.plan.advice import explain
 from tiertrain.plan.planner import _layouts, plan
 from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.sizes import budget
@@ -352,3 +354,18 @@ def test_more_ranks_than_gpus_is_one_line(token_file, tmp_path):
     r = cli("run", "--gpus", str(n + 1), *tiny(token_file), "--set", 'train.device="cuda"', "--out", str(tmp_path / "r"))
     refused(r, f"--gpus {n + 1}", f"pass --gpus {n} or fewer")
     assert not (tmp_path / "r").exists()
+
+
+def test_the_plan_of_two_gpus_names_the_hosts_budgets():
+    """Two ranks on a host short of RAM: the miss names the host's --host-gb (as passed) and the least the host
+    needs, which then fits, where a little less does not; the report of a fit names the same least budget."""
+    from tiertrain.config import load_config
+
+    spec = load_config("llama-3b", []).model
+    job, at = Job(spec, 16, 2048, gpus=2), lambda gb: Budgets(host_gb=gb, gpu_gb=30, nvme_gb=100)
+    miss = plan(job, at(4), REFERENCE)
+    assert not miss.fits and miss.why.startswith("host: 4.00 GB cannot hold")
+    need = float(re.search(r"at least ([0-9.]+)$", miss.why).group(1))
+    assert need > 2 * 4 / 2 and plan(job, at(need), REFERENCE).fits and not plan(job, at(need - 0.01), REFERENCE).fits
+    fit = plan(job, at(need), REFERENCE)
+    assert explain(job, fit, at(need), REFERENCE).least_host / 1e9 == pytest.approx(need, abs=0.01)

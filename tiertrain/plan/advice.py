@@ -24,19 +24,19 @@ def explain(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec, fixed: Choice
     p.advice = advice(job, p, chosen, hw)
     p.largest_layers, p.largest_params = largest(job, p, budgets, hw)
     p.longest_seq_len, p.longest_bound = longest(job, p, budgets, hw)
-    if budgets.nvme_gb:  # the least host budget of this choice, on one rank
-        one = replace(job, gpus=1, per_host=0, name=p.model)
+    if budgets.nvme_gb:  # the least host budget of this choice
         exact = Choice(rp.micro_batch, rp.stream, rp.activations, fixed.gpu_updates, p.speculated, p.gpu_speculated,
                        keep=0)
-        p.least_host = evaluate(one, exact, chosen, hw, least=True).least_host
+        p.least_host = evaluate(job, exact, chosen, hw, least=True).least_host
     return p
 
 
 def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     """Single changes, each with its predicted gain, best first."""
-    tries = []
+    tries, ranks = [], job.ranks_per_host  # the plan's bytes are a rank's; the budgets and advice the host's
     if p.nvme_bytes:
-        need = p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9 - p.host_fixed.get("staging ring", 0) / 1e9
+        need = (p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9
+                - p.host_fixed.get("staging ring", 0) / 1e9) * ranks
         tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
                       "(NVMe traffic gone)", replace(budgets, host_gb=need)))
     spare = spare_gb(p, budgets, hw)
@@ -46,9 +46,8 @@ def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
                       replace(budgets, resident_gb=gb)))
     tries.append(("twice the batch (tokens per step)", None))
     out = []
-    for text, b in tries:  # each variant on one rank, with every choice and clipping left to the plan
-        variant = Job(job.spec, p.batch * (1 if b else 2), p.seq_len, job.dtype, job.checkpoint_dtype)
-        q = plan(variant, b or budgets, hw)
+    for text, b in tries:  # each variant of the same job, with every choice left to the plan
+        q = plan(replace(job, batch=p.batch * (1 if b else 2)), b or budgets, hw)
         if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
             out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
     return [t for _, t in sorted(out, reverse=True)]
@@ -62,8 +61,7 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     spec = job.spec
 
     def fits(n: int) -> bool:
-        deeper = Job(replace(spec, num_hidden_layers=n), p.batch, p.seq_len, job.dtype, job.checkpoint_dtype)
-        return _fits(deeper, p, p.run_plan.micro_batch, budgets, hw)[0]
+        return _fits(replace(job, spec=replace(spec, num_hidden_layers=n)), p, p.run_plan.micro_batch, budgets, hw)[0]
 
     lo = _most(fits, spec.num_hidden_layers, LARGEST_LAYERS)
     return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
@@ -107,7 +105,7 @@ def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     under these budgets (binary search up to LONGEST_SEQ), and the budgets the next 1024 tokens miss
     ("GPU": its memory for the working set and activations; "host"; "NVMe"; comma-separated)."""
     def fits(n: int) -> tuple[bool, str]:
-        return _fits(Job(job.spec, 1, n * 1024, job.dtype, job.checkpoint_dtype), p, 1, budgets, hw)
+        return _fits(replace(job, batch=job.gpus, seq_len=n * 1024), p, 1, budgets, hw)  # one row per rank
 
     n, cap = _most(lambda n: fits(n)[0], 1, LONGEST_SEQ // 1024), LONGEST_SEQ // 1024
     return n * 1024, "" if n == cap else fits(n + 1)[1]

@@ -144,7 +144,7 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
     shards = _layouts(spec, job.gpus)
     all_numels = [n * job.gpus for n in shards]  # the device's buffers hold a whole unit (padded to whole shards)
     per_host = job.ranks_per_host
-    hardware = hw.source
+    hardware, given = hw.source, budgets
     hw = hw.per_rank(per_host)
     budgets = replace(budgets, host_gb=None if budgets.host_gb is None else budgets.host_gb / per_host,
                       nvme_gb=budgets.nvme_gb and budgets.nvme_gb / per_host)
@@ -196,13 +196,13 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
     # ---- host and NVMe ----
     where, ring, total = place_within(numels, kb, host_budget, host_ck, host_cost)
     if total > host_budget and not nvme_on:
-        p.short_of, p.why = "host", (f"host: the state needs {gb(total)} and the budget is {gb(host_budget)}; "
-                                     "raise --host-gb or give an NVMe tier (--nvme-gb)")
+        p.short_of, p.why = "host", (f"host: the state needs {gb(total * per_host)} and the budget is "
+                                     f"{gb(host_budget * per_host)}; raise --host-gb or give an NVMe tier (--nvme-gb)")
         return p, None
-    if where is None:
-        p.least_host = least_host(numels, kb, host_ck, host_cost)
-        p.short_of, p.why = "ring", (f"host: {gb(host_budget)} cannot hold even the buffers of a spilled run; "
-                                     f"raise --host-gb to at least {budget(p.least_host)}")
+    if where is None:  # the messages and least_host are the host's, for its ranks (--host-gb is the host's)
+        p.least_host = least_host(numels, kb, host_ck, host_cost) * per_host
+        p.short_of, p.why = "ring", (f"host: {gb(host_budget * per_host)} cannot hold even the buffers of a spilled "
+                                     f"run; raise --host-gb to at least {budget(p.least_host)}")
         return p, None
     p.host_bytes = host_state_bytes(numels, kb, where, host_cost, skip=set(resident))
     for (u, k), tier in where.items():
@@ -217,13 +217,13 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
     p.nvme_ahead = read_ahead_bytes(numels, kb, where)
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}
     if nvme_on and least:
-        p.least_host = least_host(numels, kb, host_ck, host_cost)
+        p.least_host = least_host(numels, kb, host_ck, host_cost) * per_host
     p.nvme_checkpoints = p.checkpoints["nvme"] * ck_disk_bytes(micro * job.seq_len * H * ckw, p.rows // micro)
     disk = disk_bytes(numels, kb, where) + p.nvme_checkpoints
     if nvme_on and disk > budgets.nvme_gb * 1e9:
         what = "the spilled state and checkpoints take" if p.checkpoints["nvme"] else "the spilled state takes"
-        p.short_of, p.why = "NVMe", (f"NVMe: {what} {gb(disk)} on disk and --nvme-gb is {budgets.nvme_gb:g}; "
-                                     "raise --nvme-gb or --host-gb")
+        p.short_of, p.why = "NVMe", (f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is "
+                                     f"{given.nvme_gb:g}; raise --nvme-gb or --host-gb")
         return p, None
 
     # ---- GPU: the blocks that keep their activations ----
@@ -317,7 +317,7 @@ def update_search(job: Job, choice: Choice, p: Plan, fit: Fit) -> Candidate | No
             if best is None or c.bwd + c.fwd < (best.bwd + best.fwd) * (1 - 1e-9):
                 best = c
     if best is None and short is not None:
-        p.short_of, p.least_host = "copies", fit.host_budget + short
+        p.short_of, p.least_host = "copies", (fit.host_budget + short) * job.ranks_per_host
         p.why = (f"host: the copies of the speculative update need {gb(short)} more than the budget; "
                  "raise --host-gb or lower optim.speculate_units")
     elif best is None:

@@ -127,7 +127,7 @@ def to_markdown(p: Plan, one: Plan | None = None) -> str:
     if p.longest_seq_len:
         names = {"GPU": "GPU memory", "host": "host RAM", "NVMe": "the NVMe budget"}
         bound = " and ".join(names[b] for b in p.longest_bound.split(", ") if b in names)
-        out += [f"Longest sequence (batch 1) that fits these budgets: "
+        out += [f"Longest sequence ({'batch 1' if rp.gpus == 1 else 'one per GPU'}) that fits these budgets: "
                 + (f"{p.longest_seq_len:,} tokens, bound by {bound}." if bound else
                    f"at least {p.longest_seq_len:,} tokens."), ""]
     return "\n".join(out)
