@@ -38,7 +38,8 @@ def test_plan_runs_without_torch(tmp_path):
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.toml")))
 def test_every_shipped_config_gets_a_plan(path):
     cfg = load_config(path)
-    p = plan(Job(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype), Budgets(host_gb=1500, gpu_gb=141, nvme_gb=8000), REFERENCE)
+    job = Job(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype)
+    p = plan(job, Budgets(host_gb=1500, gpu_gb=141, nvme_gb=8000), REFERENCE)
     assert p.fits, p.why
     assert p.step_s > 0 and p.tokens_per_s > 0 and p.gpu_total <= 141e9
 
@@ -110,7 +111,8 @@ def test_everything_spilled_by_hand():
     n, hw = sum(sizes), HardwareSpec(disk_mixed_gbs=0.0)  # first without a rate of both directions at once
     least = least_host(list(sizes), kind_bytes("bfloat16", "compute"), 0, host_cost)
     assert least == 4 * host_cost(113_252_352 * 4) * 4 + 4 * host_cost(113_252_352 * 2) * 2  # 4 + 2x the copy's
-    p = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100), hw)
+    least_budget = Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100)
+    p = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), least_budget, hw)
     assert p.fits and p.host_bytes == {} and p.nvme_bytes == {k: n * b for k, b in kind_bytes("bfloat16", "compute").items()}
     r, w = hw.disk_read_gbs * 1e9, hw.disk_write_gbs * 1e9
     ahead = 12 * (sizes[0] + sizes[1])
@@ -119,7 +121,8 @@ def test_everything_spilled_by_hand():
     assert p.step_s == pytest.approx(p.times["NVMe bwd"] + p.times["NVMe read"] + p.times["NVMe write"])
     assert p.bottleneck == "NVMe"
     # a probed rate of reads and writes at once: each phase's bytes within it, each direction within its own
-    q = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100), dataclasses.replace(hw, disk_mixed_gbs=3.0))
+    q = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), least_budget,
+                 dataclasses.replace(hw, disk_mixed_gbs=3.0))
     assert q.times["NVMe"] == pytest.approx(max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9))
     assert q.times["NVMe bwd"] == pytest.approx(max((2 * sum(sizes[1:25]) + ahead) / r, 4 * n / w,
                                                     (2 * sum(sizes[1:25]) + ahead + 4 * n) / 3e9))
@@ -141,9 +144,10 @@ def test_more_budget_never_predicts_a_slower_step(knob):
 
 def test_a_plan_that_does_not_fit_says_which_budget():
     spec = load_config("llama-7b").model
-    p = explain(Job(spec, 16, 2048), plan(Job(spec, 16, 2048), Budgets(host_gb=40), REFERENCE), Budgets(host_gb=40), REFERENCE)
+    job = Job(spec, 16, 2048)
+    p = plan(job, Budgets(host_gb=40), REFERENCE)
     assert not p.fits and "raise --host-gb or give an NVMe tier" in p.why
-    p = explain(Job(spec, 16, 2048), plan(Job(spec, 16, 2048), Budgets(host_gb=1000, gpu_gb=2), REFERENCE), Budgets(host_gb=1000, gpu_gb=2), REFERENCE)
+    p = plan(job, Budgets(host_gb=1000, gpu_gb=2), REFERENCE)
     assert not p.fits and p.why.startswith("GPU: needs")
     # with an NVMe tier, too little host memory for even the ring: the least budget, of every choice
     one_b = load_config("llama-1b").model
@@ -151,7 +155,9 @@ def test_a_plan_that_does_not_fit_says_which_budget():
     need = float(re.search(r"raise --host-gb to at least ([0-9.]+)$", p.why).group(1))
     assert plan(Job(one_b, 16, 2048), Budgets(host_gb=need, nvme_gb=100), REFERENCE).fits
     # the report of a plan that fits names its own choice's least budget: the same figure, unrounded
-    reported = explain(Job(one_b, 16, 2048), plan(Job(one_b, 16, 2048), Budgets(host_gb=need, nvme_gb=100), REFERENCE), Budgets(host_gb=need, nvme_gb=100), REFERENCE).least_host / 1e9
+    at_need = Budgets(host_gb=need, nvme_gb=100)
+    reported = explain(Job(one_b, 16, 2048), plan(Job(one_b, 16, 2048), at_need, REFERENCE), at_need, REFERENCE)
+    reported = reported.least_host / 1e9
     assert need - 0.1 < reported <= need
     assert not plan(Job(one_b, 16, 2048), Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE).fits
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "40",
@@ -237,8 +243,9 @@ def test_resident_units_move_their_update_to_the_gpu():
     res = resident_units(numels, kind_bytes("bfloat16", "master"), 24e9)
     r = sum(numels[u] for u in res)
     assert res == list(range(len(res))) and r * 16 <= 24e9 < (r + numels[len(res)]) * 16
-    a = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0), Budgets(), REFERENCE)
-    b = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0), Budgets(resident_gb=24), REFERENCE)
+    fixed = Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0)
+    a = evaluate(Job(spec, 4, 2048), fixed, Budgets(), REFERENCE)
+    b = evaluate(Job(spec, 4, 2048), fixed, Budgets(resident_gb=24), REFERENCE)
     assert b.gpu["resident units' state"] == r * 16 and a.gpu["resident units' state"] == 0
     assert b.times["host AdamW"] == pytest.approx(a.times["host AdamW"] * (sum(numels) - r) / sum(numels))
     assert b.times["D2H"] < a.times["D2H"] and b.step_s < a.step_s
@@ -252,7 +259,8 @@ def test_resident_auto_takes_what_the_gpu_has_left():
     state = spec.n_params * 16  # fp32 streaming: master, moments, gradient
 
     def at(batch, gpu_gb, resident):
-        return plan(Job(spec, batch, 2048), Budgets(host_gb=200, gpu_gb=gpu_gb, resident_gb=resident), REFERENCE, Choice(4))
+        return plan(Job(spec, batch, 2048), Budgets(host_gb=200, gpu_gb=gpu_gb, resident_gb=resident), REFERENCE,
+                    Choice(4))
 
     big = at(4, 141, "auto")
     assert big.fits and big.run_plan.resident_gb * 1e9 >= state and big.gpu["resident units' state"] >= state * 0.99
@@ -312,7 +320,8 @@ def test_longest_sequence_is_the_edge_of_the_budgets():
     miss = at(n + 1024)
     assert at(n).fits and not miss.fits
     assert {"ring": "host", "copies": "host"}.get(miss.short_of, miss.short_of) in p.longest_bound.split(", ")
-    small = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), replace(b, gpu_gb=80), REFERENCE), replace(b, gpu_gb=80), REFERENCE)
+    b80 = replace(b, gpu_gb=80)
+    small = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b80, REFERENCE), b80, REFERENCE)
     assert 0 < small.longest_seq_len < n
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "115",
                         "--nvme-gb", "55", "--format", "json"], capture_output=True, text=True)

@@ -167,7 +167,8 @@ def test_the_plan_for_two_gpus_halves_each_ranks_share():
     assert "2 GPUs" in text and "x one GPU" in text
     # the host budget is the host's: what one rank's half of the state needs, twice over, and not less
     need = two.host_total - two.host_fixed["process"]
-    assert plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE, Choice(speculate=two.speculated)).fits
+    assert plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE,
+                Choice(speculate=two.speculated)).fits
     assert not plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=need / 1e9), REFERENCE).fits
 
 

@@ -266,7 +266,8 @@ def test_planner_balances_the_speculated_units():
     assert at8k.clipped_times["host AdamW"] > at8k.times["host AdamW"]
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
     tight = Budgets(host_gb=sum(off.host_bytes.values()) / 1e9 + off.host_fixed["host checkpoints"] / 1e9 + 2)
-    miss = plan(Job(spec, 16, 2048), tight, REFERENCE, Choice(16, "master", "host", gpu_updates=0, speculate=28, speculate_gpu=False))
+    miss = plan(Job(spec, 16, 2048), tight, REFERENCE,
+                Choice(16, "master", "host", gpu_updates=0, speculate=28, speculate_gpu=False))
     assert not miss.fits and "copies of the speculative update" in miss.why
     few = plan(Job(spec, 16, 2048), tight, REFERENCE, Choice(16, "master", "host", gpu_updates=0))
     assert few.fits and 0 < few.speculated < 28 and few.host_fixed["update copies"] <= 2e9

@@ -130,7 +130,8 @@ class OptimConfig:
 @dataclass
 class TiersConfig:
     # "auto" (both): the plan's choice (on a CPU, whose memory is the host's, checkpoints stay on the "gpu")
-    stream: StreamSetting = "auto"  # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
+    # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
+    stream: StreamSetting = "auto"
     # where activation checkpoints live: "gpu", "host" (pinned, copied on side streams) or "nvme" (the NVMe tier,
     # through a ring of pinned buffers); "auto": the plan's, split across the three when no one of them holds all
     activations: Places = "auto"

@@ -58,7 +58,8 @@ class GpuUpdates:
                                step, lr, clip)
             return s["master"]
         st = self._next_set()
-        return self._in_set(unit, st, (*STATE, Kind.GRAD), (st.free, self.grads.ready.get(unit), self.written.get(unit)),
+        waits = (st.free, self.grads.ready.get(unit), self.written.get(unit))
+        return self._in_set(unit, st, (*STATE, Kind.GRAD), waits,
                             (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])["master"]
 
     def speculate(self, unit: int, step: int, lr: float, into: dict | None) -> None:
@@ -120,8 +121,8 @@ class Updates:
                  tiers=None):
         self.plan, self.opt, self.grads, self.tiers = plan, opt, grads, tiers
         self.mode = [u.update for u in plan.units]
-        self.host = OptimizerThread(opt, len(plan.units), overlap, plan.updated(Update.HOST, Update.HOST_SPECULATED),
-                                    plan.updated(Update.HOST_SPECULATED))
+        on_host = plan.updated(Update.HOST, Update.HOST_SPECULATED)
+        self.host = OptimizerThread(opt, len(plan.units), overlap, on_host, plan.updated(Update.HOST_SPECULATED))
         self.gpu = GpuUpdates(opt, plan, grads, streams, device)
         self.any_speculated = bool(plan.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED))
         self.timeline = self.host.timeline

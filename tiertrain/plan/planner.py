@@ -61,7 +61,8 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     rows = job.rows
     micros = [fixed.micro] if fixed.micro else [m for m in range(1, rows + 1)
                                                if rows % m == 0 and m * job.seq_len <= 65536]
-    streams = [fixed.stream] if fixed.stream else (["compute", "master"] if job.dtype == "bfloat16" else ["master"])
+    both = ["compute", "master"] if job.dtype == "bfloat16" else ["master"]
+    streams = [fixed.stream] if fixed.stream else both
     places = [fixed.activations] if fixed.activations else ["gpu", "host"]
 
     def choice(m: int, s: str, a: str) -> Plan:
@@ -91,7 +92,9 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
         cands.sort(key=lambda c: (c.why.startswith("GPU"), c.least_host))
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
-    return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.gpu_total)) if ok else cands[0]
+    if not ok:
+        return cands[0]
+    return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.gpu_total))
 
 
 def settled(fixed: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Choice, Budgets]:
@@ -164,7 +167,8 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
     tile = (TILE if big else 0) if choice.tile is None else choice.tile
     tiled = bool(tile) and tokens > tile
     rp = RunPlan(micro, stream, activations, budgets.resident_gb, tile=tile, checkpoint_dtype=job.checkpoint_dtype,
-                 gpus=job.gpus, compute_dtype=job.dtype, numels=tuple(shards), rows=job.rows, row_numel=job.seq_len * H)
+                 gpus=job.gpus, compute_dtype=job.dtype, numels=tuple(shards), rows=job.rows,
+                 row_numel=job.seq_len * H)
     p = Plan(job.name, spec.n_params, job.batch, job.seq_len, rp, hardware=hardware, gpus_per_host=per_host)
     p.gpu = {"resident units' state": resident_bytes, "weight slots": 2 * blk * wdt, "embedding + head": own * wdt,
              "fp32 staging": max(all_numels) * 4 if (stream == "master" and wdt == 2) else 0,
@@ -283,8 +287,9 @@ def update_search(job: Job, choice: Choice, p: Plan, fit: Fit) -> Candidate | No
     room, clipping, speculate = fit.room, job.clipping, choice.speculate
     counts = _counts(len(cands)) if choice.gpu_updates is None else [min(choice.gpu_updates, len(cands))]
     best, short, sets = None, None, 0
+    spec_gpu = choice.speculate_gpu
     for k, ge in [(k, ge) for k in counts
-                  for ge in ((False, True) if k and choice.speculate_gpu is None else (bool(k and choice.speculate_gpu),))]:
+                  for ge in ((False, True) if k and spec_gpu is None else (bool(k and spec_gpu),))]:
         gpu = gpu_updated(cands, k, ge)
         sets = 2 * 16 * max((numels[u] for u in gpu), default=0)  # two (master, grad, moments) sets
         if p.gpu_total + sets > fit.gpu_budget:
@@ -339,7 +344,8 @@ def _finish(job: Job, p: Plan, fit: Fit, best: Candidate) -> None:
         reloaded = _reloaded(len(numels))
         sums = (sum(numels), sum(numels[reloaded.start:reloaded.stop]))
         on_gpu = sum(numels[u] for u in gpu_updated(cands, p.gpu_updates, p.gpu_speculated))
-        ct, cb, cf = step_times(spec, p, sums, on_gpu, 0, job.clipping, fit.ck_bytes, fit.kb, fit.hw, whole=fit.whole)
+        ct, cb, cf = step_times(spec, p, sums, on_gpu, 0, job.clipping, fit.ck_bytes, fit.kb, fit.hw,
+                                whole=fit.whole)
         p.clipped_times, p.clipped_step_s = ct, cb + cf
     # what limits each phase: the backward pass, then the forward pass with the update beside it
     bwd, fwd = best.bwd, best.fwd

@@ -38,7 +38,8 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
 
 
 def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
-           name: str, micro: int | None = None, advise: bool = True, gpus: int = 1, per_host: int | None = None) -> Plan:
+           name: str, micro: int | None = None, advise: bool = True, gpus: int = 1,
+           per_host: int | None = None) -> Plan:
     """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host), with the
     report's findings where `advise`. `micro`: the micro-batch a resumed run ran with, kept where the config
     leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""

@@ -40,8 +40,9 @@ class UnitPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitPlan":
-        return cls(d["index"], d["name"], Update(d["update"]), tuple((Kind(k), Home(h)) for k, h in d["homes"].items()),
-                   d.get("recompute", True), Home(d["checkpoint"]) if d.get("checkpoint") else "")
+        homes = tuple((Kind(k), Home(h)) for k, h in d["homes"].items())
+        return cls(d["index"], d["name"], Update(d["update"]), homes, d.get("recompute", True),
+                   Home(d["checkpoint"]) if d.get("checkpoint") else "")
 
 
 @dataclass(frozen=True)
@@ -136,5 +137,6 @@ def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: It
         homes = tuple((Kind(k), Home.GPU if u in resident else Home(where[(u, k)])) for k in kinds)
         update = (Update.RESIDENT if u in resident else (Update.GPU_SPECULATED if gpu_speculated else Update.GPU)
                   if u in gpu else Update.HOST_SPECULATED if u in early else Update.HOST)
-        out.append(UnitPlan(u, name, update, homes, u not in kept, Home(checkpoints[u]) if u in checkpoints else ""))
+        checkpoint = Home(checkpoints[u]) if u in checkpoints else ""
+        out.append(UnitPlan(u, name, update, homes, u not in kept, checkpoint))
     return tuple(out)
