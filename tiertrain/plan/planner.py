@@ -89,11 +89,9 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     ok = [c for c in cands if c.fits]
     if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
         # of those short of host memory with an NVMe tier, the one that needs the least
-        cands.sort(key=lambda c: (c.why.startswith("GPU"), c.least_host))
+        return min(cands, key=lambda c: (c.why.startswith("GPU"), c.least_host))
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
-    if not ok:
-        return cands[0]
     return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.gpu_total))
 
 

@@ -131,9 +131,12 @@ def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: It
     whose activations are kept and the home of each block's checkpoint."""
     resident, gpu, early, kept = set(resident), set(gpu), set(host_speculated), set(kept)
     checkpoints = checkpoints or {}
+    kinds_of: dict[int, list[str]] = {}  # by unit, in one pass: a search plans thousands of units many times
+    for v, k in where:
+        kinds_of.setdefault(v, []).append(k)
     out = []
     for u, name in enumerate(names):
-        kinds = sorted(k for (v, k) in where if v == u)
+        kinds = sorted(kinds_of.get(u, ()))
         homes = tuple((Kind(k), Home.GPU if u in resident else Home(where[(u, k)])) for k in kinds)
         update = (Update.RESIDENT if u in resident else (Update.GPU_SPECULATED if gpu_speculated else Update.GPU)
                   if u in gpu else Update.HOST_SPECULATED if u in early else Update.HOST)
