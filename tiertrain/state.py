@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 
 from .model.spec import UnitSpec
+from .modes import Home, Kind
 from .parallel import Ranks
 from .tiers.host import HostStore
 from .tiers.slab import Shard, SlabLayout
@@ -28,9 +29,9 @@ class State:
         """This rank's slab (its shard) wherever it lives: the host's, or an NVMe one through a staging-ring
         buffer (read from the store first when `read`, written back after when not)."""
         tier = self.where[(unit, kind)]
-        if tier == "host":
+        if tier == Home.HOST:
             yield self.host.slab(unit, kind)
-        elif tier == "gpu":  # a resident unit's: through a host copy
+        elif tier == Home.GPU:  # a resident unit's: through a host copy
             dev = self.host.slab(unit, kind)
             flat = dev.cpu()  # its current contents: writers may fill only the tensors, not the padding
             yield flat
@@ -77,14 +78,14 @@ class State:
     def master_set(self, unit: int, master: torch.Tensor) -> None:
         """The unit's master was set outside the optimizer (init, import, restore): the compute-dtype copy
         follows, on the host or on NVMe."""
-        if self.where.get((unit, "weights")) == "nvme":
+        if self.where.get((unit, Kind.WEIGHTS)) == Home.NVME:
             with self.tiers.borrowed(unit, "weights", read=False) as w:
                 w.copy_(master)
         self.host.updated(unit, master)
 
     def grad_sink(self, unit: int):
         """Where the backward pass drains the unit's gradient (engine.buffers.Accumulators' sink)."""
-        if self.where[(unit, "grad")] == "nvme":
+        if self.where[(unit, Kind.GRAD)] == Home.NVME:
             return self.tiers.sink(unit, "grad")
         return self.host.slab(unit, "grad"), None
 

@@ -67,9 +67,9 @@ class Checkpoints:
         if shape != self._shape:  # a new batch shape: drop the old host buffers
             self._host.clear()
             self._shape = shape
-        if home == "gpu":
+        if home == Home.GPU:
             self.saved[unit] = xs
-        elif home == "host":
+        elif home == Home.HOST:
             self._save_host(unit, xs)
         else:
             while len(self.on_way) >= IN_FLIGHT:
@@ -120,7 +120,7 @@ class Checkpoints:
         home = self.homes.get(unit, Home.GPU)
         if home == Home.GPU or unit in self.saved:
             return
-        if home == "host":
+        if home == Home.HOST:
             host = self._host[unit]
             shape, count = host.shape[1:], host.shape[0]
         else:
@@ -129,7 +129,7 @@ class Checkpoints:
         allocated = self.s.record(self.s.compute)  # the memory may have been freed by earlier compute
         self.saved[unit] = bufs
         self.h2d_bytes += count * bufs[0].numel() * bufs[0].element_size()
-        if home == "nvme":
+        if home == Home.NVME:
             self.reads[unit] = self._in.submit(self._read, unit, bufs, allocated, self.written.pop(unit))
             return
         with self.s.on(self.s.h2d):

@@ -211,10 +211,10 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
         if u in resident:
             continue
         size = numels[u] * kb[k]
-        if tier != "host":
+        if tier != Home.HOST:
             p.nvme_bytes[k] = p.nvme_bytes.get(k, 0) + size
         p.placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
-        if tier == "nvme" and k == streamed_kind(kb) and u in _reloaded(len(numels)):
+        if tier == Home.NVME and k == streamed_kind(kb) and u in _reloaded(len(numels)):
             p.nvme_bwd_reads += size
     p.nvme_ahead = read_ahead_bytes(numels, kb, where)
     p.host_fixed = {"staging ring": ring, "host checkpoints": host_ck, "process": PROCESS_GB * 1e9}

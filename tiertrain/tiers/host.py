@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modes import STATE, Kind
+from ..modes import STATE, Home, Kind
 from .slab import SlabLayout, alloc_slab
 
 FP32_KINDS = (*STATE, Kind.GRAD)
@@ -31,10 +31,10 @@ class HostStore:
         self.streamed_kind = Kind.WEIGHTS if copy else Kind.MASTER  # the slab that carries the weights to the GPU
         self.slabs: list[dict[str, torch.Tensor]] = []
         for u, lay in enumerate(layouts):  # slabs placed on NVMe get no memory here; "gpu" ones live there
-            tiers = {k: (where or {}).get((u, k), "host") for k in self.kinds}
-            self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) if t == "host" else
+            tiers = {k: (where or {}).get((u, k), Home.HOST) for k in self.kinds}
+            self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) if t == Home.HOST else
                                torch.zeros(lay.numel, dtype=self.dtype(k), device=device)
-                               for k, t in tiers.items() if t in ("host", "gpu")})
+                               for k, t in tiers.items() if t in (Home.HOST, Home.GPU)})
         self.copies: dict[int, dict[str, torch.Tensor]] = {}
 
     def add_copies(self, units) -> None:

@@ -26,6 +26,7 @@ from typing import Iterator
 
 import torch
 
+from ..modes import Home
 from ..plan.runplan import RunPlan
 from .nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
 from .placement import READ_AHEAD, ring_widths, spilled_bytes
@@ -44,7 +45,7 @@ def nvme_tier(rp: RunPlan, dtypes: dict[str, torch.dtype], streamed: str, pin: b
     meta = {**meta, "compute_dtype": rp.compute_dtype, **bits}
     if replace:
         discard_stale(parent, run_name)
-    units = {k: [u for (u, kk), tier in where.items() if kk == k and tier == "nvme"] for k in kinds}
+    units = {k: [u for (u, kk), tier in where.items() if kk == k and tier == Home.NVME] for k in kinds}
     backend = make_io(io, io_threads)
     root = new_scratch(parent, run_name)
     try:
@@ -60,7 +61,7 @@ class TierManager:
     def __init__(self, store: NvmeStore, where: dict[tuple[int, str], str], dtypes: dict[str, torch.dtype],
                  pin: bool, depth: int = 1, streamed: str = "master"):
         self.store, self.depth, self.streamed = store, depth, streamed
-        self.spilled = {u: [k for (uu, k), t in sorted(where.items()) if uu == u and t == "nvme"]
+        self.spilled = {u: [k for (uu, k), t in sorted(where.items()) if uu == u and t == Home.NVME]
                         for u in range(len(store.numels))}
         kinds = sorted({k for ks in self.spilled.values() for k in ks})
         slots = depth + 2  # read ahead, in use, writing back

@@ -16,7 +16,7 @@ import functools
 
 from typing import Iterator
 
-from ..modes import STATE, Kind
+from ..modes import STATE, Home, Kind
 
 SPILL_ORDER = (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER, Kind.GRAD, Kind.WEIGHTS)
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
@@ -47,7 +47,7 @@ def host_state_bytes(numels: list[int], kb: dict[str, int], where, cost, skip=()
     `skip` (resident on the GPU) left out. The planner and the run's budget checks share it."""
     out: dict[str, int] = {}
     for (u, k), tier in where.items():
-        if tier == "host" and u not in skip:
+        if tier == Home.HOST and u not in skip:
             out[k] = out.get(k, 0) + cost(numels[u] * kb[k])
     return out
 
@@ -76,7 +76,7 @@ def update_candidates(where: dict[tuple[int, str], str], kinds, n_units: int) ->
     forward order: those with every slab in host RAM (resident units update there anyway; spilled
     slabs pass through the staging ring on the host optimizer's schedule). The first ones are taken:
     the host optimizer then starts on the units the next forward pass reaches last."""
-    return [u for u in range(n_units) if all(where.get((u, k), "host") == "host" for k in kinds)]
+    return [u for u in range(n_units) if all(where.get((u, k), Home.HOST) == Home.HOST for k in kinds)]
 
 
 def alternate_from_last(units: list[int], k: int) -> list[int]:
@@ -121,7 +121,7 @@ def ring_widths(numels: list[int], where: dict[tuple[int, str], str]) -> dict[st
     """{kind: elements of its widest slab on NVMe}, for the kinds with one."""
     out: dict[str, int] = {}
     for (u, k), tier in where.items():
-        if tier == "nvme":
+        if tier == Home.NVME:
             out[k] = max(out.get(k, 0), numels[u])
     return out
 
@@ -130,7 +130,7 @@ def disk_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[int, str
     """Bytes the NVMe store takes for this placement: a row per spilled slab, each as wide as its kind's
     widest spilled unit (tiers.nvme.NvmeStore)."""
     width = ring_widths(numels, where)
-    return sum(width[k] * kb[k] for (_, k), tier in where.items() if tier == "nvme")
+    return sum(width[k] * kb[k] for (_, k), tier in where.items() if tier == Home.NVME)
 
 
 def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int) -> list[tuple[int, str]]:
@@ -175,7 +175,7 @@ def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixe
         return None, 0, total
     _, cap, j = min(fits)
     where = place(numels, kb)
-    where.update({uk: "nvme" for uk in _spill_sequence(numels, kb, cap)[:j]})
+    where.update({uk: Home.NVME for uk in _spill_sequence(numels, kb, cap)[:j]})
     return where, ring_bytes(ring_widths(numels, where), kb, cost), total
 
 
@@ -183,9 +183,9 @@ def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[in
     """Disk bytes the ring reads ahead of the optimizer as the backward pass starts (TierManager.start): the
     spilled slabs of the first READ_AHEAD units with any, but their gradients (drained late in that pass) and
     compute-dtype copies (written whole, never read)."""
-    units = set(sorted({u for (u, _), t in where.items() if t == "nvme" and numels[u]})[:READ_AHEAD])
+    units = set(sorted({u for (u, _), t in where.items() if t == Home.NVME and numels[u]})[:READ_AHEAD])
     return sum(numels[u] * kb[k] for (u, k), t in where.items()
-               if t == "nvme" and u in units and k not in ("grad", "weights"))
+               if t == Home.NVME and u in units and k not in (Kind.GRAD, Kind.WEIGHTS))
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
@@ -198,12 +198,12 @@ def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> flo
 
 def place(numels: list[int], kind_bytes: dict[str, int]) -> dict[tuple[int, str], str]:
     """Every slab on the host."""
-    return {(u, k): "host" for u in range(len(numels)) for k in kind_bytes}
+    return {(u, k): Home.HOST for u in range(len(numels)) for k in kind_bytes}
 
 
 def spilled_bytes(numels: list[int], kind_bytes: dict[str, int], where: dict[tuple[int, str], str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for (u, k), tier in where.items():
-        if tier == "nvme":
+        if tier == Home.NVME:
             out[k] = out.get(k, 0) + numels[u] * kind_bytes[k]
     return out
