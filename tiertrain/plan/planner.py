@@ -25,7 +25,7 @@ import functools
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
-from ..modes import Home
+from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import (CK_RING_BYTES, alternate_from_last, ck_disk_bytes, copy_bytes, disk_bytes,
                                gpu_updated, host_state_bytes, kind_bytes, least_host, place_within,
@@ -136,6 +136,12 @@ class Fit:
     gpu_budget: float  # usable GPU bytes
     ck_bytes: int  # bytes of every block's checkpoint
 
+    @property
+    def sums(self) -> tuple[int, int]:
+        """The parameters that cross PCIe in the forward pass, and again in the backward pass."""
+        reloaded = _reloaded(len(self.numels))
+        return sum(self.numels), sum(self.numels[reloaded.start:reloaded.stop])
+
 
 def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
                least: bool = False) -> tuple[Plan, Fit | None]:
@@ -230,7 +236,7 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec,
 
     # ---- GPU: the blocks that keep their activations ----
     in_ram = [u for u in update_candidates(where, kb, len(numels)) if u not in resident]
-    cands = in_ram if "weights" not in kb else []
+    cands = _candidates(in_ram, kb)
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
     per_kept = KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * T - (ck_unit if activations == "gpu" else 0)
     keep = choice.keep
@@ -279,9 +285,7 @@ def update_search(job: Job, choice: Choice, p: Plan, fit: Fit) -> Candidate | No
     GPU (choice.gpu_updates, or each that fits), speculating on the GPU or not, the number the host speculates
     (choice.speculate, or the best). None: none fits (the plan then says which budget is short)."""
     numels, hw = fit.numels, fit.hw
-    cands = fit.in_ram if "weights" not in fit.kb else []
-    reloaded = _reloaded(len(numels))
-    sums = (sum(numels), sum(numels[reloaded.start:reloaded.stop]))  # what crosses PCIe forward, backward
+    cands, sums = _candidates(fit.in_ram, fit.kb), fit.sums
     room, clipping, speculate = fit.room, job.clipping, choice.speculate
     counts = _counts(len(cands)) if choice.gpu_updates is None else [min(choice.gpu_updates, len(cands))]
     best, short, sets = None, None, 0
@@ -337,12 +341,10 @@ def _finish(job: Job, p: Plan, fit: Fit, best: Candidate) -> None:
     p.gpu_updates, t, p.gpu["GPU update sets"] = best.gpu_updates, best.times, best.sets
     p.times, p.step_s = t, best.bwd + best.fwd
     p.clipped_times, p.clipped_step_s = t, p.step_s
-    cands = fit.in_ram if "weights" not in fit.kb else []
+    cands = _candidates(fit.in_ram, fit.kb)
     if job.clipping and (p.speculated or p.gpu_speculated):
-        reloaded = _reloaded(len(numels))
-        sums = (sum(numels), sum(numels[reloaded.start:reloaded.stop]))
         on_gpu = sum(numels[u] for u in gpu_updated(cands, p.gpu_updates, p.gpu_speculated))
-        ct, cb, cf = step_times(spec, p, sums, on_gpu, 0, job.clipping, fit.ck_bytes, fit.kb, fit.hw,
+        ct, cb, cf = step_times(spec, p, fit.sums, on_gpu, 0, job.clipping, fit.ck_bytes, fit.kb, fit.hw,
                                 whole=fit.whole)
         p.clipped_times, p.clipped_step_s = ct, cb + cf
     # what limits each phase: the backward pass, then the forward pass with the update beside it
@@ -403,6 +405,12 @@ def _least(f, hi: int) -> list:
         else:
             lo = a
     return [min((g(n) for n in range(lo, hi + 1)), key=lambda r: r[0])]
+
+
+def _candidates(in_ram: list[int], kb: dict) -> list[int]:
+    """The units that may be updated on the GPU: those in RAM, unless a compute-dtype copy streams (a GPU update
+    makes the weights from the fp32 master)."""
+    return in_ram if Kind.WEIGHTS not in kb else []
 
 
 def _reloaded(n_units: int) -> range:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import AUTO, Config, fixed
 from ..errors import ConfigError
+from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import (CK_RING_BYTES, copy_bytes, host_state_bytes, least_host, resident_units, ring_bytes,
                                ring_widths)
@@ -126,7 +127,7 @@ def check_ram(rp: RunPlan, copied: frozenset[int], avail: int, host_gb: float, n
     if need <= avail:
         return
     where, kb = rp.where(), rp.kind_bytes()
-    rest = [0 if where.get((u, "master")) == "gpu" else n for u, n in enumerate(rp.numels)]
+    rest = [0 if where.get((u, Kind.MASTER)) == Home.GPU else n for u, n in enumerate(rp.numels)]
     least = least_host(rest, kb, host_checkpoints(rp), host_cost) + device
     need, least, device, avail = need * share, least * share, device * share, avail * share  # the host's
     have = f"this machine has {gb(avail)} of RAM available"

@@ -3,6 +3,7 @@ kept block's autograd graph saves. Pure Python."""
 from __future__ import annotations
 
 from ..model.spec import ModelSpec
+from .runplan import WIDTH
 
 # an untiled micro-batch's working set: WORK_H x H bytes per token and WORK_FF x FF per token of the MLP
 # (untiled llama-3b at 8k: 5.2 GB on an H200, dev/workset.py); a tiled one's is that of one tile, with its
@@ -20,7 +21,7 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     residual and norms (16 H), four H-wide and four FF-wide matmul inputs or outputs in the compute dtype,
     K and V, the attention's log-sum-exp per head, the RoPE tables cast per call. Counted exactly with
     saved-tensor hooks on llama.block (tests/test_keep.py checks it)."""
-    w = 2 if dtype == "bfloat16" else 4
+    w = WIDTH[dtype]
     kv = spec.n_kv_heads * spec.hd
     return (16 * spec.hidden_size + 4 * w * spec.hidden_size + 4 * w * spec.intermediate_size + 2 * w * kv
             + 4 * spec.num_attention_heads + 8 * spec.hd + 8)
@@ -32,6 +33,6 @@ def working_set(spec: ModelSpec, dtype: str, tokens: int, tile: int) -> float:
     H, FF = spec.hidden_size, spec.intermediate_size
     if not tile or tokens <= tile:
         return WORK_H * H * tokens + WORK_FF * FF * tokens
-    w = 2 if dtype == "bfloat16" else 4
+    w = WIDTH[dtype]
     held = w * spec.hd * (TILED_Q * spec.num_attention_heads + TILED_KV * spec.n_kv_heads)
     return held * tokens + (WORK_H * H + WORK_FF * FF) * tile + TILE_SUMS * H * FF
