@@ -97,11 +97,16 @@ def test_config_toml_has_every_section():
 
 def test_a_checkpoints_older_config_loads_with_renamed_keys_and_numbers():
     """A checkpoint's config from before `train.tile_tokens` (then `train.mlp_chunk_tokens`) and with older numbers
-    for "auto" loads as it meant; the same keys in a config a user gives are refused, naming the key."""
+    for "auto" loads as it meant; a renamed key in a config a user gives, or in --set, reads as the new one (older
+    numbers for "auto" there are refused: only a checkpoint may hold them); both names at once are refused."""
     from tiertrain.config import ConfigError, config_from_dict
 
     old = {"train": {"mlp_chunk_tokens": 4096, "micro_batch_size": 0}, "tiers": {"gpu_update_units": -1}}
     cfg = config_from_dict(old, legacy=True)
     assert cfg.train.tile_tokens == 4096 and cfg.train.micro_batch_size == "auto" and cfg.tiers.gpu_update_units == "auto"
-    with pytest.raises(ConfigError, match="mlp_chunk_tokens"):
-        config_from_dict({"train": {"mlp_chunk_tokens": 4096}})
+    assert config_from_dict({"train": {"mlp_chunk_tokens": 4096}}).train.tile_tokens == 4096
+    assert config_from_dict({}, ["train.mlp_chunk_tokens=2048"]).train.tile_tokens == 2048
+    with pytest.raises(ConfigError, match="old name of train.tile_tokens"):
+        config_from_dict({"train": {"mlp_chunk_tokens": 4096, "tile_tokens": 0}})
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        config_from_dict({"train": {"micro_batch_size": 0}})

@@ -27,8 +27,9 @@ HostKernel = typing.Literal["auto", "tiertrain", "torch"]
 StreamSetting = typing.Literal["auto", "compute", "master"]
 Places = typing.Literal["auto", "gpu", "host", "nvme"]
 IoBackend = typing.Literal["auto", "posix", "kvikio"]
-DTYPES, DEVICES, SCHEDULES, HOST_KERNELS, STREAMS, PLACES, IO_BACKENDS = (
-    typing.get_args(t) for t in (Dtype, Device, Schedule, HostKernel, StreamSetting, Places, IoBackend))
+SavedState = typing.Literal["full", "weights"]
+DTYPES, DEVICES, SCHEDULES, HOST_KERNELS, STREAMS, PLACES, IO_BACKENDS, SAVED_STATES = (
+    typing.get_args(t) for t in (Dtype, Device, Schedule, HostKernel, StreamSetting, Places, IoBackend, SavedState))
 
 
 @dataclass
@@ -164,12 +165,19 @@ class TiersConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0: only at the last step (always written)
+    every: int = 0  # steps between checkpoints; 0: none but the final one
     keep: int = 2  # the newest checkpoints kept; older ones are deleted once a new one is whole
+    final: bool = True  # a checkpoint after the last step; false: the run ends without one (signals still save)
+    # "full": fp32 master and Adam moments, a bit-identical resume; "weights": the fp32 master only (a third of
+    # the bytes), which `export` reads and `--resume` starts a new run from (fresh moments, step 0)
+    state: SavedState = "full"
+    # a directory (on another disk than --out) in which the run makes its own checkpoint directory; "": --out's
+    dir: str = ""
 
     def validate(self) -> None:
         _need(self.every >= 0, "checkpoint", "every", self, "must be 0 (only at the end) or a positive step count")
         _need(self.keep >= 1, "checkpoint", "keep", self, "must be at least 1")
+        _need(self.state in SAVED_STATES, "checkpoint", "state", self, f"must be one of {_q(SAVED_STATES)}")
 
 
 SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
@@ -208,6 +216,19 @@ class Config:
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+
+PATHS = (("data", "path"), ("data", "val_path"), ("train", "init_from"), ("tiers", "nvme_dir"), ("checkpoint", "dir"))
+
+
+def absolute_paths(d: dict) -> dict:
+    """A config's dict (Config.to_dict) with its paths absolute: what a checkpoint records, so that a resume from
+    another working directory reads the same files."""
+    out = {sec: dict(vals) for sec, vals in d.items()}
+    for sec, key in PATHS:
+        if out.get(sec, {}).get(key):
+            out[sec][key] = str(Path(out[sec][key]).absolute())
+    return out
 
 
 def _auto_or(v: object, least: float) -> bool:
@@ -292,6 +313,12 @@ def _apply(cfg: Config, data: dict, origin: str) -> None:
         hints = typing.get_type_hints(type(obj))
         known = [f.name for f in dataclasses.fields(obj) if not f.name.startswith("_")]
         for key, value in values.items():
+            if (section, key) in RENAMED:  # an older name reads as the new one, in files and --set
+                new = RENAMED[(section, key)]
+                if new in values:
+                    raise ConfigError(f"{section}.{key} in {origin} is the old name of {section}.{new}, which it "
+                                      f"gives too; keep only {section}.{new}")
+                key = new
             if key not in known:
                 raise ConfigError(f"unknown key {section}.{key} in {origin}; known keys of [{section}]: "
                                   f"{', '.join(known)}")
@@ -342,6 +369,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 LEGACY = {("train", "micro_batch_size"): {0: AUTO}, ("train", "loss_chunk_tokens"): {0: AUTO},
           ("optim", "speculate_units"): {-1: AUTO}, ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
           ("tiers", "gpu_resident_gb"): {-1: AUTO, -1.0: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
+# keys renamed since: the old name is read as the new one, in config files, --set and checkpoints alike
 RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens"}
 
 
@@ -350,9 +378,7 @@ def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the c
     """A config from parsed TOML (or a checkpoint's config), then `--set` overrides. `legacy`: a checkpoint's,
     whose older numbers for "auto" are read as it."""
     cfg = Config()
-    if legacy:  # and a key renamed since: the MLP's tiles became the block's
-        data = {sec: {RENAMED.get((sec, k), k): v for k, v in vals.items()} if isinstance(vals, dict) else vals
-                for sec, vals in data.items()}
+    if legacy:
         data = {sec: {k: LEGACY[(sec, k)].get(v, v) if (sec, k) in LEGACY and not isinstance(v, bool) else v
                       for k, v in vals.items()} if isinstance(vals, dict) else vals for sec, vals in data.items()}
     _apply(cfg, data, origin)

@@ -1,12 +1,17 @@
 """Model shape: Hugging Face-compatible fields, streaming units, tensor tables, counts. No torch here."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "llama3")
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -97,21 +102,23 @@ class ModelSpec:
                  "be even (RoPE rotates pairs); change either, or set model.head_dim")
         need(isinstance(self.hd, int) and self.hd > 0 and self.hd % 2 == 0, "head_dim",
              "must be a positive even number (RoPE)")
-        need(self.rope_theta > 0, "rope_theta", "must be positive")
-        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
-        need(self.initializer_range > 0, "initializer_range", "must be positive")
+        for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            v = getattr(self, key)
+            need(_number(v) and math.isfinite(v) and v > 0, key, "must be a positive finite number")
         need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
         rs = self.rope_scaling
         if rs is not None:
             need(isinstance(rs, dict), "rope_scaling", "must be a table like {rope_type = \"llama3\", factor = 8.0, ...}")
             kind = rs.get("rope_type", rs.get("type", "default"))
             need(kind in ROPE_TYPES, "rope_scaling", f"rope_type must be one of {', '.join(ROPE_TYPES)}")
+            need("factor" not in rs or _number(rs["factor"]) and math.isfinite(rs["factor"]) and rs["factor"] > 0,
+                 "rope_scaling", "factor must be a positive finite number")
             if kind == "llama3":
                 keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
                 missing = [k for k in keys if k not in rs]
                 need(not missing, "rope_scaling", f"llama3 scaling needs {', '.join(missing)}")
-                bad = [k for k in keys if isinstance(rs[k], bool) or not isinstance(rs[k], (int, float)) or rs[k] <= 0]
-                need(not bad, "rope_scaling", f"{', '.join(bad)} must be positive numbers, not strings")
+                bad = [k for k in keys if not (_number(rs[k]) and math.isfinite(rs[k]) and rs[k] > 0)]
+                need(not bad, "rope_scaling", f"{', '.join(bad)} must be positive finite numbers, not strings")
                 need(rs["high_freq_factor"] != rs["low_freq_factor"], "rope_scaling",
                      "high_freq_factor must differ from low_freq_factor")
 
