@@ -63,10 +63,16 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     if mt != "qwen2":
         refuse(not c.get("attention_bias", False), "attention_bias outside Qwen2")
     window = c.get("sliding_window") if (mt == "mistral" or c.get("use_sliding_window")) else None
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        raise HFError(f"{d}/config.json: sliding_window = {window!r}; it must be a positive integer or null")
     if window is not None and seq_len is not None:
         refuse(seq_len <= window, f"sliding_window {window} shorter than train.seq_len {seq_len}")
     if "rope_parameters" in c:  # transformers >= 5
-        rp = dict(c["rope_parameters"] or {})
+        rp = c["rope_parameters"] or {}
+        if not isinstance(rp, dict):
+            raise HFError(f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
+                          "like {\"rope_type\": \"default\", \"rope_theta\": 500000.0}")
+        rp = dict(rp)
         theta = rp.pop("rope_theta", 10000.0)
         scaling = rp if rp.get("rope_type", "default") != "default" else None
     else:
@@ -128,11 +134,18 @@ class HFReader:
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
         if (self.dir / INDEX).is_file():
-            wm = _read_json(self.dir / INDEX, "").get("weight_map")
-            if not isinstance(wm, dict):
-                raise HFError(f"{self.dir / INDEX} has no weight_map; re-download the model")
+            index = _read_json(self.dir / INDEX, "")
+            wm = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
+                raise HFError(f"{self.dir / INDEX} has no weight_map of tensor names to files; re-download the model")
+            outside = [f for f in wm.values() if not _inside(self.dir, f)]
+            if outside:  # a shard's name is a file of this directory, never a path out of it
+                raise HFError(f"{self.dir / INDEX} names a shard outside the model directory ({outside[0]!r}); "
+                              "re-download the model")
             self.where = dict(wm)
         elif (self.dir / SINGLE).is_file():
+            if not _inside(self.dir, SINGLE):
+                raise HFError(f"{self.dir / SINGLE} links outside the model directory; copy the model's files into it")
             self.where = None
         else:
             raise HFError(f"{self.dir} holds neither {SINGLE} nor {INDEX}; tiertrain reads safetensors weights")
@@ -174,14 +187,29 @@ CARRIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", 
            "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
-def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copies the CARRIED files `src` has into the new directory `dst`; their names."""
-    names = [n for n in CARRIED if (Path(src) / n).is_file()]
+def model_root(model_dir: Path) -> Path:
+    """The directory a model's files must stay inside: the model directory, or for a snapshot of the Hugging Face
+    hub's cache (`models--ORG--NAME/snapshots/REV`, whose files link to `../../blobs`) the model's cache entry."""
+    d = Path(model_dir).resolve()
+    return d.parent.parent if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--") else d
+
+
+def _inside(model_dir: Path, name: str) -> bool:
+    """`name` is a file of the model directory (or below it), and no link leads out of model_root."""
+    return not Path(name).is_absolute() and ".." not in Path(name).parts and \
+        (Path(model_dir) / name).resolve().is_relative_to(model_root(model_dir))
+
+
+def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """Copies the CARRIED files `src` has into the new directory `dst`; (the names copied, those left behind: a
+    link that leads out of the model directory is never followed)."""
+    present = [n for n in CARRIED if (Path(src) / n).is_file()]
+    names = [n for n in present if _inside(Path(src), n)]
     if names:
         Path(dst).mkdir(parents=True, exist_ok=True)
     for n in names:
         shutil.copyfile(Path(src) / n, Path(dst) / n)
-    return names
+    return names, [n for n in present if n not in names]
 
 
 def write_hf(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Iterator[tuple[str, "torch.Tensor"]], dtype: str,
