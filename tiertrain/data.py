@@ -28,12 +28,13 @@ BYTE_EOS = 256  # the byte-level tokenizer: ids 0-255 are bytes, 256 ends a docu
 BYTE_VOCAB = 257
 
 
-def read_tokens(path: str | os.PathLike) -> np.ndarray:
-    """The file's tokens as a read-only memory map."""
+def read_tokens(path: str | os.PathLike, key: str = "data.path") -> np.ndarray:
+    """The file's tokens as a read-only memory map; `key`: the setting that named it, for the messages."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"data file {str(p)!r} not found; set data.path to an existing .npy or .bin token "
-                        "file (make one with `tiertrain prepare`), or leave it empty for the built-in corpus")
+        empty = ", or leave it empty for the built-in corpus" if key == "data.path" else ", or leave it empty"
+        raise DataError(f"{key} {str(p)!r} not found; set {key} to an existing .npy or .bin token file (make one "
+                        f"with `tiertrain prepare`){empty}")
     if p.suffix == ".npy":
         try:
             arr = np.load(p, mmap_mode="r", allow_pickle=False)
@@ -69,24 +70,32 @@ def token_vocab(path: str | os.PathLike) -> int:
 def write_bin(path: str | os.PathLike, chunks, vocab_size: int) -> int:
     """Writes token chunks (iterables of ints or arrays) as a .bin file, atomically, recording the vocabulary
     size. Returns the count."""
+    import tempfile
+
     itemsize = 2 if vocab_size <= 1 << 16 else 4
     dtype = "<u2" if itemsize == 2 else "<u4"
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    # a new file of a name nothing else has, next to the target: never a user's file, and gone on any failure
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the token file from other users
     count = 0
-    with open(tmp, "wb") as f:
-        f.write(HEADER.pack(MAGIC, 1, itemsize, 0, vocab_size))
-        for chunk in chunks:
-            arr = np.asarray(chunk, dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-                raise DataError(f"token id {int(arr.max())} does not fit the vocabulary of {vocab_size}")
-            f.write(arr.astype(dtype).tobytes())
-            count += arr.size
-        f.seek(0)
-        f.write(HEADER.pack(MAGIC, 1, itemsize, count, vocab_size))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(HEADER.pack(MAGIC, 1, itemsize, 0, vocab_size))
+            for chunk in chunks:
+                arr = np.asarray(chunk, dtype=np.int64)
+                if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+                    raise DataError(f"token id {int(arr.max())} does not fit the vocabulary of {vocab_size}")
+                f.write(arr.astype(dtype).tobytes())
+                count += arr.size
+            f.seek(0)
+            f.write(HEADER.pack(MAGIC, 1, itemsize, count, vocab_size))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return count
 
 
@@ -147,6 +156,17 @@ class Loader:
             self._perm = (epoch, rng.permutation(self.rows))
         return int(self._perm[1][r])
 
+    def identity(self) -> dict:
+        """What tells these tokens from others of the same count: their bytes' size and a CRC32C of their first MiB
+        and of 64 KiB at 15 places spread over them (a few MiB read, whatever the file's size)."""
+        import google_crc32c
+
+        raw = np.ascontiguousarray(self.tokens).view(np.uint8).reshape(-1)  # no copy of a file's memory map
+        crc = 0
+        for at in [0, *(len(raw) * k // 16 for k in range(1, 16))]:
+            crc = google_crc32c.extend(crc, raw[at:at + (1 << 20 if at == 0 else 1 << 16)].tobytes())
+        return {"size": int(len(raw)), "crc32c": int(crc)}
+
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         S = self.S
         rows = [self._row(step * self.B + j) for j in range(self.B)]
@@ -168,10 +188,19 @@ def loaders(path: str, val_path: str, val_fraction: float, shuffle: bool, seq_le
                             "or raise model.vocab_size")
     else:
         tokens, name = builtin_tokens(), "the built-in corpus"
-    tokens, val = held_out(tokens, seq_len, val_fraction) if val_fraction else (tokens, None)
+    if val_fraction:
+        rows = (len(tokens) - 1) // seq_len
+        tokens, val = held_out(tokens, seq_len, val_fraction)
+        left = (len(tokens) - 1) // seq_len
+        if left < batch_size:
+            raise DataError(f"data.val_fraction = {val_fraction:g} holds out {rows - left} of the {rows} rows of "
+                            f"{name}, leaving {left} to train on, fewer than one batch of train.batch_size = "
+                            f"{batch_size}; lower data.val_fraction")
+    else:
+        val = None
     train = Loader(tokens, seq_len, batch_size, vocab_size, shuffle, seed, name)
     if val_path:
-        val, name = read_tokens(val_path), val_path
+        val, name = read_tokens(val_path, "data.val_path"), val_path
     elif val is not None:
         name = f"the last {val_fraction:g} of {name} (data.val_fraction)"
     return train, Loader(val, seq_len, batch_size, vocab_size, False, 0, name) if val is not None else None

@@ -53,14 +53,24 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise DataError(f"{path}: reading .parquet needs pyarrow: pip install 'tiertrain[data]'") from None
-        pf = pq.ParquetFile(path)
-        if text_field not in pf.schema_arrow.names:
-            raise DataError(f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
-                            "pass the column that holds the text with --text-field")
-        rows, size = max(pf.metadata.num_rows, 1), path.stat().st_size
-        for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-            for text in batch.column(0).to_pylist():
-                yield [text or ""], size // rows
+        import pyarrow as pa
+
+        try:
+            pf = pq.ParquetFile(path)
+            if text_field not in pf.schema_arrow.names:
+                raise DataError(f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
+                                "pass the column that holds the text with --text-field")
+            kind = pf.schema_arrow.field(text_field).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+                raise DataError(f"{path}: column {text_field!r} holds {kind}, not text; pass the column that holds "
+                                "the text with --text-field")
+            rows, size = max(pf.metadata.num_rows, 1), path.stat().st_size
+            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+                for text in batch.column(0).to_pylist():
+                    yield [text or ""], size // rows
+        except (pa.ArrowException, OSError) as e:  # not parquet, or cut short
+            raise DataError(f"{path} is not a readable .parquet file ({str(e).splitlines()[0][:160]}); rewrite it, "
+                            "or pass .jsonl or .txt") from None
 
 
 class Encoder:
@@ -100,6 +110,9 @@ class Encoder:
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception for a file it cannot parse
             raise DataError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
                             "pass the tokenizer.json of a tokenizers / transformers model") from None
+        if not tok.get_vocab_size(with_added_tokens=False):
+            raise DataError(f"{path} has no vocabulary (its model lists no tokens); pass the tokenizer.json of a "
+                            "trained tokenizer")
         self.vocab = tok.get_vocab_size(with_added_tokens=True)
         self.token_id = tok.token_to_id
         self.encode_batch = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
@@ -114,6 +127,8 @@ class Encoder:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: no tokenizer could be loaded ({str(e).splitlines()[0][:160]})") from None
+        if not tok.vocab_size:
+            raise DataError(f"{path}: its tokenizer has no vocabulary; pass the directory of a trained tokenizer")
         self.vocab = len(tok)
         self.token_id = lambda t: tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
         self.encode_batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
@@ -133,7 +148,12 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, text_fiel
     """Tokenizes the documents of `inputs` into the .bin file `out`, the end-of-text token after each;
     (tokens, vocabulary size). `eot`: that token's name (None: the tokenizer's; "": none); `progress` is
     called with the input bytes each batch covered."""
-    paths = [Path(p) for p in inputs]
+    paths, target = [Path(p) for p in inputs], Path(out)
+    if target.is_dir():
+        raise DataError(f"--out {out} is a directory; pass the token file to write, e.g. {target / 'tokens.bin'}")
+    if not target.parent.is_dir():
+        raise DataError(f"--out {out}: the directory {target.parent} does not exist; create it or pass a file in an "
+                        "existing directory")
     for p in paths:
         if not p.is_file():
             raise DataError(f"input file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
