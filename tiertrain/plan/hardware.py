@@ -7,6 +7,7 @@ says so.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -122,7 +123,19 @@ class HardwareSpec:
             raise ConfigError(f"hardware file {p} not found; make one with `tiertrain probe --out {p}`") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"hardware file {p} is not valid JSON ({e}); re-run `tiertrain probe`") from None
-        known = {f.name for f in fields(cls)}
+        fix = f"write one with `tiertrain probe --out {p}`"
+        if not isinstance(data, dict):
+            raise ConfigError(f"hardware file {p} holds a JSON {type(data).__name__}, not a probe's figures; {fix}")
+        missing = [k for k in MEASURED if k not in data]
+        if missing:
+            raise ConfigError(f"hardware file {p} is not a probe file (it has no {', '.join(missing)}); {fix}")
+        known = {f.name: f for f in fields(cls)}
+        bad = [k for k, v in data.items() if k in known and isinstance(getattr(REFERENCE, k), (int, float))
+               and not isinstance(getattr(REFERENCE, k), bool)
+               and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0)]
+        if bad:
+            raise ConfigError(f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be a finite "
+                              f"number, 0 or more; {fix}")
         spec = cls(**{k: v for k, v in data.items() if k in known})
         if "source" not in data:
             spec.source = f"probe file {p}"
@@ -134,6 +147,8 @@ class HardwareSpec:
 
 
 REFERENCE = HardwareSpec()
+# what every probe file holds: the machine's figures `tiertrain probe` measures (a file without them is not one)
+MEASURED = ("gpu", "gpu_mem_gb", "h2d_gbs", "d2h_gbs", "bf16_tflops", "host_adam_params_per_s")
 PROBE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
 
