@@ -14,6 +14,7 @@ import zarr
 from conftest import VARIANTS, tiny_config
 from test_nvme import DEEP, _budget_for, least_budget
 from tiertrain import checkpoint as ckpt
+from tiertrain import rundir
 from tiertrain.loop import fit
 from tiertrain.metrics import read_metrics
 from tiertrain.trainer import Trainer
@@ -94,13 +95,13 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")
     lines = _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)
     assert any("stopped by SIGTERM after step 5" in x for x in lines)
-    assert [p.name for p in ckpt.checkpoints(tmp_path / "cut")] == ["step_3", "step_5"]
+    assert [p.name for p in rundir.checkpoints(tmp_path / "cut")] == ["step_3", "step_5"]
     if spill != "none":
         assert not list((tmp_path / "nvme").glob("tiertrain-*"))  # the scratch stores went once the state was saved
-    latest = ckpt.resolve("latest", tmp_path / "cut")
+    latest = rundir.resolve("latest", tmp_path / "cut")
     _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=latest)
     _same_run(tmp_path / "whole", tmp_path / "cut")
-    assert [p.name for p in ckpt.checkpoints(tmp_path / "cut")] == ["step_6", "step_8"]  # keep = 2
+    assert [p.name for p in rundir.checkpoints(tmp_path / "cut")] == ["step_6", "step_8"]  # keep = 2
 
 
 KILL_SCRIPT = r"""
@@ -134,7 +135,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous(token_file, tmp_pa
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert (out / "checkpoints" / ".step_3.tmp").is_dir()  # the torn write is there, and ignored
-    assert [p.name for p in ckpt.checkpoints(out)] == ["step_1", "step_2"]
+    assert [p.name for p in rundir.checkpoints(out)] == ["step_1", "step_2"]
     r = subprocess.run([sys.executable, "-m", "tiertrain", "run", "--resume", "latest", "--out", str(out)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -157,7 +158,7 @@ def test_sigint_saves_and_exits_zero(tmp_path):
     assert child.returncode == 0
     assert "stopped by SIGINT" in stdout and "--resume latest" in stdout
     last = read_metrics(out / "metrics.jsonl")[-1]["step"]
-    assert [p.name for p in ckpt.checkpoints(out)] == [f"step_{last}"]
+    assert [p.name for p in rundir.checkpoints(out)] == [f"step_{last}"]
 
 
 def _cli(*args):
@@ -201,12 +202,12 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp
     monkeypatch.setattr(ckpt, "_fsync_tree", full)
     out = tmp_path / "run"
     cfg = tiny_config(token_file, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3")
-    with pytest.raises(ckpt.CheckpointError, match="the disk is full; the previous checkpoint is intact"):
+    with pytest.raises(ckpt.CheckpointError, match=r"the disk is full; the previous checkpoint \(step_2\) is intact"):
         _fit(cfg, out)
-    assert [p.name for p in ckpt.checkpoints(out)] == ["step_2"]
+    assert [p.name for p in rundir.checkpoints(out)] == ["step_2"]
     assert not list((out / "checkpoints").glob(".*"))  # the partial write is gone
     ckpt.read_meta(out / "checkpoints" / "step_2")
     monkeypatch.setattr(ckpt, "_fsync_tree", real)
     _fit(tiny_config(token_file, "train.steps=6", "checkpoint.every=2"), out,
-         resume=ckpt.resolve("latest", out))
+         resume=rundir.resolve("latest", out))
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 7))

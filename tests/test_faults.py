@@ -263,7 +263,8 @@ def hit(path):
 if what == "chunk":  # killed before the nth chunk file of the save: a torn .tmp
     body = ckpt._body
     ckpt._body = lambda file, t, write, io, at=0: (write and hit(file), body(file, t, write, io, at))
-else:  # "before" / "after" the nth rename of the save
+else:  # "before" / "after" the nth rename of the save, or of the cut of the timeline that moves step_N aside
+    import tiertrain.rundir as rundir
     rename = os.rename
     def patched(a, b):
         if what == "before":
@@ -271,9 +272,10 @@ else:  # "before" / "after" the nth rename of the save
         rename(a, b)
         if what == "after":
             hit(a)
-    ckpt.os = type(os)("os")
-    ckpt.os.__dict__.update(os.__dict__)
-    ckpt.os.rename = patched
+    for mod in (ckpt, rundir):
+        mod.os = type(os)("os")
+        mod.os.__dict__.update(os.__dict__)
+        mod.os.rename = patched
 sys.argv = ["tiertrain", *sys.argv[4:]]
 main()
 """
@@ -281,11 +283,13 @@ main()
 
 @pytest.mark.parametrize("resave, what, nth", [
     (False, "chunk", 7), (False, "before", 1), (False, "before", 2), (False, "after", 2),
-    (True, "chunk", 7), (True, "before", 1), (True, "before", 2), (True, "before", 3), (True, "after", 3)])
+    (True, "chunk", 7), (True, "before", 1), (True, "after", 1), (True, "before", 2), (True, "before", 3),
+    (True, "after", 3)])
 def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_path, resave, what, nth):
-    """SIGKILL inside the save of step 6: while its chunks are written, before or after each rename (a
-    re-save, of a step resumed from before it, moves the old step_6 aside between them). --resume latest
-    then finishes as the run that never stopped: the same losses, master weights and moments."""
+    """SIGKILL inside the save of step 6: while its chunks are written, before or after each rename. A resume
+    from step 3 of a run that had saved step 6 first moves that step_6 aside (the cut of the timeline: the first
+    rename), then saves its own. --resume latest then finishes as the run that never stopped: the same losses,
+    master weights and moments, and the abandoned step_6 kept aside."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert cli("run", *tiny(token_file), *STEPS, "--out", str(whole)).returncode == 0
     if resave:  # step 6 saved already: the resumed run from step 3 saves it again
@@ -301,6 +305,10 @@ def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_pat
     assert r.returncode == 0, r.stderr
     _same_run(whole, cut)
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_3", "step_6", "step_8"]
+    if resave:  # the timeline the resume left: its step_6 and the metrics after step 3, whole
+        (aside,) = (cut / "abandoned").iterdir()
+        assert sorted(p.name for p in aside.iterdir()) == ["metrics.jsonl", "step_6"]
+        assert [r["step"] for r in read_metrics(aside / "metrics.jsonl")] == list(range(4, 9))
 
 
 # ---- one line, not a traceback ------------------------------------------------------------------

@@ -104,11 +104,16 @@ def test_a_checkpoint_of_two_ranks_resumes_on_two_and_on_one(token_file, tmp_pat
 
 def test_two_ranks_spilling_to_nvme_give_the_plain_bits(token_file, tmp_path):
     """Each rank's shards spilled to its own scratch store under --nvme-dir: the bits of two ranks in RAM; the
-    scratch stores are gone afterwards."""
+    scratch stores are gone afterwards, and so are those the run's killed processes had left (the first rank alone
+    deletes them, the other waits)."""
+    from test_rundir import _stale
+
     deep = ["--set", "model.num_hidden_layers=8"]
     cfg = tiny_config(token_file, "model.num_hidden_layers=8")
     least = least_host(_layouts(cfg.model, 2), kind_bytes("float32", "master"), 0, host_cost) * 2  # the host's
     plain, spilled, disk = tmp_path / "plain", tmp_path / "spilled", tmp_path / "nvme"
+    for i in range(4):
+        _stale(disk, spilled, f"tiertrain-spilled-{i}")
     train(token_file, plain, *deep, gpus=2)
     r = train(token_file, spilled, *deep, "--host-gb", budget(least), "--nvme-dir", str(disk), gpus=2)
     assert "NVMe tier" in r.stdout

@@ -1,10 +1,12 @@
-"""Checkpoints: `<run>/checkpoints/step_<N>/`, a Zarr v3 group written whole or not at all.
+"""Checkpoints: `step_<N>/` in a run's checkpoint directory (rundir.checkpoint_dir), a Zarr v3 group written whole
+or not at all.
 
-Layout: arrays `<kind>/<unit>` (kind: master, exp_avg, exp_avg_sq; fp32, one chunk each, the unit's
-slab with its padding) whose chunks carry a CRC32C checksum, and the group's attributes (JSON): the
-format, step, resolved config, data position, RNG states, optimizer hyperparameters and step count,
-the units' sizes and tiertrain's version. Plain `zarr` reads it. Gradients are not saved: a step
-starts from zero gradients. The compute-dtype copy is not saved either: it is the master, rounded.
+Layout: arrays `<kind>/<unit>` (kind: master, exp_avg, exp_avg_sq, or the master alone with checkpoint.state =
+"weights"; fp32, one chunk each, the unit's slab with its padding) whose chunks carry a CRC32C checksum, and the
+group's attributes (JSON): the format, step, resolved config (its paths absolute), the run, data position and the
+data's identity, RNG states, optimizer hyperparameters and step count, the units' sizes and tiertrain's version.
+Plain `zarr` reads it. Gradients are not saved: a step starts from zero gradients. The compute-dtype copy is not
+saved either: it is the master, rounded.
 
 A checkpoint is written under a hidden temporary name (`.step_N.tmp`), every file and directory fsynced,
 renamed `.step_N.new` (whole), then `step_N` (a step saved again moves aside as `.step_N.old` first): a crash
@@ -41,6 +43,8 @@ from .modes import STATE
 FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
 FORMATS = (FORMAT, "tiertrain-checkpoint/1")
 KINDS = STATE  # the optimizer's state, whole
+WEIGHTS = (STATE[0],)  # the fp32 master alone (checkpoint.state = "weights")
+SAVED = {"full": KINDS, "weights": WEIGHTS}  # the kinds each checkpoint.state saves
 STEP = re.compile(r"step_(\d+)$")
 LEFT = re.compile(r"\.(step_\d+)\.(tmp|new|old)$")  # what a killed save leaves (see save and recover)
 
@@ -140,25 +144,20 @@ class CheckpointError(UserError):
     pass
 
 
-def step_path(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step}"
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """The run's whole checkpoints, oldest first (temporaries of interrupted writes are not listed)."""
-    d = Path(run_dir) / "checkpoints"
+def checkpoints(d: Path) -> list[Path]:
+    """The whole checkpoints in the directory `d`, oldest first (not the temporaries of a save)."""
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()] \
-        if d.is_dir() else []
+        if Path(d).is_dir() else []
     return [p for _, p in sorted(found)]
 
 
-def recover(run_dir: Path) -> None:
-    """Finishes what a save killed mid-way left in the run's checkpoints/ (only the run's own process may call
+def recover(d: Path) -> None:
+    """Finishes what a save killed mid-way left in the checkpoint directory `d` (only the run's own process may call
     this: it deletes a save's temporaries). `.step_N.tmp`: a write that may be partial, deleted (the
     checkpoints before it stand). `.step_N.new`: whole (named so only after its fsync), and the newest of its
     step: it becomes step_N. `.step_N.old`: the step_N a re-save was replacing: deleted once step_N exists,
     else it is step_N again."""
-    d = Path(run_dir) / "checkpoints"
+    d = Path(d)
     if not d.is_dir():
         return
     left = sorted((("tmp", "new", "old").index(m.group(2)), m.group(1), p)
@@ -177,39 +176,27 @@ def recover(run_dir: Path) -> None:
         else:
             os.rename(p, final)
     if left:
-        _fsync(d)
+        fsync(d)
 
 
-def resolve(arg: str, out: Path | None, recover_run: bool = False) -> Path:
-    """`latest` (the newest checkpoint of --out), a checkpoint directory, or a run directory (its newest).
-    `recover_run`: first finish a save that was killed in the run (the caller is the run's own process)."""
-    if arg == "latest":
-        if out is None:
-            raise CheckpointError("--resume latest needs --out DIR, the run to continue")
-        run = Path(out)
-    else:
-        p = Path(arg)
-        if (p / "zarr.json").is_file():
-            return p
-        run = p
-    if not run.is_dir():
-        raise CheckpointError(f"{run} does not exist; pass the run directory or a checkpoint to --resume")
-    if recover_run:
-        recover(run)
-    found = checkpoints(run)
-    if not found:
-        raise CheckpointError(f"{run} holds no checkpoint (checkpoints/step_N); nothing to resume")
-    return found[-1]
+def write_json(path: Path, data: dict) -> None:
+    """`data` as the file `path`, whole or not at all: written under a temporary name, fsynced, renamed."""
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _fsync_tree(root: Path) -> None:
     for d, _, files in os.walk(root):
         for name in files:
-            _fsync(Path(d) / name)
-        _fsync(Path(d))
+            fsync(Path(d) / name)
+        fsync(Path(d))
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     """fsync of a file or a directory (its entries: a rename is durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -218,14 +205,14 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _create(tmp: Path, numels: list[int], attrs: dict) -> None:
+def _create(tmp: Path, numels: list[int], kinds: tuple[str, ...], attrs: dict) -> None:
     """The group at `tmp`, an array per (kind, unit), and each chunk file at its size (slab and checksum)."""
     import zarr
     from zarr.codecs import Crc32cCodec
 
     tmp.parent.mkdir(parents=True, exist_ok=True)
     g = zarr.open_group(tmp, mode="w-", attributes=attrs)
-    for kind in KINDS:
+    for kind in kinds:
         sub = g.create_group(kind)
         for u, n in enumerate(numels):
             sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
@@ -236,26 +223,31 @@ def _create(tmp: Path, numels: list[int], attrs: dict) -> None:
                 f.truncate(n * 4 + 4)
 
 
-def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, threads: int = 4) -> int:
-    """Writes the checkpoint at `path` from `source(unit, kind)` (this rank's part of the unit's fp32 slab);
-    returns the bytes this rank wrote. `threads` slabs are in flight at once. `ranks`: the ranks that save
-    together (parallel.Ranks; None: this process alone); rank 0 makes, checksums and renames the checkpoint."""
+def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, threads: int = 4,
+         kinds: tuple[str, ...] = KINDS, take: Callable[[int, str], Path | None] | None = None) -> int:
+    """Writes the checkpoint at `path` from `source(unit, kind)` (this rank's part of the unit's fp32 slab) for each
+    of `kinds` (KINDS, or the master alone: WEIGHTS); returns the bytes this rank wrote. `threads` slabs are in
+    flight at once. `ranks`: the ranks that save together (parallel.Ranks; None: this process alone); rank 0 makes,
+    checksums and renames the checkpoint. `take(unit, kind)`: a file that holds the slab at its start, on the
+    checkpoint's filesystem, which the save may take (cut to the slab, its checksum appended, renamed into the
+    checkpoint) instead of writing its bytes again: the NVMe store's chunk of a spilled slab, at a run's last save
+    (one rank)."""
     from .parallel import Ranks
 
     ranks = ranks or Ranks()
     path = Path(path)
     tmp, new, old = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new", "old"))
-    keys = [(u, k) for k in KINDS for u in range(len(numels))]
+    keys = [(u, k) for k in kinds for u in range(len(numels))]
+    taken = {key: f for key in keys if ranks.size == 1 and take and (f := take(*key)) is not None}
     attrs = json.loads(json.dumps({"format": FORMAT, "tiertrain_version": __version__,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                   "kinds": list(KINDS), "numels": list(numels), **meta}))
+                                   "kinds": list(kinds), "numels": list(numels), **meta}))
     attrs[ATTRS_CRC] = _attrs_crc(attrs)
     parts = {}
     with ranks.together(OSError) as agreed:
         if ranks.first:
-            if path.parent.is_dir():
-                recover(path.parent.parent)  # a save of this run killed before: finished first
-            _create(tmp, numels, attrs)
+            recover(path.parent)  # a save of this run killed before: finished first
+            _create(tmp, numels, kinds, attrs)
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
     with ranks.together(OSError) as agreed:
@@ -266,9 +258,16 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
                     if t.numel():
                         _body(file, t, True, io, start * 4)
                     parts[key] = (_crc(t), t.numel() * 4)
-                    _fsync(file)  # this rank's bytes: another host's rank cannot fsync them
+                    fsync(file)  # this rank's bytes: another host's rank cannot fsync them
 
-            list(pool.map(write, keys))
+            def move(key: tuple[int, str]) -> None:  # the slab's bytes are on this disk already: read once
+                with source(*key) as (_, t):
+                    parts[key] = (_crc(t), t.numel() * 4)
+                os.truncate(taken[key], t.numel() * 4)
+                os.rename(taken[key], _chunk(tmp, key[1], key[0]))
+
+            list(pool.map(write, [key for key in keys if key not in taken]))
+            list(pool.map(move, list(taken)))  # last: a failure above leaves the store whole
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
@@ -278,15 +277,15 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
                 _set_crc(_chunk(tmp, kind, u), numels[u] * 4, _combined(crcs, i))
             _fsync_tree(tmp)
             os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
-            _fsync(path.parent)
+            fsync(path.parent)
             if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
                 os.rename(path, old)
             os.rename(new, path)
-            _fsync(path.parent)
+            fsync(path.parent)
             shutil.rmtree(old, ignore_errors=True)
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
-    return sum(n for key in keys for n in parts[key][1:])
+    return sum(n for key in keys if key not in taken for n in parts[key][1:])
 
 
 @contextmanager
@@ -307,8 +306,11 @@ def _failed(path: Path, tmp: Path, failure: OSError | None, ranks) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     if failure is None:
         raise ElsewhereError(f"writing checkpoint {path} failed on another rank")
-    raise CheckpointError(f"writing checkpoint {path} failed: {why(failure)}; the previous checkpoint is intact. "
-                          "Free space in the run directory and resume with --resume latest")
+    before = checkpoints(path.parent)
+    raise CheckpointError(f"writing checkpoint {path} failed: {why(failure)}; " + (
+        f"the previous checkpoint ({before[-1].name}) is intact: free space on its disk and resume with --resume "
+        "latest" if before else "the run has no other checkpoint: free space on its disk, or set checkpoint.dir to "
+        "one with room, and start again"))
 
 
 def read_meta(path: Path) -> dict:
@@ -343,7 +345,7 @@ ATTRS_CRC = "attributes_crc32c"
 _SCHEMA = {  # what restore, resume and export read from the attributes
     "step": lambda v: isinstance(v, int) and v >= 0,
     "config": lambda v: isinstance(v, dict) and isinstance(v.get("model"), dict),
-    "kinds": lambda v: isinstance(v, list) and sorted(v) == sorted(KINDS),
+    "kinds": lambda v: isinstance(v, list) and sorted(v) in (sorted(KINDS), sorted(WEIGHTS)),
     "numels": lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, int) and n > 0 for n in v),
     "rng": lambda v: isinstance(v, dict) and isinstance(v.get("torch"), str),
     "optimizer": lambda v: isinstance(v, dict) and isinstance(v.get("step_count"), int),
@@ -394,14 +396,15 @@ def _combined(crcs: list[list[int]], i: int) -> int:
     return crc
 
 
-def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads: int = 4) -> None:
+def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads: int = 4,
+             kinds: tuple[str, ...] = KINDS) -> None:
     """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving this rank's part
     of the slab to fill), `threads` at a time, as save writes them; the parts' checksums, combined across
     the ranks (parallel.Ranks; None: this process alone), must give each file's."""
     from .parallel import Ranks
 
     ranks = ranks or Ranks()
-    keys = [(u, k) for u in range(len(numels)) for k in KINDS]
+    keys = [(u, k) for u in range(len(numels)) for k in kinds]
     parts = {}
     with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
         def one(key: tuple[int, str]) -> None:
@@ -416,11 +419,6 @@ def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads:
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     for i, (u, kind) in enumerate(keys):
         _verify(path, kind, u, numels[u] * 4, _combined(crcs, i))
-
-
-def prune(run_dir: Path, keep: int) -> None:
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
 
 
 def rng_state(device: torch.device) -> dict:

@@ -104,32 +104,28 @@ def _without_gpus(args: list[str]) -> list[str]:
 
 def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,
          ranks) -> None:
-    """`run` on one rank of the job (rank 0 alone checks, heals and marks the run directory)."""
+    """`run` on one rank of the job. Rank 0 alone checks the run directory, takes its lock, finishes what a killed
+    process of the run left half done, and marks it; the first rank of each host discards the scratch stores the
+    run's killed processes left there."""
     import json
 
     from . import checkpoint, rundir
     from .config import config_from_dict, load_config
     from .loop import fit
+    from .tiers.nvme import discard_stale
     from .trainer import Trainer
 
     flags = {"tiers.host_gb": host_gb, "tiers.nvme_dir": nvme_dir, "tiers.nvme_gb": nvme_gb,
              "checkpoint.every": save_every, "train.init_from": init_from}
     overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
-    ckpt, out_dir, made, cfg = None, None, "", None
+    ckpt, out_dir, made, lock, cfg, meta = None, None, "", None, None, None
     with ranks.together(UserError) as agreed:
         if hardware and not Path(hardware).is_file():
             raise UserError(f"--hardware {hardware} is not a file; write one with `tiertrain probe --out FILE`")
         if resume and init_from:
             raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
-        if ranks.first:  # the checkpoint (a save killed in its own run healed first) and the run directory
-            if resume:
-                own = resume == "latest" or not out or Path(resume).resolve() == Path(out).resolve()
-                ckpt = checkpoint.resolve(resume, Path(out) if out else None, recover_run=own)
-                out_dir = rundir.check_resume(ckpt, Path(out) if out else None)
-            else:
-                stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
-                out_dir = Path(out) if out else Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-                rundir.check_new(out_dir)
+        if ranks.first:
+            out_dir, lock, made, ckpt = _claim(resume, Path(out) if out else None, config_path, overrides)
     agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
     out_dir = Path(ranks.share(str(out_dir)))
     ckpt = Path(ranks.share(str(ckpt))) if resume else None
@@ -142,21 +138,71 @@ def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, re
         else:
             cfg = load_config(config_path, list(overrides))
         if ranks.first:
-            rundir.check_nvme(out_dir, cfg.tiers.nvme_dir)
-            made = rundir.claim(out_dir)
+            rundir.check_paths(out_dir, cfg.tiers.nvme_dir, cfg.checkpoint.dir)
+        if cfg.tiers.nvme_dir and ranks.local_rank == 0:  # the others wait below, before they make stores
+            discard_stale(cfg.tiers.nvme_dir, str(out_dir.resolve()))
+    if agreed.failed and ranks.first:
+        rundir.release(out_dir, made, lock)
     agreed.raise_any(ranks.rank)
     trainer = None
     with ranks.together(UserError) as agreed:
         trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt,
-                          hardware=Path(hardware) if hardware else None, ranks=ranks)
+                          hardware=Path(hardware) if hardware else None, ranks=ranks, out=out_dir)
     if agreed.failed:
         if trainer is not None:
             trainer.close()
             trainer.discard_scratch()
         if ranks.first:
-            rundir.release(out_dir, made)
+            rundir.release(out_dir, made, lock)
         agreed.raise_any(ranks.rank)
-    fit(trainer, out_dir, echo=click.echo)
+    try:
+        fit(trainer, out_dir, echo=click.echo)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim(resume: str | None, out: Path | None, config_path: str | None, overrides) -> tuple:
+    """Rank 0's part of `run` before anything is read or allocated: the run directory it writes (checked, locked and
+    marked: rundir.claim), and the checkpoint it resumes from (after what a killed process of the same run left
+    half done is finished). Returns (run directory, its lock, what claim made, the checkpoint or None)."""
+    from . import rundir
+    from .checkpoint import SAVED, read_meta
+    from .config import load_config
+
+    if not resume:
+        stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
+        target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        rundir.check_new(target)
+        ckpt_parent = load_config(config_path, list(overrides)).checkpoint.dir  # its refusals come first
+        lock, made = rundir.claim(target, ckpt_parent)
+        return target, lock, made, None
+    given = Path(resume) if resume != "latest" else None
+    if given is None and out is None:
+        raise UserError("--resume latest needs --out DIR, the run to continue")
+    own = out if given is None else rundir.run_of(given) if (given / "zarr.json").is_file() else given
+    target = out or own
+    if target is None:
+        raise UserError(f"{given} is not inside a run's checkpoints/ directory; pass --out, a new directory for the "
+                        "resumed run")
+    mine = own is not None and rundir.same(own, target)
+    if not mine:
+        rundir.check_fork(target, own or given)  # a resume writes into its own run, or into a new empty --out
+    elif not rundir.is_run(target):
+        raise UserError(f"{target} holds no tiertrain run to resume; pass --resume a run directory or one of its "
+                        "checkpoints")
+    lock, made = rundir.claim(target)
+    try:
+        if mine:
+            rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
+        ckpt = rundir.resolve(resume, target if given is None else None) if given is None or \
+            not (given / "zarr.json").is_file() else given
+        meta = read_meta(ckpt)
+        rundir.check_resume(ckpt, target, new_run=meta["kinds"] != list(SAVED["full"]))
+    except BaseException:
+        rundir.release(target, made, lock)
+        raise
+    return target, lock, made, ckpt
 
 
 @main.command()
@@ -174,7 +220,7 @@ def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
     from .export import export_hf
 
     try:
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([KMG]i?B)\s*", max_shard_size, re.IGNORECASE)
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMG]i?B)\s*", max_shard_size, re.IGNORECASE)
         if not m:
             raise UserError(f"--max-shard-size {max_shard_size!r}: write a size like 5GB, 500MB or 2GiB")
         unit = m.group(2).upper()
@@ -213,6 +259,11 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
             count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot)
     except UserError as e:
         _fail(e)
+    except OSError as e:  # the disk: full, read-only, not ours
+        from .errors import why
+
+        _fail(UserError(f"--out {out}: writing the token file failed ({why(e)}); pass a file on a writable disk "
+                        "with room"))
     click.echo(f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path=\"{out}\"")
 
 
@@ -228,8 +279,8 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
               help="JSON from `tiertrain probe`, or `reference` (the H200 machine). Default: on a machine with a GPU, "
                    "what `run` plans with (probe's file if there is one, else the reference's rates with this GPU and "
                    "RAM); without a GPU, the reference.")
-@click.option("--batch-size", type=int, default=None)
-@click.option("--seq-len", type=int, default=None)
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size).")
+@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len).")
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
 @click.option("--chart", default=None, metavar="FILE.png", help="Also draw the time split and memory per tier.")
 @click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
@@ -239,6 +290,7 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
 def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, fmt,
          chart, gpus, gpus_per_host) -> None:
     """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
+    import math
     import shutil
 
     from .config import load_config
@@ -247,6 +299,12 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
     from .plan.resolve import search
 
     try:
+        for flag, v in (("--host-gb", host_gb), ("--gpu-gb", gpu_gb), ("--nvme-gb", nvme_gb)):
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise UserError(f"{flag} {v:g}: pass a finite number of GB, 0 or more")
+        if chart and not Path(chart).absolute().parent.is_dir():
+            raise UserError(f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "
+                            "or pass a file in an existing directory")
         sets = list(overrides) + [f"train.batch_size={batch_size}"] * bool(batch_size) + \
             [f"train.seq_len={seq_len}"] * bool(seq_len)
         if batch_size:

@@ -7,6 +7,7 @@ from typing import Iterator
 import torch
 
 from . import checkpoint as ckpt
+from .rundir import resolve, run_of
 from .config import config_from_dict
 from .model.hf import write_hf
 from .tiers.slab import SlabLayout
@@ -15,7 +16,7 @@ from .tiers.slab import SlabLayout
 def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5 << 30) -> list[str]:
     """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time. The files a
     run kept from its --init-from model (<run>/hf: tokenizer, generation config) go along."""
-    path = ckpt.resolve(source, None)
+    path = resolve(source, None, what="export")
     meta = ckpt.read_meta(path)
     spec = config_from_dict(meta["config"], [], str(path), legacy=True).model
     units = spec.units()
@@ -29,5 +30,6 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
             for t in unit.tensors:
                 yield t.hf_name, views[t.name]
 
-    hf = path.parent.parent / "hf"  # <run>/checkpoints/step_N -> <run>/hf
-    return write_hf(Path(to), spec, tensors(), dtype, shard_bytes, hf if hf.is_dir() else None)
+    run = run_of(path)
+    hf = run / "hf" if run is not None else None  # the tokenizer and generation config of its --init-from model
+    return write_hf(Path(to), spec, tensors(), dtype, shard_bytes, hf if hf is not None and hf.is_dir() else None)

@@ -6,10 +6,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import checkpoint as ckpt
+from . import rundir
 from .errors import UserError, why
 from .model.hf import carry_files
-from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer, truncate_metrics
+from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer
 from .trainer import Trainer
 
 
@@ -26,9 +26,11 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         (out / "config.toml").write_text(tr.cfg.to_toml())
         (out / "plan.json").write_text(tr.plan_json())
         if tr.cfg.train.init_from and not tr.step:  # its tokenizer and generation config, for the export
-            carry_files(tr.cfg.train.init_from, out / "hf")
-        if tr.step:
-            truncate_metrics(out / "metrics.jsonl", tr.step)
+            _, left = carry_files(tr.cfg.train.init_from, out / "hf")
+            if left:
+                shown(f"warning: {', '.join(left)} of {tr.cfg.train.init_from} link outside it: not copied for the "
+                      "export; copy them into the exported directory yourself")
+        cut = rundir.cut_timeline(out, tr.step) if tr.step else None  # one timeline: latest is this one's
         log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)
         echo = TrainLog(out / "train.log", shown)
     except OSError as e:
@@ -37,6 +39,8 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
     except ValueError as e:
         _close(tr)
         raise UserError(f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out") from None
+    if cut:
+        echo(cut)
     try:
         return _train(tr, out, echo, log)
     finally:
@@ -75,15 +79,17 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog 
                             for k in ("step", "forward", "backward", "opt_wait")))
                 if every and tr.step % every == 0 and tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):
                     _checkpoint(tr, out, echo)
-            if history or not ckpt.checkpoints(out):
-                _checkpoint(tr, out, echo)
+            # a stop saves, the end as checkpoint.final says: the process's last save
+            if (history or not rundir.checkpoints(out)) and (tr.step < tc.steps or tr.cfg.checkpoint.final):
+                _checkpoint(tr, out, echo, last=True)
         finally:
             if log:
                 log.close()
             _close(tr)
     if stop.signal or tr.step < tc.steps:
-        echo(f"stopped by {stop.signal or 'a signal to another rank'} after step {tr.step}; continue with: "
-             f"tiertrain run --resume latest --out {out}")
+        how = f"tiertrain run --resume latest --out {out}" if tr.cfg.checkpoint.state == "full" else \
+            f"tiertrain run --resume {out} --out NEW_DIR (its checkpoint holds the weights only: a new run)"
+        echo(f"stopped by {stop.signal or 'a signal to another rank'} after step {tr.step}; continue with: {how}")
     else:
         echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_run)}"
              + (f", final loss {history[-1]['loss']:.4f}" if history else "")
@@ -96,8 +102,8 @@ def _close(tr: Trainer) -> None:
     tr.discard_scratch()  # the state is in the checkpoint now (or lost with the error): the scratch stores go
 
 
-def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None]) -> None:
-    path, rate = tr.save_checkpoint(out)
+def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None], last: bool = False) -> None:
+    path, rate = tr.save_checkpoint(out, last)
     echo(f"checkpoint {path} ({rate:.2f} GB/s)")
 
 

@@ -1,33 +1,133 @@
-"""What `tiertrain run` may write: its own `--out` directory, marked as a run, and nothing else.
+"""What `tiertrain run` may write: its own `--out` directory, marked as a run, and nothing else; one process at a
+time; one timeline of checkpoints.
 
-A run directory holds `tiertrain-run.json` (the marker), `config.toml`, `metrics.jsonl` and
-`checkpoints/`. A new run takes an `--out` that does not exist or is empty; a resume writes into the
-run it resumes, or into a new empty `--out`. Directories of runs written before the marker existed
-(metrics.jsonl or checkpoints/ without it) count as runs too. Every refusal happens before anything
-large is allocated, and names what to change.
+A run directory holds `tiertrain-run.json` (the marker: the format, and where the run's checkpoints live when
+`checkpoint.dir` put them on another disk), `tiertrain-run.lock` (held by the live process), `config.toml`,
+`plan.json`, `metrics.jsonl`, `train.log`, `checkpoints/step_N` (or the marker's directory) and `abandoned/`
+(the checkpoints and metrics of a timeline a resume from an older checkpoint left). A new run takes an `--out`
+that does not exist or is empty; a resume writes into the run it resumes, or into a new empty `--out`. Directories
+of runs written before the marker existed (metrics.jsonl or checkpoints/ without it) count as runs too. Every
+refusal happens before anything large is allocated, and names what to change.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import shutil
+import socket
+import tempfile
 import time
 from pathlib import Path
 
 from . import __version__
+from .checkpoint import STEP, CheckpointError, fsync, read_meta, recover, write_json
 from .errors import UserError, why
-from .metrics import read_metrics
+from .metrics import read_metrics, truncate_metrics
 
 MARKER = "tiertrain-run.json"
+LOCK = "tiertrain-run.lock"
+CUT = "tiertrain-cut.json"  # a cut of the timeline under way (cut_timeline): what it moves, and where
+CKPT_MARKER = "tiertrain-checkpoints.json"  # in a checkpoint directory a run made under checkpoint.dir
+
+
+# ---- where a run's checkpoints are ---------------------------------------------------------------
+def _marker(run: Path) -> dict:
+    try:
+        m = json.loads((Path(run) / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return m if isinstance(m, dict) else {}
+
+
+def checkpoint_dir(run: Path) -> Path:
+    """The directory of the run's checkpoints: `<run>/checkpoints`, or the one checkpoint.dir gave it."""
+    return Path(_marker(run).get("checkpoints") or Path(run) / "checkpoints")
+
+
+def _cut(run: Path) -> dict | None:
+    try:
+        return json.loads((Path(run) / CUT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _steps(d: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()) \
+        if d.is_dir() else []
+
+
+def checkpoints(run: Path) -> list[Path]:
+    """The run's whole checkpoints on its current timeline, oldest first (temporaries of an interrupted save,
+    and the newer ones a resume from an older checkpoint is moving aside, are not listed)."""
+    cut = _cut(run)
+    return [p for s, p in _steps(checkpoint_dir(run)) if cut is None or s <= cut["step"]]
+
+
+def step_path(run: Path, step: int) -> Path:
+    return checkpoint_dir(run) / f"step_{step}"
+
+
+def prune(run: Path, keep: int) -> None:
+    for old in checkpoints(run)[:-keep]:
+        shutil.rmtree(old)
 
 
 def is_run(d: Path) -> bool:
     return (d / MARKER).is_file() or (d / "metrics.jsonl").is_file() or (d / "checkpoints").is_dir()
 
 
+def run_of(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint belongs to: `<run>/checkpoints/step_N`, or the run its attributes name whose
+    checkpoints live in the checkpoint's directory (checkpoint.dir); None: a checkpoint outside any run."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.parent.name == "checkpoints" and is_run(checkpoint.parent.parent):
+        return checkpoint.parent.parent
+    try:
+        run = read_meta(checkpoint).get("run")
+    except UserError:
+        return None
+    if run and Path(run).is_dir() and same(checkpoint_dir(Path(run)), checkpoint.parent):
+        return Path(run)
+    return None
+
+
+def resolve(arg: str, out: Path | None, what: str = "--resume") -> Path:
+    """`latest` (the newest checkpoint of `out`), a checkpoint directory, or a run directory (its newest); `what`:
+    the option that named it, for the messages (`--resume`, `export`)."""
+    if arg == "latest":
+        if out is None:
+            raise CheckpointError(f"{what} latest needs --out DIR, the run to continue")
+        run = Path(out)
+    else:
+        p = Path(arg)
+        if (p / "zarr.json").is_file():
+            return p
+        run = p
+    if not run.is_dir():
+        raise CheckpointError(f"{run} does not exist; pass {what} a run directory or a checkpoint")
+    found = checkpoints(run)
+    if not found:
+        if is_run(run):
+            raise CheckpointError(f"{run} is a run that saved no checkpoint ({_stopped(run)}): there is nothing to "
+                                  f"{'resume' if what == '--resume' else 'export'}; start a new run")
+        raise CheckpointError(f"{run} is neither a tiertrain run nor a checkpoint; pass {what} the --out directory of "
+                              "a run or one of its checkpoints/step_N")
+    return found[-1]
+
+
+def _stopped(run: Path) -> str:
+    try:
+        records = read_metrics(run / "metrics.jsonl")
+    except (OSError, ValueError):
+        records = []
+    return f"it stopped after step {records[-1]['step']}" if records else "it logged no step"
+
+
+# ---- new runs and resumes --------------------------------------------------------------------
 def _empty_run(d: Path) -> bool:
     """A marked run that logged no step and saved no checkpoint (stopped before its first step): reusable."""
-    from .checkpoint import checkpoints
-
     if not (d / MARKER).is_file() or checkpoints(d):
         return False
     try:
@@ -42,6 +142,9 @@ def check_new(out: Path) -> None:
         raise UserError(f"--out {out} is a file; pass a directory")
     if not out.is_dir() or not any(out.iterdir()) or _empty_run(out):
         return
+    if is_run(out) and not checkpoints(out):
+        raise UserError(f"--out {out} holds a run that saved no checkpoint ({_stopped(out)}): nothing to resume. "
+                        "Pass a new --out directory (or delete that one to start over in it)")
     if is_run(out):
         raise UserError(f"--out {out} already holds a run; continue it with --resume latest --out {out}, "
                         "or pass a new --out directory")
@@ -49,72 +152,212 @@ def check_new(out: Path) -> None:
                     "only into a new or empty --out: pass one")
 
 
-def check_resume(checkpoint: Path, out: Path | None) -> Path:
+def check_resume(checkpoint: Path, out: Path | None, new_run: bool = False) -> Path:
     """The run directory a resume from `checkpoint` writes into: the checkpoint's own run, or `out` when that
-    is another directory, which must then be new or empty (the resumed run starts there)."""
-    own = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    is another directory, which must then be new or empty (the resumed run starts there). `new_run`: the
+    checkpoint starts a new run (it holds the weights only), which needs a new or empty --out."""
+    own = run_of(checkpoint)
+    if new_run:
+        if out is None or (own is not None and same(own, out)):
+            raise UserError(f"{checkpoint} holds the weights only (checkpoint.state = \"weights\"): it starts a new "
+                            "run, with fresh Adam moments from step 0; pass --out, a new directory for it")
+        check_new(out)
+        return out
     if out is None:
         if own is None:
             raise UserError(f"{checkpoint} is not inside a run's checkpoints/ directory; pass --out, a new "
                             "directory for the resumed run")
         return own
-    if own is not None and _same(own, out):
+    if own is not None and same(own, out):
         return out
-    if out.is_dir() and any(out.iterdir()) and not _empty_run(out):
-        what = "another run" if is_run(out) else "files that are not a tiertrain run"
-        raise UserError(f"--out {out} holds {what}; a resume writes only into the run it resumes ({own or checkpoint})"
-                        " or into a new empty --out")
-    check_new(out)
+    check_fork(out, own or checkpoint)
     return out
 
 
-def check_nvme(out: Path, nvme_dir: str) -> None:
-    """The NVMe tier's scratch store (a new directory inside nvme_dir) and the run directory stay apart."""
-    if not nvme_dir:
-        return
-    d, o = Path(nvme_dir).resolve(), out.resolve()
-    if d == o or o in d.parents:
-        raise UserError(f"--nvme-dir {nvme_dir} is inside --out {out}: the run's scratch store would sit in its "
-                        "run directory; pass an --nvme-dir outside it")
+def check_fork(out: Path, source: Path) -> None:
+    """A resume from `source` (a run, or a checkpoint outside any) into `out`, another directory: new or empty."""
+    if out.is_dir() and any(out.iterdir()) and not _empty_run(out):
+        what = "another run" if is_run(out) else "files that are not a tiertrain run"
+        raise UserError(f"--out {out} holds {what}; a resume writes only into the run it resumes ({source}) or into "
+                        "a new empty --out")
+    check_new(out)
+
+
+def check_paths(out: Path, nvme_dir: str, ckpt_parent: str) -> None:
+    """The NVMe tier's scratch store (a new directory inside nvme_dir), the run directory and the checkpoint
+    directory stay apart."""
     from .tiers.nvme import SCRATCH_MARKER
 
-    for p in (o, *o.parents):
-        if (p / SCRATCH_MARKER).is_file():
-            raise UserError(f"--out {out} is inside tiertrain's scratch store {p}; pass an --out outside it")
+    o = out.resolve()
+    if nvme_dir:
+        d = Path(nvme_dir).resolve()
+        if d == o or o in d.parents:
+            raise UserError(f"--nvme-dir {nvme_dir} is inside --out {out}: the run's scratch store would sit in its "
+                            "run directory; pass an --nvme-dir outside it")
+    for what, path in (("--out", o), ("checkpoint.dir", Path(ckpt_parent).resolve() if ckpt_parent else None)):
+        for p in (path, *path.parents) if path else ():
+            if (p / SCRATCH_MARKER).is_file():
+                raise UserError(f"{what} {path} is inside tiertrain's scratch store {p}; pass one outside it")
 
 
-def claim(out: Path) -> str:
-    """Creates `out` (or takes the empty one checked) and marks it as a run; a full or read-only disk is one
-    line. Returns what it made, for release(): "dir" (the directory and the marker), "marker", or ""."""
-    made = "marker" if out.is_dir() else "dir"
-    if (out / MARKER).is_file():
-        made = ""
+# ---- one writer: the run's lock --------------------------------------------------------------
+class RunLock:
+    """An exclusive lock on a run directory, held by the process that writes it for the run's life: the kernel's
+    lock on `tiertrain-run.lock` (flock), which goes with its process however that ends, so the lock of a killed
+    run is free to take; the file says who holds it."""
+
+    def __init__(self, out: Path):
+        self.path, self.fd = Path(out) / LOCK, -1
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise
+            raise UserError(f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to "
+                            "end, or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode())
+        self.fd = fd
+
+    def _holder(self) -> str:
+        try:
+            h = json.loads(self.path.read_text())
+            return f"process {h['pid']} on {h['host']}, since {h['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "another process"
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the lock goes with the descriptor
+            self.fd = -1
+
+
+def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
+    """Creates `out` (or takes the empty one checked), locks it for this process, and marks it as a run; a run
+    whose checkpoints go to checkpoint.dir (`ckpt_parent`) gets a new directory of its own there, which the marker
+    names. A full or read-only disk is one line. Returns (the lock, what it made for release(): "dir" (the directory
+    and the marker), "marker", or "")."""
+    made = "dir" if not out.exists() else "" if (out / MARKER).is_file() else "marker"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        marker = out / MARKER
-        if not marker.is_file():
-            tmp = out / f".{MARKER}.tmp"
-            tmp.write_text(json.dumps({"format": "tiertrain-run/1", "tiertrain_version": __version__,
-                                       "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-            os.replace(tmp, marker)
+        lock = RunLock(out)
+        lock.acquire()  # before the marker: a run that finds the lock taken leaves what the live run made
     except OSError as e:
         raise UserError(f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room") from None
-    return made
+    try:
+        if not (out / MARKER).is_file():
+            marker = {"format": "tiertrain-run/1", "tiertrain_version": __version__,
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            if ckpt_parent:
+                marker["checkpoints"] = str(_new_checkpoint_dir(Path(ckpt_parent), out))
+            write_json(out / MARKER, marker)
+    except OSError as e:
+        lock.release()
+        raise UserError(f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room") from None
+    return lock, made
 
 
-def release(out: Path, made: str) -> None:
-    """Takes back what claim() made (`made`) for a run refused before its first step."""
+def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
+    """A new directory for the run's checkpoints inside the user's checkpoint.dir, marked as the run's."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        d = Path(tempfile.mkdtemp(prefix=f"{out.resolve().name or 'run'}-", dir=parent))
+        write_json(d / CKPT_MARKER, {"format": "tiertrain-checkpoints/1", "run": str(out.resolve())})
+    except OSError as e:
+        raise UserError(f"cannot make the checkpoint directory in checkpoint.dir {parent}: {why(e)}; pass a "
+                        "writable directory") from None
+    return d
+
+
+def release(out: Path, made: str, lock: RunLock | None = None) -> None:
+    """Takes back what claim() made (`made`) for a run refused before its first step, then the lock."""
     if made:
+        ck = _marker(out).get("checkpoints")
+        if ck and (Path(ck) / CKPT_MARKER).is_file() and not _steps(Path(ck)):
+            shutil.rmtree(ck, ignore_errors=True)  # the directory claim() made there, still without a checkpoint
         (out / MARKER).unlink(missing_ok=True)
     if made == "dir":
+        (out / LOCK).unlink(missing_ok=True)
         try:
             out.rmdir()  # only if empty: anything else in it stays
         except OSError:
             pass
+    if lock is not None:
+        lock.release()
 
 
-def _same(a: Path, b: Path) -> bool:
+# ---- one timeline -------------------------------------------------------------------------------
+def cut_timeline(run: Path, step: int) -> str | None:
+    """The run goes on from its checkpoint of `step`: its newer checkpoints and the metrics logged after that step
+    move aside into `abandoned/` (renamed, nothing deleted), so that `latest` and `export` mean the last step of
+    the timeline the run is on. A kill at any moment leaves a journal (CUT) that finish_cut() completes, and until
+    then the newer checkpoints do not count. Returns the line that reports what moved (None: nothing newer)."""
+    newer = [p for s, p in _steps(checkpoint_dir(run)) if s > step]
+    if not newer:
+        truncate_metrics(Path(run) / "metrics.jsonl", step)  # records a killed process logged after its last checkpoint: redone alike
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    write_json(Path(run) / CUT, {"step": step, "to": f"resumed-at-step_{step}-{stamp}"})
+    fsync(Path(run))
+    return finish_cut(run)
+
+
+def finish_cut(run: Path) -> str | None:
+    """Completes a cut of the timeline (cut_timeline) where its journal says one is under way; idempotent."""
+    run = Path(run)
+    cut = _cut(run)
+    if cut is None:
+        return None
+    step, ck = cut["step"], checkpoint_dir(run)
+    dest = run / "abandoned" / cut["to"]
+    dest_ck = dest if same(ck, run / "checkpoints") else ck / "abandoned" / cut["to"]  # a rename stays on its disk
+    for d in (dest, dest_ck):
+        d.mkdir(parents=True, exist_ok=True)
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file() and not (dest / "metrics.jsonl").exists():  # the tail first, whole, then the cut
+        later = "".join(json.dumps(r) + "\n" for r in read_metrics(metrics) if r["step"] > step)
+        tmp = dest / ".metrics.jsonl.tmp"
+        tmp.write_text(later)
+        os.replace(tmp, dest / "metrics.jsonl")
+    truncate_metrics(Path(run) / "metrics.jsonl", step)
+    moved = []
+    for s, p in _steps(ck):
+        if s > step:
+            os.rename(p, dest_ck / p.name)
+            moved.append(p.name)
+    fsync(ck)
+    (run / CUT).unlink()
+    fsync(run)
+    return (f"resumed from step {step}, before the newest checkpoints of this run: "
+            f"{', '.join(moved) or 'its checkpoints'} and the metrics after step {step} moved to {dest_ck}"
+            + (f" and {dest}" if dest_ck != dest else ""))
+
+
+def heal(run: Path) -> None:
+    """What a process killed in the run left half done, finished by the run's next process (which holds the lock):
+    a save (checkpoint.recover), then a cut of the timeline."""
+    recover(checkpoint_dir(run))
+    finish_cut(run)
+
+
+def disk_free(path: Path) -> tuple[int, int]:
+    """(free bytes, device id) of the filesystem `path` is on, or would be made on (its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize, os.stat(p).st_dev
+
+
+def same(a: Path, b: Path) -> bool:
+    """Whether two paths name the same directory (False where either cannot be resolved)."""
     try:
-        return a.resolve() == b.resolve()
+        return Path(a).resolve() == Path(b).resolve()
     except OSError:
         return False
+

@@ -39,6 +39,8 @@ class State:
                 dev.copy_(flat)
         else:
             with self.tiers.borrowed(unit, kind, read) as buf:
+                if not read:  # a ring buffer holds another slab's bytes: a writer that sets only the tensors
+                    buf.zero_()  # leaves the padding zero, as AdamW keeps it
                 yield buf
 
     @contextmanager

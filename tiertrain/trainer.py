@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from pathlib import Path
 
@@ -9,13 +10,14 @@ import psutil
 import torch
 
 from . import checkpoint as ckpt
-from .config import Config, fixed
+from . import rundir
+from .config import Config, absolute_paths, fixed
 from .data import loaders
 from .engine.activations import Checkpoints
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.hf import HFReader, spec_from_hf
 from .model.llama import Context
@@ -25,13 +27,14 @@ from .modes import Home, Update
 from .parallel import Ranks
 from .plan.resolve import check_ram, resolve
 from .plan.runplan import RunPlan
+from .plan.saves import Saves, check_disk, checkpoint_bytes, saves
 from .probe import available_ram, run_hardware
 from .state import State
 from .tiers.host import HostStore
 from .tiers.manager import nvme_tier
 from .tiers.nvme import check_backend, discard
 from .tiers.pieces import checkpoint_store
-from .tiers.placement import spilled_bytes
+from .tiers.placement import disk_bytes, spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -71,9 +74,12 @@ def _imported(cfg: Config, resume: Path | None) -> tuple[Config, HFReader | None
 
 class Trainer:
     def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None,
-                 updates: dict[int, str] | None = None, hardware: Path | None = None, ranks: Ranks | None = None):
-        """`resume`: a checkpoint to continue from (its state replaces the init); else the weights come
-        from train.init_from (a Hugging Face directory, whose config.json replaces [model]) or a fresh init.
+                 updates: dict[int, str] | None = None, hardware: Path | None = None, ranks: Ranks | None = None,
+                 out: Path | None = None):
+        """`resume`: a checkpoint to continue from (its state replaces the init; one of the weights alone starts
+        a new run from them); else the weights come from train.init_from (a Hugging Face directory, whose
+        config.json replaces [model]) or a fresh init. `out`: the run directory, whose checkpoints' disk is checked
+        (None: no checkpoints are planned).
         `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them).
         `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference).
         `ranks`: the ranks training together (parallel.Ranks; None: the torchrun job of the environment, or
@@ -81,7 +87,7 @@ class Trainer:
         if cfg.train.tensorboard:
             tensorboard_writer(None)  # refused here, before anything is allocated, when the package is missing
         cfg, hf_reader = _imported(cfg, resume)
-        self.cfg, self.run_name, tc, d = cfg, run_name, cfg.train, cfg.data
+        self.cfg, self.run_name, self.out, tc, d = cfg, run_name, out, cfg.train, cfg.data
         self.ranks, self.owns_ranks = ranks or Ranks.from_env(), ranks is None  # close() ends the group it made
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
@@ -98,8 +104,8 @@ class Trainer:
                               device=self.device)
         t, spilled = cfg.tiers, Home.NVME in self.where.values()
         self.tiers = nvme_tier(rp, {k: self.host.dtype(k) for k in self.host.kinds}, self.host.streamed_kind, pin,
-                               t.nvme_dir, run_name, t.io, t.io_threads, {"model": cfg.to_dict()["model"]},
-                               replace=resume is not None) if spilled else None
+                               t.nvme_dir, run_name, t.io, t.io_threads, {"model": cfg.to_dict()["model"]}) \
+            if spilled else None
         self._build(cfg, resume, hf_reader, pin)
 
     def _plan(self, resume: Path | None, updates: dict[int, str] | None, hardware: Path | None):
@@ -123,7 +129,32 @@ class Trainer:
             check_backend(cfg.tiers.io)
         check_ram(rp, self.copied(rp), avail // ranks.local_size, cfg.tiers.host_gb, cfg.tiers.nvme_dir,
                   p.gpu_total if hw.unified else 0.0, ranks.local_size)
+        if self.out is not None and ranks.first:
+            self._check_saves(rp, p, resume)
         return hw, p, rp, chosen
+
+    def _check_saves(self, rp: RunPlan, p, resume: Path | None) -> None:
+        """The run's checkpoints, and the NVMe stores on the same disk, fit the free space of the checkpoints'
+        disk (plan.saves): refused before anything is allocated, naming the settings that would fit."""
+        c, t = self.cfg.checkpoint, self.cfg.tiers
+        where = rundir.checkpoint_dir(self.out)
+        meta = ckpt.read_meta(resume) if resume is not None else None
+        start = meta["step"] if meta and meta["kinds"] == list(ckpt.KINDS) else 0
+        existing = len([q for q in rundir.checkpoints(self.out) if int(q.name[5:]) <= start]) if start else 0
+        numels = [lay.numel for lay in self.layouts]
+        free, dev = rundir.disk_free(where)
+        same = bool(t.nvme_dir) and rundir.disk_free(Path(t.nvme_dir))[1] == dev
+        spilled = {k for (_, k), h in rp.where().items() if h == Home.NVME}
+        store = (disk_bytes(list(rp.numels), rp.kind_bytes(), rp.where()) + p.nvme_checkpoints) \
+            * self.ranks.local_size if same else 0
+        count = saves(start, self.cfg.train.steps, c.every, c.final)
+        by_state = {}
+        for state in ckpt.SAVED:
+            each = checkpoint_bytes(numels, state)
+            taken = sum(n * 4 for (u, k), h in rp.where().items() if h == Home.NVME and k in ckpt.SAVED[state]
+                        for n in [numels[u]]) if same and self.ranks.size == 1 and spilled else 0
+            by_state[state] = Saves(each, each - taken, count, existing, c.keep)
+        check_disk(by_state, free, store, str(where), c.state)
 
     def copied(self, rp: RunPlan) -> frozenset[int]:
         """The units whose speculated update writes copies of their master and moments: clipping may undo it."""
@@ -192,29 +223,45 @@ class Trainer:
         if self.tiers:
             self.tiers.flush()
 
-    def save_checkpoint(self, run_dir: Path) -> tuple[Path, float]:
-        """Writes checkpoints/step_<step> (whole or not at all), prunes to checkpoint.keep; (path, GB/s)."""
+    def save_checkpoint(self, run_dir: Path, last: bool = False) -> tuple[Path, float]:
+        """Writes the run's checkpoint of this step (whole or not at all: checkpoint.py), of the state that
+        checkpoint.state names, and prunes to checkpoint.keep; (path, GB/s). `last`: the process's last save, which
+        may take the NVMe store's chunks of spilled slabs by rename where they share the checkpoints' disk."""
         self._quiesce()
-        o, t0 = self.cfg.optim, time.perf_counter()
-        meta = {"step": self.step, "config": self.cfg.to_dict(),
-                "data": {"next_step": self.step, "path": self.cfg.data.path, "shuffle": self.cfg.data.shuffle,
-                         "seed": self.cfg.train.seed, "rows": self.loader.rows},
+        o, t0, c = self.cfg.optim, time.perf_counter(), self.cfg.checkpoint
+        config = absolute_paths(self.cfg.to_dict())  # a resume from another directory finds the same files
+        meta = {"step": self.step, "config": config, "run": str(Path(run_dir).resolve()),
+                "data": {"next_step": self.step, "path": config["data"]["path"], "shuffle": self.cfg.data.shuffle,
+                         "seed": self.cfg.train.seed, "rows": self.loader.rows, "identity": self.data_identity},
                 "rng": ckpt.rng_state(self.device),
                 "optimizer": {"type": "AdamW", "step_count": self.updates.opt.step_count, "lr": o.lr,
                               "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
                               "grad_clip": o.grad_clip, "schedule": o.schedule, "warmup_steps": o.warmup_steps,
                               "min_lr": o.min_lr},
                 "units": [u.name for u in self.units], "plan": self.run_plan.to_dict()}
-        path = ckpt.step_path(run_dir, self.step)
+        path = rundir.step_path(run_dir, self.step)
+        take = self._store_chunk(path.parent) if last else None
         nbytes = ckpt.save(path, [lay.numel for lay in self.layouts], lambda u, k: self.state.part(u, k, read=True),
-                           meta, self.ranks)
+                           meta, self.ranks, kinds=ckpt.SAVED[c.state], take=take)
         if self.ranks.first:
-            ckpt.prune(run_dir, self.cfg.checkpoint.keep)
+            rundir.prune(run_dir, c.keep)
         self.ranks.barrier()  # every rank's checkpoint is whole before any goes on
         return path, nbytes / 1e9 / (time.perf_counter() - t0)
 
+    def _store_chunk(self, where: Path):
+        """take() for a last save into `where`: the NVMe store's chunk file of a spilled slab, where the store and
+        the checkpoints share a filesystem (None: the slab is written)."""
+        if self.tiers is None or rundir.disk_free(where)[1] != rundir.disk_free(self.tiers.store.root)[1]:
+            return None
+        return lambda u, k: self.tiers.store.path(k, u) if self.where.get((u, k)) == Home.NVME else None
+
+    @functools.cached_property
+    def data_identity(self) -> dict:
+        return self.loader.identity()
+
     def restore(self, path: Path) -> float:
-        """The state of a checkpoint (any placement: slabs go to whichever tier this run put them on).
+        """The state of a checkpoint (any placement: slabs go to whichever tier this run put them on); one of the
+        weights alone (checkpoint.state = "weights") sets the master and leaves the run new: step 0, zero moments.
         Returns the read rate in GB/s."""
         meta = ckpt.read_meta(path)
         mine, theirs = self.cfg.to_dict()["model"], meta["config"]["model"]
@@ -223,13 +270,22 @@ class Trainer:
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ckpt.CheckpointError(f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
                                        "differ); resume with the run's own config, or start a new run")
+        kinds = tuple(meta["kinds"])
+        whole = sorted(kinds) == sorted(ckpt.KINDS)
+        theirs = meta.get("data", {}).get("identity")
+        if whole and theirs and theirs != self.data_identity:
+            was = meta["data"].get("path") or "the built-in corpus"
+            raise DataError(f"{self.loader.name} is not the data {path} trained on ({was}: {theirs['size']:,} bytes, "
+                            "another checksum): set data.path to that file, or export the checkpoint and start a new "
+                            "run from it with --init-from")
         self._quiesce()
         t0 = time.perf_counter()
-        ckpt.load_all(path, numels, lambda u, k: self.state.part(u, k, read=False), self.ranks)
-        self.step = meta["step"]
-        self.updates.opt.step_count = meta["optimizer"]["step_count"]
-        ckpt.set_rng_state(meta["rng"], self.device)
-        self.restore_gbs = sum(sh.stored for sh in self.shards) * 4 * len(ckpt.KINDS) / 1e9 / (time.perf_counter() - t0)
+        ckpt.load_all(path, numels, lambda u, k: self.state.part(u, k, read=False), self.ranks, kinds=kinds)
+        if whole:
+            self.step = meta["step"]
+            self.updates.opt.step_count = meta["optimizer"]["step_count"]
+            ckpt.set_rng_state(meta["rng"], self.device)
+        self.restore_gbs = sum(sh.stored for sh in self.shards) * 4 * len(kinds) / 1e9 / (time.perf_counter() - t0)
         return self.restore_gbs
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -28,23 +28,20 @@ import torch
 
 from ..modes import Home
 from ..plan.runplan import RunPlan
-from .nvme import NvmeStore, discard, discard_stale, make_io, new_scratch
+from .nvme import NvmeStore, discard, make_io, new_scratch
 from .placement import READ_AHEAD, ring_widths, spilled_bytes
 from .ring import Ring
 
 
 def nvme_tier(rp: RunPlan, dtypes: dict[str, torch.dtype], streamed: str, pin: bool, parent: str, run_name: str,
-              io: str, io_threads: int, meta: dict, replace: bool) -> "TierManager":
+              io: str, io_threads: int, meta: dict) -> "TierManager":
     """The run's store of the slabs `rp` spills (`dtypes`: each kind's), in a new scratch directory under
-    `parent`, and its manager; `meta`: what the store records (the model). `replace`: a resumed run first
-    deletes the stores its killed processes left (scratch: the checkpoint holds the state)."""
+    `parent`, and its manager; `meta`: what the store records (the model)."""
     where, numels = rp.where(), list(rp.numels)
     kinds = sorted(spilled_bytes(numels, rp.kind_bytes(), where))
     # numpy has no bfloat16: the compute-dtype copy is stored as its bits
     bits = {"weights": "bfloat16 bits, as uint16"} if "weights" in kinds else {}
     meta = {**meta, "compute_dtype": rp.compute_dtype, **bits}
-    if replace:
-        discard_stale(parent, run_name)
     units = {k: [u for (u, kk), tier in where.items() if kk == k and tier == Home.NVME] for k in kinds}
     backend = make_io(io, io_threads)
     root = new_scratch(parent, run_name)

@@ -294,24 +294,32 @@ def _owner(root: Path) -> dict | None:
 
 
 def discard(root: str | os.PathLike) -> None:
-    """Deletes a scratch store, and only a directory new_scratch made (it carries the marker): the state is
-    in the checkpoints, and a resumed run makes a new store."""
+    """Deletes a scratch store, and only a directory new_scratch made (it carries the marker; a symbolic link is
+    never followed or deleted through): the state is in the checkpoints, and a resumed run makes a new store."""
     root = Path(root)
-    if _owner(root) is not None:
+    if not root.is_symlink() and root.is_dir() and _owner(root) is not None:
         shutil.rmtree(root)
 
 
-def discard_stale(parent: str | os.PathLike, run: str) -> None:
-    """Deletes the scratch stores of `run` left by processes of this host that are gone (killed): a resume
-    restores its state from a checkpoint, and the leftovers would only fill the disk."""
+def discard_stale(parent: str | os.PathLike, run: str) -> list[Path]:
+    """Deletes the scratch stores (the state's and the activation checkpoints') of `run` left by processes of this
+    host that are gone (killed): a run restores its state from a checkpoint, and the leftovers would only fill the
+    disk. One process per host calls it (the run's first rank there) while the others wait. Returns what it
+    deleted."""
     import socket
 
     import psutil
 
     parent = Path(parent)
-    if not parent.is_dir():
-        return
+    if parent.is_symlink() or not parent.is_dir():
+        return []
+    gone = []
     for d in parent.glob("tiertrain-*"):
+        if d.is_symlink() or not d.is_dir():
+            continue
         o = _owner(d)
-        if o and o.get("run") == run and o.get("host") == socket.gethostname() and not psutil.pid_exists(o.get("pid", 0)):
+        if o and o.get("run") == run and o.get("host") == socket.gethostname() and \
+                not psutil.pid_exists(int(o.get("pid", 0) or 0)):
             shutil.rmtree(d)
+            gone.append(d)
+    return gone
