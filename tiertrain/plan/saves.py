@@ -53,6 +53,11 @@ class Saves:
             return self.last
         return self.at_once * self.each
 
+    @property
+    def elsewhere(self) -> int:
+        """The same on another disk than the NVMe tier's: the last save writes every byte."""
+        return self.at_once * self.each
+
 
 def check_disk(saves: dict[str, Saves], free: int, store: int, where: str, state: str) -> None:
     """Refuses, in one line naming what would fit, a run whose checkpoints (`saves`: by checkpoint.state, the run's
@@ -68,7 +73,8 @@ def check_disk(saves: dict[str, Saves], free: int, store: int, where: str, state
                     "resume from it starts a new run with fresh Adam moments)")
     if s.keep > 1 and Saves(s.each, s.last, s.count, s.existing, 1).need + store <= free:
         fits.append("checkpoint.keep = 1")
-    fits.append(f"checkpoint.dir = a directory on a disk with {gb(need - store if store else need)} free")
+    fits.append(f"checkpoint.dir = a directory on a disk with {gb(s.elsewhere)} free")
+    taken = f", the last taking {gb(s.each - s.last)} of it from the NVMe store by rename" if s.last < s.each else ""
     raise ConfigError(f"the checkpoints need {gb(need)} on {where}: {s.at_once} of {gb(s.each)} at once "
-                      f"({state} state, checkpoint.keep = {s.keep}, one being written){beside}, and it has {gb(free)} "
-                      f"free; set " + ", or ".join(fits))
+                      f"({state} state, checkpoint.keep = {s.keep}, one being written{taken}){beside}, and it has "
+                      f"{gb(free)} free; set " + ", or ".join(fits))
