@@ -1,18 +1,18 @@
 """The planner's answers kept: `tiertrain plan --format json` over the shipped configs and the budgets of
-test_planner.py gives, byte for byte, what tests/data/plans.json.gz recorded. A change meant to alter plans
-rewrites the record (`python tests/test_plans_kept.py --write`) and says why in its commit."""
+test_planner.py gives, byte for byte, what tests/data/plans.txt recorded: one plan a line (its arguments, a tab, its
+JSON on one line), so that a change reads as a diff. A change meant to alter plans rewrites the record (`python
+tests/test_plans_kept.py --write`) and says why in its commit."""
 from __future__ import annotations
 
 import dataclasses
 import functools
-import gzip
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-RECORD = Path(__file__).parent / "data" / "plans.json.gz"
+RECORD = Path(__file__).parent / "data" / "plans.txt"
 CONFIGS = ["debug", "llama-1b", "llama-3b", "llama-5b", "llama-7b", "llama3.1-8b", "mistral-7b", "qwen2.5-7b",
            "qwen3-8b", "llama-13b", "qwen2.5-32b", "llama-70b", "llama-120b"]
 BUDGETS = [["--host-gb", "1500", "--gpu-gb", "141", "--nvme-gb", "8000"],
@@ -72,7 +72,7 @@ def test_plan_is_as_recorded(args, tmp_path):
     """The case's JSON as recorded; where it differs, the first keys that differ are named."""
     key = " ".join(args)
     want, got = _record()[key], answer(args, tmp_path)
-    if got != want:
+    if got != want:  # the line is the JSON on one line: the output is json.dumps(indent=1) of the same values
         a, b = json.loads(got), json.loads(want)
         diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)][:5]
         pytest.fail(f"{diff} differ, e.g. {diff[0]}: {a.get(diff[0])} != {b.get(diff[0])}" if diff else
@@ -83,9 +83,19 @@ def test_every_case_is_recorded():
     assert sorted(_record()) == sorted(" ".join(a) for a in cases())
 
 
+def _line(output: str) -> str:
+    """A plan's JSON output on one line (its keys in their order); _output turns it back, byte for byte."""
+    return json.dumps(json.loads(output), separators=(",", ":"))
+
+
+def _output(line: str) -> str:
+    return json.dumps(json.loads(line), indent=1) + "\n"
+
+
 @functools.cache
 def _record() -> dict[str, str]:
-    return json.loads(gzip.decompress(RECORD.read_bytes()))
+    pairs = (row.split("\t", 1) for row in RECORD.read_text().splitlines())
+    return {args: _output(line) for args, line in pairs}
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
@@ -94,5 +104,6 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     sys.path.insert(0, str(Path(__file__).parent))
     with tempfile.TemporaryDirectory() as d:
         out = {" ".join(a): answer(a, Path(d)) for a in cases()}
-    RECORD.write_bytes(gzip.compress(json.dumps(out, indent=0, sort_keys=True).encode(), mtime=0))
+    assert all(_output(_line(v)) == v for v in out.values())  # the line keeps every byte of the output
+    RECORD.write_text("".join(f"{k}\t{_line(v)}\n" for k, v in sorted(out.items())))
     print(f"{len(out)} plans recorded in {RECORD} ({RECORD.stat().st_size:,} bytes)")
