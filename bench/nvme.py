@@ -69,8 +69,9 @@ def _predict(tr, B: int) -> dict:
     job = Job(c.model, B, c.train.seq_len, c.train.compute_dtype, name="bench")
     p = evaluate(job, Choice(rp.micro_batch, rp.stream, rp.activations, keep=0), Budgets(t.host_gb, hw.gpu_mem_gb, 1e9),
                  hw)
-    return {"pred_step_s": p.step_s, "pred_bottleneck": p.bottleneck, "pred_nvme_s": p.times.get("NVMe", 0),
-            "pred_fits": p.fits}
+    pr = p.prediction if p.fits else None
+    return {"pred_step_s": pr.step_s if pr else float("inf"), "pred_bottleneck": pr.bottleneck if pr else "",
+            "pred_nvme_s": pr.times.get("NVMe", 0) if pr else 0, "pred_fits": p.fits}
 
 
 def _steps(tr, B: int, n: int, seed0: int = 0) -> list[dict]:
@@ -163,7 +164,7 @@ def run_least(a) -> list[dict]:
     """The least host budget of a --least-layers model with the bf16 copy streaming: every slab on NVMe,
     but those that cost less in RAM than their ring (a vocabulary much wider than a block)."""
     from tiertrain.config import load_config
-    from tiertrain.plan.planner import _layouts
+    from tiertrain.plan.memory import slab_sizes as _layouts
     from tiertrain.tiers.placement import kind_bytes, least_host
     from tiertrain.tiers.slab import host_cost
 
@@ -209,7 +210,7 @@ def worker(a) -> None:
 def choose_budget(a, ds_rss: float | None) -> tuple[float, str]:
     """(host GB, stream) for tiertrain: no more RAM than DeepSpeed used, at least half the moments spilled."""
     from tiertrain.config import load_config
-    from tiertrain.plan.planner import _layouts
+    from tiertrain.plan.memory import slab_sizes as _layouts
     from tiertrain.tiers.placement import kind_bytes, ring_bytes, spill_order
     from tiertrain.tiers.slab import host_cost
 

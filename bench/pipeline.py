@@ -81,7 +81,7 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
                losses=[r["loss"] for r in timed], grad_norms=[r["grad_norm"] for r in timed],
                gpu_updates=len(plan.updated("gpu", "gpu-speculated")), speculated=len(plan.updated("host-speculated")),
                gpu_speculated=len(plan.updated("gpu-speculated")), kept=kept[-1], redone=redone[-1],
-               pred_step_s=tr.plan.step_s if tr.plan else None, all_steps_s=[r["step_s"] for r in recs], host_kernel=bool(tr.updates.opt.kernel),
+               pred_step_s=tr.plan.prediction.step_s if tr.plan else None, all_steps_s=[r["step_s"] for r in recs], host_kernel=bool(tr.updates.opt.kernel),
                timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
                timeline_events=ev, host_units=host, **med)
     tr.close()

@@ -80,14 +80,14 @@ def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
     roomy = plan(job, Budgets(host_gb=200, gpu_gb=141), REFERENCE)
     none = plan(job, Budgets(host_gb=200, gpu_gb=141), REFERENCE, Choice(keep=0))
     tight = plan(job, Budgets(host_gb=200, gpu_gb=30), REFERENCE)
-    assert roomy.kept == spec.num_hidden_layers and 0 < tight.kept < spec.num_hidden_layers
-    assert tight.gpu_total <= 30e9 * 0.95 and roomy.step_s < none.step_s
+    assert roomy.memory.kept == spec.num_hidden_layers and 0 < tight.memory.kept < spec.num_hidden_layers
+    assert tight.memory.gpu.total <= 30e9 * 0.95 and roomy.prediction.step_s < none.prediction.step_s
     # kept: the backward pass skips the blocks' forward pass, a third of theirs (attention at its own rate)
     F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (1 - 1 / REFERENCE.attention_rate(spec.hd))
     blocks = F - 6 * spec.vocab_size * spec.hidden_size
-    assert roomy.times["compute bwd"] == pytest.approx(none.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9)
+    assert roomy.prediction.times["compute bwd"] == pytest.approx(none.prediction.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9)
     flags = [not u.recompute for u in tight.run_plan.units]  # the last blocks, the head not among them
-    assert flags == [False] * (spec.num_hidden_layers + 1 - tight.kept) + [True] * tight.kept + [False]
+    assert flags == [False] * (spec.num_hidden_layers + 1 - tight.memory.kept) + [True] * tight.memory.kept + [False]
     with pytest.raises(ConfigError, match="lower train.keep_activations"):
         resolve(load_config("llama-3b", ["train.keep_activations=26", 'train.device="cuda"']),
                 REFERENCE.__class__(**{**REFERENCE.__dict__, "gpu_mem_gb": 30}))

@@ -79,8 +79,8 @@ def test_plan_tiles_the_mlp_beyond_a_tile():
     long = plan(Job(spec, 1, 131072), b, REFERENCE, Choice(1))
     untiled = plan(Job(spec, 1, 131072), b, REFERENCE, Choice(1, tile=0))
     assert short.run_plan.tile == 0 and long.run_plan.tile == 8192 and untiled.run_plan.tile == 0
-    assert untiled.gpu["working set"] - long.gpu["working set"] > 0.5 * 16.8 * spec.intermediate_size * 131072
-    assert long.times["compute bwd"] > untiled.times["compute bwd"]  # the tiles' forward runs again
+    assert untiled.memory.gpu.working - long.memory.gpu.working > 0.5 * 16.8 * spec.intermediate_size * 131072
+    assert long.prediction.times["compute bwd"] > untiled.prediction.times["compute bwd"]  # the tiles' forward runs again
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -147,7 +147,7 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
                                f"model.max_position_embeddings={seq}"])
     p = search(cfg, REFERENCE, 115, 141, 55, config)
     assert p.fits, p.why
-    assert p.run_plan.activations == "split" and p.run_plan.tile and p.longest_seq_len >= seq
+    assert p.run_plan.activations == "split" and p.run_plan.tile and p.report.longest_seq_len >= seq
     homes = [u.checkpoint for u in p.run_plan.units[1:-1]]
     nvme = [b for b, h in enumerate(homes, 1) if h == "nvme"]
     if nvme:  # spread evenly from the first block: each write and read gets the blocks between to hide behind
@@ -155,13 +155,13 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
         assert nvme[0] == 1 and (not gaps or max(gaps) - min(gaps) <= 1)
     rest = [h for h in homes if h != "nvme"]
     assert rest == sorted(rest, key=("host", "gpu").index)  # the GPU's the last blocks
-    assert all(homes.count(h) == p.checkpoints[h] for h in ("nvme", "host")) and homes.count("gpu") == p.checkpoints["gpu"] > 0
+    assert all(homes.count(h) == p.memory.checkpoints[h] for h in ("nvme", "host")) and homes.count("gpu") == p.memory.checkpoints["gpu"] > 0
     ck = seq * cfg.model.hidden_size * 4
-    assert p.host_total <= 115e9 + 3e9 and p.gpu_total <= 141e9 * 0.95
-    assert p.nvme_checkpoints >= p.checkpoints["nvme"] * ck and sum(p.nvme_bytes.values()) + p.nvme_checkpoints <= 55e9
-    assert (f"activation checkpoints on NVMe | | {p.nvme_checkpoints / 1e9:.1f} GB" in to_markdown(p)) == bool(
-        p.checkpoints["nvme"])  # llama-1b's, since blocks are tiled whole, fit the GPU and the host
-    assert (p.times["NVMe bwd"] > 0) == bool(p.checkpoints["nvme"])  # their reads are priced in the backward pass
-    longer = load_config(config, [f"train.seq_len={p.longest_seq_len + 1024}", "train.batch_size=1",
-                                  "train.micro_batch_size=1", f"model.max_position_embeddings={p.longest_seq_len + 1024}"])
+    assert p.memory.host_total <= 115e9 + 3e9 and p.memory.gpu.total <= 141e9 * 0.95
+    assert p.memory.nvme_checkpoints >= p.memory.checkpoints["nvme"] * ck and sum(p.memory.nvme.values()) + p.memory.nvme_checkpoints <= 55e9
+    assert (f"activation checkpoints on NVMe | | {p.memory.nvme_checkpoints / 1e9:.1f} GB" in to_markdown(p)) == bool(
+        p.memory.checkpoints["nvme"])  # llama-1b's, since blocks are tiled whole, fit the GPU and the host
+    assert (p.prediction.times["NVMe bwd"] > 0) == bool(p.memory.checkpoints["nvme"])  # their reads are priced in the backward pass
+    longer = load_config(config, [f"train.seq_len={p.report.longest_seq_len + 1024}", "train.batch_size=1",
+                                  "train.micro_batch_size=1", f"model.max_position_embeddings={p.report.longest_seq_len + 1024}"])
     assert not search(longer, REFERENCE, 115, 141, 55, config, advise=False).fits

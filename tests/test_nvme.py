@@ -294,7 +294,7 @@ sets = ["model.hidden_size=512", "model.intermediate_size=1536", "model.num_hidd
         "model.num_attention_heads=8", "train.seq_len=64", "train.batch_size=2", "train.micro_batch_size=2",
         'train.device="cpu"', 'train.compute_dtype="float32"']
 if sys.argv[1] == "least":  # every slab on NVMe: the ring alone
-    from tiertrain.plan.planner import _layouts
+    from tiertrain.plan.memory import slab_sizes as _layouts
     from tiertrain.tiers.placement import kind_bytes
     numels = _layouts(load_config(None, sets).model)
     budget = least_host(numels, kind_bytes("float32", "master"), 0, host_cost) / 1e9 + 1e-6

@@ -131,7 +131,7 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     tc = cfg.train
     job = Job(cfg.model, tc.batch_size, tc.seq_len)
     gpu = {a: evaluate(job, Choice(tc.micro_batch_size, "compute", a, keep=0), Budgets(1e9, 1e3, None),
-                       REFERENCE).gpu_total / 1e9 for a in ("gpu", "host")}
+                       REFERENCE).memory.gpu.total / 1e9 for a in ("gpu", "host")}
     assert gpu["host"] < gpu["gpu"]
     hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
           "slow rounding": dict(host_adam_copy_params_per_s=1e3),

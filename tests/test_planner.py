@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import replace
 import glob
 import json
+import math
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from conftest import SLOW_HOST
 from tiertrain.config import load_config
+from tiertrain.modes import Update
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 from tiertrain.plan.advice import explain
 from tiertrain.plan.planner import evaluate, plan
@@ -41,7 +43,7 @@ def test_every_shipped_config_gets_a_plan(path):
     job = Job(cfg.model, cfg.train.batch_size, cfg.train.seq_len, cfg.train.compute_dtype)
     p = plan(job, Budgets(host_gb=1500, gpu_gb=141, nvme_gb=8000), REFERENCE)
     assert p.fits, p.why
-    assert p.step_s > 0 and p.tokens_per_s > 0 and p.gpu_total <= 141e9
+    assert p.prediction.step_s > 0 and p.prediction.tokens_per_s > 0 and p.memory.gpu.total <= 141e9
 
 
 def test_arithmetic_by_hand():
@@ -55,16 +57,16 @@ def test_arithmetic_by_hand():
     # head 98,304,000 + 3072 = 98,307,072, rounded up to 2048s: 98,308,096
     sizes = (98_304_000, *[113_252_352] * 26, 98_308_096)
     n, T = sum(sizes), 8192
-    assert sum(p.host_bytes.values()) == sum(host_cost(x * 4) for x in sizes for _ in range(4))
+    assert sum(p.memory.host.values()) == sum(host_cost(x * 4) for x in sizes for _ in range(4))
     F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (1 - 1 / 1.24)  # attention at 1.24x
     rate = 776e12 * 0.54
-    assert p.times["compute bwd"] == pytest.approx(T * F / rate)
-    assert p.times["compute fwd"] == pytest.approx(T * F / 3 / rate)
-    assert p.times["H2D fwd"] == pytest.approx(4 * n / 55.5e9)
-    assert p.times["host AdamW"] == pytest.approx(n / 3.78e9 * 1.18)
-    assert p.step_s == pytest.approx(p.times["compute bwd"] + p.times["host AdamW"])  # AdamW > forward here
-    assert p.times["host DRAM fwd"] == pytest.approx((4 * n + 26 * T * 3072 * 4 + 28 * n) / 120e9)
-    assert p.bottleneck == "host AdamW" and p.tokens_per_s == pytest.approx(T / p.step_s)
+    assert p.prediction.times["compute bwd"] == pytest.approx(T * F / rate)
+    assert p.prediction.times["compute fwd"] == pytest.approx(T * F / 3 / rate)
+    assert p.prediction.times["H2D fwd"] == pytest.approx(4 * n / 55.5e9)
+    assert p.prediction.times["host AdamW"] == pytest.approx(n / 3.78e9 * 1.18)
+    assert p.prediction.step_s == pytest.approx(p.prediction.times["compute bwd"] + p.prediction.times["host AdamW"])  # AdamW > forward here
+    assert p.prediction.times["host DRAM fwd"] == pytest.approx((4 * n + 26 * T * 3072 * 4 + 28 * n) / 120e9)
+    assert p.prediction.bottleneck == "host AdamW" and p.prediction.tokens_per_s == pytest.approx(T / p.prediction.step_s)
 
     # the same with k units updated on the GPU: 12 more bytes per parameter each way in the forward pass,
     # fewer parameters for the host AdamW; the plan takes the k with the shortest step
@@ -76,16 +78,16 @@ def test_arithmetic_by_hand():
         fwd = max(T * F / 3 / rate, h2d / 55.5e9, d2h / 55.4e9, (h2d + d2h) / (101.3e9 * 0.75),
                   (n - d) / 3.78e9 * 1.18,
                   (h2d + d2h + 28 * (n - d)) / 120e9)  # the host's DRAM serves the copies and the AdamW
-        return p.times["compute bwd"] + fwd
+        return p.prediction.times["compute bwd"] + fwd
 
     best = min(range(len(sizes) + 1), key=step_with)
     q = evaluate(Job(spec, 4, 2048), Choice(4, "master", "host", speculate=0, keep=0), Budgets(), hw)
-    assert 0 < q.gpu_updates == best < len(sizes)
-    assert q.step_s == pytest.approx(step_with(best)) and q.step_s < 0.9 * p.step_s
-    assert q.gpu["GPU update sets"] == 2 * 16 * 113_252_352
-    assert q.bottleneck in ("H2D", "host AdamW", "host DRAM", "PCIe both ways")
+    assert 0 < q.run_plan.count(Update.GPU, Update.GPU_SPECULATED) == best < len(sizes)
+    assert q.prediction.step_s == pytest.approx(step_with(best)) and q.prediction.step_s < 0.9 * p.prediction.step_s
+    assert q.memory.gpu.sets == 2 * 16 * 113_252_352
+    assert q.prediction.bottleneck in ("H2D", "host AdamW", "host DRAM", "PCIe both ways")
     # a bf16 copy streamed: the GPU update needs the fp32 master there, so none
-    assert evaluate(Job(spec, 4, 2048), Choice(4, "compute", "host", keep=0), Budgets(), hw).gpu_updates == 0
+    assert evaluate(Job(spec, 4, 2048), Choice(4, "compute", "host", keep=0), Budgets(), hw).run_plan.count(Update.GPU, Update.GPU_SPECULATED) == 0
 
 
 def test_spill_plan_matches_the_runtime_placement():
@@ -95,9 +97,9 @@ def test_spill_plan_matches_the_runtime_placement():
     runtime's placement (the same function) puts them."""
     spec = load_config("llama-3b").model
     p = evaluate(Job(spec, 4, 2048), Choice(4, "master", "gpu", keep=0), Budgets(host_gb=36, nvme_gb=60), REFERENCE)
-    assert p.fits and p.bottleneck == "NVMe"
-    assert round(p.nvme_bytes["exp_avg"] / 2**30, 1) == 11.7 and round(p.nvme_bytes["exp_avg_sq"] / 2**30, 1) == 5.0
-    assert "master" not in p.nvme_bytes
+    assert p.fits and p.prediction.bottleneck == "NVMe"
+    assert round(p.memory.nvme["exp_avg"] / 2**30, 1) == 11.7 and round(p.memory.nvme["exp_avg_sq"] / 2**30, 1) == 5.0
+    assert "master" not in p.memory.nvme
 
 
 def test_everything_spilled_by_hand():
@@ -113,20 +115,20 @@ def test_everything_spilled_by_hand():
     assert least == 4 * host_cost(113_252_352 * 4) * 4 + 4 * host_cost(113_252_352 * 2) * 2  # 4 + 2x the copy's
     least_budget = Budgets(host_gb=least / 1e9 + 1e-6, nvme_gb=100)
     p = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), least_budget, hw)
-    assert p.fits and p.host_bytes == {} and p.nvme_bytes == {k: n * b for k, b in kind_bytes("bfloat16", "compute").items()}
+    assert p.fits and p.memory.host == {} and p.memory.nvme == {k: n * b for k, b in kind_bytes("bfloat16", "compute").items()}
     r, w = hw.disk_read_gbs * 1e9, hw.disk_write_gbs * 1e9
     ahead = 12 * (sizes[0] + sizes[1])
-    assert p.times["NVMe read"] == pytest.approx((18 * n - ahead) / r) and p.times["NVMe write"] == pytest.approx(14 * n / w)
-    assert p.times["NVMe bwd"] == pytest.approx((2 * sum(sizes[1:25]) + ahead) / r + 4 * n / w)
-    assert p.step_s == pytest.approx(p.times["NVMe bwd"] + p.times["NVMe read"] + p.times["NVMe write"])
-    assert p.bottleneck == "NVMe"
+    assert p.prediction.times["NVMe read"] == pytest.approx((18 * n - ahead) / r) and p.prediction.times["NVMe write"] == pytest.approx(14 * n / w)
+    assert p.prediction.times["NVMe bwd"] == pytest.approx((2 * sum(sizes[1:25]) + ahead) / r + 4 * n / w)
+    assert p.prediction.step_s == pytest.approx(p.prediction.times["NVMe bwd"] + p.prediction.times["NVMe read"] + p.prediction.times["NVMe write"])
+    assert p.prediction.bottleneck == "NVMe"
     # a probed rate of reads and writes at once: each phase's bytes within it, each direction within its own
     q = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0), least_budget,
                  dataclasses.replace(hw, disk_mixed_gbs=3.0))
-    assert q.times["NVMe"] == pytest.approx(max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9))
-    assert q.times["NVMe bwd"] == pytest.approx(max((2 * sum(sizes[1:25]) + ahead) / r, 4 * n / w,
+    assert q.prediction.times["NVMe"] == pytest.approx(max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9))
+    assert q.prediction.times["NVMe bwd"] == pytest.approx(max((2 * sum(sizes[1:25]) + ahead) / r, 4 * n / w,
                                                     (2 * sum(sizes[1:25]) + ahead + 4 * n) / 3e9))
-    assert q.step_s == pytest.approx(q.times["NVMe bwd"] + q.times["NVMe"]) and q.step_s < p.step_s
+    assert q.prediction.step_s == pytest.approx(q.prediction.times["NVMe bwd"] + q.prediction.times["NVMe"]) and q.prediction.step_s < p.prediction.step_s
 
 
 @pytest.mark.parametrize("knob", ["host_gb", "gpu_gb", "nvme_gb"])
@@ -134,10 +136,9 @@ def test_more_budget_never_predicts_a_slower_step(knob):
     spec = load_config("llama-7b").model
     steps = []
     for gb in (40, 60, 90, 140, 400, 2000):
-        b = Budgets(host_gb=60, gpu_gb=80, nvme_gb=500)
-        setattr(b, knob, gb)
+        b = replace(Budgets(host_gb=60, gpu_gb=80, nvme_gb=500), **{knob: gb})
         p = plan(Job(spec, 16, 2048), b, REFERENCE)
-        steps.append(p.step_s)
+        steps.append(p.prediction.step_s if p.fits else math.inf)
     assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:])), steps
     assert steps[-1] < float("inf")
 
@@ -185,10 +186,10 @@ def test_plan_keeps_what_the_config_sets(tmp_path):
 
     searched = chosen()
     ref = plan(Job(load_config("llama-3b").model, 4, 2048), Budgets(host_gb=200), SLOW_HOST)
-    assert searched == (ref.run_plan.stream, searched[1], ref.speculated, True, True) and ref.speculated > 0
+    assert searched == (ref.run_plan.stream, searched[1], ref.run_plan.count(Update.HOST_SPECULATED), True, True) and ref.run_plan.count(Update.HOST_SPECULATED) > 0
     # the config's clipping and speculation too: with clipping off a speculated update runs in place
     off = plan(Job(load_config("llama-3b").model, 4, 2048, clipping=False), Budgets(host_gb=200), SLOW_HOST)
-    assert chosen("optim.grad_clip=0")[2:] == (off.speculated, False, False) and off.speculated != ref.speculated
+    assert chosen("optim.grad_clip=0")[2:] == (off.run_plan.count(Update.HOST_SPECULATED), False, False) and off.run_plan.count(Update.HOST_SPECULATED) != ref.run_plan.count(Update.HOST_SPECULATED)
     assert chosen("optim.speculate_units=2")[2] == 2 and chosen("optim.speculate_units=0")[2:] == (0, True, False)
     other = {"compute": "master", "master": "compute"}[searched[0]]
     assert chosen(f'tiers.stream="{other}"')[0] == other
@@ -216,7 +217,7 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
         HardwareSpec.load(tmp_path / "missing.json")
     slow = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), hw)
     fast = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), REFERENCE)
-    assert slow.step_s >= fast.step_s
+    assert slow.prediction.step_s >= fast.prediction.step_s
 
 
 def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path):
@@ -235,7 +236,7 @@ def test_resident_units_move_their_update_to_the_gpu():
     """24 GB of resident state at 16 B/param (fp32 streaming: master, two moments, grad) is the first
     units of llama-3b up to 1.5 G params: their bytes leave the host's AdamW and the PCIe links and
     join the GPU's memory, and the runtime's placement picks the same units."""
-    from tiertrain.plan.planner import _layouts
+    from tiertrain.plan.memory import slab_sizes as _layouts
     from tiertrain.tiers.placement import kind_bytes, resident_units
 
     spec = load_config("llama-3b").model
@@ -246,10 +247,10 @@ def test_resident_units_move_their_update_to_the_gpu():
     fixed = Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0)
     a = evaluate(Job(spec, 4, 2048), fixed, Budgets(), REFERENCE)
     b = evaluate(Job(spec, 4, 2048), fixed, Budgets(resident_gb=24), REFERENCE)
-    assert b.gpu["resident units' state"] == r * 16 and a.gpu["resident units' state"] == 0
-    assert b.times["host AdamW"] == pytest.approx(a.times["host AdamW"] * (sum(numels) - r) / sum(numels))
-    assert b.times["D2H"] < a.times["D2H"] and b.step_s < a.step_s
-    assert sum(b.host_bytes.values()) < sum(a.host_bytes.values())
+    assert b.memory.gpu.resident == r * 16 and a.memory.gpu.resident == 0
+    assert b.prediction.times["host AdamW"] == pytest.approx(a.prediction.times["host AdamW"] * (sum(numels) - r) / sum(numels))
+    assert b.prediction.times["D2H"] < a.prediction.times["D2H"] and b.prediction.step_s < a.prediction.step_s
+    assert sum(b.memory.host.values()) < sum(a.memory.host.values())
 
 
 def test_resident_auto_takes_what_the_gpu_has_left():
@@ -263,15 +264,15 @@ def test_resident_auto_takes_what_the_gpu_has_left():
                     Choice(4))
 
     big = at(4, 141, "auto")
-    assert big.fits and big.run_plan.resident_gb * 1e9 >= state and big.gpu["resident units' state"] >= state * 0.99
-    assert big.gpu_total <= 141e9 * 0.95 and big.step_s < at(4, 141, 0).step_s
+    assert big.fits and big.run_plan.resident_gb * 1e9 >= state and big.memory.gpu.resident >= state * 0.99
+    assert big.memory.gpu.total <= 141e9 * 0.95 and big.prediction.step_s < at(4, 141, 0).prediction.step_s
     small = at(4, 24, "auto")
-    assert 1 <= small.run_plan.resident_gb < 24 and small.gpu_total <= 24e9 * 0.95 and small.step_s < at(4, 24, 0).step_s
+    assert 1 <= small.run_plan.resident_gb < 24 and small.memory.gpu.total <= 24e9 * 0.95 and small.prediction.step_s < at(4, 24, 0).prediction.step_s
     def expected(p):  # what "auto" is chosen by with clipping on: a step that clips as likely as not
-        return (p.step_s + p.clipped_step_s) / 2
+        return (p.prediction.step_s + p.prediction.clipped_step_s) / 2
 
     assert expected(at(16, 24, "auto")) <= expected(at(16, 24, 0))  # never slower than none
-    assert at(4, 24, small.run_plan.resident_gb).step_s == small.step_s  # what "auto" chose, as a number
+    assert at(4, 24, small.run_plan.resident_gb).prediction.step_s == small.prediction.step_s  # what "auto" chose, as a number
 
 
 def test_resident_auto_holds_what_host_and_disk_cannot():
@@ -282,11 +283,11 @@ def test_resident_auto_holds_what_host_and_disk_cannot():
     b = Budgets(host_gb=40, gpu_gb=141, nvme_gb=55, resident_gb="auto")
     assert not plan(Job(spec, 2, 4096), replace(b, resident_gb=0), REFERENCE, Choice(2)).fits
     p = explain(Job(spec, 2, 4096), plan(Job(spec, 2, 4096), b, REFERENCE, Choice(2)), b, REFERENCE, Choice(2))
-    assert p.fits and p.run_plan.resident_gb >= 1 and p.gpu_total <= 141e9 * 0.95
-    assert p.largest_layers > spec.num_hidden_layers
-    big = replace(spec, num_hidden_layers=p.largest_layers)
+    assert p.fits and p.run_plan.resident_gb >= 1 and p.memory.gpu.total <= 141e9 * 0.95
+    assert p.report.largest_layers > spec.num_hidden_layers
+    big = replace(spec, num_hidden_layers=p.report.largest_layers)
     assert plan(Job(big, 2, 4096), b, REFERENCE, Choice(2)).fits
-    assert not plan(Job(replace(big, num_hidden_layers=p.largest_layers + 1), 2, 4096), b, REFERENCE, Choice(2)).fits
+    assert not plan(Job(replace(big, num_hidden_layers=p.report.largest_layers + 1), 2, 4096), b, REFERENCE, Choice(2)).fits
 
 
 @pytest.mark.parametrize("name,params", [("llama3.1-8b", 8.03e9), ("qwen2.5-7b", 7.62e9), ("qwen3-8b", 8.19e9),
@@ -311,18 +312,18 @@ def test_longest_sequence_is_the_edge_of_the_budgets():
     spec = load_config("llama-7b").model
     b = Budgets(host_gb=115, gpu_gb=141, nvme_gb=55, resident_gb="auto")
     p = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b, REFERENCE), b, REFERENCE)
-    n = p.longest_seq_len
-    assert n > 2048 and n % 1024 == 0 and "GPU" in p.longest_bound.split(", ")
+    n = p.report.longest_seq_len
+    assert n > 2048 and n % 1024 == 0 and "GPU" in p.report.longest_bound.split(", ")
 
     def at(seq):
         return plan(Job(spec, 1, seq), b, REFERENCE, Choice(1))
 
     miss = at(n + 1024)
     assert at(n).fits and not miss.fits
-    assert {"ring": "host", "copies": "host"}.get(miss.short_of, miss.short_of) in p.longest_bound.split(", ")
+    assert {"ring": "host", "copies": "host"}.get(miss.short.value, miss.short.value) in p.report.longest_bound.split(", ")
     b80 = replace(b, gpu_gb=80)
     small = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b80, REFERENCE), b80, REFERENCE)
-    assert 0 < small.longest_seq_len < n
+    assert 0 < small.report.longest_seq_len < n
     r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "llama-7b", "--host-gb", "115",
                         "--nvme-gb", "55", "--format", "json"], capture_output=True, text=True)
     assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] >= 1024

@@ -13,9 +13,11 @@ from conftest import tiny_config
 from test_faults import cli, refused, tiny
 
 from tiertrain.checkpoint import KINDS
+from tiertrain.modes import Update
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.advice import explain
-from tiertrain.plan.planner import _layouts, plan
+from tiertrain.plan.memory import slab_sizes as _layouts
+from tiertrain.plan.planner import plan
 from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.sizes import budget
 from tiertrain.tiers.placement import kind_bytes, least_host
@@ -160,20 +162,20 @@ def test_the_plan_for_two_gpus_halves_each_ranks_share():
     spec = load_config("llama-3b", []).model
     one = plan(Job(spec, 8, 8192), Budgets(host_gb=250), REFERENCE)
     two = plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=250), REFERENCE)
-    assert one.fits and two.fits and two.run_plan.gpus == 2 and two.rows == 4
-    assert sum(two.host_bytes.values()) == pytest.approx(sum(one.host_bytes.values()) / 2, rel=0.01)
-    assert two.times["H2D fwd"] == pytest.approx(one.times["H2D fwd"] / 2, rel=0.02)
-    assert two.times["compute fwd"] == pytest.approx(one.times["compute fwd"] / 2, rel=1e-6)
-    assert two.times["peer fwd"] > 0 and one.times["peer fwd"] == 0
-    assert two.tokens_per_s > 1.5 * one.tokens_per_s and two.kept >= one.kept
+    assert one.fits and two.fits and two.run_plan.gpus == 2 and two.job.rows == 4
+    assert sum(two.memory.host.values()) == pytest.approx(sum(one.memory.host.values()) / 2, rel=0.01)
+    assert two.prediction.times["H2D fwd"] == pytest.approx(one.prediction.times["H2D fwd"] / 2, rel=0.02)
+    assert two.prediction.times["compute fwd"] == pytest.approx(one.prediction.times["compute fwd"] / 2, rel=1e-6)
+    assert two.prediction.times["peer fwd"] > 0 and one.prediction.times["peer fwd"] == 0
+    assert two.prediction.tokens_per_s > 1.5 * one.prediction.tokens_per_s and two.memory.kept >= one.memory.kept
     apart = plan(Job(spec, 8, 8192, gpus=2, per_host=1), Budgets(host_gb=125), REFERENCE)
-    assert apart.times["peer bwd"] == pytest.approx(two.times["peer bwd"] * REFERENCE.peer_gbs / REFERENCE.network_gbs)
+    assert apart.prediction.times["peer bwd"] == pytest.approx(two.prediction.times["peer bwd"] * REFERENCE.peer_gbs / REFERENCE.network_gbs)
     text = to_markdown(two, one)
     assert "2 GPUs" in text and "x one GPU" in text
     # the host budget is the host's: what one rank's half of the state needs, twice over, and not less
-    need = two.host_total - two.host_fixed["process"]
+    need = two.memory.host_total - two.memory.host_fixed()["process"]
     assert plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE,
-                Choice(speculate=two.speculated)).fits
+                Choice(speculate=two.run_plan.count(Update.HOST_SPECULATED))).fits
     assert not plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=need / 1e9), REFERENCE).fits
 
 

@@ -2,6 +2,8 @@
 not clip, kept when it does not, redone from the untouched state when it does: never a different bit."""
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from dataclasses import replace
@@ -15,8 +17,10 @@ from test_nvme import DEEP
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.optim.adamw import OptimizerThread
+from tiertrain.modes import Update
 from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.planner import SPEC_MARGIN, _layouts, evaluate, plan
+from tiertrain.plan.memory import slab_sizes as _layouts
+from tiertrain.plan.planner import SPEC_MARGIN, evaluate, plan
 from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.tiers.placement import RING_SLOTS, alternate_from_last, gpu_updated
 from tiertrain.tiers.slab import host_cost
@@ -245,32 +249,32 @@ def test_planner_balances_the_speculated_units():
     unclipped = replace(job, clipping=False)
     off = at(speculate=0, speculate_gpu=False)
     auto = at(unclipped, speculate_gpu=False)
-    assert auto.speculated > 0 and auto.step_s < off.step_s * 0.95
-    every = [at(unclipped, speculate=n, gpu_updates=auto.gpu_updates, speculate_gpu=False).step_s for n in range(29)]
-    assert auto.step_s == pytest.approx(min(every))
+    assert auto.run_plan.count(Update.HOST_SPECULATED) > 0 and auto.prediction.step_s < off.prediction.step_s * 0.95
+    every = [at(unclipped, speculate=n, gpu_updates=auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED), speculate_gpu=False).prediction.step_s for n in range(29)]
+    assert auto.prediction.step_s == pytest.approx(min(every))
     # by hand: the backward phase's host AdamW time of n speculated blocks, in place and into copies
     n = 5
     a = at(unclipped, speculate=n, gpu_updates=0)
     b = at(speculate=n, gpu_updates=0)
     params = 98_308_096 + (n - 1) * 113_252_352  # the head, then the last blocks
     rate = REFERENCE.host_adam_params_per_s
-    assert a.times["host AdamW bwd"] == pytest.approx(params / rate * REFERENCE.adam_contention)
-    assert b.times["host AdamW bwd"] == pytest.approx(params / (rate * REFERENCE.out_of_place) * REFERENCE.adam_contention)
-    assert b.host_fixed["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
-    assert "update copies" not in a.host_fixed
+    assert a.prediction.times["host AdamW bwd"] == pytest.approx(params / rate * REFERENCE.adam_contention)
+    assert b.prediction.times["host AdamW bwd"] == pytest.approx(params / (rate * REFERENCE.out_of_place) * REFERENCE.adam_contention)
+    assert b.memory.host_fixed()["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
+    assert "update copies" not in a.memory.host_fixed()
     # while the norm clips nothing speculates: the same plan without its speculation; clipping off, never
-    assert b.clipped_step_s == pytest.approx(at(speculate=0, gpu_updates=0).step_s)
-    assert a.clipped_step_s == a.step_s
+    assert b.prediction.clipped_step_s == pytest.approx(at(speculate=0, gpu_updates=0).prediction.step_s)
+    assert a.prediction.clipped_step_s == a.prediction.step_s
     at8k = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", gpu_updates=0, keep=0), Budgets(host_gb=120), REFERENCE)
-    assert at8k.speculated and at8k.clipped_step_s > at8k.step_s * 1.1
-    assert at8k.clipped_times["host AdamW"] > at8k.times["host AdamW"]
+    assert at8k.run_plan.count(Update.HOST_SPECULATED) and at8k.prediction.clipped_step_s > at8k.prediction.step_s * 1.1
+    assert at8k.prediction.clipped_times["host AdamW"] > at8k.prediction.times["host AdamW"]
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
-    tight = Budgets(host_gb=sum(off.host_bytes.values()) / 1e9 + off.host_fixed["host checkpoints"] / 1e9 + 2)
+    tight = Budgets(host_gb=sum(off.memory.host.values()) / 1e9 + off.memory.host_fixed()["host checkpoints"] / 1e9 + 2)
     miss = plan(Job(spec, 16, 2048), tight, REFERENCE,
                 Choice(16, "master", "host", gpu_updates=0, speculate=28, speculate_gpu=False))
     assert not miss.fits and "copies of the speculative update" in miss.why
     few = plan(Job(spec, 16, 2048), tight, REFERENCE, Choice(16, "master", "host", gpu_updates=0))
-    assert few.fits and 0 < few.speculated < 28 and few.host_fixed["update copies"] <= 2e9
+    assert few.fits and 0 < few.run_plan.count(Update.HOST_SPECULATED) < 28 and few.memory.copies <= 2e9
 
 
 def test_planner_queues_more_than_the_backward_pass_has_room_for():
@@ -282,18 +286,18 @@ def test_planner_queues_more_than_the_backward_pass_has_room_for():
     def at(**choice):
         return evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0, **choice), Budgets(host_gb=200),
                         REFERENCE)
-    steps = [at(speculate=n, gpu_updates=0).step_s for n in range(29)]
+    steps = [at(speculate=n, gpu_updates=0).prediction.step_s for n in range(29)]
     assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))
     least = next(n for n, s in enumerate(steps) if s <= min(steps) * (1 + 1e-9))
     assert 0 < least < 20 and steps[0] > min(steps) * 1.1
     auto = at(gpu_updates=0)
     numels = _layouts(spec)
     params = [sum(numels[u] for u in alternate_from_last(list(range(len(numels))), n)) for n in range(29)]
-    assert params[auto.speculated - 1] < SPEC_MARGIN * params[least] <= params[auto.speculated]
-    assert auto.step_s == pytest.approx(min(steps))
+    assert params[auto.run_plan.count(Update.HOST_SPECULATED) - 1] < SPEC_MARGIN * params[least] <= params[auto.run_plan.count(Update.HOST_SPECULATED)]
+    assert auto.prediction.step_s == pytest.approx(min(steps))
     # all queued: the backward pass takes what it has room for, in its time, the rest after the norm
     every = at(speculate=28, gpu_updates=0)
-    t, bwd = every.times, every.times["compute bwd"]
+    t, bwd = every.prediction.times, every.prediction.times["compute bwd"]
     assert t["host DRAM bwd"] == pytest.approx(bwd) and t["host AdamW bwd"] < bwd
     rate = REFERENCE.host_adam_copy_params_per_s / REFERENCE.adam_contention
     done = t["host AdamW bwd"] * rate * REFERENCE.out_of_place
@@ -311,23 +315,23 @@ def test_planner_speculates_gpu_updates_in_the_backward_pass():
                         Budgets(host_gb=120), SLOW_HOST)
     fwd = at(speculate_gpu=False)
     auto = at()
-    assert auto.gpu_speculated and auto.gpu_updates > 0 and auto.step_s < fwd.step_s * 0.9
-    k, n = auto.gpu_updates, auto.speculated
+    assert bool(auto.run_plan.count(Update.GPU_SPECULATED)) and auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED) > 0 and auto.prediction.step_s < fwd.prediction.step_s * 0.9
+    k, n = auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED), auto.run_plan.count(Update.HOST_SPECULATED)
     none = at(gpu_updates=0, speculate=n, speculate_gpu=False)
     b = at(gpu_updates=k, speculate=n, speculate_gpu=True)
     numels = _layouts(spec)
     params = sum(numels[u] for u in gpu_updated(list(range(len(numels))), k, True))  # every other from the last
     rate = SLOW_HOST.h2d_gbs * 1e9
-    assert b.times["H2D fwd"] == none.times["H2D fwd"]  # the kept masters stream like the host's
-    assert (b.times["H2D bwd"] - none.times["H2D bwd"]) * rate == pytest.approx(12 * params, rel=1e-9)
+    assert b.prediction.times["H2D fwd"] == none.prediction.times["H2D fwd"]  # the kept masters stream like the host's
+    assert (b.prediction.times["H2D bwd"] - none.prediction.times["H2D bwd"]) * rate == pytest.approx(12 * params, rel=1e-9)
     # their state shares PCIe with the weights the compute waits for: at spec_copy_efficiency of the copies' rate
     for p, eff in ((b, SLOW_HOST.spec_copy_efficiency), (none, 1.0)):
-        both = (p.times["H2D bwd"] * SLOW_HOST.h2d_gbs + p.times["D2H"] * SLOW_HOST.d2h_gbs) * 1e9
-        assert p.times["PCIe both bwd"] * SLOW_HOST.bidir_gbs * SLOW_HOST.copy_efficiency * eff * 1e9 == pytest.approx(both)
+        both = (p.prediction.times["H2D bwd"] * SLOW_HOST.h2d_gbs + p.prediction.times["D2H"] * SLOW_HOST.d2h_gbs) * 1e9
+        assert p.prediction.times["PCIe both bwd"] * SLOW_HOST.bidir_gbs * SLOW_HOST.copy_efficiency * eff * 1e9 == pytest.approx(both)
     gpu = gpu_updated(list(range(len(numels))), k, True)
     host = [u for u in range(len(numels)) if u not in gpu]
-    assert b.host_fixed["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + alternate_from_last(host, n))
-    assert "update copies" not in at(False, gpu_updates=k, speculate=0, speculate_gpu=True).host_fixed
+    assert b.memory.host_fixed()["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + alternate_from_last(host, n))
+    assert "update copies" not in at(False, gpu_updates=k, speculate=0, speculate_gpu=True).memory.host_fixed()
 
 
 def test_timeline_accounts_for_every_host_update(token_file):
@@ -366,7 +370,8 @@ def test_the_step_prediction_follows_whether_the_last_update_was_speculated(toke
     was speculated and kept, and the plan's step without speculation when the norm clipped."""
     tr = Trainer(tiny_config(token_file, 'train.device="cuda"', f"optim.grad_clip={clip}", "optim.speculate_units=99"))
     assert tr.plan is not None and tr.run_plan.updated("host-speculated")
-    tr.plan.step_s, tr.plan.clipped_step_s = 1.0, 2.0  # apart, whatever the tiny model's times
+    apart = dataclasses.replace(tr.plan.prediction, step_s=1.0, clipped_step_s=2.0)  # whatever the tiny model's times
+    tr.plan = dataclasses.replace(tr.plan, prediction=apart)
     recs = [tr.train_step() for _ in range(3)]
     tr.close()
     assert [r["pred_step_s"] for r in recs[1:]] == [1.0 if kept else 2.0] * 2

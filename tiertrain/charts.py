@@ -25,14 +25,15 @@ def plan_chart(p, path: str | Path) -> None:
     """Left: predicted seconds per link, the step and its bottleneck. Right: GB per tier, by kind."""
     plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    names = list(p.times)
-    a.barh(names, [p.times[k] for k in names], color="tab:blue")
-    a.axvline(p.step_s, color="tab:red", linestyle="--", label=f"step {p.step_s:.2f} s")
+    pr, mem = p.prediction, p.memory
+    names = list(pr.times)
+    a.barh(names, [pr.times[k] for k in names], color="tab:blue")
+    a.axvline(pr.step_s, color="tab:red", linestyle="--", label=f"step {pr.step_s:.2f} s")
     a.invert_yaxis()
     a.set_xlabel("seconds per step")
-    a.set_title(f"{p.model}: predicted time per link (bottleneck: {p.bottleneck})")
+    a.set_title(f"{p.job.name}: predicted time per link (bottleneck: {pr.bottleneck})")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes: never over a bar
-    tiers = {"host": {**p.host_bytes, **p.host_fixed}, "NVMe": dict(p.nvme_bytes), "GPU": dict(p.gpu)}
+    tiers = {"host": {**mem.host, **mem.host_fixed()}, "NVMe": dict(mem.nvme), "GPU": mem.gpu.table()}
     kinds = sorted({k for parts in tiers.values() for k in parts})
     cmap = plt.get_cmap("tab20")
     left = [0.0] * len(tiers)

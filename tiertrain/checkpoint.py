@@ -236,7 +236,7 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
 
     ranks = ranks or Ranks()
     path = Path(path)
-    tmp, new, old = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new", "old"))
+    tmp = path.with_name(f".{path.name}.tmp")
     keys = [(u, k) for k in kinds for u in range(len(numels))]
     taken = {key: f for key in keys if ranks.size == 1 and take and (f := take(*key)) is not None}
     attrs = json.loads(json.dumps({"format": FORMAT, "tiertrain_version": __version__,
@@ -275,17 +275,24 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
         if ranks.first:
             for i, (u, kind) in enumerate(keys):
                 _set_crc(_chunk(tmp, kind, u), numels[u] * 4, _combined(crcs, i))
-            _fsync_tree(tmp)
-            os.rename(tmp, new)  # whole from here on: a kill in what follows leaves recover() the rest
-            fsync(path.parent)
-            if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
-                os.rename(path, old)
-            os.rename(new, path)
-            fsync(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            _publish(path)
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
     return sum(n for key in keys if key not in taken for n in parts[key][1:])
+
+
+def _publish(path: Path) -> None:
+    """The whole temporary of a save becomes the checkpoint `path`: fsynced, renamed `.new`, then `path` (a step
+    saved again moves the old one aside as `.old` in between): a kill at any moment leaves recover() the rest."""
+    tmp, new, old = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new", "old"))
+    _fsync_tree(tmp)
+    os.rename(tmp, new)  # whole from here on
+    fsync(path.parent)
+    if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
+        os.rename(path, old)
+    os.rename(new, path)
+    fsync(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager

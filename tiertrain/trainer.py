@@ -128,7 +128,7 @@ class Trainer:
         if Home.NVME in rp.where().values():
             check_backend(cfg.tiers.io)
         check_ram(rp, self.copied(rp), avail // ranks.local_size, cfg.tiers.host_gb, cfg.tiers.nvme_dir,
-                  p.gpu_total if hw.unified else 0.0, ranks.local_size)
+                  p.memory.gpu.total if hw.unified else 0.0, ranks.local_size)
         if self.out is not None and ranks.first:
             self._check_saves(rp, p, resume)
         return hw, p, rp, chosen
@@ -145,7 +145,7 @@ class Trainer:
         free, dev = rundir.disk_free(where)
         same = bool(t.nvme_dir) and rundir.disk_free(Path(t.nvme_dir))[1] == dev
         spilled = {k for (_, k), h in rp.where().items() if h == Home.NVME}
-        store = (disk_bytes(list(rp.numels), rp.kind_bytes(), rp.where()) + p.nvme_checkpoints) \
+        store = (disk_bytes(list(rp.numels), rp.kind_bytes(), rp.where()) + p.memory.nvme_checkpoints) \
             * self.ranks.local_size if same else 0
         count = saves(start, self.cfg.train.steps, c.every, c.final)
         by_state = {}
@@ -358,7 +358,7 @@ class Trainer:
         rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
         if self.predicts and tgt.shape == (tc.batch_size // self.ranks.size, tc.seq_len):  # what the plan predicted for this step:
             # its forward pass waited for the last update, speculated beside a backward pass unless a norm clipped
-            p = self.plan
+            p = self.plan.prediction
             pt, ps = (p.times, p.step_s) if spec_kept else (p.clipped_times, p.clipped_step_s)
             rec.update(pred_step_s=ps, pred_forward_s=pt["compute fwd"],
                        pred_backward_s=pt["compute bwd"], pred_opt_wait_s=pt["exposed update"])
@@ -396,7 +396,7 @@ class Trainer:
                 discard(store.root)
 
     def describe(self) -> list[str]:
-        spec, tc = self.cfg.model, self.cfg.train
+        spec, tc, pr = self.cfg.model, self.cfg.train, self.plan.prediction
         host = self.host.nbytes()
         nv = spilled_bytes([sh.numel for sh in self.shards], self.kind_bytes(), self.where)
         r = self.ranks
@@ -413,11 +413,11 @@ class Trainer:
                + ", ".join(f"{k} {human_bytes(v)}" for k, v in nv.items())
                + f") in {self.tiers.store.root} via {self.tiers.store.io.name}, staging ring "
                + human_bytes(self.tiers.ring_nbytes())] if self.tiers else []),
-            *([f"plan: step {self.plan.step_s:.2f} s"
-               + (f" ({self.plan.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
-                  if self.plan.clipped_step_s > self.plan.step_s * 1.005 else "")
-               + f", {self.plan.tokens_per_s:,.0f} tok/s, bottleneck "
-               f"{self.plan.bottleneck}, GPU {self.plan.gpu_total / 1e9:.1f} GB ({self.plan.hardware})"]
+            *([f"plan: step {pr.step_s:.2f} s"
+               + (f" ({pr.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
+                  if pr.clipped_step_s > pr.step_s * 1.005 else "")
+               + f", {pr.tokens_per_s:,.0f} tok/s, bottleneck "
+               f"{pr.bottleneck}, GPU {self.plan.memory.gpu.total / 1e9:.1f} GB ({self.plan.hardware})"]
               if self.predicts else []),
             f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
             f"GPU updates' state, "

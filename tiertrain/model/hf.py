@@ -42,6 +42,39 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     """The ModelSpec of a Hugging Face config.json of the Llama family; anything it cannot train exactly
     (another architecture, another activation, biases or sliding windows it does not implement) is refused."""
     d = Path(model_dir)
+    c, mt = _config(d)
+    window = _implemented(c, d, mt, seq_len)
+    theta, scaling = _rope(c, d)
+    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in need if k not in c]
+    if missing:
+        raise HFError(f"{d}/config.json has no {', '.join(missing)}; it is not a complete {mt} config")
+    bad = [k for k in need if isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] <= 0]
+    if bad:
+        raise HFError(f"{d}/config.json: {', '.join(f'{k} = {c[k]!r}' for k in bad)}; each must be a positive integer")
+    wrong = f"{d}/config.json has a field of the wrong type ({{}}); fix it or re-download the model"
+    try:
+        heads = c["num_attention_heads"]
+        spec = ModelSpec(
+            hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
+            rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
+            qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
+            initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt, sliding_window=window,
+            bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"), pad_token_id=c.get("pad_token_id"))
+        spec.validate()
+    except UserError as e:
+        raise HFError(f"{d}/config.json: {e}") from None
+    except (TypeError, ValueError) as e:  # a number given as a string, a table where a number belongs
+        raise HFError(wrong.format(e)) from None
+    return spec
+
+
+def _config(d: Path) -> tuple[dict, str]:
+    """(config.json of the model directory `d`, its model_type), refused where it is none tiertrain trains."""
     if not d.is_dir():
         raise HFError(f"--init-from {d}: not a directory; pass a local Hugging Face model directory")
     c = _read_json(d / "config.json", "--init-from needs a Hugging Face model directory with config.json")
@@ -51,7 +84,12 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     mt = c.get("model_type")
     if mt not in MODEL_TYPES:
         raise HFError(f"{d}: model_type {mt!r} is not supported; tiertrain trains {', '.join(MODEL_TYPES)}")
+    return c, mt
 
+
+def _implemented(c: dict, d: Path, mt: str, seq_len: int | None) -> int | None:
+    """Refuses what tiertrain does not implement (it could not train the model exactly); the sliding window
+    kept for the export (None: none), at least `seq_len`."""
     def refuse(ok: bool, why: str) -> None:
         if not ok:
             raise HFError(f"{d}: {why}, which tiertrain does not implement; it cannot train this model exactly")
@@ -67,44 +105,20 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
         raise HFError(f"{d}/config.json: sliding_window = {window!r}; it must be a positive integer or null")
     if window is not None and seq_len is not None:
         refuse(seq_len <= window, f"sliding_window {window} shorter than train.seq_len {seq_len}")
-    if "rope_parameters" in c:  # transformers >= 5
-        rp = c["rope_parameters"] or {}
-        if not isinstance(rp, dict):
-            raise HFError(f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
-                          "like {\"rope_type\": \"default\", \"rope_theta\": 500000.0}")
-        rp = dict(rp)
-        theta = rp.pop("rope_theta", 10000.0)
-        scaling = rp if rp.get("rope_type", "default") != "default" else None
-    else:
-        theta, scaling = c.get("rope_theta", 10000.0), c.get("rope_scaling")
-    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in need if k not in c]
-    if missing:
-        raise HFError(f"{d}/config.json has no {', '.join(missing)}; it is not a complete {mt} config")
-    bad = [k for k in need if isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] <= 0]
-    if bad:
-        raise HFError(f"{d}/config.json: {', '.join(f'{k} = {c[k]!r}' for k in bad)}; each must be a positive integer")
-    try:
-        heads = c["num_attention_heads"]
-        spec = ModelSpec(
-            hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
-            num_key_value_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
-            rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
-            qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
-            initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt, sliding_window=window,
-            bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"), pad_token_id=c.get("pad_token_id"))
-    except (TypeError, ValueError) as e:  # a number given as a string, a table where a number belongs
-        raise HFError(f"{d}/config.json has a field of the wrong type ({e}); fix it or re-download the model") from None
-    try:
-        spec.validate()
-    except UserError as e:
-        raise HFError(f"{d}/config.json: {e}") from None
-    except TypeError as e:
-        raise HFError(f"{d}/config.json has a field of the wrong type ({e}); fix it or re-download the model") from None
-    return spec
+    return window
+
+
+def _rope(c: dict, d: Path) -> tuple[object, dict | None]:
+    """(rope_theta, the scaling table or None) from transformers 5's rope_parameters or 4's fields."""
+    if "rope_parameters" not in c:
+        return c.get("rope_theta", 10000.0), c.get("rope_scaling")
+    rp = c["rope_parameters"] or {}
+    if not isinstance(rp, dict):
+        raise HFError(f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
+                      "like {\"rope_type\": \"default\", \"rope_theta\": 500000.0}")
+    rp = dict(rp)
+    theta = rp.pop("rope_theta", 10000.0)
+    return theta, rp if rp.get("rope_type", "default") != "default" else None
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:

@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .hardware import HardwareSpec
-from .planner import PROCESS_GB, evaluate, plan, resident_room, settled, spare_gb
-from .values import Budgets, Choice, Job, Plan
+from .memory import PROCESS_GB, least_host_of
+from .planner import evaluate, plan, resident_room, settled, spare_gb
+from .values import Budgets, Choice, Job, Miss, Plan, Report, Short
+from ..modes import Update
 
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
 
 
-def explain(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()) -> Plan:
+def explain(job: Job, p: Plan | Miss, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()) -> Plan | Miss:
     """The chosen plan `p` of `job` (planner.plan's, with these budgets and `fixed`), with what the report adds:
     advice, the largest model of its shape that fits these budgets, the longest sequence, and with an NVMe tier
     the least host budget of its choice. A miss is returned as it is."""
@@ -21,25 +23,25 @@ def explain(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec, fixed: Choice
     fixed, budgets = settled(fixed, budgets, hw)
     rp = p.run_plan
     chosen = replace(budgets, resident_gb=rp.resident_gb)  # "auto" settled
-    p.advice = advice(job, p, chosen, hw)
-    p.largest_layers, p.largest_params = largest(job, p, budgets, hw)
-    p.longest_seq_len, p.longest_bound = longest(job, p, budgets, hw)
+    layers, params = largest(job, p, budgets, hw)
+    seq, bound = longest(job, p, budgets, hw)
+    least = 0.0
     if budgets.nvme_gb:  # the least host budget of this choice
-        exact = Choice(rp.micro_batch, rp.stream, rp.activations, fixed.gpu_updates, p.speculated, p.gpu_speculated,
-                       keep=0)
-        p.least_host = evaluate(job, exact, chosen, hw, least=True).least_host
-    return p
+        exact = Choice(rp.micro_batch, rp.stream, rp.activations, fixed.gpu_updates, rp.count(Update.HOST_SPECULATED),
+                       bool(rp.count(Update.GPU_SPECULATED)), keep=0)
+        least = least_host_of(job, exact, chosen, hw)
+    return replace(p, report=Report(tuple(advice(job, p, chosen, hw)), layers, params, seq, bound, least))
 
 
 def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     """Single changes, each with its predicted gain, best first."""
-    tries, ranks = [], job.ranks_per_host  # the plan's bytes are a rank's; the budgets and advice the host's
-    if p.nvme_bytes:
-        need = (p.host_total / 1e9 + sum(p.nvme_bytes.values()) / 1e9
-                - p.host_fixed.get("staging ring", 0) / 1e9) * ranks
+    tries, ranks, mem = [], job.ranks_per_host, p.memory  # the plan's bytes are a rank's; budgets, advice the host's
+    rate = p.prediction.tokens_per_s
+    if mem.nvme:
+        need = (mem.host_total / 1e9 + sum(mem.nvme.values()) / 1e9 - mem.ring / 1e9) * ranks
         tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
                       "(NVMe traffic gone)", replace(budgets, host_gb=need)))
-    spare = spare_gb(p, budgets, hw)
+    spare = spare_gb(mem, budgets, hw)
     if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
         gb = int(p.run_plan.resident_gb + spare * 0.9)
         tries.append((f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
@@ -47,9 +49,10 @@ def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     tries.append(("twice the batch (tokens per step)", None))
     out = []
     for text, b in tries:  # each variant of the same job, with every choice left to the plan
-        q = plan(replace(job, batch=p.batch * (1 if b else 2)), b or budgets, hw)
-        if q.fits and q.tokens_per_s > p.tokens_per_s * 1.01:
-            out.append((q.tokens_per_s / p.tokens_per_s, f"{text}: {q.tokens_per_s / p.tokens_per_s:.2f}x the tokens/s"))
+        q = plan(replace(job, batch=job.batch * (1 if b else 2)), b or budgets, hw)
+        if q.fits and q.prediction.tokens_per_s > rate * 1.01:
+            gain = q.prediction.tokens_per_s / rate
+            out.append((gain, f"{text}: {gain:.2f}x the tokens/s"))
     return [t for _, t in sorted(out, reverse=True)]
 
 
@@ -88,7 +91,7 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
         for acts in ("gpu", "host", "split"):
             least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0)
 
-            def at(b: Budgets) -> Plan:
+            def at(b: Budgets) -> Plan | Miss:
                 return evaluate(job, least, b, hw)
             # "auto": all the GPU leaves (the most memory resident state can add)
             resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else \
@@ -96,7 +99,7 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
             q = at(replace(budgets, resident_gb=resident))
             if q.fits:
                 return True, ""
-            short.append({"ring": "host", "copies": "host"}.get(q.short_of, q.short_of))
+            short.append({Short.RING: "host", Short.COPIES: "host"}.get(q.short, q.short.value))
     return False, ", ".join(sorted(set(short), key=("GPU", "host", "NVMe").index))
 
 

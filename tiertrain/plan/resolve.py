@@ -13,7 +13,7 @@ from .advice import explain
 from .hardware import HardwareSpec
 from .planner import plan
 from .runplan import RunPlan
-from .values import Budgets, Choice, Job, Plan
+from .values import Budgets, Choice, Job, Miss, Plan, Short
 
 
 def job_of(cfg: Config, name: str, gpus: int = 1, per_host: int | None = None) -> Job:
@@ -40,7 +40,7 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
 
 def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
            name: str, micro: int | None = None, advise: bool = True, gpus: int = 1,
-           per_host: int | None = None) -> Plan:
+           per_host: int | None = None) -> Plan | Miss:
     """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host), with the
     report's findings where `advise`. `micro`: the micro-batch a resumed run ran with, kept where the config
     leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""
@@ -72,7 +72,7 @@ def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None, ram_gb: flo
     nvme = t.nvme_gb or (1e9 if t.nvme_dir else None)
     ranks = {"gpus": gpus, "per_host": per_host}
     p = search(cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
-    if not p.fits and not t.host_gb and ram_gb and p.short_of != "GPU":
+    if not p.fits and not t.host_gb and ram_gb and p.short != Short.GPU:
         # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
     if not p.fits:
@@ -80,10 +80,10 @@ def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None, ram_gb: flo
     return p, p.run_plan, chosen(cfg)
 
 
-def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
+def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
     """What a plan that misses says to change, in the flags and settings of `tiertrain run`."""
     t, tc = cfg.tiers, cfg.train
-    if p.short_of == "GPU":
+    if p.short == Short.GPU:
         resident = t.gpu_resident_gb
         fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
                  *(["lower train.micro_batch_size"] if fixed(tc.micro_batch_size) or micro else []),
@@ -91,21 +91,21 @@ def _refusal(cfg: Config, p: Plan, micro: int | None) -> str:
                  *(['set tiers.activations="auto"'] if t.activations == "gpu" else []),
                  "lower train.seq_len"]
         return f"{p.why}: " + ", or ".join(fixes)
-    if p.short_of == "host":  # no NVMe tier
+    if p.short == Short.HOST:  # no NVMe tier
         kb, numels = p.run_plan.kind_bytes(), list(p.run_plan.numels)  # a rank's shards; the budget is the host's
         resident = resident_units(numels, kb, p.run_plan.resident_gb * 1e9)
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
-        acts = p.checkpoints.get("host", 0) * host_cost(p.run_plan.checkpoint_bytes(p.rows))
-        total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.gpus_per_host
-        least = least_host(rest, kb, acts, host_cost) * p.gpus_per_host
+        acts = p.memory.checkpoints.get("host", 0) * host_cost(p.run_plan.checkpoint_bytes(p.job.rows))
+        total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.per_host
+        least = least_host(rest, kb, acts, host_cost) * p.per_host
         return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
                 f"{budget(total)}, or pass --nvme-dir to spill part of it to disk (then --host-gb {budget(least)} "
                 "is the least)")
-    if p.short_of == "ring":
+    if p.short == Short.RING:
         return (f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
-                + (" and the host activation checkpoints" if p.checkpoints.get("host") else "")
+                + (" and the host activation checkpoints" if p.memory.checkpoints.get("host") else "")
                 + f" with all it can spill on NVMe: raise --host-gb to at least {budget(p.least_host)}")
-    if p.short_of == "copies":
+    if p.short == Short.COPIES:
         n, gpu = cfg.optim.speculate_units, cfg.optim.speculate_gpu_updates is True
         who = [f"optim.speculate_units = {n}"] * (n not in (AUTO, 0)) + ["optim.speculate_gpu_updates = true"] * gpu
         fix = ['lower optim.speculate_units ("auto": the plan\'s number)'] * (n not in (AUTO, 0)) + \

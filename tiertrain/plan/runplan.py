@@ -91,6 +91,10 @@ class RunPlan:
         """The blocks whose activations stay on the GPU for the backward pass (not recomputed)."""
         return frozenset(u.index for u in self.units if not u.recompute)
 
+    def count(self, *updates: Update) -> int:
+        """How many units take one of `updates`."""
+        return sum(u.update in updates for u in self.units)
+
     def updated(self, *updates: str) -> frozenset[int]:
         """The units whose update is one of `updates`."""
         return frozenset(u.index for u in self.units if u.update in updates)

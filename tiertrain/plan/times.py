@@ -2,10 +2,15 @@
 Pure Python."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..model.spec import ModelSpec
 from ..tiers.placement import streamed_kind
 from .hardware import HardwareSpec
-from .values import Plan
+from .values import Job, Memory
+
+if TYPE_CHECKING:
+    from .memory import Fit
 
 
 def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
@@ -29,62 +34,42 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
     return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
 
 
-def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, speculated: int, copies: bool,
-               ck_bytes: int, kb: dict[str, int], hw: HardwareSpec,
-               gpu_speculated: bool = False, whole: int = 0) -> tuple[dict[str, float], float, float]:
-    """Seconds per link, and the backward and forward phases (the update beside the forward pass), with
-    `on_gpu` parameters updated on the GPU and `speculated` queued for the host during the backward pass
-    (speculated; into `copies`: at hw.out_of_place the rate, with hw.out_of_place_dram_bytes more DRAM
-    traffic), as many as that pass has room for (the rest after the norm: "host AdamW" counts them).
-    `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their state's copies with it
-    (the gradient is already there; the kept master streams in the next forward pass like the others).
-    Several GPUs (p.gpus): `sums` are this rank's shards, `whole` the units' padded sizes summed; each GPU
-    all-gathers (gpus - 1) / gpus of every unit it loads, in the compute dtype, and reduce-scatters as much of
-    every fp32 gradient, over NVLink (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
-    rp = p.run_plan
-    rate = (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
-    T, F = p.batch // rp.gpus * p.seq_len, spec.flops_per_token(p.seq_len)
-    F -= spec.attention_flops_per_token(p.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))  # at the rest's rate
-    # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
-    recompute = F - p.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
+def step_times(job: Job, mem: Memory, fit: Fit, on_gpu: int, speculated: int,
+               gpu_speculated: bool = False) -> tuple[dict[str, float], float, float]:
+    """Seconds per link, and the backward and forward phases (the update beside the forward pass), of the choice
+    `fit` holds in memory `mem`, with `on_gpu` parameters updated on the GPU and `speculated` queued for the host
+    during the backward pass (speculated; into copies where the job clips: at hw.out_of_place the rate, with
+    hw.out_of_place_dram_bytes more DRAM traffic), as many as that pass has room for (the rest after the norm:
+    "host AdamW" counts them). `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their
+    state's copies with it (the gradient is already there; the kept master streams in the next forward pass like
+    the others). Several GPUs (job.gpus): the sums are this rank's shards; each GPU all-gathers (gpus - 1) / gpus
+    of every unit it loads, in the compute dtype, and reduce-scatters as much of every fp32 gradient, over NVLink
+    (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
+    s, hw, kb = fit.shape, fit.shape.hw, fit.shape.kb
     sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
-    ck_unit = ck_bytes / spec.num_hidden_layers
-    if rp.tile and rp.micro_batch * p.seq_len > rp.tile:  # a tiled block's q/k/v projections run twice in its backward
-        recompute += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd \
-            * spec.num_hidden_layers
-    host_ck_io = (p.checkpoints.get("host", 0) + p.checkpoints.get("nvme", 0)) * ck_unit  # each way over PCIe
-    ck_disk = p.checkpoints.get("nvme", 0) * ck_unit  # written in the forward pass, read in the backward pass
-    io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in p.nvme_bytes.items()}
-    reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
-    reads -= p.nvme_ahead  # read ahead of the optimizer as the backward pass starts (TierManager.start)
-    writes += ck_disk
+    ck_unit = job.spec.num_hidden_layers * s.ck_unit / job.spec.num_hidden_layers
+    host_ck_io = (mem.checkpoints.get("host", 0) + mem.checkpoints.get("nvme", 0)) * ck_unit  # each way over PCIe
+    ck_disk = mem.checkpoints.get("nvme", 0) * ck_unit  # written in the forward pass, read in the backward pass
     adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
     fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
-    streamed, reloaded = sums
+    streamed, reloaded = fit.sums
     h2d_fwd, d2h_fwd = sw * streamed + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io
     h2d_bwd = sw * reloaded + host_ck_io + 12 * bwd_gpu
     d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     dram = hw.host_dram_gbs * 1e9
-    others = (rp.gpus - 1) / rp.gpus  # of each unit, the part the other ranks hold
-    link = (hw.peer_gbs if rp.gpus <= p.gpus_per_host else hw.network_gbs) * 1e9
-    wdt = rp.compute_width
-    reloaded_whole = whole * reloaded / streamed if streamed else 0
-    t = {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate,
-         "peer fwd": others * wdt * whole / link, "peer bwd": others * (wdt * reloaded_whole + 4 * whole) / link,
-         "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
-         "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
-         "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
-         "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
-         "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
-         "PCIe both bwd": (h2d_bwd + d2h_bwd)
-         / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9),
-         "NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
-         "NVMe": disk_time(reads, writes, hw), "NVMe bwd": disk_time(p.nvme_bwd_reads + ck_disk + p.nvme_ahead, bwd_writes, hw)}
+    t = _compute(job, mem, fit) | _peers(job, fit) | {
+        "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9), "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
+        "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
+        "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9), "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
+        "PCIe both bwd": (h2d_bwd + d2h_bwd)
+        / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9)} \
+        | _disk(mem, kb, ck_disk, hw)
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"], t["peer bwd"])
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
     # (Updates.after_norm): those left run after it with the others
+    copies = job.clipping
     spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
     spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
     room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
@@ -100,3 +85,43 @@ def step_times(spec: ModelSpec, p: Plan, sums: tuple[int, int], on_gpu: int, spe
     update = max(t["host AdamW"], t["NVMe"])
     t["exposed update"] = max(0.0, update - fwd)
     return t, bwd, max(fwd, update)
+
+
+def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
+    """The GPU's seconds of compute in the forward and the backward pass (recompute included): FLOPs over the
+    matmul rate, causal attention's at its own (hw.attention_rate)."""
+    spec, rp, hw = job.spec, fit.shape.run_plan, fit.shape.hw
+    rate = (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    T, F = job.rows * job.seq_len, spec.flops_per_token(job.seq_len)
+    F -= spec.attention_flops_per_token(job.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))  # at the rest's rate
+    # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
+    recompute = F - mem.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
+    if rp.tile and rp.micro_batch * job.seq_len > rp.tile:  # a tiled block's q/k/v projections run twice in its backward
+        recompute += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd \
+            * spec.num_hidden_layers
+    return {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate}
+
+
+def _peers(job: Job, fit: Fit) -> dict[str, float]:
+    """Several GPUs: each all-gathers the other ranks' part of every unit it loads, in the compute dtype, and
+    reduce-scatters as much of every fp32 gradient, over NVLink (hw.peer_gbs) or the network (hw.network_gbs)."""
+    s = fit.shape
+    rp, hw, whole = s.run_plan, s.hw, sum(s.whole)
+    streamed, reloaded = fit.sums
+    others = (rp.gpus - 1) / rp.gpus  # of each unit, the part the other ranks hold
+    link = (hw.peer_gbs if rp.gpus <= job.ranks_per_host else hw.network_gbs) * 1e9
+    reloaded_whole = whole * reloaded / streamed if streamed else 0
+    return {"peer fwd": others * rp.compute_width * whole / link,
+            "peer bwd": others * (rp.compute_width * reloaded_whole + 4 * whole) / link}
+
+
+def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, float]:
+    """The disk's seconds: the update's reads and writes of spilled slabs and the forward pass's checkpoint writes
+    beside the forward pass; the backward pass's reads of spilled weights and checkpoints, writes of gradients."""
+    io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in mem.nvme.items()}
+    reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
+    reads -= mem.nvme_ahead  # read ahead of the optimizer as the backward pass starts (TierManager.start)
+    writes += ck_disk
+    return {"NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
+            "NVMe": disk_time(reads, writes, hw),
+            "NVMe bwd": disk_time(mem.nvme_bwd_reads + ck_disk + mem.nvme_ahead, bwd_writes, hw)}

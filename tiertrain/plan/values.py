@@ -1,13 +1,29 @@
 """The planner's values: what is trained (Job), the budgets it is planned within (Budgets), what a plan decides
-(Choice), and its answer (Plan, which holds the RunPlan a run obeys). Pure Python."""
+(Choice), and its answer, frozen: a Plan (the RunPlan a run obeys, the Memory of every tier, the Prediction of
+every link, and what a report adds: Report), or a Miss (the budget that falls short, and the memory as far as the
+plan got). Pure Python."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from types import MappingProxyType
+from typing import Mapping
 
 from ..model.spec import ModelSpec
-from ..modes import Activations, Dtype, Stream
+from ..modes import Activations, Dtype, Stream, Update
 from .runplan import RunPlan
+
+EMPTY: Mapping = MappingProxyType({})
+
+
+def frozen(d: dict) -> Mapping:
+    """A read-only view of `d`, for a frozen value's tables."""
+    return MappingProxyType(dict(d))
+
+
+def _table():
+    """A table field, empty by default."""
+    return field(default_factory=lambda: EMPTY)
 
 
 @dataclass(frozen=True)
@@ -33,7 +49,7 @@ class Job:
         return self.per_host or self.gpus
 
 
-@dataclass
+@dataclass(frozen=True)
 class Budgets:
     host_gb: float | None = None  # None: the machine's RAM less the process
     gpu_gb: float | None = None  # None: the GPU's memory
@@ -54,59 +70,131 @@ class Choice:
     tile: int | None = None  # tokens per tile of a block; None: TILE where the untiled MLP would take too much
 
 
-@dataclass
-class Plan:
-    """One choice's plan: whether it fits (else why, and the budget it is short of), the memory of every tier,
-    the time of every link, and the RunPlan a run obeys (its units once it fits)."""
-    model: str
-    params: int
-    batch: int
-    seq_len: int
-    run_plan: RunPlan
-    gpu_updates: int = 0  # units updated on the GPU as they stream in (the first of update_candidates)
-    kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
-    kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
-    checkpoints: dict = field(default_factory=dict)  # home -> blocks whose checkpoint lives there
-    nvme_ahead: int = 0  # of the update's disk reads, the bytes read ahead as the backward pass starts
-    speculated: int = 0  # units the host updates from RAM in the backward pass (alternate_from_last)
-    gpu_speculated: bool = False  # the GPU updates run in the backward pass too (speculated, on the GPU)
-    clipping: bool = True  # the global norm is clipped: a speculative update writes copies
-    fits: bool = False
-    why: str = ""
-    short_of: str = ""  # a miss's budget: "GPU", "host", "ring" (host, all it can spill spilled), "copies", "NVMe"
-    host_bytes: dict = field(default_factory=dict)  # kind -> bytes on the host (as allocated)
-    nvme_bytes: dict = field(default_factory=dict)
-    nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
-    nvme_checkpoints: int = 0  # disk bytes of the activation checkpoints on NVMe
-    least_host: float = 0.0  # with an NVMe tier: the least host budget this choice could run in (bytes)
-    placement: dict = field(default_factory=dict)  # kind -> {"host": units, "nvme": units}
-    host_fixed: dict = field(default_factory=dict)  # ring, host checkpoints, process
-    gpu: dict = field(default_factory=dict)  # part -> bytes
-    times: dict = field(default_factory=dict)  # link -> seconds
-    step_s: float = math.inf
-    # the same plan while the global norm clips: nothing speculates (a step after a clipped one does not)
-    clipped_times: dict = field(default_factory=dict)
-    clipped_step_s: float = math.inf
-    bottleneck: str = ""
-    tokens_per_s: float = 0.0
-    model_tflops: float = 0.0
-    advice: list = field(default_factory=list)
-    largest_layers: int = 0
-    largest_params: int = 0
-    longest_seq_len: int = 0  # the longest sequence (batch 1) that fits these budgets (the report's)
-    longest_bound: str = ""  # the budgets the next longer one misses: "GPU", "host", "NVMe", comma-separated
-    hardware: str = ""
-    gpus_per_host: int = 1  # ranks sharing a host's RAM, cores, DRAM bandwidth and disk; budgets are per host
+class Short(Enum):
+    """The budget a miss falls short of."""
+    GPU = "GPU"
+    HOST = "host"  # the state in RAM, with no NVMe tier to spill to
+    RING = "ring"  # host memory, all it can spill spilled: not even a spilled run's buffers fit
+    COPIES = "copies"  # host memory for the speculative update's copies
+    NVME = "NVMe"
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One rank's GPU bytes, part by part (`table`: in a user's words)."""
+    resident: float  # the whole state of the resident units
+    slots: float  # the blocks' two weight slots
+    own: float  # the embedding's and the head's weight buffers
+    staging: float  # the fp32 stage an fp32 master streams through, to be cast
+    grads: float  # the fp32 gradient accumulators
+    activation_grads: float  # the gradient of a block's output, of every micro-batch
+    working: float  # a block's working set in its backward pass
+    checkpoints: float | None = None  # the activation checkpoints the GPU holds at once (None: not placed yet)
+    kept: float | None = None  # the kept blocks' activations (None: none kept)
+    sets: float | None = None  # the GPU updates' two state sets (None: not placed yet)
+
+    NAMES = {"resident": "resident units' state", "slots": "weight slots", "own": "embedding + head",
+             "staging": "fp32 staging", "grads": "grad accumulators", "activation_grads": "activation grads",
+             "working": "working set", "checkpoints": "checkpoints", "kept": "kept activations",
+             "sets": "GPU update sets"}
 
     @property
-    def rows(self) -> int:
-        """Rows of each step's batch one rank takes."""
-        return self.batch // self.run_plan.gpus
+    def total(self) -> float:
+        return sum(v for v in self.table().values())
+
+    def table(self) -> dict[str, float]:
+        """{part in a user's words: bytes}, in the order of the report (the parts not placed left out)."""
+        return {self.NAMES[f.name]: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One rank's bytes on every tier, as far as the plan got (a miss stops part way), and the disk traffic its
+    placement implies."""
+    gpu: GpuMemory
+    checkpoints: Mapping[str, int] = _table()  # home -> blocks whose checkpoint lives there (kept blocks counted)
+    kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
+    kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
+    host: Mapping[str, int] = _table()  # kind -> bytes of state slabs in RAM (whole pages)
+    nvme: Mapping[str, int] = _table()  # kind -> bytes of state slabs on NVMe
+    placement: Mapping[str, Mapping[str, int]] = _table()  # kind -> {"host": units, "nvme": units}
+    ring: int = 0  # the staging ring
+    host_checkpoints: int = 0  # activation checkpoints in RAM, and the ring of those on NVMe
+    process: float = 0.0  # the process itself (Python, torch, the CUDA context): not in --host-gb; 0: not placed
+    copies: int = 0  # the speculative updates' copies of master and moments
+    nvme_checkpoints: int = 0  # disk bytes of the activation checkpoints on NVMe
+    nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
+    nvme_ahead: int = 0  # of the update's disk reads, the bytes read ahead as the backward pass starts
+
+    def host_fixed(self) -> dict[str, float]:
+        """The host's bytes beside the state slabs, in a user's words ("update copies" where any; none before the
+        host's memory is placed)."""
+        if not self.process:
+            return {}
+        fixed = {"staging ring": self.ring, "host checkpoints": self.host_checkpoints, "process": self.process}
+        return fixed | ({"update copies": self.copies} if self.copies else {})
 
     @property
     def host_total(self) -> float:
-        return sum(self.host_bytes.values()) + sum(self.host_fixed.values())
+        return sum(self.host.values()) + sum(self.host_fixed().values())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's step: seconds per link, the step, what limits it, its rates."""
+    times: Mapping[str, float]  # link -> seconds
+    step_s: float
+    clipped_times: Mapping[str, float]  # the same while the global norm clips: nothing speculates
+    clipped_step_s: float
+    bottleneck: str
+    tokens_per_s: float
+    model_tflops: float
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a capacity report adds to a plan (advice.explain)."""
+    advice: tuple[str, ...] = ()
+    largest_layers: int = 0
+    largest_params: int = 0
+    longest_seq_len: int = 0  # the longest sequence (batch 1) that fits these budgets
+    longest_bound: str = ""  # the budgets the next longer one misses: "GPU", "host", "NVMe", comma-separated
+    least_host: float = 0.0  # with an NVMe tier: the least host budget this choice could run in (bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A choice that fits: the RunPlan a run obeys, one rank's memory, the prediction, and what a report adds."""
+    job: Job
+    run_plan: RunPlan
+    memory: Memory
+    prediction: Prediction
+    hardware: str  # what the figures are (HardwareSpec.source)
+    per_host: int = 1  # ranks sharing a host's RAM, cores, DRAM bandwidth and disk; budgets are per host
+    report: Report = Report()
+
+    fits = True
+    why = "fits"
 
     @property
-    def gpu_total(self) -> float:
-        return sum(self.gpu.values())
+    def least_host(self) -> float:
+        return self.report.least_host
+
+    def count(self, *updates: Update) -> int:
+        return self.run_plan.count(*updates)
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A choice that does not fit: the budget it falls short of and why, the least host budget that would do
+    where that is what is short, and the memory as far as the plan got."""
+    job: Job
+    run_plan: RunPlan  # the choices, no units
+    short: Short
+    why: str
+    memory: Memory
+    hardware: str
+    per_host: int = 1
+    least_host: float = 0.0
+
+    fits = False

@@ -1,0 +1,253 @@
+"""A choice's memory on every tier (the planner's first stage): the GPU's parts, where the activation checkpoints
+live, what the host holds and what spills to NVMe, and the blocks that keep their activations. Each stage returns
+its part, or the Miss of the budget it finds short. Pure Python."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+from ..modes import Home
+from ..sizes import budget, gb
+from ..tiers.placement import (CK_RING_BYTES, ck_disk_bytes, disk_bytes, host_state_bytes, kind_bytes, least_host,
+                               place_within, read_ahead_bytes, resident_units, streamed_kind, update_candidates)
+from ..tiers.slab import SlabLayout, host_cost, shard_numel
+from .hardware import HardwareSpec
+from .runplan import WIDTH, RunPlan
+from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
+from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
+
+PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
+GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one choice of a job settles before its memory is counted: one rank's slabs and budgets, the tile."""
+    job: Job
+    choice: Choice
+    hw: HardwareSpec  # one rank's share of the host's
+    given: Budgets  # the host's, as given
+    budgets: Budgets  # one rank's
+    shards: tuple[int, ...]  # each unit's slab elements, this rank's shard
+    resident: tuple[int, ...]  # units whose whole state lives on the GPU
+    kb: dict  # bytes per parameter of each kind
+    gpu_budget: float  # usable GPU bytes
+    host_budget: float  # one rank's host bytes
+    run_plan: RunPlan  # the run-wide choices, no units yet
+
+    @property
+    def numels(self) -> list[int]:
+        """What the host and its links carry of each unit (0: resident)."""
+        return [0 if u in self.resident else n for u, n in enumerate(self.shards)]
+
+    @property
+    def whole(self) -> list[int]:
+        """Each unit's padded slab: what the device's buffers hold (whole shards)."""
+        return [n * self.job.gpus for n in self.shards]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one rank's batch."""
+        return self.job.rows * self.job.seq_len
+
+    @property
+    def ck_unit(self) -> int:
+        """Bytes of one block's activation checkpoint of one rank's batch."""
+        return self.tokens * self.job.spec.hidden_size * WIDTH[self.job.checkpoint_dtype]
+
+    source: str  # the figures the plan is made with (HardwareSpec.source)
+
+    def miss(self, short: Short, why: str, memory: Memory, least: float = 0.0) -> Miss:
+        return Miss(self.job, self.run_plan, short, why, memory, self.source, self.job.ranks_per_host, least)
+
+
+def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape:
+    """The choice's slabs, budgets and tile, for one rank of `job`."""
+    spec, per_host = job.spec, job.ranks_per_host
+    shards = slab_sizes(spec, job.gpus)
+    mine = hw.per_rank(per_host)
+    share = replace(budgets, host_gb=None if budgets.host_gb is None else budgets.host_gb / per_host,
+                    nvme_gb=budgets.nvme_gb and budgets.nvme_gb / per_host)
+    kb = kind_bytes(job.dtype, choice.stream)
+    resident = resident_units(shards, kb, share.resident_gb * 1e9)  # a rank's shards of the first units
+    tokens = choice.micro * job.seq_len
+    gpu_budget = (share.gpu_gb if share.gpu_gb is not None else mine.gpu_mem_gb) * 1e9 * GPU_RESERVE
+    big = tokens > TILE and WORK_FF * spec.intermediate_size * tokens > MLP_SHARE * gpu_budget  # a forward again
+    tile = (TILE if big else 0) if choice.tile is None else choice.tile
+    host_budget = (share.host_gb if share.host_gb is not None else mine.host_ram_gb - PROCESS_GB) * 1e9
+    rp = RunPlan(choice.micro, choice.stream, choice.activations, share.resident_gb, tile=tile,
+                 checkpoint_dtype=job.checkpoint_dtype, gpus=job.gpus, compute_dtype=job.dtype,
+                 numels=tuple(shards), rows=job.rows, row_numel=job.seq_len * spec.hidden_size)
+    return Shape(job, choice, mine, budgets, share, tuple(shards), tuple(resident), kb, gpu_budget, host_budget, rp,
+                 hw.source)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a choice's memory fit leaves the update search: one rank's slabs, their placement, the budgets."""
+    shape: Shape
+    where: dict  # (unit, kind) -> home
+    in_ram: list[int]  # units with every slab in host RAM (resident ones aside)
+    room: float  # host bytes the state, the ring and the host checkpoints leave for speculation's copies
+
+    @property
+    def sums(self) -> tuple[int, int]:
+        """The parameters that cross PCIe in the forward pass, and again in the backward pass."""
+        numels = self.shape.numels
+        reloaded = reloaded_units(len(numels))
+        return sum(numels), sum(numels[reloaded.start:reloaded.stop])
+
+
+def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Memory, Fit] | Miss:
+    """The choice's memory on the GPU, the host and NVMe, and what the update search needs; or the miss of the
+    first budget found short (one short of host memory says the least host budget that would do)."""
+    s = shape(job, choice, budgets, hw)
+    mem = Memory(_gpu_parts(s))
+    got = _checkpoint_split(s, mem)
+    if isinstance(got, Miss):
+        return got
+    mem, host_ck = got
+    got = _host_and_disk(s, mem, host_ck)
+    if isinstance(got, Miss):
+        return got
+    mem, where = got
+    mem = _kept(s, mem, where)
+    if mem.gpu.total > s.gpu_budget:
+        return s.miss(Short.GPU, f"GPU: needs {gb(mem.gpu.total)} of {gb(s.gpu_budget)} usable", mem)
+    room = s.host_budget - sum(mem.host.values()) - mem.ring - host_ck
+    in_ram = [u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident]
+    return mem, Fit(s, where, in_ram, room)
+
+
+def _gpu_parts(s: Shape) -> GpuMemory:
+    """The GPU's bytes but the activation checkpoints'."""
+    job, spec, whole = s.job, s.job.spec, s.whole
+    wdt = WIDTH[job.dtype]
+    blk, own = max(whole[1:-1]), whole[0] + whole[-1]
+    return GpuMemory(resident=sum(s.shards[u] for u in s.resident) * sum(s.kb.values()), slots=2 * blk * wdt,
+                     own=own * wdt, staging=max(whole) * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
+                     grads=(2 * blk + own) * 4, activation_grads=s.tokens * spec.hidden_size * 4,
+                     working=working_set(spec, job.dtype, s.choice.micro * job.seq_len, s.run_plan.tile)
+                     + 3 * (64 << 20))
+
+
+def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
+    """Where the activation checkpoints live (a (tokens x H) tensor per block: on the GPU, the host or NVMe; "split":
+    the last blocks' on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe);
+    (the memory with them, the host bytes they take)."""
+    spec, acts, ck_unit = s.job.spec, s.choice.activations, s.ck_unit
+    nl, nvme_on = spec.num_hidden_layers, bool(s.budgets.nvme_gb)
+    if acts == "nvme" and not nvme_on:
+        return s.miss(Short.NVME, "NVMe: checkpoints on NVMe need an NVMe tier; pass --nvme-dir", mem)
+    n_gpu = {"gpu": nl, "split": min(nl, max(0, int((s.gpu_budget - mem.gpu.total) // ck_unit) - 1))}.get(acts, 0)
+    n_host = {"host": nl, "split": nl - n_gpu}.get(acts, 0)
+    if acts == "split" and nvme_on and n_host:  # RAM after the whole state, the rest on NVMe
+        room = s.host_budget - sum(host_cost(n * b) for n in s.numels for b in s.kb.values())
+        n_host = min(n_host, max(0, int(room // host_cost(ck_unit))))
+        if n_host < nl - n_gpu:
+            n_host = max(0, int((room - CK_RING_BYTES) // host_cost(ck_unit)))
+    split = {"gpu": n_gpu, "host": n_host, "nvme": nl - n_gpu - n_host}
+    # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
+    on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit \
+        + (s.tokens * spec.hidden_size * 4 if WIDTH[s.job.checkpoint_dtype] == 2 else 0)  # the block's, cast back
+    host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if split["nvme"] else 0)
+    return replace(mem, gpu=replace(mem.gpu, checkpoints=on_gpu), checkpoints=frozen(split)), host_ck
+
+
+def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict] | Miss:
+    """What the host holds and what spills to NVMe (tiers.placement's policy), within the host and disk budgets;
+    (the memory with them, the placement). The messages and least budgets are the host's (--host-gb is the
+    host's, for its ranks)."""
+    numels, kb, per_host, nvme_on = s.numels, s.kb, s.job.ranks_per_host, bool(s.budgets.nvme_gb)
+    where, ring, total = place_within(numels, kb, s.host_budget, host_ck, host_cost)
+    if total > s.host_budget and not nvme_on:
+        return s.miss(Short.HOST, f"host: the state needs {gb(total * per_host)} and the budget is "
+                      f"{gb(s.host_budget * per_host)}; raise --host-gb or give an NVMe tier (--nvme-gb)", mem)
+    if where is None:
+        need = least_host(numels, kb, host_ck, host_cost) * per_host
+        return s.miss(Short.RING, f"host: {gb(s.host_budget * per_host)} cannot hold even the buffers of a spilled "
+                      f"run; raise --host-gb to at least {budget(need)}", mem, need)
+    nvme, placement, bwd_reads = {}, {}, 0
+    for (u, k), tier in where.items():
+        if u in s.resident:
+            continue
+        size = numels[u] * kb[k]
+        if tier != Home.HOST:
+            nvme[k] = nvme.get(k, 0) + size
+        placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
+        if tier == Home.NVME and k == streamed_kind(kb) and u in reloaded_units(len(numels)):
+            bwd_reads += size
+    ck_disk = mem.checkpoints["nvme"] * ck_disk_bytes(s.choice.micro * s.job.seq_len * s.job.spec.hidden_size
+                                                      * WIDTH[s.job.checkpoint_dtype], s.job.rows // s.choice.micro)
+    mem = replace(mem, host=frozen(host_state_bytes(numels, kb, where, host_cost, skip=set(s.resident))),
+                  nvme=frozen(nvme), placement=frozen(placement), ring=ring, host_checkpoints=host_ck,
+                  process=PROCESS_GB * 1e9, nvme_checkpoints=ck_disk, nvme_bwd_reads=bwd_reads,
+                  nvme_ahead=read_ahead_bytes(numels, kb, where))
+    disk = disk_bytes(numels, kb, where) + ck_disk
+    if nvme_on and disk > s.budgets.nvme_gb * 1e9:
+        what = "the spilled state and checkpoints take" if mem.checkpoints["nvme"] else "the spilled state takes"
+        return s.miss(Short.NVME, f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is "
+                      f"{s.given.nvme_gb:g}; raise --nvme-gb or --host-gb", mem)
+    return mem, where
+
+
+def least_host_of(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> float:
+    """The least host budget (the host's) the choice could run in with an NVMe tier: a walk over every placement
+    (the report's, not the search's); a miss's own where its memory does not fit."""
+    got = memory_fit(job, choice, budgets, hw)
+    if isinstance(got, Miss):
+        return got.least_host
+    mem, fit = got
+    s = fit.shape
+    return least_host(s.numels, s.kb, mem.host_checkpoints, host_cost) * job.ranks_per_host
+
+
+def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
+    """The last blocks that keep their activations (their graph on the GPU, no recompute): the choice's, else as
+    many as the GPU memory left holds, room for one GPU update's two state sets first."""
+    job, spec, choice = s.job, s.job.spec, s.choice
+    tiled = bool(s.run_plan.tile) and choice.micro * job.seq_len > s.run_plan.tile
+    # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
+    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens \
+        - (s.ck_unit if choice.activations == "gpu" else 0)
+    keep = choice.keep
+    if choice.activations == "split" and keep is None:
+        keep = 0  # split: memory is short, and a kept block's graph takes several checkpoints' room
+    if keep is None and tiled:
+        keep = 0  # a kept block runs untiled: its graph and working set grow with the MLP's width times the length
+    if keep is None and job.dtype == "float32" and spec.n_kv_heads != spec.num_attention_heads:
+        keep = 0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
+    if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
+        cands = gpu_candidates([u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident],
+                               s.kb)
+        sets = 2 * 16 * max((s.numels[u] for u in cands), default=0) if choice.gpu_updates != 0 else 0
+        keep = int(max(0.0, s.gpu_budget - mem.gpu.total - sets) // per_kept)
+    kept = min(keep, spec.num_hidden_layers)
+    if not kept:
+        return mem
+    saved = kept * s.ck_unit if choice.activations == "gpu" else 0  # shown gross: the blocks kept have no checkpoint
+    gpu = replace(mem.gpu, kept=kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens,
+                  checkpoints=mem.gpu.checkpoints - saved)
+    return replace(mem, gpu=gpu, kept=kept, kept_checkpoints=saved)
+
+
+def gpu_candidates(in_ram: list[int], kb: dict) -> list[int]:
+    """The units that may be updated on the GPU: those in RAM, unless a compute-dtype copy streams (a GPU update
+    makes the weights from the fp32 master)."""
+    return in_ram if "weights" not in kb else []
+
+
+def reloaded_units(n_units: int) -> range:
+    """The units the backward pass copies to the GPU again: all but the embedding, the head and the last
+    two blocks, which the forward pass left in their buffers (WeightSlots' two block slots)."""
+    return range(1, n_units - 3)
+
+
+def slab_sizes(spec, gpus: int = 1) -> list[int]:
+    """Each unit's slab size, or with several GPUs each rank's shard of it (tiers.slab.Shard)."""
+    return [shard_numel(_slab_numel(tuple((t.name, t.shape) for t in u.tensors)), gpus) for u in spec.units()]
+
+
+@functools.lru_cache(maxsize=256)  # blocks share their table: a deep model builds one layout, not thousands
+def _slab_numel(tensors: tuple[tuple[str, tuple[int, ...]], ...]) -> int:
+    return SlabLayout.build(list(tensors)).numel
