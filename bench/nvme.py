@@ -50,11 +50,11 @@ def _placement(tr) -> dict:
     from tiertrain.tiers.placement import spilled_bytes
 
     numels = [lay.numel for lay in tr.layouts]
-    nv = spilled_bytes(numels, tr.kind_bytes(), tr.where)
-    units = {k: sum(1 for (_, kk), t in tr.where.items() if kk == k and t == "nvme") for k in nv}
+    nv = spilled_bytes(numels, tr.kind_bytes(), tr.run_plan.where())
+    units = {k: sum(1 for (_, kk), t in tr.run_plan.where().items() if kk == k and t == "nvme") for k in nv}
     return {"nvme_gb": {k: v / 1e9 for k, v in nv.items()}, "nvme_units": units, "units": len(numels),
-            "host_gb": {k: v / 1e9 for k, v in tr.host.nbytes().items()},
-            "ring_gb": tr.tiers.ring_nbytes() / 1e9 if tr.tiers else 0.0}
+            "host_gb": {k: v / 1e9 for k, v in tr.run.host.nbytes().items()},
+            "ring_gb": tr.run.nvme.ring_nbytes() / 1e9 if tr.run.nvme else 0.0}
 
 
 def _predict(tr, B: int) -> dict:
@@ -101,7 +101,7 @@ def run_tiertrain(a) -> list[dict]:
     tr.close()
     from tiertrain.tiers.nvme import discard
 
-    discard(tr.tiers.store.root)  # the next run (another thread count) makes its own
+    discard(tr.run.nvme.store.root)  # the next run (another thread count) makes its own
     return rows
 
 
@@ -124,7 +124,7 @@ def run_checkpoint(a) -> dict:
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9
     want = _steps(tr, 4, 1, seed0=2)[0]["loss"]
     tr.close()
-    discard(tr.tiers.store.root)
+    discard(tr.run.nvme.store.root)
     del tr
     gc.collect()
     torch.cuda.empty_cache()
@@ -133,7 +133,7 @@ def run_checkpoint(a) -> dict:
     resume_s = time.perf_counter() - t0
     got = _steps(tr, 4, 1, seed0=2)[0]["loss"]
     tr.close()
-    discard(tr.tiers.store.root)
+    discard(tr.run.nvme.store.root)
     shutil.rmtree(run_dir)
     return {"host_gb": host_gb, "placement": place, "checkpoint_gb": size, "write_gbs": write_gbs,
             "read_gbs": tr.restore_gbs, "resume_s": resume_s, "loss_after_save": want, "loss_after_resume": got,
@@ -151,7 +151,7 @@ def _three_steps(a, cfg, name: str, **extra) -> list[dict]:
     recs = _steps(tr, 4, 3)
     pred = _predict(tr, 4)
     tr.close()
-    discard(tr.tiers.store.root)
+    discard(tr.run.nvme.store.root)
     return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": peak_rss_gb(), "plan": tr.run_plan.to_dict(),
              "params": cfg.model.n_params, **extra, **pred} for r in recs]
 

@@ -63,8 +63,8 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
     host = sorted(plan.updated("host", "host-speculated"))
     recs = [tr.train_on(*batch(B, S, V, k)) for k in range(a.warmup + a.steps)]
     # from the last warm-up step: its update runs beside the first timed forward pass
-    tr.updates.settle()  # the worker appends no more while the log is copied
-    ev = list(tr.updates.timeline)
+    tr.run.updates.settle()  # the worker appends no more while the log is copied
+    ev = list(tr.run.updates.timeline)
     first = [i for i, (e, _, _) in enumerate(ev) if e == "step"][max(a.warmup - 1, 0)]
     t0 = ev[first][2]
     ev = [(e, u, round(t - t0, 6)) for e, u, t in ev[first:]]
@@ -81,7 +81,7 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
                losses=[r["loss"] for r in timed], grad_norms=[r["grad_norm"] for r in timed],
                gpu_updates=len(plan.updated("gpu", "gpu-speculated")), speculated=len(plan.updated("host-speculated")),
                gpu_speculated=len(plan.updated("gpu-speculated")), kept=kept[-1], redone=redone[-1],
-               pred_step_s=tr.plan.prediction.step_s if tr.plan else None, all_steps_s=[r["step_s"] for r in recs], host_kernel=bool(tr.updates.opt.kernel),
+               pred_step_s=tr.plan.prediction.step_s if tr.plan else None, all_steps_s=[r["step_s"] for r in recs], host_kernel=bool(tr.run.updates.opt.kernel),
                timeline=timeline.summarize(ev, [lay.numel for lay in tr.layouts], set(host)),
                timeline_events=ev, host_units=host, **med)
     tr.close()

@@ -144,13 +144,13 @@ def main() -> None:
     S, V = tr.cfg.train.seq_len, tr.cfg.model.vocab_size
     for k in range(a.warmup):
         tr.train_on(*batch(a.batch, S, V, k))
-    _phases(tr.updates)
-    acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * tr.streams.cuda
+    _phases(tr.run.updates)
+    acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * tr.run.streams.cuda
     with torch.profiler.profile(activities=acts) as prof:
-        if tr.streams.cuda:
-            tag_streams(tr.streams)
+        if tr.run.streams.cuda:
+            tag_streams(tr.run.streams)
         recs = [tr.train_on(*batch(a.batch, S, V, a.warmup + k)) for k in range(a.steps)]
-        tr.updates.settle()
+        tr.run.updates.settle()
     tr.close()
     path = out / f"trace-{a.system}-{a.batch}.json"
     prof.export_chrome_trace(str(path))
@@ -160,7 +160,7 @@ def main() -> None:
     path.unlink()
     name = f"{a.system}, batch {a.batch}: steps {', '.join('%.3f' % r['step_s'] for r in recs)} s under the profiler"
     steps = summarize(trace)
-    for step, adam in zip(steps, host_adamw(list(tr.updates.timeline), a.steps)):
+    for step, adam in zip(steps, host_adamw(list(tr.run.updates.timeline), a.steps)):
         for p in PHASES:
             step[p]["adamw_s"] = adam[p]
     text = "\n".join(table(name, steps))

@@ -1,12 +1,39 @@
-"""The package's import arrows between its modules (lazy imports inside functions included), its cycles, and
-what each module imports from below: `python dev/imports.py [--dot]`."""
+"""The package's import arrows between its modules (lazy imports inside functions included), its cycles, and the
+arrows that run back up its floors: `python dev/imports.py [--dot]`."""
 from __future__ import annotations
 
 import ast
 import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "tiertrain"
+# the package's floors, lowest first: a module imports from its own floor and those below it; an arrow to a higher
+# floor runs back up. The planner is pure and below the runtime; the tiers know slabs, nothing of plans or models
+FLOORS = [
+    ("names", ["tiertrain", "tiertrain.errors", "tiertrain.sizes", "tiertrain.modes", "tiertrain.model.spec",
+               "tiertrain.config"]),
+    ("tiers", ["tiertrain.tiers.*"]),
+    ("plan", ["tiertrain.plan.*"]),
+    ("runtime", ["tiertrain.model.*", "tiertrain.engine.*", "tiertrain.optim.*", "tiertrain.parallel",
+                 "tiertrain.state", "tiertrain.data", "tiertrain.prepare", "tiertrain.checkpoint", "tiertrain.metrics",
+                 "tiertrain.probe", "tiertrain.charts", "tiertrain.launch", "tiertrain.rundir", "tiertrain.export"]),
+    ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop"]),
+    ("cli", ["tiertrain.cli", "tiertrain.__main__"]),
+]
+
+
+def floor(m: str) -> int:
+    """The index of the module's floor (the first that names it)."""
+    for i, (_, patterns) in enumerate(FLOORS):
+        if any(fnmatch(m, p) for p in patterns):
+            return i
+    raise KeyError(f"{m} is on no floor: add it to dev/imports.py's FLOORS")
+
+
+def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The arrows that run back up: from a module to one on a higher floor."""
+    return sorted((m, t) for m, ts in g.items() for t in ts if floor(t) > floor(m))
 
 
 def module(path: Path) -> str:
@@ -73,9 +100,12 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 if __name__ == "__main__":
     g = arrows()
-    print(f"{len(g)} modules, {sum(map(len, g.values()))} arrows")
+    up = upward(g)
+    print(f"{len(g)} modules, {sum(map(len, g.values()))} arrows, {len(cycles(g))} cycles, {len(up)} arrows back up")
     for c in cycles(g):
         print("cycle:", " <-> ".join(c))
+    for m, t in up:
+        print(f"back up: {m} -> {t}")
     if "--dot" in sys.argv:
         for m in sorted(g):
             for t in sorted(g[m]):

@@ -84,7 +84,7 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=true", "optim.grad_clip=100",
                  "optim.speculate_units=99"]
         tr = Trainer(tiny_config(token_file, *sets))
-        assert tr.run_plan.updated("gpu", "gpu-speculated") == tr.run_plan.updated("gpu-speculated") == {2, 4} and set(tr.host.copies) == set(range(5))
+        assert tr.run_plan.updated("gpu", "gpu-speculated") == tr.run_plan.updated("gpu-speculated") == {2, 4} and set(tr.run.host.copies) == set(range(5))
         tr.close()
         spill = "none"
     if spill == "kvikio":

@@ -76,7 +76,7 @@ def test_evaluating_changes_no_training_bit(token_file, tmp_path, spill):
         extra = [f'tiers.nvme_dir="{nvme}"'] if spill == "nvme" else []
         tr = Trainer(tiny_config(token_file, *sets, *extra, "data.val_fraction=0.2", "train.eval_batches=1"))
         if spill == "nvme":
-            assert "nvme" in tr.where.values()
+            assert "nvme" in tr.run_plan.where().values()
         losses, vals = [], []
         for _ in range(5):
             losses.append(tr.train_step()["loss"])

@@ -64,7 +64,7 @@ def test_kept_activations_give_the_bits_of_recompute(token_file, variant, sets):
     runs = {}
     for keep in ("0", sets[0].split("=")[1]):
         tr = Trainer(tiny_config(token_file, *base, f"train.keep_activations={keep}"))
-        assert len(tr.run_plan.kept()) == int(keep) and tr.schedule.kept == tr.run_plan.kept()
+        assert len(tr.run_plan.kept()) == int(keep) and tr.run.step.kept == tr.run_plan.kept()
         losses = [tr.train_step()["loss"] for _ in range(4)]
         runs[keep] = losses, tr.state_dict()
         tr.close()

@@ -63,7 +63,7 @@ def test_tiled_mlp_and_loss_match_untiled():
     base, base_sd, tr = _train(whole, 3)
     assert tr.run_plan.tile == 0
     losses, sd, tr = _train(tiled, 3)
-    assert tr.run_plan.tile == 128 and tr.schedule.ctx.tile == 128
+    assert tr.run_plan.tile == 128 and tr.run.step.ctx.tile == 128
     assert losses == pytest.approx(base, rel=1e-6)
     # relative in norm: AdamW turns a rounding-level change of a near-zero gradient into one of up to lr
     worst = max(float((sd[k] - base_sd[k]).norm() / base_sd[k].norm()) for k in base_sd)
@@ -97,10 +97,10 @@ def test_checkpoint_homes_give_the_same_bits(token_file, tmp_path, home, device,
     tr = Trainer(cfg)
     assert set(tr.run_plan.checkpoints().values()) == {acts} and len(tr.run_plan.checkpoints()) == 5
     if home == "split":  # the order a split plan gives: NVMe for the first blocks, then the host, the GPU last
-        tr.checkpoints.homes = {1: "nvme", 2: "nvme", 3: "host", 4: "gpu", 5: "gpu"}
+        tr.run.activations.homes = {1: "nvme", 2: "nvme", 3: "host", 4: "gpu", 5: "gpu"}
     recs = [tr.train_step() for _ in range(3)]
     sd = tr.state_dict()
-    store = tr.checkpoints.store
+    store = tr.run.activations.store
     if acts == "nvme":
         import zarr
 
@@ -124,7 +124,7 @@ def test_bf16_checkpoints_change_the_losses_by_a_bounded_amount(token_file):
     base, base_sd, _ = _train(tiny_config(token_file, "train.steps=8", "model.num_hidden_layers=4"), 8)
     losses, sd, tr = _train(tiny_config(token_file, "train.steps=8", "model.num_hidden_layers=4",
                                         'tiers.checkpoint_dtype="bfloat16"'), 8)
-    assert tr.run_plan.checkpoint_dtype == "bfloat16" and tr.checkpoints.dtype == torch.bfloat16
+    assert tr.run_plan.checkpoint_dtype == "bfloat16" and tr.run.activations.dtype == torch.bfloat16
     assert losses[0] == base[0] and losses[1:] != base[1:]
     diff = max(abs(a - b) / b for a, b in zip(losses, base))
     assert diff < 3e-4, diff

@@ -61,7 +61,7 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
                         f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill)
-    on_nvme = [k for k, t in tr.where.items() if t == "nvme"]
+    on_nvme = [k for k, t in tr.run_plan.where().items() if t == "nvme"]
     sizes = [lay.numel for lay in tr.layouts]
     state = sum(sizes) * 16
     spilled = sum(sizes[u] * 4 for u, _ in on_nvme)
@@ -71,7 +71,7 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
         assert torch.equal(sd[k], want_sd[k]), k
     # each step reads and writes every spilled byte once; plain zarr reads what the run wrote
     assert got[-1]["nvme_read_gb"] * 1e9 == pytest.approx(spilled) == got[-1]["nvme_write_gb"] * 1e9
-    arr = zarr.open_group(tr.tiers.store.root, mode="r")["exp_avg_sq"]
+    arr = zarr.open_group(tr.run.nvme.store.root, mode="r")["exp_avg_sq"]
     u = on_nvme[0][0]
     assert arr.shape[0] == len(sizes) and float(abs(arr[u, :sizes[u]]).max()) > 0
 
@@ -90,8 +90,8 @@ def test_spilled_master_is_bit_identical(token_file, tmp_path):
     spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', 'tiers.io="posix"')
     _, want, want_sd = _train(base, steps=3)
     tr, got, sd = _train(spill, steps=3)
-    spilled = {k for (_, k), t in tr.where.items() if t == "nvme"}
-    assert spilled == {"exp_avg", "exp_avg_sq", "master"} and tr.where[(0, "master")] == "host"
+    spilled = {k for (_, k), t in tr.run_plan.where().items() if t == "nvme"}
+    assert spilled == {"exp_avg", "exp_avg_sq", "master"} and tr.run_plan.where()[(0, "master")] == "host"
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for k in want_sd:
         assert torch.equal(sd[k], want_sd[k]), k
@@ -111,8 +111,8 @@ def test_spilled_gradients_are_bit_identical(token_file, tmp_path, io):
     spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
     _, want, want_sd = _train(base, steps=3)
     tr, got, sd = _train(spill, steps=3)
-    grads = [u for (u, k), t in tr.where.items() if k == "grad" and t == "nvme"]
-    assert {k for (_, k), t in tr.where.items() if t == "nvme"} == {"exp_avg", "exp_avg_sq", "grad"}
+    grads = [u for (u, k), t in tr.run_plan.where().items() if k == "grad" and t == "nvme"]
+    assert {k for (_, k), t in tr.run_plan.where().items() if t == "nvme"} == {"exp_avg", "exp_avg_sq", "grad"}
     assert len(grads) == len(sizes)  # unit 0's too: the optimizer's first read must wait for the backward pass
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
@@ -146,7 +146,7 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
                         f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill, close=False)
-    assert set(tr.where.values()) == {"nvme"} and tr.host.nbytes() == {}
+    assert set(tr.run_plan.where().values()) == {"nvme"} and tr.run.host.nbytes() == {}
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for k in want_sd:
         assert torch.equal(sd[k], want_sd[k]), k
@@ -160,9 +160,9 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
     assert got[-1]["nvme_read_gb"] * 1e9 == pytest.approx(reads, rel=1e-12)
     assert got[-1]["nvme_write_gb"] * 1e9 == pytest.approx(once, rel=1e-12)
     if s == "weights":  # plain zarr reads the bf16 copy, as its bits
-        arr = zarr.open_group(tr.tiers.store.root, mode="r")["weights"]
+        arr = zarr.open_group(tr.run.nvme.store.root, mode="r")["weights"]
         u = L - 2
-        with tr.state.slab(u, "master", read=True) as m:
+        with tr.run.state.slab(u, "master", read=True) as m:
             want_w = m.to(torch.bfloat16)
         assert torch.equal(torch.from_numpy(arr[u, :sizes[u]]).view(torch.bfloat16), want_w)
     tr.close()
@@ -206,7 +206,7 @@ def test_a_kind_stays_in_ram_when_its_ring_would_cost_more():
 
 def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
     """A tied embedding three times a block's width, under the least budget: the trainer places what
-    place_within places (the embedding in RAM, every kind spilled), and the TierManager's buffers are the
+    place_within places (the embedding in RAM, every kind spilled), and the staging's and the reader's buffers are the
     ring it costed (per kind, no wider); the run is bit-identical to one in RAM."""
     sets = [*VARIANTS["qwen2"], "model.vocab_size=1600", *DEEP, "train.steps=2"]
     tr = Trainer(tiny_config(token_file, *sets))
@@ -217,14 +217,14 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
     tr = Trainer(tiny_config(token_file, *sets, f"tiers.host_gb={least / 1e9 + 1e-9}", f'tiers.nvme_dir="{tmp_path}"',
                              'tiers.io="posix"'))
     want, ring, _ = place_within(numels, kb, least + 1, 0, host_cost)
-    assert tr.where == want and all(tr.where[(0, k)] == "host" for k in kb)
-    assert {k for _, k in _spilled(tr.where)} == set(kb)
-    assert tr.tiers.ring_nbytes() == ring == ring_bytes(ring_widths(numels, want), kb, host_cost)
+    assert tr.run_plan.where() == want and all(tr.run_plan.where()[(0, k)] == "host" for k in kb)
+    assert {k for _, k in _spilled(tr.run_plan.where())} == set(kb)
+    assert tr.run.nvme.ring_nbytes() == ring == ring_bytes(ring_widths(numels, want), kb, host_cost)
     assert ring_widths(numels, want) == {k: max(numels[1:]) for k in kb}
-    for u, k in _spilled(tr.where):  # the disk, too, holds rows a block wide, not the embedding's width
-        assert tr.tiers.store.path(k, u).stat().st_size == max(numels[1:]) * kb[k]
+    for u, k in _spilled(tr.run_plan.where()):  # the disk, too, holds rows a block wide, not the embedding's width
+        assert tr.run.nvme.store.path(k, u).stat().st_size == max(numels[1:]) * kb[k]
     # what --nvme-gb is held to is what the store takes (the head's rows are a block wide too)
-    assert disk_bytes(numels, kb, want) == sum(tr.tiers.store.path(k, u).stat().st_size for u, k in _spilled(want))
+    assert disk_bytes(numels, kb, want) == sum(tr.run.nvme.store.path(k, u).stat().st_size for u, k in _spilled(want))
     assert disk_bytes(numels, kb, want) > sum(spilled_bytes(numels, kb, want).values())
     got = [tr.train_step()["loss"] for _ in range(2)]
     tr.close()
@@ -235,7 +235,7 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
 def test_what_fits_in_ram_stays_there(token_file, tmp_path):
     nvme = tmp_path / "nvme"
     tr = Trainer(tiny_config(token_file, *DEEP, "tiers.host_gb=1", f'tiers.nvme_dir="{nvme}"'))
-    assert tr.tiers is None and set(tr.where.values()) == {"host"} and not nvme.exists()
+    assert tr.run.nvme is None and set(tr.run_plan.where().values()) == {"host"} and not nvme.exists()
     tr.close()
 
 
@@ -307,8 +307,8 @@ for _ in range(3):
 tr.close()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 state = sum(lay.numel for lay in tr.layouts) * 16
-assert (budget > 0.3) == (set(tr.where.values()) != {"nvme"})
-print(budget, base, peak, tr.device_nbytes(), tr.tiers.ring_nbytes(), state)
+assert (budget > 0.3) == (set(tr.run_plan.where().values()) != {"nvme"})
+print(budget, base, peak, tr.device_nbytes(), tr.run.nvme.ring_nbytes(), state)
 """
 
 

@@ -102,7 +102,7 @@ def test_gpu_updates_change_no_bit(token_file, device, speculated):
     for n in (0, 2, 5):
         tr, _, recs = _train(tiny_config(token_file, *base, f"tiers.gpu_update_units={n}"))
         assert tr.run_plan.updated("gpu", "gpu-speculated") == frozenset(range(5)[::-1][::2][:n] if speculated and n < 5 else range(n))
-        assert tr.updates.kept == (4 if speculated and n else 0)
+        assert tr.run.updates.kept == (4 if speculated and n else 0)
         runs.append((tr, recs, tr.state_dict()))
     (_, r0, s0), (t2, r2, s2), (t5, r5, s5) = runs
     if device == "cpu":

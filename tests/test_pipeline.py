@@ -70,7 +70,7 @@ def test_optimizer_errors_surface(token_file, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(tr.updates.opt, "update_unit", boom)
+    monkeypatch.setattr(tr.run.updates.opt, "update_unit", boom)
     tr.train_step()
     with pytest.raises(RuntimeError, match="disk on fire"):
         tr.train_step()
@@ -92,8 +92,8 @@ def test_auto_on_a_cpu(token_file, sets, stream, acts):
     tr.close()
     assert t == tr.plan.run_plan or "tiers.gpu_update_units=2" in sets  # that one asks for another update
     assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
-    assert ("weights" in tr.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
-    assert set(tr.checkpoints.homes.values()) == {acts}
+    assert ("weights" in tr.run.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
+    assert set(tr.run.activations.homes.values()) == {acts}
     assert bool(tr.run_plan.updated("gpu", "gpu-speculated")) == ("tiers.gpu_update_units=2" in sets)
 
 
@@ -112,7 +112,7 @@ def test_what_saves_pcie_is_not_chosen_on_a_cpu(token_file):
     tr = Trainer(tiny_config(token_file, 'tiers.gpu_resident_gb="auto"', 'tiers.gpu_update_units="auto"',
                              'optim.speculate_units="auto"', "optim.grad_clip=0"))
     tr.close()
-    assert tr.run_plan.resident_gb == 0 and "gpu" not in tr.where.values() and "resident GB" in tr.chosen
+    assert tr.run_plan.resident_gb == 0 and "gpu" not in tr.run_plan.where().values() and "resident GB" in tr.chosen
     assert {u.update for u in tr.run_plan.units} == {"host"} and "speculation" in tr.chosen
 
 
@@ -147,10 +147,10 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     if case == "small GPU":
         assert tr.run_plan.activations == "host"
     elif case == "resident":  # the tiny model's whole state fits what the plan leaves: every unit resident
-        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1 and set(tr.where.values()) == {"gpu"}
+        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1 and set(tr.run_plan.where().values()) == {"gpu"}
     elif case == "micro-batch":
         assert tc.batch_size % tr.run_plan.micro_batch == 0 and "micro-batch" in tr.chosen
     else:
         assert tr.run_plan.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
-    assert ("weights" in tr.host.kinds) == (tr.run_plan.stream == "compute")
-    assert set(tr.checkpoints.homes.values()) == {tr.run_plan.activations}
+    assert ("weights" in tr.run.host.kinds) == (tr.run_plan.stream == "compute")
+    assert set(tr.run.activations.homes.values()) == {tr.run_plan.activations}

@@ -98,9 +98,9 @@ def test_a_weights_checkpoint_exports_and_starts_a_new_run(token_file, tmp_path)
 
     tr = Trainer(tiny_config(token_file), resume=last)  # the weights, step 0, moments zero
     try:
-        assert tr.step == 0 and tr.updates.opt.step_count == 0
-        assert np.array_equal(tr.host.slab(1, "master").numpy()[:meta["numels"][1]], _arrays(last)["master/1"])
-        assert not tr.host.slab(1, "exp_avg").any()
+        assert tr.step == 0 and tr.run.updates.opt.step_count == 0
+        assert np.array_equal(tr.run.host.slab(1, "master").numpy()[:meta["numels"][1]], _arrays(last)["master/1"])
+        assert not tr.run.host.slab(1, "exp_avg").any()
     finally:
         tr.close()
     pytest.importorskip("transformers")
@@ -141,8 +141,8 @@ def test_a_spilled_runs_last_checkpoint_takes_the_stores_chunks(token_file, tmp_
 
     spill = trained(f"tiers.host_gb={least_budget(tiny_config(token_file, *DEEP))}",
                     f'tiers.nvme_dir="{tmp_path / "nvme"}"')
-    spilled = [(u, k) for (u, k), h in spill.where.items() if h == "nvme" and k in ckpt.KINDS]
-    inodes = {uk: spill.tiers.store.path(uk[1], uk[0]).stat().st_ino for uk in spilled}
+    spilled = [(u, k) for (u, k), h in spill.run_plan.where().items() if h == "nvme" and k in ckpt.KINDS]
+    inodes = {uk: spill.run.nvme.store.path(uk[1], uk[0]).stat().st_ino for uk in spilled}
     path, _ = spill.save_checkpoint(tmp_path / "spill", last=True)
     spill.close()
     assert spilled and all((path / k / str(u) / "c" / "0").stat().st_ino == i for (u, k), i in inodes.items())

@@ -56,12 +56,12 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     assert tr.run_plan == tr.plan.run_plan  # the planner's, unit by unit
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
     assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
-    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where
+    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
     gb = _budget_for(tiny_config(token_file, *DEEP))
     tr = Trainer(tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"'))
     units = json.loads(tr.plan_json())["units"]
     tr.close()
-    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.where
+    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
     assert {u["homes"]["exp_avg"] for u in units[1:-1]} == {"nvme"}  # the moments spill first
 
 

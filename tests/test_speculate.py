@@ -38,7 +38,7 @@ def _run(cfg, steps=6, gpu_spec=True):
         assert tr.run_plan.updated("gpu-speculated") == frozenset() and tr.run_plan.updated("gpu", "gpu-speculated") == set(updates)
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
-    early, kept, redone = tr.run_plan.updated("host-speculated"), tr.updates.kept, tr.updates.redone
+    early, kept, redone = tr.run_plan.updated("host-speculated"), tr.run.updates.kept, tr.run.updates.redone
     tr.close()
     return recs, sd, early, (kept, redone)
 
@@ -75,9 +75,9 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
         kept, redone = got[3]
         assert kept >= 1 and redone >= 1
     tr = Trainer(tiny_config(token_file, *sets, clip, *every))
-    host = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
+    host = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == "host" for k in tr.run.host.kinds)]
     early = tr.run_plan.updated("host-speculated")
-    assert early == set(host) - tr.run_plan.updated("gpu", "gpu-speculated") and set(tr.host.copies) == early | tr.run_plan.updated("gpu", "gpu-speculated")  # copies for those
+    assert early == set(host) - tr.run_plan.updated("gpu", "gpu-speculated") and set(tr.run.host.copies) == early | tr.run_plan.updated("gpu", "gpu-speculated")  # copies for those
     if tr.run_plan.updated("gpu", "gpu-speculated"):  # every other unit from the last: the GPU-updated ones and the host's alternate
         assert sorted(tr.run_plan.updated("gpu", "gpu-speculated")) == host[::-1][::2][:2][::-1]
     tr.close()
@@ -90,14 +90,14 @@ def test_clipping_off_speculates_in_place(token_file):
     _same(got, _run(tiny_config(token_file, *sets, "optim.speculate_units=0")))
     assert got[3] == (6, 0)
     tr = Trainer(tiny_config(token_file, *sets, "optim.speculate_units=99"))
-    assert tr.host.copies == {} and "update copies" not in tr.host.nbytes()
-    started, real = [], tr.updates.after_norm
+    assert tr.run.host.copies == {} and "update copies" not in tr.run.host.nbytes()
+    started, real = [], tr.run.updates.after_norm
 
     def after_norm(*a):  # the updates the backward pass started, as the step settles them
-        started.append(set(tr.updates.host.speculations))
+        started.append(set(tr.run.updates.host.speculations))
         real(*a)
 
-    tr.updates.after_norm = after_norm
+    tr.run.updates.after_norm = after_norm
     for _ in range(2):
         tr.train_step()
     tr.close()
@@ -112,7 +112,7 @@ def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_f
     want = _run(tiny_config(token_file, *sets, "optim.speculate_units=0"), steps=3)
     tr = Trainer(tiny_config(token_file, *sets, "optim.speculate_units=99"))
     calls, gates = [], [threading.Event()]
-    update, after_norm = tr.updates.opt.update_unit, tr.updates.after_norm
+    update, after_norm = tr.run.updates.opt.update_unit, tr.run.updates.after_norm
 
     def held(unit, step, lr, clip, into_copies=False):
         calls.append((step, unit, into_copies))
@@ -125,11 +125,11 @@ def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_f
         gates.append(threading.Event())
         gates[-2].set()
 
-    tr.updates.opt.update_unit, tr.updates.after_norm = held, released
+    tr.run.updates.opt.update_unit, tr.run.updates.after_norm = held, released
     recs = [tr.train_step() for _ in range(3)]
-    tr.updates.settle()
+    tr.run.updates.settle()
     got = (recs, tr.state_dict())
-    n, kept = len(tr.units), tr.updates.kept
+    n, kept = len(tr.units), tr.run.updates.kept
     tr.close()
     _same(got, want)
     assert kept == 3
@@ -205,7 +205,7 @@ def test_units_in_ram_speculate_every_other_from_the_last_and_spilled_ones_never
     want = _run(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "b"}"', "optim.speculate_units=0"), steps=3)
     _same(got, want)
     tr = Trainer(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "c"}"'))
-    ram = [u for u in range(len(tr.units)) if all(tr.where[(u, k)] == "host" for k in tr.host.kinds)]
+    ram = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == "host" for k in tr.run.host.kinds)]
     tr.close()
     assert RING_SLOTS < len(sizes) - len(ram) < len(sizes) and got[2] == {ram[-1], ram[-3], ram[-5]}
 
@@ -224,14 +224,14 @@ def test_copies_must_fit_the_host_budget(token_file):
 
 def test_an_error_in_a_kept_speculation_surfaces(token_file, monkeypatch):
     tr = Trainer(tiny_config(token_file, "optim.grad_clip=100", "optim.speculate_units=99"))
-    real = tr.updates.opt.update_unit
+    real = tr.run.updates.opt.update_unit
 
     def boom(unit, step, lr, clip, into_copies=False):
         if into_copies:
             raise RuntimeError("bit flip")
         real(unit, step, lr, clip, into_copies)
 
-    monkeypatch.setattr(tr.updates.opt, "update_unit", boom)
+    monkeypatch.setattr(tr.run.updates.opt, "update_unit", boom)
     tr.train_step()
     with pytest.raises(RuntimeError, match="bit flip"):
         tr.train_step()
@@ -343,8 +343,8 @@ def test_timeline_accounts_for_every_host_update(token_file):
     tr = Trainer(cfg)
     for _ in range(4):
         tr.train_step()
-    tr.updates.settle()
-    ev, early = list(tr.updates.timeline), tr.run_plan.updated("host-speculated")
+    tr.run.updates.settle()
+    ev, early = list(tr.run.updates.timeline), tr.run_plan.updated("host-speculated")
     numels = [lay.numel for lay in tr.layouts]
     tr.close()
     assert len(early) == 2

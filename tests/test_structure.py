@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles between its modules, the planner pure and below the runtime (it imports
-no torch and nothing of the engine, the optimizer, the tiers' stores or the trainer), and every module small."""
+"""The package's shape: no import cycles between its modules, no arrow back up its floors (dev/imports.py: the tiers
+below the planner, the planner pure and below the runtime, assemble and the trainer above), the planner importing no
+torch, and every module small."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,6 +26,17 @@ def test_no_import_cycles():
     assert mod.cycles(g) == []
     # the check itself: a cycle is found where there is one
     assert mod.cycles({**g, "tiertrain.modes": {"tiertrain.plan.values"}})
+
+
+def test_no_arrow_runs_back_up():
+    """Every module imports from its floor and those below; nothing below the planner imports it (the tiers take
+    sizes and homes, never a RunPlan), and every module is on a floor."""
+    mod, g = _graph()
+    assert mod.upward(g) == []
+    below = {m for m in g if mod.floor(m) < mod.floor("tiertrain.plan.runplan")}
+    assert below and not any(t.startswith("tiertrain.plan") for m in below for t in g[m])
+    # the check itself: an arrow from the tiers to the plan runs back up
+    assert mod.upward({**g, "tiertrain.tiers.host": {"tiertrain.plan.runplan"}})
 
 
 def test_the_planner_imports_only_what_is_below_it():

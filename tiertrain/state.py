@@ -19,10 +19,11 @@ from .tiers.slab import Shard, SlabLayout
 
 class State:
     def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], shards: list[Shard], ranks: Ranks,
-                 host: HostStore, tiers, where: dict[tuple[int, str], str]):
-        """`tiers`: the NVMe tier's manager (None: nothing spilled); `where`: the RunPlan's homes."""
+                 host: HostStore, staging, where: dict[tuple[int, str], str]):
+        """`staging`: the NVMe tier's staging (tiers.staging.Staging; None: nothing spilled); `where`: each
+        (unit, kind)'s home."""
         self.units, self.layouts, self.shards, self.ranks = units, layouts, shards, ranks
-        self.host, self.tiers, self.where = host, tiers, where
+        self.host, self.staging, self.where = host, staging, where
 
     @contextmanager
     def slab(self, unit: int, kind: str, read: bool) -> Iterator[torch.Tensor]:
@@ -38,7 +39,7 @@ class State:
             if not read:
                 dev.copy_(flat)
         else:
-            with self.tiers.borrowed(unit, kind, read) as buf:
+            with self.staging.borrowed(unit, kind, read) as buf:
                 if not read:  # a ring buffer holds another slab's bytes: a writer that sets only the tensors
                     buf.zero_()  # leaves the padding zero, as AdamW keeps it
                 yield buf
@@ -81,14 +82,14 @@ class State:
         """The unit's master was set outside the optimizer (init, import, restore): the compute-dtype copy
         follows, on the host or on NVMe."""
         if self.where.get((unit, Kind.WEIGHTS)) == Home.NVME:
-            with self.tiers.borrowed(unit, "weights", read=False) as w:
+            with self.staging.borrowed(unit, "weights", read=False) as w:
                 w.copy_(master)
         self.host.updated(unit, master)
 
     def grad_sink(self, unit: int):
         """Where the backward pass drains the unit's gradient (engine.buffers.Accumulators' sink)."""
         if self.where[(unit, Kind.GRAD)] == Home.NVME:
-            return self.tiers.sink(unit, "grad")
+            return self.staging.sink(unit, "grad")
         return self.host.slab(unit, "grad"), None
 
     # ---- the weights as tensors ------------------------------------------------------------------

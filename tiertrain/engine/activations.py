@@ -26,7 +26,7 @@ READ_WINDOW = 4  # pieces the reader has in flight
 IN_FLIGHT = 2  # blocks whose inputs may be on their way to NVMe at once
 
 
-class Checkpoints:
+class ActivationStore:
     def __init__(self, homes: dict[int, str], streams: Streams, clock: StallClock, device: torch.device, pin: bool,
                  store=None, dtype: torch.dtype = torch.float32):
         """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones; `dtype`: the

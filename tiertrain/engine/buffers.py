@@ -44,7 +44,8 @@ class WeightSlots:
     def __init__(self, layouts: list[SlabLayout], host: HostStore, device: torch.device, dtype: torch.dtype,
                  streams: Streams, clock: StallClock, reader=None, shards: list[Shard] | None = None,
                  ranks: Ranks | None = None):
-        """`reader`: the NVMe tier, for units whose streamed slab is spilled (its `s_units`). `shards`: this
+        """`reader`: the NVMe tier's reader of the streamed kind (tiers.reader.StreamReader), for the units whose
+        streamed slab is spilled (its `units`). `shards`: this
         rank's part of each unit's slab, which the host holds (None: the whole slab); `ranks`: who holds the rest."""
         self.layouts, self.host, self.s, self.clock = layouts, host, streams, clock
         self.shards, self.ranks = shards or [Shard(lay) for lay in layouts], ranks or Ranks()
@@ -60,7 +61,7 @@ class WeightSlots:
         self.ready: dict[int, object] = {}  # unit -> event: its weights are in its buffer
         self.h2d_bytes = 0
         self.reader = reader
-        self.spilled = reader.s_units if reader is not None else set()
+        self.spilled = reader.units if reader is not None else set()
 
     def load(self, unit: int, updated: torch.Tensor | None = None, after=None) -> None:
         """Starts the H2D copy of the unit's weights unless its current version is already in place.

@@ -16,6 +16,8 @@ Where and when each unit's AdamW runs is its RunPlan entry's, carried out by opt
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -26,14 +28,14 @@ from ..optim.adamw import clip_coefficient
 from ..optim.updates import Updates
 from ..parallel import Ranks
 from ..tiers.slab import SlabLayout
-from .activations import Checkpoints
+from .activations import ActivationStore
 from .buffers import Accumulators, WeightSlots
 from .streams import StallClock
 
 
 class Step:
     def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], slots: WeightSlots,
-                 grads: Accumulators, checkpoints: Checkpoints, updates: Updates, clock: StallClock, ctx: Context,
+                 grads: Accumulators, checkpoints: ActivationStore, updates: Updates, clock: StallClock, ctx: Context,
                  loss_chunk_tokens: int | None, max_norm: float, kept: frozenset[int] = frozenset(),
                  ranks: Ranks | None = None):
         self.units, self.layouts, self.slots, self.grads, self.ck, self.updates, self.clock, self.ctx = (
@@ -50,28 +52,11 @@ class Step:
         global gradient norm), over every rank's rows. The update finishes during the next step's forward pass."""
         L, slots, grads, ck, updates, clock = len(self.units), self.slots, self.grads, self.ck, self.updates, self.clock
         n_tokens = sum(t.numel() for t in targets) * self.ranks.size
-
-        def load(u: int) -> None:  # the unit's update, where one is due, runs before its weights go to the GPU
-            slots.load(u, *updates.before_load(u))
+        load = self.load
 
         updates.begin(lr)
         grads.zero_own()
-        with torch.no_grad():  # ---- forward
-            slots.expect(range(L), new=True)
-            load(0)
-            w = self.bind(0)
-            with clock.computing("forward"):
-                xs = [llama.embed(w, tok, self.ctx) for tok in inputs]
-            self.release(0)
-            load(1)
-            for i in range(1, L - 1):
-                w = self.bind(i)
-                if i not in self.kept:
-                    ck.save(i, xs)
-                with clock.computing("forward"):
-                    xs = self.forward_kept(i, w, xs) if i in self.kept else [self.block(w, x) for x in xs]
-                self.release(i)
-                load(i + 1)  # the next block, or the head after the last block
+        xs = self.forward(inputs)  # ---- forward: the last block's outputs
 
         updates.before_backward()  # ---- head and backward
         slots.expect(range(L - 2, -1, -1))  # the head's load of the last block, then the loop's
@@ -122,28 +107,45 @@ class Step:
         self.ranks.all_sum(both)
         return (both[0], *clip_coefficient([both[1].sqrt()], self.max_norm))
 
+    def load(self, u: int) -> None:
+        """The unit's update, where one is due, runs before its weights go to the GPU."""
+        self.slots.load(u, *self.updates.before_load(u))
+
+    def forward(self, inputs: list[torch.Tensor], train: bool = True) -> list[torch.Tensor]:
+        """The forward pass over the embedding and the blocks, without gradients (the head runs with the loss): each
+        unit's weights loaded once for every micro-batch while the next unit's are copied in. In training each
+        block's input is saved (its activation checkpoint), a kept block keeps its graph and the compute is timed;
+        an evaluation (`train` false: the weights as they are, every update landed) does none of it."""
+        L, slots, ck, load = len(self.units), self.slots, self.ck, self.load
+        timed = self.clock.computing if train else (lambda phase: contextlib.nullcontext())
+        with torch.no_grad():
+            slots.expect(range(L), new=train)  # in training every unit's weights change as the update lands
+            load(0)
+            w = self.bind(0)
+            with timed("forward"):
+                xs = [llama.embed(w, tok, self.ctx) for tok in inputs]
+            self.release(0)
+            load(1)
+            for i in range(1, L - 1):
+                w = self.bind(i)
+                kept = train and i in self.kept
+                if train and not kept:
+                    ck.save(i, xs)
+                with timed("forward"):
+                    xs = self.forward_kept(i, w, xs) if kept else [self.block(w, x) for x in xs]
+                self.release(i)
+                load(i + 1)  # the next block, or the head after the last block
+        return xs
+
     def evaluate(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
         """The mean token loss of a forward pass over the micro-batches, with the weights as they are (the
         caller lands the pending update first): the training forward pass and loss, nothing saved, no
         gradient. The slots are left stale: the next step's forward pass copies every unit again. Summed over
         the ranks' rows."""
-        L, slots, updates = len(self.units), self.slots, self.updates
+        L = len(self.units)
         n_tokens = sum(t.numel() for t in targets) * self.ranks.size
-
-        def load(u: int) -> None:
-            slots.load(u, *updates.before_load(u))
-
+        xs = self.forward(inputs, train=False)
         with torch.no_grad():
-            slots.expect(range(L))
-            load(0)
-            xs = [llama.embed(self.bind(0), tok, self.ctx) for tok in inputs]
-            self.release(0)
-            load(1)
-            for i in range(1, L - 1):
-                w = self.bind(i)
-                xs = [self.block(w, x) for x in xs]
-                self.release(i)
-                load(i + 1)
             w = self.bind(L - 1)
             loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
             for x, tgt in zip(xs, targets):
@@ -153,7 +155,7 @@ class Step:
                     lg = llama.logits({"lm_head.weight": w["lm_head.weight"]}, h, self.ctx)
                     loss += F.cross_entropy(lg, t[a:a + self.chunk], reduction="sum") / n_tokens
             self.release(L - 1)
-        slots.forget()
+        self.slots.forget()
         return self.ranks.all_sum(loss)
 
     # ---- binding weights ----------------------------------------------------------------------

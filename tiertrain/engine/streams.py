@@ -13,7 +13,7 @@ import torch
 
 
 class Streams:
-    NAMES = ("compute", "h2d", "d2h", "spec", "back")
+    NAMES = ("compute", "h2d", "d2h", "speculative", "back")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -23,10 +23,10 @@ class Streams:
             self.d2h = torch.cuda.Stream(device)
             # speculated GPU updates: their state in and the AdamW kernel, their write-back; their own streams,
             # so that the weights' loads and the gradients' drains never queue behind them
-            self.spec = torch.cuda.Stream(device)
+            self.speculative = torch.cuda.Stream(device)
             self.back = torch.cuda.Stream(device)
         else:
-            self.compute = self.h2d = self.d2h = self.spec = self.back = None
+            self.compute = self.h2d = self.d2h = self.speculative = self.back = None
 
     def on(self, stream):
         return torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext()

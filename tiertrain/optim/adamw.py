@@ -65,8 +65,9 @@ def adam_pool(threads: int | None = None) -> ThreadPoolExecutor:
 
 
 class HostAdamW:
-    def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, tiers=None):
-        self.host, self.layouts, self.cfg, self.tiers = host, layouts, cfg, tiers
+    def __init__(self, host: HostStore, layouts: list[SlabLayout], cfg: OptimConfig, staging=None):
+        """`staging`: the NVMe tier's staging of the spilled slabs (tiers.staging.Staging; None: none spilled)."""
+        self.host, self.layouts, self.cfg, self.staging = host, layouts, cfg, staging
         self.kernel = kernel.wanted(cfg.host_kernel)  # None: torch's fused kernel
         # the one-pass kernel's streamed stores: the new state into copies, and the bf16 copy (no read for
         # ownership of its lines: 2 B of a parameter's 32 through DRAM; bench/results/*-copy-stores-ab8k.md);
@@ -115,12 +116,12 @@ class HostAdamW:
         speculative update, written into the host's copies of the unit's master and moments (the bf16 copy
         in place: nothing reads it before the update is kept or redone); it counts once the host swaps them in."""
         s = dict(self.host.slabs[unit])
-        if self.tiers is not None:  # slabs on NVMe, read ahead into the staging ring
-            s.update(self.tiers.acquire(unit))
+        if self.staging is not None:  # slabs on NVMe, read ahead into the staging ring
+            s.update(self.staging.acquire(unit))
         out = self.host.copies[unit] if into_copies else None
         self.apply(unit, s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights"), step, lr, clip, out)
-        if self.tiers is not None:
-            self.tiers.release(unit)
+        if self.staging is not None:
+            self.staging.release(unit)
         if not into_copies:
             self.host.version[unit] += 1
 

@@ -36,10 +36,10 @@ class _StateSet:
 class GpuUpdates:
     """The AdamW of units updated on the GPU; two state sets take turns for those whose state is on the host."""
 
-    def __init__(self, opt: HostAdamW, plan: RunPlan, grads, streams, device: torch.device):
+    def __init__(self, opt: HostAdamW, run_plan: RunPlan, grads, streams, device: torch.device):
         self.opt, self.host, self.grads, self.s = opt, opt.host, grads, streams
-        self.resident = plan.updated(Update.RESIDENT)
-        crossing = plan.updated(Update.GPU, Update.GPU_SPECULATED)
+        self.resident = run_plan.updated(Update.RESIDENT)
+        crossing = run_plan.updated(Update.GPU, Update.GPU_SPECULATED)
         big = max((opt.layouts[u].numel for u in crossing), default=0)
         self.sets = [_StateSet(big, device) for _ in range(2 if crossing else 0)]
         self._turn = 0
@@ -72,7 +72,7 @@ class GpuUpdates:
             st.t["grad"][:acc.numel()].copy_(acc)
             copied = self.s.record(self.s.d2h)
         self.grads.read_until(unit, copied)
-        self._in_set(unit, st, STATE, (copied, self.written.get(unit)), (self.s.spec, self.s.back), step, lr, 1.0,
+        self._in_set(unit, st, STATE, (copied, self.written.get(unit)), (self.s.speculative, self.s.back), step, lr, 1.0,
                      into or self.host.slabs[unit])
 
     def _next_set(self) -> _StateSet:
@@ -106,7 +106,7 @@ class GpuUpdates:
 
     def synchronize(self) -> None:
         if self.s.cuda:
-            for stream in (self.s.h2d, self.s.d2h, self.s.spec, self.s.back):
+            for stream in (self.s.h2d, self.s.d2h, self.s.speculative, self.s.back):
                 stream.synchronize()
 
     def nbytes(self) -> int:
@@ -117,14 +117,17 @@ class Updates:
     """Owns the host worker and the GPU updates, and dispatches each unit's update on its RunPlan entry.
     Main thread only (the worker's shared state is OptimizerThread's)."""
 
-    def __init__(self, plan: RunPlan, opt: HostAdamW, grads, streams, device: torch.device, overlap: bool,
-                 tiers=None):
-        self.plan, self.opt, self.grads, self.tiers = plan, opt, grads, tiers
-        self.mode = [u.update for u in plan.units]
-        on_host = plan.updated(Update.HOST, Update.HOST_SPECULATED)
-        self.host = OptimizerThread(opt, len(plan.units), overlap, on_host, plan.updated(Update.HOST_SPECULATED))
-        self.gpu = GpuUpdates(opt, plan, grads, streams, device)
-        self.any_speculated = bool(plan.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED))
+    def __init__(self, run_plan: RunPlan, opt: HostAdamW, grads, streams, device: torch.device, overlap: bool,
+                 staging=None, reader=None):
+        """`staging`, `reader`: the NVMe tier's staging of the spilled slabs and reader of the streamed kind
+        (tiers.staging.Staging, tiers.reader.StreamReader; None: none spilled)."""
+        self.run_plan, self.opt, self.grads, self.staging, self.reader = run_plan, opt, grads, staging, reader
+        self.mode = [u.update for u in run_plan.units]
+        on_host = run_plan.updated(Update.HOST, Update.HOST_SPECULATED)
+        self.host = OptimizerThread(opt, len(run_plan.units), overlap, on_host,
+                                    run_plan.updated(Update.HOST_SPECULATED))
+        self.gpu = GpuUpdates(opt, run_plan, grads, streams, device)
+        self.any_speculated = bool(run_plan.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED))
         self.timeline = self.host.timeline
         self.pending: dict[int, tuple[int, float, float]] = {}  # GPU updates due at the unit's next load
         self.speculating: tuple[int, float] | None = None  # (step, lr) of the update speculated this step
@@ -156,8 +159,8 @@ class Updates:
     def before_backward(self) -> None:
         """Every unit has waited for its update: the NVMe tier starts reading the next update's spilled slabs."""
         self.mark("backward")
-        if self.tiers:
-            self.tiers.start(list(range(len(self.mode))))
+        if self.staging:
+            self.staging.start(list(range(len(self.mode))))
 
     def gradient_ready(self, unit: int) -> None:
         """Unit u's gradient is on its way out of its accumulator: a speculated update starts from it."""
@@ -173,8 +176,8 @@ class Updates:
         """The norm is known: speculations are kept (no clipping) or redone, and every other update is queued,
         host ones on the worker in unit order, GPU ones for the unit's next load."""
         self.mark("norm")
-        if self.tiers:
-            self.tiers.updating()
+        if self.reader:
+            self.reader.updating()
         self.opt.step_count += 1
         step = self.opt.step_count
         queued, started = self.host.stop_speculating()

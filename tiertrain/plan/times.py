@@ -120,7 +120,7 @@ def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, 
     beside the forward pass; the backward pass's reads of spilled weights and checkpoints, writes of gradients."""
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in mem.nvme.items()}
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
-    reads -= mem.nvme_ahead  # read ahead of the optimizer as the backward pass starts (TierManager.start)
+    reads -= mem.nvme_ahead  # read ahead of the optimizer as the backward pass starts (Staging.start)
     writes += ck_disk
     return {"NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
             "NVMe": disk_time(reads, writes, hw),

@@ -10,25 +10,8 @@ import errno
 import os
 from pathlib import Path
 
-from ..plan.runplan import RunPlan
-from ..sizes import gb
-from .nvme import FORMAT, ChunkStore, StoreError, discard, make_io, new_scratch
-from .placement import CK_PIECE_BYTES, ck_disk_bytes
-
-
-def checkpoint_store(rp: RunPlan, parent: str, run_name: str, io: str, io_threads: int) -> "PieceStore | None":
-    """The store of the activation checkpoints `rp` puts on NVMe (None: none), in a new scratch directory under
-    `parent`."""
-    rows = sorted(rp.checkpoints("nvme"))
-    if not rows:
-        return None
-    pieces = ck_disk_bytes(rp.checkpoint_bytes(rp.micro_batch), rp.rows // rp.micro_batch) // CK_PIECE_BYTES
-    root = new_scratch(parent, run_name)
-    try:
-        return PieceStore(root, rows, pieces, make_io(io, io_threads))
-    except BaseException:
-        discard(root)
-        raise
+from .nvme import FORMAT, ChunkStore, StoreError
+from .placement import CK_PIECE_BYTES
 
 
 class PieceStore(ChunkStore):

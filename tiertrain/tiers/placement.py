@@ -21,7 +21,7 @@ from ..modes import STATE, Home, Kind
 SPILL_ORDER = (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER, Kind.GRAD, Kind.WEIGHTS)
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
 # the streamed kind has twice that: its own for the forward and backward passes' reads
-READ_AHEAD = RING_SLOTS - 2  # units whose spilled slabs the optimizer's ring reads ahead (TierManager's depth)
+READ_AHEAD = RING_SLOTS - 2  # units whose spilled slabs the optimizer's ring reads ahead (Staging's depth)
 
 
 def streamed_kind(kb: dict[str, int]) -> str:
@@ -111,7 +111,7 @@ def ck_disk_bytes(micro_bytes: int, micros: int) -> int:
 
 def ring_bytes(widths: dict[str, int], kb: dict[str, int], cost) -> int:
     """Host bytes of the staging ring: for each spilled kind, RING_SLOTS buffers as wide as its widest
-    spilled unit (`widths`, in elements), twice that for the streamed kind. The TierManager allocates
+    spilled unit (`widths`, in elements), twice that for the streamed kind. The staging and the reader allocate
     exactly this."""
     s = streamed_kind(kb)
     return RING_SLOTS * sum(cost(n * kb[k]) * (2 if k == s else 1) for k, n in widths.items())
@@ -180,7 +180,7 @@ def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixe
 
 
 def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[int, str], str]) -> int:
-    """Disk bytes the ring reads ahead of the optimizer as the backward pass starts (TierManager.start): the
+    """Disk bytes the ring reads ahead of the optimizer as the backward pass starts (Staging.start): the
     spilled slabs of the first READ_AHEAD units with any, but their gradients (drained late in that pass) and
     compute-dtype copies (written whole, never read)."""
     units = set(sorted({u for (u, _), t in where.items() if t == Home.NVME and numels[u]})[:READ_AHEAD])

@@ -1,5 +1,5 @@
 """Ring: a fixed set of pinned host buffers of one size, allocated at once and reused in turn, through which
-slabs and activation checkpoints pass between the disk and the GPU (the TierManager's staging rings, the NVMe
+slabs and activation checkpoints pass between the disk and the GPU (the staging's and the streamed kind's reader's rings, the NVMe
 checkpoints' pieces). Knows buffers and what they wait for, nothing about models."""
 from __future__ import annotations
 
