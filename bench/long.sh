@@ -28,8 +28,8 @@ for run in ${@:-7b-256k 3b-512k 1b-1m 3b-32k baselines}; do
         --micro 1 --warmup 1 --steps 2 --tag=-32k-batch1 --out "$out" ;;
     8b-128k) budgets[0]=tiers.host_gb=120; budgets[1]=tiers.nvme_gb=0; long llama3.1-8b 131072 3 ;;
     8b-256k) budgets[0]=tiers.host_gb=120; budgets[1]=tiers.nvme_gb=0
-      long llama3.1-8b 262144 2 'tiers.checkpoint_dtype="bfloat16"' ;;
-    8b-360k) long llama3.1-8b 364544 1 'tiers.checkpoint_dtype="bfloat16"' ;;
+      long llama3.1-8b 262144 2 'tiers.activation_dtype="bfloat16"' ;;
+    8b-360k) long llama3.1-8b 364544 1 'tiers.activation_dtype="bfloat16"' ;;
     baselines) for S in 65536 131072 262144; do mk llama-3b $S
       python3 -m bench.pipeline --config /tmp/llama-3b-$S.toml --systems gpu,deepspeed --batches 1 --micro 1 \
         --warmup 0 --steps 1 --tag=-$S-baselines --out "$out"; done ;;

@@ -41,7 +41,7 @@ def _fit(cfg, out, stop_at=None, resume=None):
 
 def _state(path):
     g = zarr.open_group(path, mode="r")
-    return {f"{k}/{u}": g[k][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))}
+    return {f"{k.value}/{u}": g[k.value][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))}
 
 
 def _same_run(a, b):

@@ -10,6 +10,7 @@ import torch
 
 from conftest import VARIANTS, tiny_config
 from test_nvme import DEEP, _budget_for
+from tiertrain.modes import Home, Kind
 from tiertrain.config import load_config
 from tiertrain.data import Loader, held_out, read_tokens
 from tiertrain.errors import ConfigError
@@ -76,7 +77,7 @@ def test_evaluating_changes_no_training_bit(token_file, tmp_path, spill):
         extra = [f'tiers.nvme_dir="{nvme}"'] if spill == "nvme" else []
         tr = Trainer(tiny_config(token_file, *sets, *extra, "data.val_fraction=0.2", "train.eval_batches=1"))
         if spill == "nvme":
-            assert "nvme" in tr.run_plan.where().values()
+            assert Home.NVME in tr.run_plan.where().values()
         losses, vals = [], []
         for _ in range(5):
             losses.append(tr.train_step()["loss"])

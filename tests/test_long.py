@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import TINY, VARIANTS, tiny_config
 
+from tiertrain.modes import Home, Kind
 from tiertrain.config import load_config
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import plan
@@ -90,14 +91,14 @@ def test_checkpoint_homes_give_the_same_bits(token_file, tmp_path, home, device,
     """Checkpoints on NVMe, in RAM, and split across the GPU, the host and NVMe, in fp32 or bf16: the same bits as
     on the GPU in the same dtype."""
     sets = ['train.compute_dtype="bfloat16"', "model.num_hidden_layers=5", "train.steps=3", f'train.device="{device}"',
-            f'tiers.checkpoint_dtype="{ck}"']
+            f'tiers.activation_dtype="{ck}"']
     base, base_sd, _ = _train(tiny_config(token_file, *sets), 3)
     acts = "nvme" if home == "split" else home
     cfg = tiny_config(token_file, *sets, f'tiers.activations="{acts}"', f'tiers.nvme_dir="{tmp_path}"')
     tr = Trainer(cfg)
-    assert set(tr.run_plan.checkpoints().values()) == {acts} and len(tr.run_plan.checkpoints()) == 5
+    assert set(tr.run_plan.checkpoints().values()) == {Home(acts)} and len(tr.run_plan.checkpoints()) == 5
     if home == "split":  # the order a split plan gives: NVMe for the first blocks, then the host, the GPU last
-        tr.run.activations.homes = {1: "nvme", 2: "nvme", 3: "host", 4: "gpu", 5: "gpu"}
+        tr.run.activations.homes = {1: Home.NVME, 2: Home.NVME, 3: Home.HOST, 4: Home.GPU, 5: Home.GPU}
     recs = [tr.train_step() for _ in range(3)]
     sd = tr.state_dict()
     store = tr.run.activations.store
@@ -123,8 +124,8 @@ def test_bf16_checkpoints_change_the_losses_by_a_bounded_amount(token_file):
     their norm (bf16 keeps 8 bits of each checkpoint element), bounded at 1e-2."""
     base, base_sd, _ = _train(tiny_config(token_file, "train.steps=8", "model.num_hidden_layers=4"), 8)
     losses, sd, tr = _train(tiny_config(token_file, "train.steps=8", "model.num_hidden_layers=4",
-                                        'tiers.checkpoint_dtype="bfloat16"'), 8)
-    assert tr.run_plan.checkpoint_dtype == "bfloat16" and tr.run.activations.dtype == torch.bfloat16
+                                        'tiers.activation_dtype="bfloat16"'), 8)
+    assert tr.run_plan.activation_dtype == "bfloat16" and tr.run.activations.dtype == torch.bfloat16
     assert losses[0] == base[0] and losses[1:] != base[1:]
     diff = max(abs(a - b) / b for a, b in zip(losses, base))
     assert diff < 3e-4, diff
@@ -149,19 +150,20 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
     assert p.fits, p.why
     assert p.run_plan.activations == "split" and p.run_plan.tile and p.report.longest_seq_len >= seq
     homes = [u.checkpoint for u in p.run_plan.units[1:-1]]
-    nvme = [b for b, h in enumerate(homes, 1) if h == "nvme"]
+    nvme = [b for b, h in enumerate(homes, 1) if h == Home.NVME]
     if nvme:  # spread evenly from the first block: each write and read gets the blocks between to hide behind
         gaps = [b - a for a, b in zip(nvme, nvme[1:])]
         assert nvme[0] == 1 and (not gaps or max(gaps) - min(gaps) <= 1)
-    rest = [h for h in homes if h != "nvme"]
-    assert rest == sorted(rest, key=("host", "gpu").index)  # the GPU's the last blocks
-    assert all(homes.count(h) == p.memory.checkpoints[h] for h in ("nvme", "host")) and homes.count("gpu") == p.memory.checkpoints["gpu"] > 0
+    rest = [h for h in homes if h != Home.NVME]
+    assert rest == sorted(rest, key=(Home.HOST, Home.GPU).index)  # the GPU's the last blocks
+    assert all(homes.count(h) == p.memory.checkpoints[h] for h in (Home.NVME, Home.HOST))
+    assert homes.count(Home.GPU) == p.memory.checkpoints[Home.GPU] > 0
     ck = seq * cfg.model.hidden_size * 4
     assert p.memory.host_total <= 115e9 + 3e9 and p.memory.gpu.total <= 141e9 * 0.95
-    assert p.memory.nvme_checkpoints >= p.memory.checkpoints["nvme"] * ck and sum(p.memory.nvme.values()) + p.memory.nvme_checkpoints <= 55e9
+    assert p.memory.nvme_checkpoints >= p.memory.checkpoints[Home.NVME] * ck and sum(p.memory.nvme.values()) + p.memory.nvme_checkpoints <= 55e9
     assert (f"activation checkpoints on NVMe | | {p.memory.nvme_checkpoints / 1e9:.1f} GB" in to_markdown(p)) == bool(
-        p.memory.checkpoints["nvme"])  # llama-1b's, since blocks are tiled whole, fit the GPU and the host
-    assert (p.prediction.times["NVMe bwd"] > 0) == bool(p.memory.checkpoints["nvme"])  # their reads are priced in the backward pass
+        p.memory.checkpoints[Home.NVME])  # llama-1b's, since blocks are tiled whole, fit the GPU and the host
+    assert (p.prediction.times["NVMe bwd"] > 0) == bool(p.memory.checkpoints[Home.NVME])  # their reads are priced in the backward pass
     longer = load_config(config, [f"train.seq_len={p.report.longest_seq_len + 1024}", "train.batch_size=1",
                                   "train.micro_batch_size=1", f"model.max_position_embeddings={p.report.longest_seq_len + 1024}"])
     assert not search(longer, REFERENCE, 115, 141, 55, config, advise=False).fits

@@ -10,6 +10,7 @@ import torch
 import zarr
 
 from conftest import VARIANTS, tiny_config
+from tiertrain.modes import Home, Kind
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
 from tiertrain.tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within,
@@ -23,7 +24,7 @@ from tiertrain.trainer import Trainer
 DEEP = ["model.num_hidden_layers=12"]
 
 
-def _budget_for(cfg, keep=("master", "grad")) -> float:
+def _budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD)) -> float:
     """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
     (whole pages)."""
     tr = Trainer(cfg)
@@ -61,7 +62,7 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
                         f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill)
-    on_nvme = [k for k, t in tr.run_plan.where().items() if t == "nvme"]
+    on_nvme = [k for k, t in tr.run_plan.where().items() if t == Home.NVME]
     sizes = [lay.numel for lay in tr.layouts]
     state = sum(sizes) * 16
     spilled = sum(sizes[u] * 4 for u, _ in on_nvme)
@@ -90,8 +91,8 @@ def test_spilled_master_is_bit_identical(token_file, tmp_path):
     spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', 'tiers.io="posix"')
     _, want, want_sd = _train(base, steps=3)
     tr, got, sd = _train(spill, steps=3)
-    spilled = {k for (_, k), t in tr.run_plan.where().items() if t == "nvme"}
-    assert spilled == {"exp_avg", "exp_avg_sq", "master"} and tr.run_plan.where()[(0, "master")] == "host"
+    spilled = {k for (_, k), t in tr.run_plan.where().items() if t == Home.NVME}
+    assert spilled == {Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER} and tr.run_plan.where()[(0, Kind.MASTER)] == Home.HOST
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for k in want_sd:
         assert torch.equal(sd[k], want_sd[k]), k
@@ -111,8 +112,8 @@ def test_spilled_gradients_are_bit_identical(token_file, tmp_path, io):
     spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
     _, want, want_sd = _train(base, steps=3)
     tr, got, sd = _train(spill, steps=3)
-    grads = [u for (u, k), t in tr.run_plan.where().items() if k == "grad" and t == "nvme"]
-    assert {k for (_, k), t in tr.run_plan.where().items() if t == "nvme"} == {"exp_avg", "exp_avg_sq", "grad"}
+    grads = [u for (u, k), t in tr.run_plan.where().items() if k == Kind.GRAD and t == Home.NVME]
+    assert {k for (_, k), t in tr.run_plan.where().items() if t == Home.NVME} == {Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRAD}
     assert len(grads) == len(sizes)  # unit 0's too: the optimizer's first read must wait for the backward pass
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
@@ -146,7 +147,7 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
                         f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill, close=False)
-    assert set(tr.run_plan.where().values()) == {"nvme"} and tr.run.host.nbytes() == {}
+    assert set(tr.run_plan.where().values()) == {Home.NVME} and tr.run.host.nbytes() == {}
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for k in want_sd:
         assert torch.equal(sd[k], want_sd[k]), k
@@ -156,31 +157,31 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
     # copy, which it writes whole); the forward pass reads every unit's weights, the backward pass all
     # but the embedding, the head and the last two blocks, which are still on the device
     once = sum(n * b for n in sizes for b in kb.values())
-    reads = once - (sum(sizes) * 2 if s == "weights" else 0) + sum(sizes) * kb[s] + sum(sizes[1:L - 3]) * kb[s]
+    reads = once - (sum(sizes) * 2 if s == Kind.WEIGHTS else 0) + sum(sizes) * kb[s] + sum(sizes[1:L - 3]) * kb[s]
     assert got[-1]["nvme_read_gb"] * 1e9 == pytest.approx(reads, rel=1e-12)
     assert got[-1]["nvme_write_gb"] * 1e9 == pytest.approx(once, rel=1e-12)
-    if s == "weights":  # plain zarr reads the bf16 copy, as its bits
+    if s == Kind.WEIGHTS:  # plain zarr reads the bf16 copy, as its bits
         arr = zarr.open_group(tr.run.nvme.store.root, mode="r")["weights"]
         u = L - 2
-        with tr.run.state.slab(u, "master", read=True) as m:
+        with tr.run.state.slab(u, Kind.MASTER, read=True) as m:
             want_w = m.to(torch.bfloat16)
         assert torch.equal(torch.from_numpy(arr[u, :sizes[u]]).view(torch.bfloat16), want_w)
     tr.close()
 
 
 def _spilled(where):
-    return {uk for uk, t in where.items() if t == "nvme"}
+    return {uk for uk, t in where.items() if t == Home.NVME}
 
 
 def test_placement_policy_by_hand():
     """A unit 3x as wide as the others, bytes costing what they are. 220 elements x 18 B = 3960 B."""
-    numels, kb = [30] + [10] * 19, {"master": 4, "exp_avg": 4, "exp_avg_sq": 4, "grad": 4, "weights": 2}
+    numels, kb = [30] + [10] * 19, {Kind.MASTER: 4, Kind.EXP_AVG: 4, Kind.EXP_AVG_SQ: 4, Kind.GRAD: 4, Kind.WEIGHTS: 2}
     one = lambda n: n  # noqa: E731
-    assert set(place(numels, kb).values()) == {"host"}
+    assert set(place(numels, kb).values()) == {Home.HOST}
     assert place_within(numels, kb, 3960, 0, one) == (place(numels, kb), 0, 3960)
     # one byte over: exp_avg from the last unit, until 40 B a unit pays for a ring of 4 x 40 B and the byte
     where, ring, total = place_within(numels, kb, 3960, 1, one)
-    assert total == 3961 and ring == 160 and _spilled(where) == {(u, "exp_avg") for u in range(15, 20)}
+    assert total == 3961 and ring == 160 and _spilled(where) == {(u, Kind.EXP_AVG) for u in range(15, 20)}
     # the least: unit 0 kept (its 540 B cost less than rings 3x as wide), the rest spilled: four fp32
     # kinds' rings of 4 x 40 B and the streamed copy's of 8 x 20 B
     least = least_host(numels, kb, 7, one)
@@ -197,10 +198,10 @@ def test_a_kind_stays_in_ram_when_its_ring_would_cost_more():
     numels, kb = [800, *[100] * 7], kind_bytes("float32", "master")
     one = lambda n: n  # noqa: E731
     least = least_host(numels, kb, 0, one)
-    assert least == 800 * 16 + 7 * 400 + ring_bytes({"exp_avg": 100, "exp_avg_sq": 100, "grad": 100}, kb, one)
+    assert least == 800 * 16 + 7 * 400 + ring_bytes({Kind.EXP_AVG: 100, Kind.EXP_AVG_SQ: 100, Kind.GRAD: 100}, kb, one)
     where, ring, _ = place_within(numels, kb, least, 0, one)
-    assert _spilled(where) == {(u, k) for u in range(1, 8) for k in ("exp_avg", "exp_avg_sq", "grad")}
-    assert ring == 3 * 4 * 400 and ring_widths(numels, where) == {"exp_avg": 100, "exp_avg_sq": 100, "grad": 100}
+    assert _spilled(where) == {(u, k) for u in range(1, 8) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRAD)}
+    assert ring == 3 * 4 * 400 and ring_widths(numels, where) == {Kind.EXP_AVG: 100, Kind.EXP_AVG_SQ: 100, Kind.GRAD: 100}
     assert least < ring_bytes({k: 800 for k in kb}, kb, one)  # every slab spilled: the old least
 
 
@@ -217,7 +218,7 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
     tr = Trainer(tiny_config(token_file, *sets, f"tiers.host_gb={least / 1e9 + 1e-9}", f'tiers.nvme_dir="{tmp_path}"',
                              'tiers.io="posix"'))
     want, ring, _ = place_within(numels, kb, least + 1, 0, host_cost)
-    assert tr.run_plan.where() == want and all(tr.run_plan.where()[(0, k)] == "host" for k in kb)
+    assert tr.run_plan.where() == want and all(tr.run_plan.where()[(0, k)] == Home.HOST for k in kb)
     assert {k for _, k in _spilled(tr.run_plan.where())} == set(kb)
     assert tr.run.nvme.ring_nbytes() == ring == ring_bytes(ring_widths(numels, want), kb, host_cost)
     assert ring_widths(numels, want) == {k: max(numels[1:]) for k in kb}
@@ -235,7 +236,7 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
 def test_what_fits_in_ram_stays_there(token_file, tmp_path):
     nvme = tmp_path / "nvme"
     tr = Trainer(tiny_config(token_file, *DEEP, "tiers.host_gb=1", f'tiers.nvme_dir="{nvme}"'))
-    assert tr.run.nvme is None and set(tr.run_plan.where().values()) == {"host"} and not nvme.exists()
+    assert tr.run.nvme is None and set(tr.run_plan.where().values()) == {Home.HOST} and not nvme.exists()
     tr.close()
 
 
@@ -257,19 +258,19 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
 def test_store_faults(tmp_path):
     io = PosixIO(2)
     meta = {"model": {"hidden_size": 8}}
-    NvmeStore(tmp_path / "s", [4096, 8192], {"exp_avg": "float32"}, meta, io, create=True)
+    NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=True)
     with pytest.raises(StoreError, match="already holds a store of another run"):
-        NvmeStore(tmp_path / "s", [4096, 8192], {"exp_avg": "float32"}, meta, io, create=True)
+        NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=True)
     with pytest.raises(StoreError, match="different model or config"):
-        NvmeStore(tmp_path / "s", [4096, 8192], {"exp_avg": "float32"}, {"model": {"hidden_size": 9}}, io, create=False)
-    NvmeStore(tmp_path / "s", [4096, 8192], {"exp_avg": "float32"}, meta, io, create=False)  # the same: opens
+        NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, {"model": {"hidden_size": 9}}, io, create=False)
+    NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=False)  # the same: opens
     chunk = tmp_path / "s" / "exp_avg" / "c" / "1" / "0"
     chunk.write_bytes(chunk.read_bytes()[:100])
     with pytest.raises(StoreError, match="missing or truncated"):
-        NvmeStore(tmp_path / "s", [4096, 8192], {"exp_avg": "float32"}, meta, io, create=False)
+        NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=False)
     (tmp_path / "file").write_text("x")
     with pytest.raises(StoreError, match="cannot use --nvme-dir"):
-        NvmeStore(tmp_path / "file" / "s", [4096], {"exp_avg": "float32"}, meta, io, create=True)
+        NvmeStore(tmp_path / "file" / "s", [4096], {Kind.EXP_AVG: "float32"}, meta, io, create=True)
 
 
 def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
@@ -279,7 +280,7 @@ def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(StoreError, match="has 1000 B free, the spilled state needs 4.0 MiB"):  # digits that differ
-        NvmeStore(tmp_path / "s", [1 << 20], {"exp_avg": "float32"}, {}, PosixIO(1), create=True)
+        NvmeStore(tmp_path / "s", [1 << 20], {Kind.EXP_AVG: "float32"}, {}, PosixIO(1), create=True)
     assert not (tmp_path / "s" / "zarr.json").exists()
 
 
@@ -307,7 +308,7 @@ for _ in range(3):
 tr.close()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 state = sum(lay.numel for lay in tr.layouts) * 16
-assert (budget > 0.3) == (set(tr.run_plan.where().values()) != {"nvme"})
+assert (budget > 0.3) == ({h.value for h in tr.run_plan.where().values()} != {"nvme"})
 print(budget, base, peak, tr.device_nbytes(), tr.run.nvme.ring_nbytes(), state)
 """
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiertrain.modes import Home, Kind
 from tiertrain.config import OptimConfig
 from tiertrain.optim.adamw import clip_coefficient, lr_at
 
@@ -100,13 +101,13 @@ def test_host_kernels_agree_and_copies_match_in_place():
 
     _kernel()
     lay = SlabLayout.build([("w", (300, 70)), ("b", (70,))])
-    kinds = ("master", "exp_avg", "exp_avg_sq")
+    kinds = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
     out = {}
     for name in ("tiertrain", "torch"):
         for copies in (False, True):
             host = HostStore([lay], torch.bfloat16, pin=False, compute_copy=True)
             gen = torch.Generator().manual_seed(0)
-            for k in ("master", "grad", "exp_avg", "exp_avg_sq"):
+            for k in (Kind.MASTER, Kind.GRAD, Kind.EXP_AVG, Kind.EXP_AVG_SQ):
                 host.slab(0, k).copy_(torch.rand(lay.numel, generator=gen))
             before = {k: host.slab(0, k).clone() for k in kinds}
             if copies:
@@ -118,8 +119,8 @@ def test_host_kernels_agree_and_copies_match_in_place():
                 assert all(torch.equal(host.slab(0, k), before[k]) for k in kinds)
                 host.swap(0)
             out[name, copies] = {k: host.slab(0, k).clone() for k in kinds}
-            assert torch.equal(host.slab(0, "weights"), out[name, copies]["master"].to(torch.bfloat16))
-            assert not torch.equal(out[name, copies]["master"], before["master"])
+            assert torch.equal(host.slab(0, Kind.WEIGHTS), out[name, copies][Kind.MASTER].to(torch.bfloat16))
+            assert not torch.equal(out[name, copies][Kind.MASTER], before[Kind.MASTER])
     for k in kinds:
         for name in ("tiertrain", "torch"):
             assert torch.equal(out[name, True][k], out[name, False][k]), (name, k)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_config
+from tiertrain.modes import Home, Kind
 from tiertrain.trainer import Trainer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -92,8 +93,8 @@ def test_auto_on_a_cpu(token_file, sets, stream, acts):
     tr.close()
     assert t == tr.plan.run_plan or "tiers.gpu_update_units=2" in sets  # that one asks for another update
     assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
-    assert ("weights" in tr.run.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
-    assert set(tr.run.activations.homes.values()) == {acts}
+    assert (Kind.WEIGHTS in tr.run.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
+    assert {h.value for h in tr.run.activations.homes.values()} == {acts}
     assert bool(tr.run_plan.updated("gpu", "gpu-speculated")) == ("tiers.gpu_update_units=2" in sets)
 
 
@@ -152,5 +153,5 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
         assert tc.batch_size % tr.run_plan.micro_batch == 0 and "micro-batch" in tr.chosen
     else:
         assert tr.run_plan.stream == {"slow PCIe": "compute", "slow rounding": "master"}[case]
-    assert ("weights" in tr.run.host.kinds) == (tr.run_plan.stream == "compute")
-    assert set(tr.run.activations.homes.values()) == {tr.run_plan.activations}
+    assert (Kind.WEIGHTS in tr.run.host.kinds) == (tr.run_plan.stream == "compute")
+    assert {h.value for h in tr.run.activations.homes.values()} == {tr.run_plan.activations}

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import SLOW_HOST
 from tiertrain.config import load_config
-from tiertrain.modes import Update
+from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 from tiertrain.plan.advice import explain
 from tiertrain.plan.planner import evaluate, plan
@@ -98,8 +98,8 @@ def test_spill_plan_matches_the_runtime_placement():
     spec = load_config("llama-3b").model
     p = evaluate(Job(spec, 4, 2048), Choice(4, "master", "gpu", keep=0), Budgets(host_gb=36, nvme_gb=60), REFERENCE)
     assert p.fits and p.prediction.bottleneck == "NVMe"
-    assert round(p.memory.nvme["exp_avg"] / 2**30, 1) == 11.7 and round(p.memory.nvme["exp_avg_sq"] / 2**30, 1) == 5.0
-    assert "master" not in p.memory.nvme
+    assert round(p.memory.nvme[Kind.EXP_AVG] / 2**30, 1) == 11.7 and round(p.memory.nvme[Kind.EXP_AVG_SQ] / 2**30, 1) == 5.0
+    assert Kind.MASTER not in p.memory.nvme
 
 
 def test_everything_spilled_by_hand():

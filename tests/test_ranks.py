@@ -13,7 +13,7 @@ from conftest import tiny_config
 from test_faults import cli, refused, tiny
 
 from tiertrain.checkpoint import KINDS
-from tiertrain.modes import Update
+from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.advice import explain
 from tiertrain.plan.memory import slab_sizes as _layouts
@@ -32,7 +32,7 @@ def losses(run) -> list[tuple[float, float]]:
 
 def state(run, step: int) -> dict[str, np.ndarray]:
     g = zarr.open_group(run / "checkpoints" / f"step_{step}", mode="r")
-    return {f"{k}/{u}": g[k][str(u)][:] for k in KINDS for u in range(len(g.attrs["numels"]))}
+    return {f"{k.value}/{u}": g[k.value][str(u)][:] for k in KINDS for u in range(len(g.attrs["numels"]))}
 
 
 def close(a, b, rel: float = 1e-5) -> None:

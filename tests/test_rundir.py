@@ -16,6 +16,7 @@ from test_faults import STEPS, cli, refused, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
 from tiertrain import rundir
 from tiertrain.metrics import read_metrics
+from tiertrain.modes import Home, Kind
 
 # about 25 M parameters (a 40k vocabulary, untied): 300 MB of full checkpoint, 100 MB of weights
 WIDE = ["--set", "model.vocab_size=40000", "--set", "model.hidden_size=256", "--set", "model.intermediate_size=512",
@@ -99,8 +100,8 @@ def test_a_weights_checkpoint_exports_and_starts_a_new_run(token_file, tmp_path)
     tr = Trainer(tiny_config(token_file), resume=last)  # the weights, step 0, moments zero
     try:
         assert tr.step == 0 and tr.run.updates.opt.step_count == 0
-        assert np.array_equal(tr.run.host.slab(1, "master").numpy()[:meta["numels"][1]], _arrays(last)["master/1"])
-        assert not tr.run.host.slab(1, "exp_avg").any()
+        assert np.array_equal(tr.run.host.slab(1, Kind.MASTER).numpy()[:meta["numels"][1]], _arrays(last)["master/1"])
+        assert not tr.run.host.slab(1, Kind.EXP_AVG).any()
     finally:
         tr.close()
     pytest.importorskip("transformers")
@@ -141,11 +142,11 @@ def test_a_spilled_runs_last_checkpoint_takes_the_stores_chunks(token_file, tmp_
 
     spill = trained(f"tiers.host_gb={least_budget(tiny_config(token_file, *DEEP))}",
                     f'tiers.nvme_dir="{tmp_path / "nvme"}"')
-    spilled = [(u, k) for (u, k), h in spill.run_plan.where().items() if h == "nvme" and k in ckpt.KINDS]
+    spilled = [(u, k) for (u, k), h in spill.run_plan.where().items() if h == Home.NVME and k in ckpt.KINDS]
     inodes = {uk: spill.run.nvme.store.path(uk[1], uk[0]).stat().st_ino for uk in spilled}
     path, _ = spill.save_checkpoint(tmp_path / "spill", last=True)
     spill.close()
-    assert spilled and all((path / k / str(u) / "c" / "0").stat().st_ino == i for (u, k), i in inodes.items())
+    assert spilled and all((path / k.value / str(u) / "c" / "0").stat().st_ino == i for (u, k), i in inodes.items())
     ram = trained()
     other, _ = ram.save_checkpoint(tmp_path / "ram")
     ram.close()

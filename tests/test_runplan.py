@@ -12,19 +12,20 @@ import pytest
 from conftest import tiny_config
 from test_nvme import DEEP, _budget_for
 from tiertrain.loop import fit
-from tiertrain.modes import Update
+from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.runplan import RunPlan, unit_plans
 from tiertrain.trainer import Trainer
 
 
 def test_unit_plans_take_each_update_mode_from_its_set():
-    where = {(u, k): "nvme" if (u, k) == (3, "exp_avg") else "host" for u in range(5) for k in ("master", "exp_avg")}
+    M, A = Kind.MASTER, Kind.EXP_AVG
+    where = {(u, k): Home.NVME if (u, k) == (3, A) else Home.HOST for u in range(5) for k in (M, A)}
     units = unit_plans(["embed", "a", "b", "c", "head"], where, resident=[0], gpu=[1], gpu_speculated=True,
                        host_speculated=[3, 4])
     assert [u.update for u in units] == ["resident", "gpu-speculated", "host", "host-speculated", "host-speculated"]
-    assert dict(units[0].homes) == {"exp_avg": "gpu", "master": "gpu"}  # a resident unit's state is on the GPU
-    assert dict(units[3].homes) == {"exp_avg": "nvme", "master": "host"}
-    assert unit_plans(["a"], {(0, "master"): "host"}, [], [0], False, [])[0].update == "gpu"
+    assert dict(units[0].homes) == {A: Home.GPU, M: Home.GPU}  # a resident unit's state is on the GPU
+    assert dict(units[3].homes) == {A: Home.NVME, M: Home.HOST}
+    assert unit_plans(["a"], {(0, M): Home.HOST}, [], [0], False, [])[0].update == "gpu"
 
 
 def test_plan_json_lists_every_unit():
@@ -56,18 +57,18 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     assert tr.run_plan == tr.plan.run_plan  # the planner's, unit by unit
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
     assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
-    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
+    assert {(u["index"], Kind(k)): Home(h) for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
     gb = _budget_for(tiny_config(token_file, *DEEP))
     tr = Trainer(tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"'))
     units = json.loads(tr.plan_json())["units"]
     tr.close()
-    assert {(u["index"], k): h for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
+    assert {(u["index"], Kind(k)): Home(h) for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
     assert {u["homes"]["exp_avg"] for u in units[1:-1]} == {"nvme"}  # the moments spill first
 
 
 def test_a_runplan_takes_the_updates_a_test_gives_where_the_state_allows():
-    where = {(u, k): "host" for u in range(4) for k in ("master", "exp_avg")}
-    where[(3, "exp_avg")] = "nvme"
+    where = {(u, k): Home.HOST for u in range(4) for k in (Kind.MASTER, Kind.EXP_AVG)}
+    where[(3, Kind.EXP_AVG)] = Home.NVME
     rp = RunPlan(2, "master", "gpu", 0.0, unit_plans(["embed", "a", "b", "head"], where, [], [], False, []))
     got = rp.with_updates({1: "gpu", 2: "gpu", 0: "host-speculated"})
     assert [u.update for u in got.units] == ["host-speculated", "gpu", "gpu", "host"] and rp.units[1].update == "host"

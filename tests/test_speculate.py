@@ -17,7 +17,7 @@ from test_nvme import DEEP
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.optim.adamw import OptimizerThread
-from tiertrain.modes import Update
+from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.memory import slab_sizes as _layouts
 from tiertrain.plan.planner import SPEC_MARGIN, evaluate, plan
@@ -75,7 +75,7 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
         kept, redone = got[3]
         assert kept >= 1 and redone >= 1
     tr = Trainer(tiny_config(token_file, *sets, clip, *every))
-    host = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == "host" for k in tr.run.host.kinds)]
+    host = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == Home.HOST for k in tr.run.host.kinds)]
     early = tr.run_plan.updated("host-speculated")
     assert early == set(host) - tr.run_plan.updated("gpu", "gpu-speculated") and set(tr.run.host.copies) == early | tr.run_plan.updated("gpu", "gpu-speculated")  # copies for those
     if tr.run_plan.updated("gpu", "gpu-speculated"):  # every other unit from the last: the GPU-updated ones and the host's alternate
@@ -205,7 +205,7 @@ def test_units_in_ram_speculate_every_other_from_the_last_and_spilled_ones_never
     want = _run(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "b"}"', "optim.speculate_units=0"), steps=3)
     _same(got, want)
     tr = Trainer(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "c"}"'))
-    ram = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == "host" for k in tr.run.host.kinds)]
+    ram = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == Home.HOST for k in tr.run.host.kinds)]
     tr.close()
     assert RING_SLOTS < len(sizes) - len(ram) < len(sizes) and got[2] == {ram[-1], ram[-3], ram[-5]}
 

@@ -18,7 +18,7 @@ from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
 from .model.llama import Context
 from .model.spec import UnitSpec
-from .modes import Home, Kind, Update
+from .modes import Home, Kind, Update, by_value
 from .optim.adamw import HostAdamW
 from .optim.updates import Updates
 from .parallel import Ranks
@@ -129,7 +129,7 @@ def _check_saves(cfg: Config, p: Plan, numels: list[int], ranks: Ranks, resume: 
     c, t, rp = cfg.checkpoint, cfg.tiers, p.run_plan
     where = rundir.checkpoint_dir(out)
     meta = ckpt.read_meta(resume) if resume is not None else None
-    start = meta["step"] if meta and meta["kinds"] == list(ckpt.KINDS) else 0
+    start = meta["step"] if meta and ckpt.whole(meta) else 0
     existing = len([q for q in rundir.checkpoints(out) if int(q.name[5:]) <= start]) if start else 0
     free, dev = rundir.disk_free(where)
     same = bool(t.nvme_dir) and rundir.disk_free(Path(t.nvme_dir))[1] == dev
@@ -165,7 +165,7 @@ def assemble(cfg: Config, rp: RunPlan, units: tuple[UnitSpec, ...], layouts: lis
         streams = Streams(device)
         clock = StallClock(streams)
         activations = ActivationStore(rp.checkpoints(), streams, clock, device, pin, store,
-                                      getattr(torch, rp.checkpoint_dtype))
+                                      getattr(torch, rp.activation_dtype))
         staging, reader = (nvme.staging, nvme.reader) if nvme else (None, None)
         slots = WeightSlots(layouts, host, device, dtype, streams, clock, reader=reader, shards=shards, ranks=ranks)
         state = State(units, layouts, shards, ranks, host, staging, where)
@@ -189,7 +189,7 @@ def nvme_tier(numels: list[int], where: dict[tuple[int, str], str], dtypes: dict
     """The store of the slabs `where` puts on NVMe (`dtypes`: each spilled kind's), in a new scratch directory under
     `parent`, with the optimizer's staging and, where the streamed kind spills, its reader; `meta`: what the store
     records (the model)."""
-    kinds = sorted(dtypes)
+    kinds = by_value(dtypes)
     # numpy has no bfloat16: the compute-dtype copy is stored as its bits
     meta = {**meta, **({"weights": "bfloat16 bits, as uint16"} if Kind.WEIGHTS in kinds else {})}
     units = {k: [u for (u, kk), home in where.items() if kk == k and home == Home.NVME] for k in kinds}
@@ -205,7 +205,7 @@ def nvme_tier(numels: list[int], where: dict[tuple[int, str], str], dtypes: dict
     on_disk = set(units.get(streamed, []))
     reader = StreamReader(store, streamed, on_disk, dtypes[streamed], widths[streamed], pin, READ_AHEAD, traffic) \
         if on_disk else None
-    spilled = {u: [k for (uu, k), home in sorted(where.items()) if uu == u and home == Home.NVME]
+    spilled = {u: [k for (uu, k), home in where.items() if uu == u and home == Home.NVME]
                for u in range(len(numels))}
     staging = Staging(store, spilled, dtypes, widths, pin, READ_AHEAD, fresh=frozenset({Kind.WEIGHTS}),
                       drained=frozenset({Kind.GRAD}), on_write=reader.written if reader else None, traffic=traffic)

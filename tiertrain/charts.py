@@ -33,7 +33,8 @@ def plan_chart(p, path: str | Path) -> None:
     a.set_xlabel("seconds per step")
     a.set_title(f"{p.job.name}: predicted time per link (bottleneck: {pr.bottleneck})")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes: never over a bar
-    tiers = {"host": {**mem.host, **mem.host_fixed()}, "NVMe": dict(mem.nvme), "GPU": mem.gpu.table()}
+    tiers = {"host": {**{k.value: b for k, b in mem.host.items()}, **mem.host_fixed()},
+             "NVMe": {k.value: b for k, b in mem.nvme.items()}, "GPU": mem.gpu.table()}
     kinds = sorted({k for parts in tiers.values() for k in parts})
     cmap = plt.get_cmap("tab20")
     left = [0.0] * len(tiers)

@@ -38,7 +38,7 @@ import torch
 
 from . import __version__
 from .errors import ElsewhereError, UserError, why
-from .modes import STATE
+from .modes import STATE, Kind
 
 FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
 FORMATS = (FORMAT, "tiertrain-checkpoint/1")
@@ -76,8 +76,18 @@ def _direct(t: torch.Tensor) -> bool:
     return t.data_ptr() % PAGE == 0 and (t.numel() * t.element_size()) % PAGE == 0
 
 
-def _chunk(root: Path, kind: str, unit: int) -> Path:
-    return Path(root) / kind / str(unit) / "c" / "0"
+def _chunk(root: Path, kind: Kind, unit: int) -> Path:
+    return Path(root) / kind.value / str(unit) / "c" / "0"
+
+
+def kinds_of(meta: dict) -> tuple[Kind, ...]:
+    """The kinds a checkpoint (its attributes) holds."""
+    return tuple(Kind(k) for k in meta["kinds"])
+
+
+def whole(meta: dict) -> bool:
+    """A checkpoint of the whole optimizer state (a resume continues it), not of the weights alone."""
+    return set(kinds_of(meta)) == set(KINDS)
 
 
 def _body(file: Path, t: torch.Tensor, write: bool, io, at: int = 0) -> None:
@@ -205,7 +215,7 @@ def fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _create(tmp: Path, numels: list[int], kinds: tuple[str, ...], attrs: dict) -> None:
+def _create(tmp: Path, numels: list[int], kinds: tuple[Kind, ...], attrs: dict) -> None:
     """The group at `tmp`, an array per (kind, unit), and each chunk file at its size (slab and checksum)."""
     import zarr
     from zarr.codecs import Crc32cCodec
@@ -213,7 +223,7 @@ def _create(tmp: Path, numels: list[int], kinds: tuple[str, ...], attrs: dict) -
     tmp.parent.mkdir(parents=True, exist_ok=True)
     g = zarr.open_group(tmp, mode="w-", attributes=attrs)
     for kind in kinds:
-        sub = g.create_group(kind)
+        sub = g.create_group(kind.value)
         for u, n in enumerate(numels):
             sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
                              compressors=[Crc32cCodec()], config={"write_empty_chunks": True})  # zeros too: whole
@@ -224,7 +234,7 @@ def _create(tmp: Path, numels: list[int], kinds: tuple[str, ...], attrs: dict) -
 
 
 def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, threads: int = 4,
-         kinds: tuple[str, ...] = KINDS, take: Callable[[int, str], Path | None] | None = None) -> int:
+         kinds: tuple[Kind, ...] = KINDS, take: Callable[[int, Kind], Path | None] | None = None) -> int:
     """Writes the checkpoint at `path` from `source(unit, kind)` (this rank's part of the unit's fp32 slab) for each
     of `kinds` (KINDS, or the master alone: WEIGHTS); returns the bytes this rank wrote. `threads` slabs are in
     flight at once. `ranks`: the ranks that save together (parallel.Ranks; None: this process alone); rank 0 makes,
@@ -241,7 +251,7 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
     taken = {key: f for key in keys if ranks.size == 1 and take and (f := take(*key)) is not None}
     attrs = json.loads(json.dumps({"format": FORMAT, "tiertrain_version": __version__,
                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                   "kinds": list(kinds), "numels": list(numels), **meta}))
+                                   "kinds": [k.value for k in kinds], "numels": list(numels), **meta}))
     attrs[ATTRS_CRC] = _attrs_crc(attrs)
     parts = {}
     with ranks.together(OSError) as agreed:
@@ -340,10 +350,10 @@ def read_meta(path: Path) -> dict:
     if bad:
         raise CheckpointError(f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; resume from "
                               "another checkpoint")
-    for kind in meta["kinds"]:
+    for kind in kinds_of(meta):
         for u in range(len(meta["numels"])):
             if not _chunk(path, kind, u).is_file():
-                raise CheckpointError(f"{path} is corrupt: chunk {kind}/{u} is missing; resume from another "
+                raise CheckpointError(f"{path} is corrupt: chunk {kind.value}/{u} is missing; resume from another "
                                       "checkpoint")
     return meta
 
@@ -352,7 +362,7 @@ ATTRS_CRC = "attributes_crc32c"
 _SCHEMA = {  # what restore, resume and export read from the attributes
     "step": lambda v: isinstance(v, int) and v >= 0,
     "config": lambda v: isinstance(v, dict) and isinstance(v.get("model"), dict),
-    "kinds": lambda v: isinstance(v, list) and sorted(v) in (sorted(KINDS), sorted(WEIGHTS)),
+    "kinds": lambda v: isinstance(v, list) and sorted(v) in (sorted(k.value for k in kinds) for kinds in SAVED.values()),
     "numels": lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, int) and n > 0 for n in v),
     "rng": lambda v: isinstance(v, dict) and isinstance(v.get("torch"), str),
     "optimizer": lambda v: isinstance(v, dict) and isinstance(v.get("step_count"), int),
@@ -365,7 +375,7 @@ def _attrs_crc(attrs: dict) -> int:
     return google_crc32c.value(json.dumps(attrs, sort_keys=True).encode())
 
 
-def load(path: Path, kind: str, unit: int, out: torch.Tensor, io=None) -> None:
+def load(path: Path, kind: Kind, unit: int, out: torch.Tensor, io=None) -> None:
     """Reads one slab into `out` (contiguous, fp32), its checksum verified; `io`: a direct-I/O pool to use
     (else one made for this read)."""
     if io is None:
@@ -377,21 +387,21 @@ def load(path: Path, kind: str, unit: int, out: torch.Tensor, io=None) -> None:
     _verify(path, kind, unit, n, _crc(out))
 
 
-def _check_size(path: Path, kind: str, unit: int, nbytes: int) -> None:
+def _check_size(path: Path, kind: Kind, unit: int, nbytes: int) -> None:
     """The chunk file holds the slab's `nbytes` and its checksum."""
     size = _chunk(path, kind, unit).stat().st_size
     if size != nbytes + 4:
-        raise CheckpointError(f"{path} is corrupt: {kind}/{unit} holds {size - 4} bytes, the model "
+        raise CheckpointError(f"{path} is corrupt: {kind.value}/{unit} holds {size - 4} bytes, the model "
                               f"needs {nbytes}; resume from another checkpoint")
 
 
-def _verify(path: Path, kind: str, unit: int, nbytes: int, computed: int) -> None:
+def _verify(path: Path, kind: Kind, unit: int, nbytes: int, computed: int) -> None:
     """The checksum stored after the slab's `nbytes` is `computed`."""
     with open(_chunk(path, kind, unit), "rb") as f:
         f.seek(nbytes)
         stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
     if stored != computed:
-        raise CheckpointError(f"{path} is corrupt: {kind}/{unit} fails its checksum (stored {stored:#010x}, "
+        raise CheckpointError(f"{path} is corrupt: {kind.value}/{unit} fails its checksum (stored {stored:#010x}, "
                               f"computed {computed:#010x}); resume from another checkpoint")
 
 
@@ -404,7 +414,7 @@ def _combined(crcs: list[list[int]], i: int) -> int:
 
 
 def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads: int = 4,
-             kinds: tuple[str, ...] = KINDS) -> None:
+             kinds: tuple[Kind, ...] = KINDS) -> None:
     """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving this rank's part
     of the slab to fill), `threads` at a time, as save writes them; the parts' checksums, combined across
     the ranks (parallel.Ranks; None: this process alone), must give each file's."""

@@ -167,7 +167,7 @@ def _claim(resume: str | None, out: Path | None, config_path: str | None, overri
     marked: rundir.claim), and the checkpoint it resumes from (after what a killed process of the same run left
     half done is finished). Returns (run directory, its lock, what claim made, the checkpoint or None)."""
     from . import rundir
-    from .checkpoint import SAVED, read_meta
+    from .checkpoint import read_meta, whole
     from .config import load_config
 
     if not resume:
@@ -198,7 +198,7 @@ def _claim(resume: str | None, out: Path | None, config_path: str | None, overri
         ckpt = rundir.resolve(resume, target if given is None else None) if given is None or \
             not (given / "zarr.json").is_file() else given
         meta = read_meta(ckpt)
-        rundir.check_resume(ckpt, target, new_run=meta["kinds"] != list(SAVED["full"]))
+        rundir.check_resume(ckpt, target, new_run=not whole(meta))
     except BaseException:
         rundir.release(target, made, lock)
         raise

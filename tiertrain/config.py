@@ -138,7 +138,7 @@ class TiersConfig:
     activations: Places = "auto"
     # the dtype activation checkpoints are kept in: "float32" (the residual stream's own: exact recompute) or
     # "bfloat16" (half the bytes on every tier and link; the recompute starts from the rounded input)
-    checkpoint_dtype: Dtype = "float32"
+    activation_dtype: Dtype = "float32"
     host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)
     nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
@@ -152,7 +152,7 @@ class TiersConfig:
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
         _need(self.activations in PLACES, "tiers", "activations", self, f"must be one of {_q(PLACES)}")
-        _need(self.checkpoint_dtype in DTYPES, "tiers", "checkpoint_dtype", self, f"must be one of {_q(DTYPES)}")
+        _need(self.activation_dtype in DTYPES, "tiers", "activation_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.host_gb >= 0, "tiers", "host_gb", self, "must be 0 (no budget) or a positive number of GB")
         _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
@@ -370,7 +370,7 @@ LEGACY = {("train", "micro_batch_size"): {0: AUTO}, ("train", "loss_chunk_tokens
           ("optim", "speculate_units"): {-1: AUTO}, ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
           ("tiers", "gpu_resident_gb"): {-1: AUTO, -1.0: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
 # keys renamed since: the old name is read as the new one, in config files, --set and checkpoints alike
-RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens"}
+RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens", ("tiers", "checkpoint_dtype"): "activation_dtype"}
 
 
 def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the config",

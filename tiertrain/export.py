@@ -9,6 +9,7 @@ import torch
 from . import checkpoint as ckpt
 from .rundir import resolve, run_of
 from .config import config_from_dict
+from .modes import Kind
 from .model.hf import write_hf
 from .tiers.slab import SlabLayout
 
@@ -25,7 +26,7 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
         for unit in units:
             lay = SlabLayout.build([(t.name, t.shape) for t in unit.tensors])
             flat = torch.empty(lay.numel, dtype=torch.float32)
-            ckpt.load(path, "master", unit.index, flat)
+            ckpt.load(path, Kind.MASTER, unit.index, flat)
             views = lay.views(flat)
             for t in unit.tensors:
                 yield t.hf_name, views[t.name]

@@ -1,13 +1,14 @@
-"""The names the planner and the runtime share: slab kinds, homes and update modes as string enums (each
-compares, sorts and prints as its string: in plan.json, in checkpoints, in code), and the config's string modes
-as Literal types. Pure Python."""
+"""The names the planner and the runtime share: slab kinds and homes as plain enums (a member never equals a
+string: a name written as a string where a member belongs is found by the tests; `.value` at the JSON boundary:
+plan.json, checkpoints, the NVMe store's arrays), update modes as a string enum, and the config's string modes as
+Literal types. Pure Python."""
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Literal
 
 
-class Kind(StrEnum):
+class Kind(Enum):
     """A kind of slab: one flat buffer per unit and kind (tiers.slab)."""
     WEIGHTS = "weights"  # the compute-dtype copy that streams (tiers.stream = "compute")
     MASTER = "master"  # fp32 master weights
@@ -20,7 +21,7 @@ class Kind(StrEnum):
 STATE = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 
-class Home(StrEnum):
+class Home(Enum):
     """Where a slab or an activation checkpoint lives."""
     GPU = "gpu"
     HOST = "host"  # pinned RAM
@@ -39,3 +40,8 @@ class Update(StrEnum):
 Dtype = Literal["bfloat16", "float32"]
 Stream = Literal["compute", "master"]  # what carries the weights to the GPU: a compute-dtype copy, or the master
 Activations = Literal["gpu", "host", "nvme", "split"]  # the checkpoints' home; "split": each block's own
+
+
+def by_value(members) -> list:
+    """Enum members in the order of their values (plain enums do not sort)."""
+    return sorted(members, key=lambda m: m.value)

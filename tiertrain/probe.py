@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+from .modes import Kind
 from .plan.hardware import TORCH_COPIES, HardwareSpec, this_machine
 
 
@@ -121,7 +122,7 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     lay = SlabLayout.build([("w", (n_params // 1024, 1024))])
     pin = torch.cuda.is_available() if pin is None else pin
     host = HostStore([lay], torch.bfloat16, pin=pin, compute_copy=compute_copy)
-    for k in ("master", "grad"):
+    for k in (Kind.MASTER, Kind.GRAD):
         host.slab(0, k).uniform_(-1, 1)
     if into_copies:
         host.add_copies([0])

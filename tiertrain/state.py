@@ -54,7 +54,7 @@ class State:
             if not read:
                 flat[sh.stored:].zero_()
             yield sh.start, flat[:sh.stored]
-            if not read and kind == "master":
+            if not read and kind == Kind.MASTER:
                 self.master_set(unit, flat)
 
     @contextmanager
@@ -62,7 +62,7 @@ class State:
         """The unit's whole fp32 master, every rank's part: gathered from the ranks when `read`; when not, set
         from it on exit (each rank keeps its part, the compute-dtype copy follows). One rank: the slab itself."""
         if self.ranks.size == 1:
-            with self.slab(unit, "master", read) as flat:
+            with self.slab(unit, Kind.MASTER, read) as flat:
                 yield flat
                 if not read:
                     self.master_set(unit, flat)
@@ -70,11 +70,11 @@ class State:
         sh = self.shards[unit]
         whole = torch.zeros(sh.padded, dtype=torch.float32)
         if read:
-            with self.slab(unit, "master", read=True) as part:
+            with self.slab(unit, Kind.MASTER, read=True) as part:
                 self.ranks.host_gather(part, whole)
         yield whole[:sh.layout.numel]
         if not read:
-            with self.slab(unit, "master", read=False) as part:
+            with self.slab(unit, Kind.MASTER, read=False) as part:
                 part.copy_(whole[sh.start:sh.start + sh.numel])
                 self.master_set(unit, part)
 
@@ -82,15 +82,15 @@ class State:
         """The unit's master was set outside the optimizer (init, import, restore): the compute-dtype copy
         follows, on the host or on NVMe."""
         if self.where.get((unit, Kind.WEIGHTS)) == Home.NVME:
-            with self.staging.borrowed(unit, "weights", read=False) as w:
+            with self.staging.borrowed(unit, Kind.WEIGHTS, read=False) as w:
                 w.copy_(master)
         self.host.updated(unit, master)
 
     def grad_sink(self, unit: int):
         """Where the backward pass drains the unit's gradient (engine.buffers.Accumulators' sink)."""
         if self.where[(unit, Kind.GRAD)] == Home.NVME:
-            return self.staging.sink(unit, "grad")
-        return self.host.slab(unit, "grad"), None
+            return self.staging.sink(unit, Kind.GRAD)
+        return self.host.slab(unit, Kind.GRAD), None
 
     # ---- the weights as tensors ------------------------------------------------------------------
     def init_weights(self, std: float, seed: int) -> None:

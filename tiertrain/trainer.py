@@ -177,8 +177,7 @@ class Trainer:
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ckpt.CheckpointError(f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
                                        "differ); resume with the run's own config, or start a new run")
-        kinds = tuple(meta["kinds"])
-        whole = sorted(kinds) == sorted(ckpt.KINDS)
+        kinds, whole = ckpt.kinds_of(meta), ckpt.whole(meta)
         theirs = meta.get("data", {}).get("identity")
         if whole and theirs and theirs != self.data_identity:
             was = meta["data"].get("path") or "the built-in corpus"
@@ -294,7 +293,7 @@ class Trainer:
     def _checkpoint_homes(self) -> str:
         """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
         homes = list(self.run_plan.checkpoints().values())
-        where = {"gpu": "on the device", "host": "in pinned host memory", "nvme": "on NVMe"}
+        where = {Home.GPU: "on the device", Home.HOST: "in pinned host memory", Home.NVME: "on NVMe"}
         text = ", ".join(f"{homes.count(h)} checkpoints {w}" for h, w in where.items() if h in homes) or "no checkpoints"
         store = self.run.activations.store
         return text + (f" in {store.root}" if store else "") + (
@@ -317,9 +316,9 @@ class Trainer:
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
             f"host tier: {human_bytes(sum(host.values()))} ("
-            + ", ".join(f"{k} {human_bytes(v)}" for k, v in host.items()) + ")",
+            + ", ".join(f"{getattr(k, 'value', k)} {human_bytes(v)}" for k, v in host.items()) + ")",
             *([f"NVMe tier: {human_bytes(sum(nv.values()))} ("
-               + ", ".join(f"{k} {human_bytes(v)}" for k, v in nv.items())
+               + ", ".join(f"{k.value} {human_bytes(v)}" for k, v in nv.items())
                + f") in {nvme.store.root} via {nvme.store.io.name}, staging ring "
                + human_bytes(nvme.ring_nbytes())] if nvme else []),
             *([f"plan: step {pr.step_s:.2f} s"

@@ -30,7 +30,7 @@ class ActivationStore:
     def __init__(self, homes: dict[int, str], streams: Streams, clock: StallClock, device: torch.device, pin: bool,
                  store=None, dtype: torch.dtype = torch.float32):
         """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones; `dtype`: the
-        checkpoints' (RunPlan.checkpoint_dtype): a block's fp32 input is cast to it when saved, back when got."""
+        checkpoints' (RunPlan.activation_dtype): a block's fp32 input is cast to it when saved, back when got."""
         self.homes, self.s, self.clock, self.device, self.pin, self.store = homes, streams, clock, device, pin, store
         self.dtype = dtype
         self.saved: dict[int, list[torch.Tensor]] = {}

@@ -21,6 +21,7 @@ import torch
 
 from ..config import OptimConfig
 from ..errors import Everywhere, UserError
+from ..modes import STATE, Kind
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
 from . import kernel
@@ -99,12 +100,12 @@ class HostAdamW:
                 c = slice(c0, min(c0 + step_by, b))
                 p_, m_, v_ = master[c], m[c], v[c]
                 if self.kernel is not None and not on_gpu:  # one pass, in place or into `out`
-                    dst = [out[k][c] if out else x for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_))]
+                    dst = [out[k][c] if out else x for k, x in zip(STATE, (p_, m_, v_))]
                     self.kernel.adamw(p_, grad[c], m_, v_, *dst, NO_COPY if w is None else w[c], lr, b1, b2, wd,
                                       self.cfg.eps, float(step), 1.0 / clip if clip < 1.0 else 0.0, self.stores)
                     continue
                 if out is not None:
-                    p_, m_, v_ = (out[k][c].copy_(x) for k, x in (("master", p_), ("exp_avg", m_), ("exp_avg_sq", v_)))
+                    p_, m_, v_ = (out[k][c].copy_(x) for k, x in zip(STATE, (p_, m_, v_)))
                 torch._fused_adamw_([p_], [grad[c]], [m_], [v_], [], [st], lr=lr, beta1=b1,
                                     beta2=b2, weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
                                     grad_scale=scale)
@@ -119,7 +120,8 @@ class HostAdamW:
         if self.staging is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.staging.acquire(unit))
         out = self.host.copies[unit] if into_copies else None
-        self.apply(unit, s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights"), step, lr, clip, out)
+        self.apply(unit, s[Kind.MASTER], s[Kind.GRAD], s[Kind.EXP_AVG], s[Kind.EXP_AVG_SQ], s.get(Kind.WEIGHTS), step, lr,
+                   clip, out)
         if self.staging is not None:
             self.staging.release(unit)
         if not into_copies:

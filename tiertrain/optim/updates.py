@@ -54,13 +54,13 @@ class GpuUpdates:
             s = self.host.slabs[unit]
             with self.s.on(self.s.h2d):
                 self.s.wait(self.s.h2d, self.grads.ready.get(unit))
-                self.opt.apply(unit, s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s.get("weights"),
+                self.opt.apply(unit, s[Kind.MASTER], s[Kind.GRAD], s[Kind.EXP_AVG], s[Kind.EXP_AVG_SQ], s.get(Kind.WEIGHTS),
                                step, lr, clip)
-            return s["master"]
+            return s[Kind.MASTER]
         st = self._next_set()
         waits = (st.free, self.grads.ready.get(unit), self.written.get(unit))
         return self._in_set(unit, st, (*STATE, Kind.GRAD), waits,
-                            (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])["master"]
+                            (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])[Kind.MASTER]
 
     def speculate(self, unit: int, step: int, lr: float, into: dict | None) -> None:
         """The unit's AdamW as if the norm will not clip, from its accumulator (copied into a state set on the
@@ -69,7 +69,7 @@ class GpuUpdates:
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, st.free)
             acc = self.grads.part(unit)  # this rank's part of the gradient summed over the ranks
-            st.t["grad"][:acc.numel()].copy_(acc)
+            st.t[Kind.GRAD][:acc.numel()].copy_(acc)
             copied = self.s.record(self.s.d2h)
         self.grads.read_until(unit, copied)
         self._in_set(unit, st, STATE, (copied, self.written.get(unit)), (self.s.speculative, self.s.back), step, lr, 1.0,
@@ -93,7 +93,7 @@ class GpuUpdates:
                 self.s.wait(s_in, ev)
             for k in kinds:
                 t[k].copy_(self.host.slab(unit, k), non_blocking=True)
-            self.opt.apply(unit, t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], None, step, lr, clip)
+            self.opt.apply(unit, t[Kind.MASTER], t[Kind.GRAD], t[Kind.EXP_AVG], t[Kind.EXP_AVG_SQ], None, step, lr, clip)
             done = self.s.record(s_in)
         with self.s.on(s_out):
             self.s.wait(s_out, done)

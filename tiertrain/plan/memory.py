@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from ..modes import Home
+from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import (CK_RING_BYTES, ck_disk_bytes, disk_bytes, host_state_bytes, kind_bytes, least_host,
                                place_within, read_ahead_bytes, resident_units, streamed_kind, update_candidates)
@@ -53,7 +53,7 @@ class Shape:
     @property
     def ck_unit(self) -> int:
         """Bytes of one block's activation checkpoint of one rank's batch."""
-        return self.tokens * self.job.spec.hidden_size * WIDTH[self.job.checkpoint_dtype]
+        return self.tokens * self.job.spec.hidden_size * WIDTH[self.job.activation_dtype]
 
     source: str  # the figures the plan is made with (HardwareSpec.source)
 
@@ -76,7 +76,7 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
     tile = (TILE if big else 0) if choice.tile is None else choice.tile
     host_budget = (share.host_gb if share.host_gb is not None else mine.host_ram_gb - PROCESS_GB) * 1e9
     rp = RunPlan(choice.micro, choice.stream, choice.activations, share.resident_gb, tile=tile,
-                 checkpoint_dtype=job.checkpoint_dtype, gpus=job.gpus, compute_dtype=job.dtype,
+                 activation_dtype=job.activation_dtype, gpus=job.gpus, compute_dtype=job.dtype,
                  numels=tuple(shards), rows=job.rows, row_numel=job.seq_len * spec.hidden_size)
     return Shape(job, choice, mine, budgets, share, tuple(shards), tuple(resident), kb, gpu_budget, host_budget, rp,
                  hw.source)
@@ -146,11 +146,11 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
         n_host = min(n_host, max(0, int(room // host_cost(ck_unit))))
         if n_host < nl - n_gpu:
             n_host = max(0, int((room - CK_RING_BYTES) // host_cost(ck_unit)))
-    split = {"gpu": n_gpu, "host": n_host, "nvme": nl - n_gpu - n_host}
+    split = {Home.GPU: n_gpu, Home.HOST: n_host, Home.NVME: nl - n_gpu - n_host}
     # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
     on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit \
-        + (s.tokens * spec.hidden_size * 4 if WIDTH[s.job.checkpoint_dtype] == 2 else 0)  # the block's, cast back
-    host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if split["nvme"] else 0)
+        + (s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0)  # the block's, cast back
+    host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if split[Home.NVME] else 0)
     return replace(mem, gpu=replace(mem.gpu, checkpoints=on_gpu), checkpoints=frozen(split)), host_ck
 
 
@@ -174,18 +174,18 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
         size = numels[u] * kb[k]
         if tier != Home.HOST:
             nvme[k] = nvme.get(k, 0) + size
-        placement.setdefault(k, {"host": 0, "nvme": 0})[tier] += 1
+        placement.setdefault(k, {Home.HOST: 0, Home.NVME: 0})[tier] += 1
         if tier == Home.NVME and k == streamed_kind(kb) and u in reloaded_units(len(numels)):
             bwd_reads += size
-    ck_disk = mem.checkpoints["nvme"] * ck_disk_bytes(s.choice.micro * s.job.seq_len * s.job.spec.hidden_size
-                                                      * WIDTH[s.job.checkpoint_dtype], s.job.rows // s.choice.micro)
+    ck_disk = mem.checkpoints[Home.NVME] * ck_disk_bytes(s.choice.micro * s.job.seq_len * s.job.spec.hidden_size
+                                                      * WIDTH[s.job.activation_dtype], s.job.rows // s.choice.micro)
     mem = replace(mem, host=frozen(host_state_bytes(numels, kb, where, host_cost, skip=set(s.resident))),
                   nvme=frozen(nvme), placement=frozen(placement), ring=ring, host_checkpoints=host_ck,
                   process=PROCESS_GB * 1e9, nvme_checkpoints=ck_disk, nvme_bwd_reads=bwd_reads,
                   nvme_ahead=read_ahead_bytes(numels, kb, where))
     disk = disk_bytes(numels, kb, where) + ck_disk
     if nvme_on and disk > s.budgets.nvme_gb * 1e9:
-        what = "the spilled state and checkpoints take" if mem.checkpoints["nvme"] else "the spilled state takes"
+        what = "the spilled state and checkpoints take" if mem.checkpoints[Home.NVME] else "the spilled state takes"
         return s.miss(Short.NVME, f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is "
                       f"{s.given.nvme_gb:g}; raise --nvme-gb or --host-gb", mem)
     return mem, where
@@ -234,7 +234,7 @@ def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
 def gpu_candidates(in_ram: list[int], kb: dict) -> list[int]:
     """The units that may be updated on the GPU: those in RAM, unless a compute-dtype copy streams (a GPU update
     makes the weights from the fp32 master)."""
-    return in_ram if "weights" not in kb else []
+    return in_ram if Kind.WEIGHTS not in kb else []
 
 
 def reloaded_units(n_units: int) -> range:

@@ -231,15 +231,15 @@ def _bottleneck(t: dict, bwd: float, fwd: float) -> str:
     return max(phase, key=phase.get)
 
 
-def checkpoint_homes(blocks: int, counts: dict[str, int]) -> dict[int, Home]:
+def checkpoint_homes(blocks: int, counts: dict[Home, int]) -> dict[int, Home]:
     """The home of each recomputed block's checkpoint (blocks 1..`blocks`), `counts` of them per home: NVMe's
     spread evenly from the first block (each write and read then has the blocks between to hide behind; a run of
     first blocks made the forward pass wait for the disk, at most two blocks on their way down at once), then the
     GPU's from the last block back (the first the backward pass needs), the host's for the rest."""
-    n = min(counts.get("nvme", 0), blocks)
+    n = min(counts.get(Home.NVME, 0), blocks)
     nvme = {1 + i * blocks // n for i in range(n)}
     rest = [b for b in range(blocks, 0, -1) if b not in nvme]
-    gpu = min(counts.get("gpu", 0), len(rest))
+    gpu = min(counts.get(Home.GPU, 0), len(rest))
     return {b: Home.NVME for b in nvme} | {b: Home.GPU if i < gpu else Home.HOST for i, b in enumerate(rest)}
 
 

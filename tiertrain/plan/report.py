@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 
-from ..modes import Update
+from ..modes import Home, Update, by_value
 from ..sizes import budget
 from .advice import LARGEST_LAYERS
 from .values import Miss, Plan, Report
@@ -24,13 +24,16 @@ def plan_dict(p: Plan | Miss) -> dict:
             "dtype": rp.compute_dtype, "micro_batch": rp.micro_batch, "stream": rp.stream,
             "activations": rp.activations, "gpu_updates": rp.count(Update.GPU, Update.GPU_SPECULATED),
             "resident_gb": rp.resident_gb, "kept": mem.kept, "kept_checkpoints": mem.kept_checkpoints,
-            "checkpoints": dict(mem.checkpoints), "tile": rp.tile, "checkpoint_dtype": rp.checkpoint_dtype,
+            "checkpoints": {h.value: n for h, n in mem.checkpoints.items()}, "tile": rp.tile,
+            "checkpoint_dtype": rp.activation_dtype,
             "nvme_ahead": mem.nvme_ahead, "speculated": rp.count(Update.HOST_SPECULATED),
             "gpu_speculated": bool(rp.count(Update.GPU_SPECULATED)), "clipping": p.job.clipping if fits else True,
-            "fits": fits, "why": p.why, "short_of": "" if fits else p.short.value, "host_bytes": dict(mem.host),
-            "nvme_bytes": dict(mem.nvme), "nvme_bwd_reads": mem.nvme_bwd_reads,
+            "fits": fits, "why": p.why, "short_of": "" if fits else p.short.value,
+            "host_bytes": {k.value: b for k, b in mem.host.items()}, "nvme_bytes": {k.value: b for k, b in mem.nvme.items()},
+            "nvme_bwd_reads": mem.nvme_bwd_reads,
             "nvme_checkpoints": mem.nvme_checkpoints, "least_host": p.least_host,
-            "placement": {k: dict(v) for k, v in mem.placement.items()}, "host_fixed": mem.host_fixed(),
+            "placement": {k.value: {h.value: n for h, n in v.items()} for k, v in mem.placement.items()},
+            "host_fixed": mem.host_fixed(),
             "gpu": mem.gpu.table(), "times": dict(pr.times) if pr else {}, "step_s": pr.step_s if pr else math.inf,
             "clipped_times": dict(pr.clipped_times) if pr else {},
             "clipped_step_s": pr.clipped_step_s if pr else math.inf, "bottleneck": pr.bottleneck if pr else "",
@@ -51,7 +54,7 @@ def to_json(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
 
 def _checkpoints(p: Plan) -> str:
     """Where the activation checkpoints live, and the MLP's tiles."""
-    where = {"gpu": "the GPU", "host": "the host", "nvme": "NVMe"}
+    where = {Home.GPU: "the GPU", Home.HOST: "the host", Home.NVME: "NVMe"}
     homes = [(where[h], n) for h, n in p.memory.checkpoints.items() if n]
     text = ("activation checkpoints on " + homes[0][0] if len(homes) == 1 else
             "activation checkpoints split: " + ", ".join(f"{n} on {h}" for h, n in homes)) if homes else \
@@ -117,14 +120,14 @@ def _memory(p: Plan) -> list[str]:
     """The memory per tier: the state's kinds on the host and NVMe, the host's other bytes, the GPU's parts."""
     mem = p.memory
     out = ["## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
-    for k in sorted(mem.placement):
+    for k in by_value(mem.placement):
         on = mem.placement[k]
-        out.append(f"| {k} | {_gb(mem.host.get(k, 0))} | {_gb(mem.nvme.get(k, 0))} | "
-                   f"{on['nvme']} of {on['host'] + on['nvme']} |")
+        out.append(f"| {k.value} | {_gb(mem.host.get(k, 0))} | {_gb(mem.nvme.get(k, 0))} | "
+                   f"{on[Home.NVME]} of {on[Home.HOST] + on[Home.NVME]} |")
     for k, v in mem.host_fixed().items():
         out.append(f"| {k}{' (not in --host-gb)' if k == 'process' else ''} | {_gb(v)} | | |")
     if mem.nvme_checkpoints:
-        out.append(f"| activation checkpoints on NVMe | | {_gb(mem.nvme_checkpoints)} | {mem.checkpoints['nvme']} of "
+        out.append(f"| activation checkpoints on NVMe | | {_gb(mem.nvme_checkpoints)} | {mem.checkpoints[Home.NVME]} of "
                    f"{sum(mem.checkpoints.values())} |")
     out += [f"| **total** | **{_gb(mem.host_total)}** | **{_gb(sum(mem.nvme.values()) + mem.nvme_checkpoints)}** "
             "| |", "",

@@ -19,7 +19,7 @@ from .values import Budgets, Choice, Job, Miss, Plan, Short
 def job_of(cfg: Config, name: str, gpus: int = 1, per_host: int | None = None) -> Job:
     """What `cfg` trains, as one of `gpus` ranks (`per_host` of them on each host; None: all on one)."""
     tc = cfg.train
-    return Job(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, cfg.tiers.checkpoint_dtype,
+    return Job(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, cfg.tiers.activation_dtype,
                cfg.optim.grad_clip > 0, gpus, per_host or 0, name)
 
 
@@ -95,7 +95,7 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
         kb, numels = p.run_plan.kind_bytes(), list(p.run_plan.numels)  # a rank's shards; the budget is the host's
         resident = resident_units(numels, kb, p.run_plan.resident_gb * 1e9)
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
-        acts = p.memory.checkpoints.get("host", 0) * host_cost(p.run_plan.checkpoint_bytes(p.job.rows))
+        acts = p.memory.checkpoints.get(Home.HOST, 0) * host_cost(p.run_plan.checkpoint_bytes(p.job.rows))
         total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.per_host
         least = least_host(rest, kb, acts, host_cost) * p.per_host
         return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
@@ -103,7 +103,7 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
                 "is the least)")
     if p.short == Short.RING:
         return (f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
-                + (" and the host activation checkpoints" if p.memory.checkpoints.get("host") else "")
+                + (" and the host activation checkpoints" if p.memory.checkpoints.get(Home.HOST) else "")
                 + f" with all it can spill on NVMe: raise --host-gb to at least {budget(p.least_host)}")
     if p.short == Short.COPIES:
         n, gpu = cfg.optim.speculate_units, cfg.optim.speculate_gpu_updates is True
@@ -156,5 +156,5 @@ def host_need(rp: RunPlan, copied: frozenset[int]) -> int:
 
 def host_checkpoints(rp: RunPlan) -> int:
     """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
-    return (len(rp.checkpoints("host")) * host_cost(rp.checkpoint_bytes(rp.rows))
-            + (CK_RING_BYTES if rp.checkpoints("nvme") else 0))
+    return (len(rp.checkpoints(Home.HOST)) * host_cost(rp.checkpoint_bytes(rp.rows))
+            + (CK_RING_BYTES if rp.checkpoints(Home.NVME) else 0))

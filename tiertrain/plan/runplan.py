@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from ..modes import Activations, Dtype, Home, Kind, Stream, Update
+from ..modes import Activations, Dtype, Home, Kind, Stream, Update, by_value
 from ..tiers.placement import kind_bytes
 
 WIDTH = {"float32": 4, "bfloat16": 2}  # bytes per element of a dtype
@@ -35,8 +35,9 @@ class UnitPlan:
     checkpoint: Home | str = ""  # where the block's checkpoint lives; "": it has none
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "name": self.name, "update": self.update, "homes": dict(self.homes),
-                "recompute": self.recompute, "checkpoint": self.checkpoint}
+        return {"index": self.index, "name": self.name, "update": self.update,
+                "homes": {k.value: h.value for k, h in self.homes}, "recompute": self.recompute,
+                "checkpoint": self.checkpoint.value if self.checkpoint else ""}
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitPlan":
@@ -54,7 +55,7 @@ class RunPlan:
     resident_gb: float  # GPU memory for the whole state of the first units (their update: "resident")
     units: tuple[UnitPlan, ...] = ()
     tile: int = 0  # tokens per tile of a block's token-wise parts (model/tiled.py); 0: untiled
-    checkpoint_dtype: Dtype = "float32"  # the activation checkpoints' dtype
+    activation_dtype: Dtype = "float32"  # the activation checkpoints' dtype
     gpus: int = 1  # ranks: each takes batch / gpus rows of every batch and holds 1/gpus of every slab (homes: its shard's)
     compute_dtype: Dtype = "bfloat16"  # the matmuls', and the streamed weights' where a copy streams
     numels: tuple[int, ...] = ()  # elements of each unit's slabs: this rank's shard (tiers.slab.Shard)
@@ -62,9 +63,9 @@ class RunPlan:
     row_numel: int = 0  # elements of one row's activation checkpoint of a block (seq_len x hidden)
 
     @property
-    def checkpoint_width(self) -> int:
+    def activation_width(self) -> int:
         """Bytes per element of an activation checkpoint."""
-        return WIDTH[self.checkpoint_dtype]
+        return WIDTH[self.activation_dtype]
 
     @property
     def compute_width(self) -> int:
@@ -77,13 +78,13 @@ class RunPlan:
 
     def checkpoint_bytes(self, rows: int) -> int:
         """Bytes of a block's activation checkpoint for `rows` rows."""
-        return rows * self.row_numel * self.checkpoint_width
+        return rows * self.row_numel * self.activation_width
 
-    def checkpoints(self, home: str | None = None) -> dict[int, str]:
+    def checkpoints(self, home: Home | None = None) -> dict[int, Home]:
         """{block: its checkpoint's home} of the blocks that have one (only those at `home`, if given)."""
         return {u.index: u.checkpoint for u in self.units if u.checkpoint and home in (None, u.checkpoint)}
 
-    def where(self) -> dict[tuple[int, str], str]:
+    def where(self) -> dict[tuple[int, Kind], Home]:
         """{(unit, kind): home}: the placement the tiers obey."""
         return {(u.index, k): home for u in self.units for k, home in u.homes}
 
@@ -124,7 +125,7 @@ class RunPlan:
     def to_dict(self) -> dict:
         return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
                 "resident_gb": self.resident_gb, "tile": self.tile,
-                "checkpoint_dtype": self.checkpoint_dtype, "gpus": self.gpus, "compute_dtype": self.compute_dtype,
+                "checkpoint_dtype": self.activation_dtype, "gpus": self.gpus, "compute_dtype": self.compute_dtype,
                 "units": [u.to_dict() for u in self.units]}
 
 
@@ -140,7 +141,7 @@ def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: It
         kinds_of.setdefault(v, []).append(k)
     out = []
     for u, name in enumerate(names):
-        kinds = sorted(kinds_of.get(u, ()))
+        kinds = by_value(kinds_of.get(u, ()))
         homes = tuple((Kind(k), Home.GPU if u in resident else Home(where[(u, k)])) for k in kinds)
         update = (Update.RESIDENT if u in resident else (Update.GPU_SPECULATED if gpu_speculated else Update.GPU)
                   if u in gpu else Update.HOST_SPECULATED if u in early else Update.HOST)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..model.spec import ModelSpec
+from ..modes import Home, Kind
 from ..tiers.placement import streamed_kind
 from .hardware import HardwareSpec
 from .values import Job, Memory
@@ -19,8 +20,8 @@ def nvme_traffic(kind: str, streamed: str) -> tuple[int, int, int]:
     has written them), and writes in the backward pass (its reads of the streamed weights: Plan's
     `nvme_bwd_reads`, units the device still holds excepted)."""
     if kind == streamed:  # a compute-dtype copy is written whole by the optimizer, a master read first
-        return (2 if kind == "master" else 1), 1, 0
-    if kind == "grad":  # drained to disk by the backward pass, read by the optimizer
+        return (2 if kind == Kind.MASTER else 1), 1, 0
+    if kind == Kind.GRAD:  # drained to disk by the backward pass, read by the optimizer
         return 1, 0, 1
     return 1, 1, 0
 
@@ -46,11 +47,11 @@ def step_times(job: Job, mem: Memory, fit: Fit, on_gpu: int, speculated: int,
     of every unit it loads, in the compute dtype, and reduce-scatters as much of every fp32 gradient, over NVLink
     (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
     s, hw, kb = fit.shape, fit.shape.hw, fit.shape.kb
-    sw = 2 if "weights" in kb else 4  # bytes per parameter that stream
+    sw = 2 if Kind.WEIGHTS in kb else 4  # bytes per parameter that stream
     ck_unit = job.spec.num_hidden_layers * s.ck_unit / job.spec.num_hidden_layers
-    host_ck_io = (mem.checkpoints.get("host", 0) + mem.checkpoints.get("nvme", 0)) * ck_unit  # each way over PCIe
-    ck_disk = mem.checkpoints.get("nvme", 0) * ck_unit  # written in the forward pass, read in the backward pass
-    adam_rate = hw.host_adam_copy_params_per_s if "weights" in kb else hw.host_adam_params_per_s
+    host_ck_io = (mem.checkpoints.get(Home.HOST, 0) + mem.checkpoints.get(Home.NVME, 0)) * ck_unit  # each way, PCIe
+    ck_disk = mem.checkpoints.get(Home.NVME, 0) * ck_unit  # written in the forward pass, read in the backward pass
+    adam_rate = hw.host_adam_copy_params_per_s if Kind.WEIGHTS in kb else hw.host_adam_params_per_s
     fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
     streamed, reloaded = fit.sums
     h2d_fwd, d2h_fwd = sw * streamed + 12 * fwd_gpu, 12 * fwd_gpu + host_ck_io

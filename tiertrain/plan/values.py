@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from ..model.spec import ModelSpec
-from ..modes import Activations, Dtype, Stream, Update
+from ..modes import Activations, Dtype, Home, Kind, Stream, Update
 from .runplan import RunPlan
 
 EMPTY: Mapping = MappingProxyType({})
@@ -33,7 +33,7 @@ class Job:
     batch: int  # sequences per step, over every rank
     seq_len: int
     dtype: Dtype = "bfloat16"  # the compute dtype
-    checkpoint_dtype: Dtype = "float32"  # the activation checkpoints'
+    activation_dtype: Dtype = "float32"  # the activation checkpoints'
     clipping: bool = True  # the global norm is clipped: a speculative update writes copies
     gpus: int = 1  # ranks, one GPU each: each holds 1/gpus of the state and takes 1/gpus of the batch's rows
     per_host: int = 0  # of them on each host, sharing its RAM, cores, DRAM bandwidth and disk; 0: all on one
@@ -112,12 +112,12 @@ class Memory:
     """One rank's bytes on every tier, as far as the plan got (a miss stops part way), and the disk traffic its
     placement implies."""
     gpu: GpuMemory
-    checkpoints: Mapping[str, int] = _table()  # home -> blocks whose checkpoint lives there (kept blocks counted)
+    checkpoints: Mapping[Home, int] = _table()  # home -> blocks whose checkpoint lives there (kept blocks counted)
     kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
     kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
-    host: Mapping[str, int] = _table()  # kind -> bytes of state slabs in RAM (whole pages)
-    nvme: Mapping[str, int] = _table()  # kind -> bytes of state slabs on NVMe
-    placement: Mapping[str, Mapping[str, int]] = _table()  # kind -> {"host": units, "nvme": units}
+    host: Mapping[Kind, int] = _table()  # kind -> bytes of state slabs in RAM (whole pages)
+    nvme: Mapping[Kind, int] = _table()  # kind -> bytes of state slabs on NVMe
+    placement: Mapping[Kind, Mapping[Home, int]] = _table()  # kind -> {Home.HOST: units, Home.NVME: units}
     ring: int = 0  # the staging ring
     host_checkpoints: int = 0  # activation checkpoints in RAM, and the ring of those on NVMe
     process: float = 0.0  # the process itself (Python, torch, the CUDA context): not in --host-gb; 0: not placed

@@ -27,7 +27,7 @@ class HostStore:
         self.pin = pin
         self.version = [0] * len(layouts)
         copy = compute_copy and compute_dtype != torch.float32
-        self.kinds = FP32_KINDS + (("weights",) if copy else ())
+        self.kinds = FP32_KINDS + ((Kind.WEIGHTS,) if copy else ())
         self.streamed_kind = Kind.WEIGHTS if copy else Kind.MASTER  # the slab that carries the weights to the GPU
         self.slabs: list[dict[str, torch.Tensor]] = []
         for u, lay in enumerate(layouts):  # slabs placed on NVMe get no memory here; "gpu" ones live there
@@ -57,7 +57,7 @@ class HostStore:
             self.version[unit] += 1
 
     def dtype(self, kind: str) -> torch.dtype:
-        return self.compute_dtype if kind == "weights" else torch.float32
+        return self.compute_dtype if kind == Kind.WEIGHTS else torch.float32
 
     def slab(self, unit: int, kind: str) -> torch.Tensor:
         return self.slabs[unit][kind]
@@ -70,8 +70,8 @@ class HostStore:
         """The unit's master changed: round it into the compute-dtype copy, and bump its version.
         `master`: the slab where it is now, when it does not live here (on NVMe, in a ring buffer)."""
         s = self.slabs[unit]
-        if "weights" in s:
-            s["weights"].copy_(s["master"] if master is None else master)
+        if Kind.WEIGHTS in s:
+            s[Kind.WEIGHTS].copy_(s[Kind.MASTER] if master is None else master)
         self.version[unit] += 1
 
     def nbytes(self) -> dict[str, int]:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..modes import Kind
 from ..sizes import gb
 
 TASK_BYTES = 16 << 20
@@ -196,7 +197,7 @@ class NvmeStore(ChunkStore):
     """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit)); a kind's rows are
     as wide as its widest spilled unit. Its chunks are keyed (unit, kind)."""
 
-    def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[str, str], meta: dict, io,
+    def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[Kind, str], meta: dict, io,
                  create: bool, units: dict[str, list[int]] | None = None):
         """`create`: a new store (a store already there is refused, never reused: its contents belong to
         another run); otherwise open an existing one, checked against `meta` and for whole chunks.
@@ -208,7 +209,8 @@ class NvmeStore(ChunkStore):
         self.units = {k: sorted(units[k]) if units else list(range(len(numels))) for k in kinds}
         # a kind's rows as wide as its widest spilled unit: a wide unit kept in RAM costs no disk
         self.width = {k: max((numels[u] for u in self.units[k]), default=1) for k in kinds}
-        meta = {"format": FORMAT, "numels": numels, "kinds": kinds, "units": self.units, **meta}
+        meta = {"format": FORMAT, "numels": numels, "kinds": {k.value: dt for k, dt in kinds.items()},
+                "units": {k.value: us for k, us in self.units.items()}, **meta}
         exists = (self.root / "zarr.json").exists()
         if create and exists:
             raise StoreError(f"{self.root} already holds a store of another run; use a new --out name or "
@@ -237,7 +239,7 @@ class NvmeStore(ChunkStore):
             g = zarr.open_group(self.root, mode="a", attributes=meta)  # never "w": that empties the directory
             for kind, dt in self.kinds.items():
                 w = self.width[kind]
-                arr = g.create_array(kind, shape=(len(self.numels), w), chunks=(1, w), dtype=dt,
+                arr = g.create_array(kind.value, shape=(len(self.numels), w), chunks=(1, w), dtype=dt,
                                      fill_value=0, compressors=None, config={"write_empty_chunks": True})
                 zeros = np.zeros((1, w), dtype=dt)
                 for u in self.units[kind]:
@@ -253,13 +255,13 @@ class NvmeStore(ChunkStore):
             for u in self.units[kind]:
                 p = self.path(kind, u)
                 if not p.is_file() or p.stat().st_size != self.width[kind] * np.dtype(dt).itemsize:
-                    raise StoreError(f"{self.root}: chunk {kind}/{u} is missing or truncated; the store is "
+                    raise StoreError(f"{self.root}: chunk {kind.value}/{u} is missing or truncated; the store is "
                                      "corrupt: use another --nvme-dir or delete it")
 
-    def path(self, kind: str, unit: int) -> Path:
-        return self.root / kind / "c" / str(unit) / "0"
+    def path(self, kind: Kind, unit: int) -> Path:
+        return self.root / kind.value / "c" / str(unit) / "0"
 
-    def file(self, unit: int, kind: str) -> Path:
+    def file(self, unit: int, kind: Kind) -> Path:
         return self.path(kind, unit)
 
 

@@ -67,7 +67,7 @@ class Staging:
         self.store, self.spilled, self.depth = store, spilled, depth
         self.fresh, self.drained, self.on_write = fresh, drained, on_write
         self.traffic = traffic or Traffic()
-        kinds = sorted({k for ks in spilled.values() for k in ks})
+        kinds = {k for ks in spilled.values() for k in ks}
         self.rings = {k: Ring(depth + 2, widths[k], dtypes[k], pin) for k in kinds}  # ahead, in use, writing back
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
