@@ -1,17 +1,32 @@
-"""Shared helpers: tiny configs and the plain-PyTorch reference training loop."""
+"""Shared helpers: tiny configs, the plain-PyTorch reference training loop, the command line as a user runs it,
+checkpoints' arrays, budgets that spill, and tiny Hugging Face models."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 import torch
 
+from tiertrain import checkpoint as ckpt
 from tiertrain.config import Config, load_config
+from tiertrain.metrics import read_metrics
+from tiertrain.modes import Kind
 from tiertrain.model.reference import ReferenceLM
 from tiertrain.optim.adamw import lr_at
 from tiertrain.plan.hardware import REFERENCE, TORCH_COPIES
+from tiertrain.sizes import budget
+from tiertrain.tiers.placement import RING_SLOTS, least_host
+from tiertrain.tiers.slab import host_cost
 
 # the reference H200 as measured before the one-pass host AdamW in pieces: a host whose AdamW is slow and
 # half as fast into a speculation's copies; the planner's scenarios that need AdamW to be the bottleneck
@@ -95,3 +110,143 @@ def reference_train(cfg: Config, init: dict[str, torch.Tensor] | None, device: s
         opt.step()
         losses.append(total)
     return losses, norms, ref
+
+# ---- the command line, as a user runs it --------------------------------------------------------
+SETS = [a for s in TINY for a in ("--set", s)]
+STEPS = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=5"]
+
+
+def cli(*args, cwd=None, fsize: int | None = None, env=None):
+    """`tiertrain ARGS` in a subprocess; `fsize`: a file size limit (bytes) standing in for a full disk."""
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))) if fsize is not None else None
+    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True, cwd=cwd,
+                          preexec_fn=limit, env=env)
+
+
+def tiny(token_file, *more):
+    return [*SETS, "--set", f'data.path="{token_file}"', *more]
+
+
+def refused(r, *words):
+    """A refusal as the issue asks: exit 2, one line naming what to change, no traceback."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def tree_hash(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def user_files(root: Path) -> dict[str, str]:
+    """A directory of a user's own files, and their hashes."""
+    (root / "sub").mkdir(parents=True)
+    (root / "notes.txt").write_text("my notes\n")
+    (root / "sub" / "data.bin").write_bytes(os.urandom(4096))
+    return tree_hash(root)
+
+
+DEEP_ARGS = ["--set", "model.num_hidden_layers=12"]  # DEEP, as command-line arguments
+
+
+def same_state(a: Path, b: Path) -> bool:
+    sa, sb = (state_of(d / "checkpoints" / "step_8") for d in (a, b))
+    return all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def least_gb(token_file) -> str:
+    """The least --host-gb of the DEEP tiny model with an NVMe tier: every slab it can spill on disk."""
+    cfg = tiny_config(token_file, "model.num_hidden_layers=12")
+    from tiertrain.trainer import Trainer
+
+    tr = Trainer(cfg)
+    least = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost)
+    tr.close()
+    return budget(least)
+
+
+# ---- budgets that spill -----------------------------------------------------------------------------
+# deep enough that the Adam moments outweigh the staging ring (4 slots x 2 kinds of the widest unit):
+# below that, spilling would cost more host memory than it saves, and the runtime keeps all in RAM
+DEEP = ["model.num_hidden_layers=12"]
+
+
+def budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD)) -> float:
+    """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
+    (whole pages)."""
+    from tiertrain.trainer import Trainer
+
+    tr = Trainer(cfg)
+    cost = host_cost
+    width = max(lay.numel for lay in tr.layouts)
+    gb = (sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)) / 1e9
+    tr.close()
+    return gb
+
+
+def least_budget(cfg) -> float:
+    """Host GB with every slab on NVMe: the staging ring, and a kilobyte."""
+    from tiertrain.trainer import Trainer
+
+    tr = Trainer(cfg)
+    gb = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost) / 1e9 + 1e-6
+    tr.close()
+    return gb
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+def state_of(path):
+    g = zarr.open_group(path, mode="r")
+    return {f"{k.value}/{u}": g[k.value][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))}
+
+
+def same_run(a, b):
+    ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
+    assert [r["step"] for r in rb] == list(range(1, 9))  # metrics.jsonl goes on where it stopped
+    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
+    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
+    sa, sb = state_of(a / "checkpoints" / "step_8"), state_of(b / "checkpoints" / "step_8")
+    for k in sa:  # master weights and both Adam moments
+        assert np.array_equal(sa[k], sb[k]), k
+
+
+def stale_store(parent: Path, run: Path, name: str) -> Path:
+    """A scratch store of `run` left by a process that is gone."""
+    d = parent / name
+    d.mkdir(parents=True)
+    (d / "tiertrain-scratch.json").write_text(json.dumps(
+        {"format": "tiertrain-nvme/1", "run": str(run.resolve()), "host": os.uname().nodename, "pid": 2**22 + 7}))
+    (d / "checkpoints").mkdir()
+    return d
+
+
+# ---- tiny Hugging Face models ----------------------------------------------------------------------
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-5)
+CASES = {
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
+                    dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
+}
+
+
+def hf_dir(case: str, path, shard: str | None = None):
+    """A random transformers model saved as safetensors (sharded when `shard` is a size)."""
+    transformers = pytest.importorskip("transformers")
+    cfg_cls, model_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**COMMON, **extra)).float()
+    with torch.no_grad():  # transformers inits norms to one and biases to zero: randomize so they are tested
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    return hf

@@ -7,12 +7,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-import zarr
 
-from conftest import VARIANTS, tiny_config
-from test_nvme import DEEP, _budget_for, least_budget
+from conftest import budget_for, DEEP, least_budget, same_run, tiny_config, VARIANTS
 from tiertrain import checkpoint as ckpt
 from tiertrain import rundir
 from tiertrain.loop import fit
@@ -37,21 +34,6 @@ def _fit(cfg, out, stop_at=None, resume=None):
     lines = []
     fit(tr, out, echo=lines.append)
     return lines
-
-
-def _state(path):
-    g = zarr.open_group(path, mode="r")
-    return {f"{k.value}/{u}": g[k.value][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))}
-
-
-def _same_run(a, b):
-    ra, rb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
-    assert [r["step"] for r in rb] == list(range(1, 9))  # metrics.jsonl goes on where it stopped
-    assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
-    assert [r["grad_norm"] for r in ra] == [r["grad_norm"] for r in rb]
-    sa, sb = _state(a / "checkpoints" / "step_8"), _state(b / "checkpoints" / "step_8")
-    for k in sa:  # master weights and both Adam moments
-        assert np.array_equal(sa[k], sb[k]), k
 
 
 @pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update", "gpu-speculated", "everything",
@@ -90,7 +72,7 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
     if spill == "kvikio":
         sets.append('train.device="cuda"')
     if spill not in ("none", "posix-set"):  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
-        gb = _budget_for(tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []))
+        gb = budget_for(tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []))
         sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', f'tiers.io="{spill}"']
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")
     lines = _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)
@@ -100,7 +82,7 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         assert not list((tmp_path / "nvme").glob("tiertrain-*"))  # the scratch stores went once the state was saved
     latest = rundir.resolve("latest", tmp_path / "cut")
     _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=latest)
-    _same_run(tmp_path / "whole", tmp_path / "cut")
+    same_run(tmp_path / "whole", tmp_path / "cut")
     assert [p.name for p in rundir.checkpoints(tmp_path / "cut")] == ["step_6", "step_8"]  # keep = 2
 
 
@@ -142,7 +124,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous(token_file, tmp_pa
     assert "resumed at step 2 of 8" in r.stdout
     assert not (out / "checkpoints" / ".step_3.tmp").exists()
     _fit(tiny_config(token_file, "train.steps=8", "checkpoint.every=1"), tmp_path / "whole")
-    _same_run(tmp_path / "whole", out)
+    same_run(tmp_path / "whole", out)
 
 
 def test_sigint_saves_and_exits_zero(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import tiny_config
 from tiertrain.data import BYTE_EOS, HEADER, Loader, builtin_tokens, read_tokens, token_vocab, write_bin
 from tiertrain.prepare import prepare
 from tiertrain.errors import DataError
@@ -145,7 +146,6 @@ def test_jsonl_and_parquet_prepare_as_text_files(tmp_path, tokenizer):
 
 
 def test_a_run_checks_the_token_files_vocabulary(tmp_path):
-    from conftest import tiny_config
     from tiertrain.trainer import Trainer
 
     write_bin(tmp_path / "t.bin", [np.arange(5000) % 90], vocab_size=120)  # ids fit, the tokenizer does not

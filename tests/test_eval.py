@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VARIANTS, tiny_config
-from test_nvme import DEEP, _budget_for
-from tiertrain.modes import Home, Kind
+from conftest import budget_for, DEEP, tiny_config, VARIANTS
+from tiertrain.modes import Home
 from tiertrain.config import load_config
 from tiertrain.data import Loader, held_out, read_tokens
 from tiertrain.errors import ConfigError
@@ -71,7 +70,7 @@ def test_evaluating_changes_no_training_bit(token_file, tmp_path, spill):
                 "tiers.gpu_update_units=2", "tiers.gpu_resident_gb=0.0005", *sets]
     if spill == "nvme":
         sets = [*DEEP, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"', 'tiers.io="posix"']
-        sets.append(f"tiers.host_gb={_budget_for(tiny_config(token_file, *sets))}")
+        sets.append(f"tiers.host_gb={budget_for(tiny_config(token_file, *sets))}")
 
     def run(evaluate: bool, nvme):
         extra = [f'tiers.nvme_dir="{nvme}"'] if spill == "nvme" else []

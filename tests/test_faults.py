@@ -3,11 +3,9 @@ a refusal is one line (exit 2, no traceback) before anything is allocated, a sug
 with the default threads give the same bits, and a save killed at any moment resumes bit-identically."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -16,68 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import TINY, tiny_config
-from test_checkpoint import _same_run, _state
+from conftest import cli, DEEP_ARGS, least_gb, refused, same_run, same_state, STEPS, tiny, tree_hash, user_files
 from tiertrain.metrics import read_metrics
 from tiertrain.sizes import budget, gb
-from tiertrain.tiers.placement import least_host
-from tiertrain.tiers.slab import host_cost
-from tiertrain.trainer import Trainer
-
-SETS = [a for s in TINY for a in ("--set", s)]
-STEPS = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=5"]
-
-
-def cli(*args, cwd=None, fsize: int | None = None, env=None):
-    """`tiertrain ARGS` in a subprocess; `fsize`: a file size limit (bytes) standing in for a full disk."""
-    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))) if fsize is not None else None
-    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True, cwd=cwd,
-                          preexec_fn=limit, env=env)
-
-
-def tiny(token_file, *more):
-    return [*SETS, "--set", f'data.path="{token_file}"', *more]
-
-
-def refused(r, *words):
-    """A refusal as the issue asks: exit 2, one line naming what to change, no traceback."""
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    assert "Traceback" not in r.stderr + r.stdout
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
-
-
-def tree_hash(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def user_files(root: Path) -> dict[str, str]:
-    """A directory of a user's own files, and their hashes."""
-    (root / "sub").mkdir(parents=True)
-    (root / "notes.txt").write_text("my notes\n")
-    (root / "sub" / "data.bin").write_bytes(os.urandom(4096))
-    return tree_hash(root)
-
-
-DEEP = ["--set", "model.num_hidden_layers=12"]  # enough state that spilling saves host memory (test_nvme.DEEP)
-
-
-def _same_state(a: Path, b: Path) -> bool:
-    sa, sb = (_state(d / "checkpoints" / "step_8") for d in (a, b))
-    return all(np.array_equal(sa[k], sb[k]) for k in sa)
-
-
-def least_gb(token_file) -> str:
-    """The least --host-gb of the DEEP tiny model with an NVMe tier: every slab it can spill on disk."""
-    cfg = tiny_config(token_file, "model.num_hidden_layers=12")
-    tr = Trainer(cfg)
-    least = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost)
-    tr.close()
-    return budget(least)
-
 
 # ---- data loss and overwrites -------------------------------------------------------------------
 def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
@@ -90,7 +29,7 @@ def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
     other.mkdir()
     (other / "tiertrain-scratch.json").write_text(json.dumps(
         {"format": "tiertrain-nvme/1", "run": "/x/other", "host": os.uname().nodename, "pid": os.getpid()}))
-    spill = tiny(token_file, *DEEP, "--host-gb", least_gb(token_file), "--nvme-dir", str(nvme))
+    spill = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file), "--nvme-dir", str(nvme))
     r = cli("run", *spill, "--out", str(nvme / "myrun"))
     assert r.returncode == 0, r.stderr
     assert "NVMe tier" in r.stdout and "tiertrain-myrun-" in r.stdout  # it did spill, to its own directory
@@ -109,7 +48,7 @@ def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
 
 
 def test_out_and_nvme_store_stay_apart(token_file, tmp_path):
-    spill = tiny(token_file, *DEEP, "--host-gb", least_gb(token_file))
+    spill = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file))
     refused(cli("run", *spill, "--nvme-dir", str(tmp_path / "run" / "nvme"), "--out", str(tmp_path / "run")),
             "inside --out")
     store = tmp_path / "nvme" / "tiertrain-x-1"
@@ -153,7 +92,7 @@ def test_a_resume_writes_only_into_its_own_run(token_file, tmp_path):
     ra, rf = (read_metrics(d / "metrics.jsonl") for d in (a, fork))
     assert [(x["step"], x["loss"], x["grad_norm"]) for x in rf] == \
         [(x["step"], x["loss"], x["grad_norm"]) for x in ra[3:]]  # the fork logs from step 4, as a did
-    assert _same_state(a, fork)
+    assert same_state(a, fork)
 
 
 def test_a_torn_metrics_line_does_not_stop_a_resume(token_file, tmp_path):
@@ -184,11 +123,11 @@ def test_a_disk_full_at_start_is_one_line(token_file, tmp_path):
 
 # ---- budgets and sizes --------------------------------------------------------------------------
 def test_the_least_host_budget_named_runs(token_file, tmp_path):
-    r = cli("run", *tiny(token_file, *DEEP), "--host-gb", "0.0001", "--nvme-dir", str(tmp_path / "nvme"),
+    r = cli("run", *tiny(token_file, *DEEP_ARGS), "--host-gb", "0.0001", "--nvme-dir", str(tmp_path / "nvme"),
             "--out", str(tmp_path / "a"))
     least = re.search(r"raise --host-gb to at least ([0-9.]+)", refused(r, "--host-gb")).group(1)
     assert float(least) * 1e9 >= float(least_gb(token_file)) * 1e9 - 1e3
-    r = cli("run", *tiny(token_file, *DEEP), "--host-gb", least, "--nvme-dir", str(tmp_path / "nvme"),
+    r = cli("run", *tiny(token_file, *DEEP_ARGS), "--host-gb", least, "--nvme-dir", str(tmp_path / "nvme"),
             "--out", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
 
@@ -303,7 +242,7 @@ def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_pat
     assert r.returncode == -9, r.stderr  # killed where asked
     r = cli("run", "--resume", "latest", "--out", str(cut))
     assert r.returncode == 0, r.stderr
-    _same_run(whole, cut)
+    same_run(whole, cut)
     assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step_3", "step_6", "step_8"]
     if resave:  # the timeline the resume left: its step_6 and the metrics after step 3, whole
         (aside,) = (cut / "abandoned").iterdir()
@@ -312,7 +251,7 @@ def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_pat
 
 
 # ---- one line, not a traceback ------------------------------------------------------------------
-def _hf_dir(tmp_path: Path, config) -> str:
+def hf_dir(tmp_path: Path, config) -> str:
     d = tmp_path / "hf"
     d.mkdir()
     (d / "config.json").write_text(json.dumps(config))
@@ -348,7 +287,7 @@ def test_bad_input_is_one_line(token_file, tmp_path, case, words):
     elif case.startswith("hf-"):
         cfg = {"hf-no-hidden": {k: v for k, v in LLAMA.items() if k != "hidden_size"},
                "hf-zero-heads": {**LLAMA, "num_attention_heads": 0}, "hf-list": [LLAMA]}[case]
-        args += ["--init-from", _hf_dir(tmp_path, cfg)]
+        args += ["--init-from", hf_dir(tmp_path, cfg)]
     elif case in ("empty-npy", "negative-id", "late-oov"):
         toks = np.arange(40_000) % 97
         if case == "negative-id":
@@ -368,7 +307,7 @@ def test_bad_input_is_one_line(token_file, tmp_path, case, words):
             pytest.skip("kvikio is installed here")
         except ImportError:
             pass
-        args += [*DEEP, "--host-gb", least_gb(token_file), "--nvme-dir", str(tmp_path / "nvme"),
+        args += [*DEEP_ARGS, "--host-gb", least_gb(token_file), "--nvme-dir", str(tmp_path / "nvme"),
                  "--set", 'tiers.io="kvikio"']
     refused(cli("run", *args, "--out", str(out)), words)
     assert not out.exists()

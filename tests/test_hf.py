@@ -9,27 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import reference_train, tiny_config
-from test_hf_equivalence import CASES, COMMON
+from conftest import COMMON, hf_dir, reference_train, tiny_config
 from tiertrain.errors import UserError
 from tiertrain.export import export_hf
 from tiertrain.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 IMPORTED = ["llama3-rope", "mistral", "qwen2", "qwen3"]
-
-
-def _hf_dir(case: str, path, shard: str | None = None):
-    """A random transformers model saved as safetensors (sharded when `shard` is a size)."""
-    cfg_cls, model_cls, extra = CASES[case]
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**COMMON, **extra)).float()
-    with torch.no_grad():  # transformers inits norms to one and biases to zero: randomize so they are tested
-        for p in hf.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
-    return hf
 
 
 def _load(path):
@@ -53,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("case", IMPORTED)
 def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path):
-    hf = _hf_dir(case, tmp_path / "hf", shard="20KB" if case == "qwen2" else None)
+    hf = hf_dir(case, tmp_path / "hf", shard="20KB" if case == "qwen2" else None)
     assert (case == "qwen2") == (tmp_path / "hf" / "model.safetensors.index.json").exists()
     given = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "model.hidden_size=32")
     tr = Trainer(given)
@@ -72,7 +58,7 @@ def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path)
 
 @pytest.mark.parametrize("case", IMPORTED)
 def test_imported_training_matches_transformers_and_adamw(case, token_file, tmp_path):
-    _hf_dir(case, tmp_path / "hf")
+    hf_dir(case, tmp_path / "hf")
     cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=5")
     tr = Trainer(cfg)
     got = [tr.train_step() for _ in range(cfg.train.steps)]
@@ -102,7 +88,7 @@ def test_bad_model_directories_are_refused(token_file, tmp_path):
     with pytest.raises(UserError, match="model_type 'gpt2' is not supported"):
         Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "gpt2"}"'))
 
-    _hf_dir("qwen3", tmp_path / "sharded", shard="20KB")
+    hf_dir("qwen3", tmp_path / "sharded", shard="20KB")
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[1]
     (tmp_path / "sharded" / gone).unlink()
@@ -132,7 +118,7 @@ def test_export_refuses_to_overwrite(token_file, tmp_path):
 def test_export_keeps_what_came_in(token_file, tmp_path):
     """An imported Mistral trained by `tiertrain run` and exported: its sliding_window, token ids,
     generation config and tokenizer files come out as they went in, in shards of --max-shard-size."""
-    _hf_dir("mistral", tmp_path / "hf")
+    hf_dir("mistral", tmp_path / "hf")
     src = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
                                                                         "temperature": 0.7, "do_sample": True}))
@@ -153,7 +139,7 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
 
 
 def test_what_tiertrain_does_not_implement_is_refused_at_import(token_file, tmp_path):
-    _hf_dir("llama3-rope", tmp_path / "hf")
+    hf_dir("llama3-rope", tmp_path / "hf")
     c = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**c, "attention_dropout": 0.1}))
     with pytest.raises(UserError, match="attention_dropout 0.1"):

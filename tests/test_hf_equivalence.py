@@ -5,24 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import CASES, COMMON
 from tiertrain.model import llama
 from tiertrain.model.reference import ReferenceLM
 from tiertrain.model.spec import ModelSpec
 
 transformers = pytest.importorskip("transformers")
-
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-5)
-CASES = {
-    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
-                    dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
-}
-
 
 def _pair(case: str):
     cfg_cls, model_cls, extra = CASES[case]

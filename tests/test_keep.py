@@ -16,7 +16,7 @@ from tiertrain.plan.hardware import REFERENCE
 from tiertrain.errors import ConfigError
 from tiertrain.trainer import Trainer
 
-from conftest import VARIANTS, tiny_config
+from conftest import tiny_config, VARIANTS
 
 
 def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str) -> int:

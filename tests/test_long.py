@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, VARIANTS, tiny_config
+from conftest import TINY, tiny_config, VARIANTS
 
-from tiertrain.modes import Home, Kind
+from tiertrain.modes import Home
 from tiertrain.config import load_config
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import plan

@@ -9,7 +9,7 @@ import pytest
 import torch
 import zarr
 
-from conftest import VARIANTS, tiny_config
+from conftest import budget_for, DEEP, least_budget, tiny_config, VARIANTS
 from tiertrain.modes import Home, Kind
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
@@ -17,30 +17,6 @@ from tiertrain.tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least
                                        ring_bytes, ring_widths, spilled_bytes, streamed_kind)
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
-
-
-# deep enough that the Adam moments outweigh the staging ring (4 slots x 2 kinds of the widest unit):
-# below that, spilling would cost more host memory than it saves, and the runtime keeps all in RAM
-DEEP = ["model.num_hidden_layers=12"]
-
-
-def _budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD)) -> float:
-    """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
-    (whole pages)."""
-    tr = Trainer(cfg)
-    cost = host_cost
-    width = max(lay.numel for lay in tr.layouts)
-    gb = (sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)) / 1e9
-    tr.close()
-    return gb
-
-
-def least_budget(cfg) -> float:
-    """Host GB with every slab on NVMe: the staging ring, and a kilobyte."""
-    tr = Trainer(cfg)
-    gb = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost) / 1e9 + 1e-6
-    tr.close()
-    return gb
 
 
 def _train(cfg, steps=4, close=True):
@@ -57,7 +33,7 @@ def _train(cfg, steps=4, close=True):
 def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
     dev = "cuda" if io == "kvikio" else "cpu"
     base = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"')
-    gb = _budget_for(base)
+    gb = budget_for(base)
     spill = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"', f"tiers.host_gb={gb}",
                         f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
     _, want, want_sd = _train(base)
@@ -248,7 +224,7 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     with pytest.raises(ConfigError, match="cannot hold even the staging ring with all it can spill on NVMe: raise "
                                           "--host-gb to at least [0-9.]+"):
         Trainer(cfg)
-    gb = _budget_for(tiny_config(token_file, *DEEP))
+    gb = budget_for(tiny_config(token_file, *DEEP))
     cfg = tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"',
                       "tiers.nvme_gb=0.000001")
     with pytest.raises(ConfigError, match="the spilled state takes [0-9.]+ MiB on disk and --nvme-gb"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiertrain.modes import Home, Kind
+from tiertrain.modes import Kind
 from tiertrain.config import OptimConfig
 from tiertrain.optim.adamw import clip_coefficient, lr_at
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VARIANTS, reference_train, tiny_config
+from conftest import reference_train, tiny_config, VARIANTS
 from tiertrain.trainer import Trainer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import VARIANTS, tiny_config
-from tiertrain.modes import Home, Kind
+from conftest import tiny_config, VARIANTS
+from tiertrain.modes import Kind
 from tiertrain.trainer import Trainer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import SLOW_HOST
 from tiertrain.config import load_config
-from tiertrain.modes import Home, Kind, Update
+from tiertrain.modes import Kind, Update
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 from tiertrain.plan.advice import explain
 from tiertrain.plan.planner import evaluate, plan

@@ -55,7 +55,7 @@ def answer(args: list[str], tmp: Path) -> str:
     from conftest import SLOW_HOST
 
     from tiertrain.cli import main
-    from tiertrain.plan.hardware import REFERENCE, HardwareSpec
+    from tiertrain.plan.hardware import HardwareSpec
 
     files = {"SLOW_HOST": SLOW_HOST, "CPU": HardwareSpec.cpu(24.0, 2)}
     args = [str(tmp / a) if a in files else a for a in args]

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import tiny_config
-from test_faults import cli, refused, tiny
+from conftest import cli, hf_dir, refused, stale_store, tiny, tiny_config
 
 from tiertrain.checkpoint import KINDS
-from tiertrain.modes import Home, Kind, Update
+from tiertrain.modes import Update
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.advice import explain
 from tiertrain.plan.memory import slab_sizes as _layouts
@@ -108,14 +107,13 @@ def test_two_ranks_spilling_to_nvme_give_the_plain_bits(token_file, tmp_path):
     """Each rank's shards spilled to its own scratch store under --nvme-dir: the bits of two ranks in RAM; the
     scratch stores are gone afterwards, and so are those the run's killed processes had left (the first rank alone
     deletes them, the other waits)."""
-    from test_rundir import _stale
 
     deep = ["--set", "model.num_hidden_layers=8"]
     cfg = tiny_config(token_file, "model.num_hidden_layers=8")
     least = least_host(_layouts(cfg.model, 2), kind_bytes("float32", "master"), 0, host_cost) * 2  # the host's
     plain, spilled, disk = tmp_path / "plain", tmp_path / "spilled", tmp_path / "nvme"
     for i in range(4):
-        _stale(disk, spilled, f"tiertrain-spilled-{i}")
+        stale_store(disk, spilled, f"tiertrain-spilled-{i}")
     train(token_file, plain, *deep, gpus=2)
     r = train(token_file, spilled, *deep, "--host-gb", budget(least), "--nvme-dir", str(disk), gpus=2)
     assert "NVMe tier" in r.stdout
@@ -199,9 +197,8 @@ def test_two_ranks_import_a_hugging_face_model_and_export_it(token_file, tmp_pat
     `export` writes the two ranks' checkpoint as it writes one process's."""
     pytest.importorskip("transformers")
     from safetensors.torch import load_file
-    from test_hf import _hf_dir
 
-    _hf_dir("qwen2", tmp_path / "hf")  # tied embeddings: the head reads the embedding's gathered weights
+    hf_dir("qwen2", tmp_path / "hf")  # tied embeddings: the head reads the embedding's gathered weights
     runs = {}
     for gpus in (1, 2):
         out = tmp_path / f"run{gpus}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_faults import STEPS, cli, refused, tiny, tree_hash
+from conftest import cli, DEEP, least_budget, refused, stale_store, STEPS, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
 from tiertrain import rundir
 from tiertrain.metrics import read_metrics
@@ -131,7 +131,6 @@ def test_a_spilled_runs_last_checkpoint_takes_the_stores_chunks(token_file, tmp_
     into the checkpoint (the same file: no second copy of their bytes), and holds what a run without spill saves,
     padding included."""
     from conftest import tiny_config
-    from test_nvme import DEEP, least_budget
     from tiertrain.trainer import Trainer
 
     def trained(*sets) -> Trainer:
@@ -246,25 +245,15 @@ def test_a_resume_from_another_directory_reads_the_same_data(tmp_path):
 
 
 # ---- scratch stores ---------------------------------------------------------------------------------
-def _stale(parent: Path, run: Path, name: str) -> Path:
-    """A scratch store of `run` left by a process that is gone."""
-    d = parent / name
-    d.mkdir(parents=True)
-    (d / "tiertrain-scratch.json").write_text(json.dumps(
-        {"format": "tiertrain-nvme/1", "run": str(run.resolve()), "host": os.uname().nodename, "pid": 2**22 + 7}))
-    (d / "checkpoints").mkdir()
-    return d
-
-
 def test_every_stale_scratch_store_of_the_run_goes_and_links_are_not_followed(token_file, tmp_path):
     """A run's stale stores (the state's and the activation checkpoints') go when it starts again; a symbolic link
     named like one, pointing at a user's directory, is neither followed nor deleted; another run's stores stay."""
     nvme, out = tmp_path / "nvme", tmp_path / "run"
     out.mkdir()
-    stale = [_stale(nvme, out, "tiertrain-run-aaaa"), _stale(nvme, out, "tiertrain-run-bbbb")]
-    other = _stale(nvme, tmp_path / "other", "tiertrain-other-cccc")
+    stale = [stale_store(nvme, out, "tiertrain-run-aaaa"), stale_store(nvme, out, "tiertrain-run-bbbb")]
+    other = stale_store(nvme, tmp_path / "other", "tiertrain-other-cccc")
     mine = tmp_path / "mine"
-    _stale(tmp_path, out, "mine")  # a user's directory that even carries a stale marker of this run
+    stale_store(tmp_path, out, "mine")  # a user's directory that even carries a stale marker of this run
     (nvme / "tiertrain-run-link").symlink_to(mine)
     r = cli("run", *tiny(token_file), "--set", "train.steps=2", "--nvme-dir", str(nvme), "--out", str(out))
     assert r.returncode == 0, r.stderr

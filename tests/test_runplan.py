@@ -9,8 +9,7 @@ from collections import Counter
 
 import pytest
 
-from conftest import tiny_config
-from test_nvme import DEEP, _budget_for
+from conftest import budget_for, DEEP, tiny_config
 from tiertrain.loop import fit
 from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.runplan import RunPlan, unit_plans
@@ -58,7 +57,7 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
     assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
     assert {(u["index"], Kind(k)): Home(h) for u in units for k, h in u["homes"].items()} == tr.run_plan.where()
-    gb = _budget_for(tiny_config(token_file, *DEEP))
+    gb = budget_for(tiny_config(token_file, *DEEP))
     tr = Trainer(tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"'))
     units = json.loads(tr.plan_json())["units"]
     tr.close()

@@ -12,12 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SLOW_HOST, VARIANTS, tiny_config
-from test_nvme import DEEP
+from conftest import DEEP, SLOW_HOST, tiny_config, VARIANTS
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.optim.adamw import OptimizerThread
-from tiertrain.modes import Home, Kind, Update
+from tiertrain.modes import Home, Update
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.memory import slab_sizes as _layouts
 from tiertrain.plan.planner import SPEC_MARGIN, evaluate, plan

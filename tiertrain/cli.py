@@ -54,7 +54,6 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
         nvme_dir: str | None, nvme_gb: float | None, save_every: int | None, resume: str | None,
         init_from: str | None, hardware: str | None, gpus: int | None) -> None:
     """Train a model."""
-    import json
     import os
 
     if gpus and gpus > 1 and "WORLD_SIZE" not in os.environ:

@@ -368,7 +368,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
 # a checkpoint written before "auto" was the one spelling holds these numbers for "the plan decides"
 LEGACY = {("train", "micro_batch_size"): {0: AUTO}, ("train", "loss_chunk_tokens"): {0: AUTO},
           ("optim", "speculate_units"): {-1: AUTO}, ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
-          ("tiers", "gpu_resident_gb"): {-1: AUTO, -1.0: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
+          ("tiers", "gpu_resident_gb"): {-1: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
 # keys renamed since: the old name is read as the new one, in config files, --set and checkpoints alike
 RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens", ("tiers", "checkpoint_dtype"): "activation_dtype"}
 

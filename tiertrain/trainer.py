@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import OptimConfig
-from ..errors import Everywhere, UserError
+from ..errors import Everywhere
 from ..modes import STATE, Kind
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..model.spec import ModelSpec
 from ..modes import Home, Kind
 from ..tiers.placement import streamed_kind
 from .hardware import HardwareSpec
