@@ -1,4 +1,5 @@
 """What every benchmark shares: the one subprocess runner, the commit a result was made at, random batches."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +22,10 @@ def commit() -> dict:
         r = subprocess.run(["git", *args], capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else ""
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def run_worker(module: str, tag: str, args: list[str], out: Path, timeout: int, errors: dict[str, str]):
@@ -39,7 +43,9 @@ def run_worker(module: str, tag: str, args: list[str], out: Path, timeout: int, 
     print(f"{tag}: {'ok' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
     if not ok:
         # a negative code is the signal that ended it (-9: the kernel's OOM killer, which leaves no traceback)
-        errors[tag] = f"exit {code}: " * (code is not None) + (log.strip().splitlines() or ["no output"])[-1][:300]
+        errors[tag] = (
+            f"exit {code}: " * (code is not None) + (log.strip().splitlines() or ["no output"])[-1][:300]
+        )
         return None
     data = json.loads(js.read_text())
     js.unlink()

@@ -16,6 +16,7 @@ Stages, each its own process (peak RSS is per process), one after another:
               every slab on NVMe, the weights that stream included; 3 steps
 Writes <out>/<date>-<gpu>-nvme.md and .json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,18 +33,32 @@ from bench.pipeline import run_deepspeed
 
 OVERHEAD_GB = 3.0  # tiertrain's RSS beyond its --host-gb: Python, torch, the CUDA context (measured: 1.4-2.6)
 STAGES = ("probe", "deepspeed", "tiertrain", "checkpoint", "big", "least")
-IO = ["auto", 16]  # the NVMe backend of the runs (the probe's faster one, --io) and its threads (--io-threads)
+# the NVMe backend of the runs (the probe's faster one, --io) and its threads (--io-threads)
+IO = ["auto", 16]
 
 
 def _cfg(config: str, B: int, micro: int, host_gb: float, nvme: str, stream: str, *more: str):
     from tiertrain.config import load_config
 
-    return load_config(config, [*more, f"train.batch_size={B}", f"train.micro_batch_size={micro}", "train.steps=100000",
-                                'train.compute_dtype="bfloat16"', f'tiers.stream="{stream}"', 'tiers.activations="gpu"',
-                                f"tiers.host_gb={host_gb}", f'tiers.nvme_dir="{nvme}"', f'tiers.io="{IO[0]}"',
-                                f"tiers.io_threads={IO[1]}",
-                                "optim.lr=1e-5",
-                                "optim.min_lr=0.0", "optim.warmup_steps=0"])
+    return load_config(
+        config,
+        [
+            *more,
+            f"train.batch_size={B}",
+            f"train.micro_batch_size={micro}",
+            "train.steps=100000",
+            'train.compute_dtype="bfloat16"',
+            f'tiers.stream="{stream}"',
+            'tiers.activations="gpu"',
+            f"tiers.host_gb={host_gb}",
+            f'tiers.nvme_dir="{nvme}"',
+            f'tiers.io="{IO[0]}"',
+            f"tiers.io_threads={IO[1]}",
+            "optim.lr=1e-5",
+            "optim.min_lr=0.0",
+            "optim.warmup_steps=0",
+        ],
+    )
 
 
 def _placement(tr) -> dict:
@@ -52,9 +67,13 @@ def _placement(tr) -> dict:
     numels = [lay.numel for lay in tr.layouts]
     nv = spilled_bytes(numels, tr.kind_bytes(), tr.run_plan.where())
     units = {k: sum(1 for (_, kk), t in tr.run_plan.where().items() if kk == k and t == "nvme") for k in nv}
-    return {"nvme_gb": {k: v / 1e9 for k, v in nv.items()}, "nvme_units": units, "units": len(numels),
-            "host_gb": {k: v / 1e9 for k, v in tr.run.host.nbytes().items()},
-            "ring_gb": tr.run.nvme.ring_nbytes() / 1e9 if tr.run.nvme else 0.0}
+    return {
+        "nvme_gb": {k: v / 1e9 for k, v in nv.items()},
+        "nvme_units": units,
+        "units": len(numels),
+        "host_gb": {k: v / 1e9 for k, v in tr.run.host.nbytes().items()},
+        "ring_gb": tr.run.nvme.ring_nbytes() / 1e9 if tr.run.nvme else 0.0,
+    }
 
 
 def _predict(tr, B: int) -> dict:
@@ -67,11 +86,19 @@ def _predict(tr, B: int) -> dict:
     hw = tr.hw
     rp = tr.run_plan
     job = Job(c.model, B, c.train.seq_len, c.train.compute_dtype, name="bench")
-    p = evaluate(job, Choice(rp.micro_batch, rp.stream, rp.activations, keep=0), Budgets(t.host_gb, hw.gpu_mem_gb, 1e9),
-                 hw)
+    p = evaluate(
+        job,
+        Choice(rp.micro_batch, rp.stream, rp.activations, keep=0),
+        Budgets(t.host_gb, hw.gpu_mem_gb, 1e9),
+        hw,
+    )
     pr = p.prediction if p.fits else None
-    return {"pred_step_s": pr.step_s if pr else float("inf"), "pred_bottleneck": pr.bottleneck if pr else "",
-            "pred_nvme_s": pr.times.get("NVMe", 0) if pr else 0, "pred_fits": p.fits}
+    return {
+        "pred_step_s": pr.step_s if pr else float("inf"),
+        "pred_bottleneck": pr.bottleneck if pr else "",
+        "pred_nvme_s": pr.times.get("NVMe", 0) if pr else 0,
+        "pred_fits": p.fits,
+    }
 
 
 def _steps(tr, B: int, n: int, seed0: int = 0) -> list[dict]:
@@ -88,16 +115,34 @@ def run_tiertrain(a) -> list[dict]:
     setup_s, place = time.perf_counter() - t0, _placement(tr)
     rows = []
     for B in a.batches:
-        recs = _steps(tr, B, a.warmup + a.steps)[a.warmup:]
-        keys = ("step_s", "nvme_read_gb", "nvme_write_gb", "nvme_io_s", "opt_wait_s", "forward_s", "backward_s")
+        recs = _steps(tr, B, a.warmup + a.steps)[a.warmup :]
+        keys = (
+            "step_s",
+            "nvme_read_gb",
+            "nvme_write_gb",
+            "nvme_io_s",
+            "opt_wait_s",
+            "forward_s",
+            "backward_s",
+        )
         row = {k: median(r.get(k, 0.0) for r in recs) for k in keys}
         S = cfg.train.seq_len
-        rows.append({"system": f"tiertrain ({a.stream} stream, --host-gb {a.host_gb:.1f}, {IO[1]} I/O threads)",
-                     "batch": B, "io_threads": IO[1],
-                     "tokens": B * S, "tokens_per_s": B * S / row["step_s"], "host_peak_rss_gb": peak_rss_gb(),
-                     "setup_s": setup_s, "placement": place, "losses": [r["loss"] for r in recs],
-                     "plan": tr.run_plan.to_dict(),
-                     **row, **_predict(tr, B)})
+        rows.append(
+            {
+                "system": f"tiertrain ({a.stream} stream, --host-gb {a.host_gb:.1f}, {IO[1]} I/O threads)",
+                "batch": B,
+                "io_threads": IO[1],
+                "tokens": B * S,
+                "tokens_per_s": B * S / row["step_s"],
+                "host_peak_rss_gb": peak_rss_gb(),
+                "setup_s": setup_s,
+                "placement": place,
+                "losses": [r["loss"] for r in recs],
+                "plan": tr.run_plan.to_dict(),
+                **row,
+                **_predict(tr, B),
+            }
+        )
     tr.close()
     from tiertrain.tiers.nvme import discard
 
@@ -135,9 +180,17 @@ def run_checkpoint(a) -> dict:
     tr.close()
     discard(tr.run.nvme.store.root)
     shutil.rmtree(run_dir)
-    return {"host_gb": host_gb, "placement": place, "checkpoint_gb": size, "write_gbs": write_gbs,
-            "read_gbs": tr.restore_gbs, "resume_s": resume_s, "loss_after_save": want, "loss_after_resume": got,
-            "identical": want == got}
+    return {
+        "host_gb": host_gb,
+        "placement": place,
+        "checkpoint_gb": size,
+        "write_gbs": write_gbs,
+        "read_gbs": tr.restore_gbs,
+        "resume_s": resume_s,
+        "loss_after_save": want,
+        "loss_after_resume": got,
+        "identical": want == got,
+    }
 
 
 def _three_steps(a, cfg, name: str, **extra) -> list[dict]:
@@ -152,12 +205,25 @@ def _three_steps(a, cfg, name: str, **extra) -> list[dict]:
     pred = _predict(tr, 4)
     tr.close()
     discard(tr.run.nvme.store.root)
-    return [{**r, "setup_s": setup_s, "placement": place, "host_peak_rss_gb": peak_rss_gb(), "plan": tr.run_plan.to_dict(),
-             "params": cfg.model.n_params, **extra, **pred} for r in recs]
+    return [
+        {
+            **r,
+            "setup_s": setup_s,
+            "placement": place,
+            "host_peak_rss_gb": peak_rss_gb(),
+            "plan": tr.run_plan.to_dict(),
+            "params": cfg.model.n_params,
+            **extra,
+            **pred,
+        }
+        for r in recs
+    ]
 
 
 def run_big(a) -> list[dict]:
-    return _three_steps(a, _cfg(a.big, 4, a.micro, a.big_host_gb, str(Path(a.nvme_dir) / "big"), "master"), "big")
+    return _three_steps(
+        a, _cfg(a.big, 4, a.micro, a.big_host_gb, str(Path(a.nvme_dir) / "big"), "master"), "big"
+    )
 
 
 def run_least(a) -> list[dict]:
@@ -193,8 +259,12 @@ def worker(a) -> None:
         best = min(rates, key=lambda k: 1 / rates[k][0] + 1 / rates[k][1] + 2 / rates[k][2])
         spec.disk_read_gbs, spec.disk_write_gbs, spec.disk_mixed_gbs = rates[best]
         spec.save(a.hardware)  # the runs below plan with this machine's figures
-        out = {"spec": json.loads(Path(a.hardware).read_text()), "notes": notes, "disk": rates,
-               "io": best.split("/")[0]}
+        out = {
+            "spec": json.loads(Path(a.hardware).read_text()),
+            "notes": notes,
+            "disk": rates,
+            "io": best.split("/")[0],
+        }
     elif a.worker == "deepspeed":
         ds = Path(a.nvme_dir) / "ds"
         ds.mkdir(parents=True, exist_ok=True)
@@ -203,7 +273,9 @@ def worker(a) -> None:
         finally:
             shutil.rmtree(ds, ignore_errors=True)
     else:
-        out = {"tiertrain": run_tiertrain, "checkpoint": run_checkpoint, "big": run_big, "least": run_least}[a.worker](a)
+        out = {"tiertrain": run_tiertrain, "checkpoint": run_checkpoint, "big": run_big, "least": run_least}[
+            a.worker
+        ](a)
     Path(a.json).write_text(json.dumps(out))
 
 
@@ -217,6 +289,7 @@ def choose_budget(a, ds_rss: float | None) -> tuple[float, str]:
     numels = _layouts(load_config(a.config).model)
     fp32 = sum(host_cost(n * 4) for n in numels)
     kb = kind_bytes("bfloat16", "master")
+
     def ring(kinds):
         return ring_bytes({k: max(numels) for k in kinds}, kb, host_cost)
 
@@ -230,11 +303,40 @@ def choose_budget(a, ds_rss: float | None) -> tuple[float, str]:
 
 def _run(a, stage: str, out: Path, extra: list[str]) -> tuple[object | None, str]:
     errors: dict[str, str] = {}
-    data = run_worker("bench.nvme", stage, [
-        "--worker", stage, "--config", a.config, "--nvme-dir", a.nvme_dir, "--batches", *map(str, a.batches),
-        "--micro", str(a.micro), "--warmup", str(a.warmup), "--steps", str(a.steps), "--big", a.big,
-        "--big-host-gb", str(a.big_host_gb), "--ckpt-spill-gb", str(a.ckpt_spill_gb),
-        "--least-layers", str(a.least_layers), "--hardware", a.hardware, *extra], out, a.timeout, errors)
+    data = run_worker(
+        "bench.nvme",
+        stage,
+        [
+            "--worker",
+            stage,
+            "--config",
+            a.config,
+            "--nvme-dir",
+            a.nvme_dir,
+            "--batches",
+            *map(str, a.batches),
+            "--micro",
+            str(a.micro),
+            "--warmup",
+            str(a.warmup),
+            "--steps",
+            str(a.steps),
+            "--big",
+            a.big,
+            "--big-host-gb",
+            str(a.big_host_gb),
+            "--ckpt-spill-gb",
+            str(a.ckpt_spill_gb),
+            "--least-layers",
+            str(a.least_layers),
+            "--hardware",
+            a.hardware,
+            *extra,
+        ],
+        out,
+        a.timeout,
+        errors,
+    )
     return data, errors.get(stage, "")
 
 
@@ -247,7 +349,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--stages", default=",".join(STAGES))
-    p.add_argument("--host-gb", type=float, default=None, help="tiertrain's budget (default: from DeepSpeed's RSS)")
+    p.add_argument(
+        "--host-gb", type=float, default=None, help="tiertrain's budget (default: from DeepSpeed's RSS)"
+    )
     p.add_argument("--stream", default=None)
     p.add_argument("--big", default="configs/llama-7b.toml")
     p.add_argument("--big-host-gb", type=float, default=96.0)
@@ -258,7 +362,9 @@ def main() -> None:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--io", default="auto")
-    p.add_argument("--io-threads", type=int, nargs="+", default=[16], help="the tiertrain stage runs once with each")
+    p.add_argument(
+        "--io-threads", type=int, nargs="+", default=[16], help="the tiertrain stage runs once with each"
+    )
     p.add_argument("--least-layers", type=int, default=8)
     a = p.parse_args()
     IO[0], IO[1] = a.io, a.io_threads[0]
@@ -276,8 +382,11 @@ def main() -> None:
         extra = []
         if stage == "tiertrain":
             ds = res.get("deepspeed")
-            gb, stream = (a.host_gb, a.stream or "master") if a.host_gb else \
-                choose_budget(a, max(r["host_peak_rss_gb"] for r in ds) if ds else None)
+            gb, stream = (
+                (a.host_gb, a.stream or "master")
+                if a.host_gb
+                else choose_budget(a, max(r["host_peak_rss_gb"] for r in ds) if ds else None)
+            )
             extra = ["--host-gb", f"{gb:.2f}", "--stream", stream]
         if res.get("probe"):
             extra += ["--io", res["probe"]["io"]]
@@ -292,7 +401,9 @@ def main() -> None:
             if err:
                 errors[f"{stage} ({n} threads)"] = err
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    gpu = ((res.get("probe") or {}).get("spec", {}).get("gpu") or "gpu").replace("NVIDIA ", "").replace(" ", "")
+    gpu = (
+        ((res.get("probe") or {}).get("spec", {}).get("gpu") or "gpu").replace("NVIDIA ", "").replace(" ", "")
+    )
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-nvme"
     rec = {"date": date, "argv": sys.argv, "results": res, "errors": errors, **commit()}
     (out / f"{stem}.json").write_text(json.dumps(rec, indent=1))

@@ -9,6 +9,7 @@ rows of the same random batches (bench.common.batch); `--warmup` steps, then `--
 rank 0's). tiertrain plans with the reference figures. Writes <out>/<date>-<gpu>-<model>-gpus<N>.md and .json
 with the commit, the command and each tiertrain run's resolved RunPlan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,15 @@ def run_tiertrain(a) -> dict:
     from tiertrain.config import load_config
     from tiertrain.trainer import Trainer
 
-    sets = [f"train.batch_size={a.batch}", 'train.compute_dtype="bfloat16"', "train.steps=100000",
-            "optim.lr=1e-5", "optim.min_lr=0.0", f"optim.grad_clip={a.grad_clip}", *a.set]
+    sets = [
+        f"train.batch_size={a.batch}",
+        'train.compute_dtype="bfloat16"',
+        "train.steps=100000",
+        "optim.lr=1e-5",
+        "optim.min_lr=0.0",
+        f"optim.grad_clip={a.grad_clip}",
+        *a.set,
+    ]
     cfg = load_config(a.config, sets)
     tr = Trainer(cfg)
     S, V, rows = cfg.train.seq_len, cfg.model.vocab_size, _rows(a.batch)
@@ -44,15 +52,27 @@ def run_tiertrain(a) -> dict:
     for k in range(a.warmup + a.steps):
         inp, tgt = batch(a.batch, S, V, k)
         recs.append(tr.train_on(inp[rows], tgt[rows]))
-    timed = recs[a.warmup:]
-    out = {"system": f"tiertrain, {tr.ranks.size} GPU" + "s" * (tr.ranks.size > 1), "kind": "tiertrain",
-           "gpus": tr.ranks.size, "batch": a.batch, "tokens": a.batch * S, "sets": sets,
-           "step_s": median(r["step_s"] for r in timed), "losses": [r["loss"] for r in timed],
-           "grad_norms": [r["grad_norm"] for r in timed], "pred_step_s": tr.plan.step_s,
-           "plan": tr.run_plan.to_dict(), "bottleneck": tr.plan.bottleneck,
-           "gpu_peak_gb": max(r.get("gpu_peak_gb", 0.0) for r in timed), "host_peak_rss_gb": peak_rss_gb(),
-           **{k: median(r[k] for r in timed)
-              for k in ("forward_s", "backward_s", "opt_wait_s", "h2d_gb", "d2h_gb")}}
+    timed = recs[a.warmup :]
+    out = {
+        "system": f"tiertrain, {tr.ranks.size} GPU" + "s" * (tr.ranks.size > 1),
+        "kind": "tiertrain",
+        "gpus": tr.ranks.size,
+        "batch": a.batch,
+        "tokens": a.batch * S,
+        "sets": sets,
+        "step_s": median(r["step_s"] for r in timed),
+        "losses": [r["loss"] for r in timed],
+        "grad_norms": [r["grad_norm"] for r in timed],
+        "pred_step_s": tr.plan.step_s,
+        "plan": tr.run_plan.to_dict(),
+        "bottleneck": tr.plan.bottleneck,
+        "gpu_peak_gb": max(r.get("gpu_peak_gb", 0.0) for r in timed),
+        "host_peak_rss_gb": peak_rss_gb(),
+        **{
+            k: median(r[k] for r in timed)
+            for k in ("forward_s", "backward_s", "opt_wait_s", "h2d_gb", "d2h_gb")
+        },
+    }
     tr.close()
     tr.discard_scratch()
     if torch.distributed.is_initialized():
@@ -84,14 +104,21 @@ def run_deepspeed(a) -> dict:
         t0 = time.perf_counter()
         for m in range(0, inp.shape[0], a.micro):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = engine(inp[m:m + a.micro], tgt[m:m + a.micro]) / (a.micro * S)
+                loss = engine(inp[m : m + a.micro], tgt[m : m + a.micro]) / (a.micro * S)
             engine.backward(loss)
             engine.step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return {"system": f"DeepSpeed ZeRO-3 offload CPU, {n} GPU" + "s" * (n > 1), "kind": "deepspeed", "gpus": n,
-            "batch": a.batch, "tokens": a.batch * S, "step_s": median(times[a.warmup:]),
-            "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9, "host_peak_rss_gb": peak_rss_gb()}
+    return {
+        "system": f"DeepSpeed ZeRO-3 offload CPU, {n} GPU" + "s" * (n > 1),
+        "kind": "deepspeed",
+        "gpus": n,
+        "batch": a.batch,
+        "tokens": a.batch * S,
+        "step_s": median(times[a.warmup :]),
+        "gpu_peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "host_peak_rss_gb": peak_rss_gb(),
+    }
 
 
 def launch_worker(a, system: str, B: int, gpus: int, out: Path) -> dict | str:
@@ -99,10 +126,27 @@ def launch_worker(a, system: str, B: int, gpus: int, out: Path) -> dict | str:
     from tiertrain.launch import launch
 
     js, log = out / f".{system}-{gpus}-{B}.json", out / f".{system}-{gpus}-{B}.log"
-    args = ["-m", "bench.ranks", "--worker", system, "--batch", str(B), "--json", str(js),
-            "--config", a.config, "--micro", str(a.micro), "--warmup", str(a.warmup), "--steps", str(a.steps),
-            "--grad-clip",
-            str(a.grad_clip), *[x for s in a.set for x in ("--set", s)]]
+    args = [
+        "-m",
+        "bench.ranks",
+        "--worker",
+        system,
+        "--batch",
+        str(B),
+        "--json",
+        str(js),
+        "--config",
+        a.config,
+        "--micro",
+        str(a.micro),
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+        "--grad-clip",
+        str(a.grad_clip),
+        *[x for s in a.set for x in ("--set", s)],
+    ]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         code = launch(gpus, args, stdout=f, module=None)
@@ -119,8 +163,12 @@ def main() -> None:
     p.add_argument("--config", default="configs/llama-3b.toml")
     p.add_argument("--batches", type=int, nargs="+", default=[8, 32])
     p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--micro", type=int, default=4,
-                   help="DeepSpeed's micro-batch per GPU (tiertrain's: the config's, or --set)")
+    p.add_argument(
+        "--micro",
+        type=int,
+        default=4,
+        help="DeepSpeed's micro-batch per GPU (tiertrain's: the config's, or --set)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--grad-clip", type=float, default=1.0)
@@ -140,8 +188,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows, errors = [], {}
     for B in a.batches:
-        runs = [*dict.fromkeys([("tiertrain", 1), ("tiertrain", a.gpus)])] * ("tiertrain" in a.systems) + \
-            [("deepspeed", a.gpus)] * ("deepspeed" in a.systems)
+        runs = [*dict.fromkeys([("tiertrain", 1), ("tiertrain", a.gpus)])] * ("tiertrain" in a.systems) + [
+            ("deepspeed", a.gpus)
+        ] * ("deepspeed" in a.systems)
         for system, gpus in runs:
             r = launch_worker(a, system, B, gpus, out)
             (rows.append(r) if isinstance(r, dict) else errors.__setitem__(f"{system} x{gpus} batch {B}", r))
@@ -158,29 +207,47 @@ def write(a, out: Path, rows: list[dict], errors: dict[str, str]) -> None:
     date, name = time.strftime("%Y-%m-%d"), Path(a.config).name.removesuffix(".toml")
     short = next((w for w in gpu.split() if w[:1] in "HABL" and any(c.isdigit() for c in w)), gpu.split()[-1])
     stem = out / f"{date}-{short}-{name}-gpus{a.gpus}"
-    meta = {"date": date, "gpu": gpu, "gpus": a.gpus, **commit(),
-            "command": "python -m bench.ranks " + " ".join(sys.argv[1:])}
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1)
-                                         + "\n")
+    meta = {
+        "date": date,
+        "gpu": gpu,
+        "gpus": a.gpus,
+        **commit(),
+        "command": "python -m bench.ranks " + " ".join(sys.argv[1:]),
+    }
+    stem.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "errors": errors}, indent=1) + "\n"
+    )
     S = cfg.train.seq_len
-    title = (f"tiertrain on 1 and {a.gpus} GPUs vs DeepSpeed ZeRO-3 CPU offload on {a.gpus}" if a.gpus > 1
-             else "tiertrain vs DeepSpeed ZeRO-3 CPU offload on one GPU (bench.ranks with --gpus 1)")
-    lines = [f"# {name}: {title}", "",
-             f"- {meta['date']}, {a.gpus} x {gpu}, commit {meta['commit']}"
-             + " (with uncommitted changes)" * meta["dirty"],
-             f"- command: `{meta['command']}`",
-             f"- seq {S}, bf16 compute, random tokens, gradient clipping {a.grad_clip:g}; {a.warmup} warm-up + "
-             f"{a.steps} timed steps, median; the RunPlans are in the JSON", "",
-             "| batch | tokens/step | system | step s | tokens/s | vs tiertrain 1 GPU | plan s | bottleneck "
-             "| GPU GB | RSS GB |", "| --- " * 10 + "|"]
+    title = (
+        f"tiertrain on 1 and {a.gpus} GPUs vs DeepSpeed ZeRO-3 CPU offload on {a.gpus}"
+        if a.gpus > 1
+        else "tiertrain vs DeepSpeed ZeRO-3 CPU offload on one GPU (bench.ranks with --gpus 1)"
+    )
+    lines = [
+        f"# {name}: {title}",
+        "",
+        f"- {meta['date']}, {a.gpus} x {gpu}, commit {meta['commit']}"
+        + " (with uncommitted changes)" * meta["dirty"],
+        f"- command: `{meta['command']}`",
+        f"- seq {S}, bf16 compute, random tokens, gradient clipping {a.grad_clip:g}; {a.warmup} warm-up + "
+        f"{a.steps} timed steps, median; the RunPlans are in the JSON",
+        "",
+        "| batch | tokens/step | system | step s | tokens/s | vs tiertrain 1 GPU | plan s | bottleneck "
+        "| GPU GB | RSS GB |",
+        "| --- " * 10 + "|",
+    ]
     for B in a.batches:
-        base = next((r for r in rows if r["batch"] == B and r["kind"] == "tiertrain" and r["gpus"] == 1), None)
+        base = next(
+            (r for r in rows if r["batch"] == B and r["kind"] == "tiertrain" and r["gpus"] == 1), None
+        )
         for r in (r for r in rows if r["batch"] == B):
             vs = f"{base['step_s'] / r['step_s']:.2f}x" if base else ""
             plan = f"{r['pred_step_s']:.3g}" if r.get("pred_step_s") else ""
-            lines.append(f"| {B} | {B * S:,} | {r['system']} | {r['step_s']:.2f} | {r['tokens'] / r['step_s']:,.0f} "
-                         f"| {vs} | {plan} | {r.get('bottleneck', '')} | {r['gpu_peak_gb']:.1f} "
-                         f"| {r['host_peak_rss_gb']:.1f} |")
+            lines.append(
+                f"| {B} | {B * S:,} | {r['system']} | {r['step_s']:.2f} | {r['tokens'] / r['step_s']:,.0f} "
+                f"| {vs} | {plan} | {r.get('bottleneck', '')} | {r['gpu_peak_gb']:.1f} "
+                f"| {r['host_peak_rss_gb']:.1f} |"
+            )
     lines += [""] + [f"- {k} failed: {v}" for k, v in errors.items()]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -7,6 +7,7 @@ the update starts), each host job's "job" (the worker picks it up), "grad" (its 
 next forward pass blocked on a unit. The update of step k runs beside the forward pass of step k+1, so a step is summarised only
 when the next one's marks are there too.
 """
+
 from __future__ import annotations
 
 from statistics import median
@@ -51,8 +52,10 @@ def summarize(events: list, numels: list[int], host: set[int] | None = None) -> 
     per: dict[str, list[float]] = {k: [] for k in FIELDS}
     for k in range(min(len(steps), len(backs), len(norms)) - 1):
         b, n, s1, b1 = backs[k], norms[k], steps[k + 1], backs[k + 1]
-        spec, upd = ([j for j in _jobs(events, kind, lo, b1) if host is None or j[0] in host]
-                     for kind, lo in (("spec ", b), ("", n)))
+        spec, upd = (
+            [j for j in _jobs(events, kind, lo, b1) if host is None or j[0] in host]
+            for kind, lo in (("spec ", b), ("", n))
+        )
         waits = [t for e, _, t in events if e in ("wait", "waited") and s1 <= t <= b1]
         per["bwd_s"].append(n - b)
         busy = sum(d - g for _, _, g, d in spec)
@@ -85,10 +88,20 @@ def table(rows: list[dict]) -> list[str]:
     rows = [r for r in rows if r.get("timeline")]
     if not rows:
         return []
-    lines = ["", "## host optimizer timeline (median over the timed steps)", "",
-             "; ".join(f"{k}: {v}" for k, v in FIELDS.items()) + ".", "",
-             "| system | batch | " + " | ".join(FIELDS) + " |", "| --- | --- | " + "--- | " * len(FIELDS)]
+    lines = [
+        "",
+        "## host optimizer timeline (median over the timed steps)",
+        "",
+        "; ".join(f"{k}: {v}" for k, v in FIELDS.items()) + ".",
+        "",
+        "| system | batch | " + " | ".join(FIELDS) + " |",
+        "| --- | --- | " + "--- | " * len(FIELDS),
+    ]
     for r in rows:
         t = r["timeline"]
-        lines.append(f"| {r['system']} | {r['batch']} | " + " | ".join(f"{t.get(k, float('nan')):.3f}" for k in FIELDS) + " |")
+        lines.append(
+            f"| {r['system']} | {r['batch']} | "
+            + " | ".join(f"{t.get(k, float('nan')):.3f}" for k in FIELDS)
+            + " |"
+        )
     return lines

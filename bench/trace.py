@@ -8,6 +8,7 @@ prints, and appends to <out>/trace.md, a table per step: for each stream (the co
 loads, the gradient drain, the GPU updates' copies) the seconds it was busy in each phase, and the bytes it
 copied each way; for the host optimizer its seconds in the fused AdamW kernel.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ def tag_streams(streams) -> None:
     dst = torch.empty_like(src)
     for i, role in enumerate(ROLES):
         with torch.cuda.stream(getattr(streams, role)):
-            dst[:TAG + i].copy_(src[:TAG + i])
+            dst[: TAG + i].copy_(src[: TAG + i])
     torch.cuda.synchronize()
 
 
@@ -49,10 +50,17 @@ def summarize(trace: dict) -> list[dict]:
     """Per profiled step and phase: {stream: busy s}, {stream: (H2D GB, D2H GB)}.
     Streams are named by tag_streams' copies, others by their number; times in seconds."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    names = {e["args"].get("stream"): ROLES[e["args"]["bytes"] - TAG] for e in ev
-             if e.get("cat") == "gpu_memcpy" and TAG <= e.get("args", {}).get("bytes", 0) < TAG + len(ROLES)}
-    marks = {p: sorted((e["ts"], e["ts"] + e["dur"]) for e in ev
-                       if e.get("cat") == "user_annotation" and e["name"] == p) for p in PHASES}
+    names = {
+        e["args"].get("stream"): ROLES[e["args"]["bytes"] - TAG]
+        for e in ev
+        if e.get("cat") == "gpu_memcpy" and TAG <= e.get("args", {}).get("bytes", 0) < TAG + len(ROLES)
+    }
+    marks = {
+        p: sorted(
+            (e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "user_annotation" and e["name"] == p
+        )
+        for p in PHASES
+    }
     gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     out = []
     for k in range(min(len(v) for v in marks.values())):
@@ -65,8 +73,10 @@ def summarize(trace: dict) -> list[dict]:
                 name = names.get(s, f"stream {s}")
                 busy[name] = _union([(e["ts"], e["ts"] + e["dur"]) for e in on], lo, hi) / 1e6
                 copies = [e for e in on if e["cat"] == "gpu_memcpy" and lo <= e["ts"] < hi]
-                moved[name] = tuple(sum(e["args"].get("bytes", 0) for e in copies if d in e["name"]) / 1e9
-                                 for d in ("HtoD", "DtoH"))
+                moved[name] = tuple(
+                    sum(e["args"].get("bytes", 0) for e in copies if d in e["name"]) / 1e9
+                    for d in ("HtoD", "DtoH")
+                )
             step[p] = {"s": (hi - lo) / 1e6, "busy": busy, "moved": moved}
         out.append(step)
     return out
@@ -83,13 +93,20 @@ def host_adamw(events: list, steps: int) -> list[dict[str, float]]:
 
 
 def table(name: str, steps: list[dict]) -> list[str]:
-    lines = [f"### {name}", "", "| step | phase | phase s | host AdamW s | stream: busy s (H2D GB / D2H GB) |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"### {name}",
+        "",
+        "| step | phase | phase s | host AdamW s | stream: busy s (H2D GB / D2H GB) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for k, step in enumerate(steps):
         for p in PHASES:
             d = step[p]
-            cells = ", ".join(f"{s}: {b:.3f}" + (" (%.1f / %.1f)" % d["moved"][s] if any(d["moved"][s]) else "")
-                              for s, b in d["busy"].items() if b > 0.0005)
+            cells = ", ".join(
+                f"{s}: {b:.3f}" + (" (%.1f / %.1f)" % d["moved"][s] if any(d["moved"][s]) else "")
+                for s, b in d["busy"].items()
+                if b > 0.0005
+            )
             lines.append(f"| {k} | {p} | {d['s']:.3f} | {d.get('adamw_s', float('nan')):.3f} | {cells} |")
     return lines + [""]
 
@@ -145,7 +162,9 @@ def main() -> None:
     for k in range(a.warmup):
         tr.train_on(*batch(a.batch, S, V, k))
     _phases(tr.run.updates)
-    acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * tr.run.streams.cuda
+    acts = [torch.profiler.ProfilerActivity.CPU] + [
+        torch.profiler.ProfilerActivity.CUDA
+    ] * tr.run.streams.cuda
     with torch.profiler.profile(activities=acts) as prof:
         if tr.run.streams.cuda:
             tag_streams(tr.run.streams)

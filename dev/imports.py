@@ -1,5 +1,6 @@
 """The package's import arrows between its modules (lazy imports inside functions included), its cycles, and the
 arrows that run back up its floors: `python dev/imports.py [--dot]`."""
+
 from __future__ import annotations
 
 import ast
@@ -11,14 +12,41 @@ ROOT = Path(__file__).resolve().parent.parent / "tiertrain"
 # the package's floors, lowest first: a module imports from its own floor and those below it; an arrow to a higher
 # floor runs back up. The planner is pure and below the runtime; the tiers know slabs, nothing of plans or models
 FLOORS = [
-    ("names", ["tiertrain", "tiertrain.errors", "tiertrain.sizes", "tiertrain.modes", "tiertrain.model.spec",
-               "tiertrain.config"]),
+    (
+        "names",
+        [
+            "tiertrain",
+            "tiertrain.errors",
+            "tiertrain.sizes",
+            "tiertrain.modes",
+            "tiertrain.model.spec",
+            "tiertrain.sections",
+            "tiertrain.config",
+        ],
+    ),
     ("tiers", ["tiertrain.tiers.*"]),
     ("plan", ["tiertrain.plan.*"]),
-    ("runtime", ["tiertrain.model.*", "tiertrain.engine.*", "tiertrain.optim.*", "tiertrain.parallel",
-                 "tiertrain.state", "tiertrain.data", "tiertrain.prepare", "tiertrain.checkpoint", "tiertrain.metrics",
-                 "tiertrain.probe", "tiertrain.charts", "tiertrain.launch", "tiertrain.rundir", "tiertrain.export"]),
-    ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop"]),
+    (
+        "runtime",
+        [
+            "tiertrain.model.*",
+            "tiertrain.engine.*",
+            "tiertrain.optim.*",
+            "tiertrain.parallel",
+            "tiertrain.state",
+            "tiertrain.data",
+            "tiertrain.prepare",
+            "tiertrain.checkpoint",
+            "tiertrain.checksum",
+            "tiertrain.metrics",
+            "tiertrain.probe",
+            "tiertrain.charts",
+            "tiertrain.launch",
+            "tiertrain.rundir",
+            "tiertrain.export",
+        ],
+    ),
+    ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop", "tiertrain.start"]),
     ("cli", ["tiertrain.cli", "tiertrain.__main__"]),
 ]
 
@@ -50,7 +78,7 @@ def arrows() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom):
                 base = pkg.split(".")
-                base = base[:len(base) - node.level + 1] if node.level else []
+                base = base[: len(base) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
                 names = [f"{target}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
@@ -101,7 +129,9 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 if __name__ == "__main__":
     g = arrows()
     up = upward(g)
-    print(f"{len(g)} modules, {sum(map(len, g.values()))} arrows, {len(cycles(g))} cycles, {len(up)} arrows back up")
+    print(
+        f"{len(g)} modules, {sum(map(len, g.values()))} arrows, {len(cycles(g))} cycles, {len(up)} arrows back up"
+    )
     for c in cycles(g):
         print("cycle:", " <-> ".join(c))
     for m, t in up:

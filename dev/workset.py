@@ -2,6 +2,7 @@
 gradients, then its backward pass from its checkpoint as Step.block_backward runs it, tiled (model/tiled.py) or
 not, the input and its gradient allocated before. One line per (config, tokens).
     python dev/workset.py configs/llama3.1-8b.toml TILE TOKENS...      (TILE 0: untiled)"""
+
 import sys
 
 import torch
@@ -15,8 +16,10 @@ cfg_path, tile = sys.argv[1], int(sys.argv[2])
 spec = load_config(cfg_path).model
 dev, dt = torch.device("cuda"), torch.bfloat16
 shapes = {t.name: t.shape for t in spec.units()[1].tensors}
-w = {n: (torch.randn(s, device=dev) * 0.02).to(dt) if len(s) > 1 else torch.ones(s, device=dev, dtype=dt)
-     for n, s in shapes.items()}
+w = {
+    n: (torch.randn(s, device=dev) * 0.02).to(dt) if len(s) > 1 else torch.ones(s, device=dev, dtype=dt)
+    for n, s in shapes.items()
+}
 accs = {n: torch.zeros(s, device=dev) for n, s in shapes.items()}
 for tokens in map(int, sys.argv[3:]):
     spec.max_position_embeddings = max(spec.max_position_embeddings, tokens)
@@ -49,8 +52,11 @@ for tokens in map(int, sys.argv[3:]):
     bwd = torch.cuda.max_memory_allocated() - base
     H = spec.hidden_size
     model = working_set(spec, "bfloat16", tokens, tile)
-    print(f"{cfg_path} tile {tile} tokens {tokens}: fwd {fwd / 1e9:.2f} GB {t0.elapsed_time(t1) / 1e3:.2f} s, "
-          f"bwd {bwd / 1e9:.2f} GB ({bwd / tokens / H:.1f} x H per token) {t1.elapsed_time(t2) / 1e3:.2f} s; "
-          f"model {model / 1e9:.2f} GB ({model / tokens / H:.1f} x H)", flush=True)
+    print(
+        f"{cfg_path} tile {tile} tokens {tokens}: fwd {fwd / 1e9:.2f} GB {t0.elapsed_time(t1) / 1e3:.2f} s, "
+        f"bwd {bwd / 1e9:.2f} GB ({bwd / tokens / H:.1f} x H per token) {t1.elapsed_time(t2) / 1e3:.2f} s; "
+        f"model {model / 1e9:.2f} GB ({model / tokens / H:.1f} x H)",
+        flush=True,
+    )
     del x, g
     torch.cuda.empty_cache()

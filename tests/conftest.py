@@ -1,5 +1,6 @@
 """Shared helpers: tiny configs, the plain-PyTorch reference training loop, the command line as a user runs it,
 checkpoints' arrays, budgets that spill, and tiny Hugging Face models."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,14 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zarr
 import torch
+import zarr
 
 from tiertrain import checkpoint as ckpt
 from tiertrain.config import Config, load_config
 from tiertrain.metrics import read_metrics
-from tiertrain.modes import Kind
 from tiertrain.model.reference import ReferenceLM
+from tiertrain.modes import Kind
 from tiertrain.optim.adamw import lr_at
 from tiertrain.plan.hardware import REFERENCE, TORCH_COPIES
 from tiertrain.sizes import budget
@@ -31,22 +32,44 @@ from tiertrain.tiers.slab import host_cost
 # the reference H200 as measured before the one-pass host AdamW in pieces: a host whose AdamW is slow and
 # half as fast into a speculation's copies; the planner's scenarios that need AdamW to be the bottleneck
 # (GPU updates paying off, clipping costing copies) plan on it
-SLOW_HOST = dataclasses.replace(REFERENCE, host_adam_params_per_s=3.78e9, host_adam_copy_params_per_s=2.81e9,
-                                compute_efficiency=0.54, host_dram_gbs=120.0, adam_contention=1.18, source="slow host",
-                                **TORCH_COPIES)
+SLOW_HOST = dataclasses.replace(
+    REFERENCE,
+    host_adam_params_per_s=3.78e9,
+    host_adam_copy_params_per_s=2.81e9,
+    compute_efficiency=0.54,
+    host_dram_gbs=120.0,
+    adam_contention=1.18,
+    source="slow host",
+    **TORCH_COPIES,
+)
 
-TINY = ["model.hidden_size=64", "model.intermediate_size=96", "model.num_hidden_layers=3",
-        "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=97",
-        "train.seq_len=32", "train.batch_size=8", "train.micro_batch_size=2", "train.steps=12",
-        'train.compute_dtype="float32"', 'train.device="cpu"', "optim.grad_clip=0.3", "optim.warmup_steps=3", "optim.lr=3e-3",
-        "optim.min_lr=3e-4", "optim.weight_decay=0.1",
-        # where each update runs is pinned (the plan would choose per placement, and the CUDA AdamW rounds
-        # differently from the CPU one); the tests of GPU updates set it
-        "tiers.gpu_update_units=0",
-        # and where checkpoints live: budgets in the NVMe tests leave no room for host checkpoints
-        'tiers.activations="gpu"',
-        # on a GPU the plan would keep this tiny model whole on the device: the tests of streaming stream
-        "tiers.gpu_resident_gb=0", "train.keep_activations=0"]
+TINY = [
+    "model.hidden_size=64",
+    "model.intermediate_size=96",
+    "model.num_hidden_layers=3",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "model.vocab_size=97",
+    "train.seq_len=32",
+    "train.batch_size=8",
+    "train.micro_batch_size=2",
+    "train.steps=12",
+    'train.compute_dtype="float32"',
+    'train.device="cpu"',
+    "optim.grad_clip=0.3",
+    "optim.warmup_steps=3",
+    "optim.lr=3e-3",
+    "optim.min_lr=3e-4",
+    "optim.weight_decay=0.1",
+    # where each update runs is pinned (the plan would choose per placement, and the CUDA AdamW rounds
+    # differently from the CPU one); the tests of GPU updates set it
+    "tiers.gpu_update_units=0",
+    # and where checkpoints live: budgets in the NVMe tests leave no room for host checkpoints
+    'tiers.activations="gpu"',
+    # on a GPU the plan would keep this tiny model whole on the device: the tests of streaming stream
+    "tiers.gpu_resident_gb=0",
+    "train.keep_activations=0",
+]
 VARIANTS = {
     "llama": [],  # GQA 4/2, untied, no biases
     "qwen2": ["model.attention_bias=true", "model.tie_word_embeddings=true", 'model.model_type="qwen2"'],
@@ -73,7 +96,9 @@ def tiny_config(token_file, *sets: str) -> Config:
     return load_config(None, TINY + [f'data.path="{token_file}"', *sets])
 
 
-def reference_train(cfg: Config, init: dict[str, torch.Tensor] | None, device: str, autocast: bool, model=None):
+def reference_train(
+    cfg: Config, init: dict[str, torch.Tensor] | None, device: str, autocast: bool, model=None
+):
     """The same training in plain PyTorch: nn.Module, micro-batch accumulation, clip_grad_norm_,
     torch.optim.AdamW with decay on >=2-D tensors only, the same rows. Returns (losses, grad norms, model).
     `model`: a module whose forward(inputs, targets) is the summed token loss; default ReferenceLM(init)."""
@@ -84,13 +109,21 @@ def reference_train(cfg: Config, init: dict[str, torch.Tensor] | None, device: s
     if ref is None:
         ref = ReferenceLM(cfg.model).to(device)
         missing, unexpected = ref.load_state_dict({k: v.to(device) for k, v in init.items()}, strict=False)
-        assert not unexpected and all(k == "lm_head.weight" for k in missing)  # tied: shared with the embedding
+        # tied: shared with the embedding
+        assert not unexpected and all(k == "lm_head.weight" for k in missing)
     params = list(ref.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
-    loader = Loader(read_tokens(cfg.data.path), tc.seq_len, tc.batch_size, cfg.model.vocab_size,
-                    cfg.data.shuffle, tc.seed)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+    )
+    loader = Loader(
+        read_tokens(cfg.data.path), tc.seq_len, tc.batch_size, cfg.model.vocab_size, cfg.data.shuffle, tc.seed
+    )
     losses, norms = [], []
     for k in range(tc.steps):
         inp, tgt = (torch.from_numpy(a).to(device) for a in loader.batch(k))
@@ -111,6 +144,7 @@ def reference_train(cfg: Config, init: dict[str, torch.Tensor] | None, device: s
         losses.append(total)
     return losses, norms, ref
 
+
 # ---- the command line, as a user runs it --------------------------------------------------------
 SETS = [a for s in TINY for a in ("--set", s)]
 STEPS = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=5"]
@@ -119,8 +153,14 @@ STEPS = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "chec
 def cli(*args, cwd=None, fsize: int | None = None, env=None):
     """`tiertrain ARGS` in a subprocess; `fsize`: a file size limit (bytes) standing in for a full disk."""
     limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))) if fsize is not None else None
-    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True, cwd=cwd,
-                          preexec_fn=limit, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "tiertrain", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        preexec_fn=limit,
+        env=env,
+    )
 
 
 def tiny(token_file, *more):
@@ -138,8 +178,11 @@ def refused(r, *words):
 
 
 def tree_hash(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def user_files(root: Path) -> dict[str, str]:
@@ -183,7 +226,9 @@ def budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD)) -> float:
     tr = Trainer(cfg)
     cost = host_cost
     width = max(lay.numel for lay in tr.layouts)
-    gb = (sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)) / 1e9
+    gb = (
+        sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)
+    ) / 1e9
     tr.close()
     return gb
 
@@ -201,7 +246,9 @@ def least_budget(cfg) -> float:
 # ---- checkpoints ------------------------------------------------------------------------------------
 def state_of(path):
     g = zarr.open_group(path, mode="r")
-    return {f"{k.value}/{u}": g[k.value][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))}
+    return {
+        f"{k.value}/{u}": g[k.value][str(u)][:] for k in ckpt.KINDS for u in range(len(g.attrs["numels"]))
+    }
 
 
 def same_run(a, b):
@@ -218,19 +265,46 @@ def stale_store(parent: Path, run: Path, name: str) -> Path:
     """A scratch store of `run` left by a process that is gone."""
     d = parent / name
     d.mkdir(parents=True)
-    (d / "tiertrain-scratch.json").write_text(json.dumps(
-        {"format": "tiertrain-nvme/1", "run": str(run.resolve()), "host": os.uname().nodename, "pid": 2**22 + 7}))
+    (d / "tiertrain-scratch.json").write_text(
+        json.dumps(
+            {
+                "format": "tiertrain-nvme/1",
+                "run": str(run.resolve()),
+                "host": os.uname().nodename,
+                "pid": 2**22 + 7,
+            }
+        )
+    )
     (d / "checkpoints").mkdir()
     return d
 
 
 # ---- tiny Hugging Face models ----------------------------------------------------------------------
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, rms_norm_eps=1e-5)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
 CASES = {
-    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
-                    dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
     "llama2": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),

@@ -1,4 +1,5 @@
 """The benchmark's trace summary (bench.trace), on a hand-made profiler trace."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,15 +12,20 @@ def _x(cat, name, ts, dur, **args):
 
 
 def test_trace_summary_per_stream_and_phase():
-    ev = [_x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 1, stream=7, bytes=TAG),  # 7: compute
-          _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 1, stream=9, bytes=TAG + 1),  # 9: h2d
-          _x("user_annotation", "forward", 100, 1000), _x("user_annotation", "backward", 1100, 2000),
-          # overlapping kernels count once; the part past the forward pass counts in the backward
-          _x("kernel", "gemm", 200, 300, stream=7), _x("kernel", "gemm", 400, 200, stream=7),
-          _x("kernel", "gemm", 1000, 400, stream=7),
-          _x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 150, 500, stream=9, bytes=2e9),
-          _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1200, 100, stream=11, bytes=1e9),
-          _x("kernel", "gemm", 5000, 100, stream=7)]  # after both phases
+    # after both phases
+    ev = [
+        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 1, stream=7, bytes=TAG),  # 7: compute
+        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 1, stream=9, bytes=TAG + 1),  # 9: h2d
+        _x("user_annotation", "forward", 100, 1000),
+        _x("user_annotation", "backward", 1100, 2000),
+        # overlapping kernels count once; the part past the forward pass counts in the backward
+        _x("kernel", "gemm", 200, 300, stream=7),
+        _x("kernel", "gemm", 400, 200, stream=7),
+        _x("kernel", "gemm", 1000, 400, stream=7),
+        _x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 150, 500, stream=9, bytes=2e9),
+        _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 1200, 100, stream=11, bytes=1e9),
+        _x("kernel", "gemm", 5000, 100, stream=7),
+    ]
     (step,) = summarize({"traceEvents": ev})
     f, b = step["forward"], step["backward"]
     assert f["s"] == pytest.approx(1e-3) and b["s"] == pytest.approx(2e-3)
@@ -30,21 +36,43 @@ def test_trace_summary_per_stream_and_phase():
 
 
 def test_host_adamw_per_phase_from_the_timeline():
-    ev = [("step", -1, 0.0), ("job", 0, 0.1), ("grad", 0, 0.2), ("done", 0, 0.5),  # the last update
-          ("backward", -1, 1.0), ("spec job", 3, 1.1), ("spec grad", 3, 1.3), ("spec done", 3, 1.6),
-          ("norm", -1, 2.0), ("job", 0, 2.0), ("done", 0, 2.1)]  # this one's, after the norm
+    # this one's, after the norm
+    ev = [
+        ("step", -1, 0.0),
+        ("job", 0, 0.1),
+        ("grad", 0, 0.2),
+        ("done", 0, 0.5),  # the last update
+        ("backward", -1, 1.0),
+        ("spec job", 3, 1.1),
+        ("spec grad", 3, 1.3),
+        ("spec done", 3, 1.6),
+        ("norm", -1, 2.0),
+        ("job", 0, 2.0),
+        ("done", 0, 2.1),
+    ]
     assert host_adamw(ev, 1) == [pytest.approx({"forward": 0.3, "backward": 0.3})]
 
 
 def test_dram_table_counts_the_copy_bytes_and_the_host_adamw():
     from bench.dram import step_bytes, table
 
-    row = {"system": "tiertrain", "kind": "tiertrain", "plan": {"stream": "compute"}, "batch": 4, "step_s": 2.0,
-           "h2d_gb": 10.0, "d2h_gb": 6.0, "host_adam_params": 1e9}
+    row = {
+        "system": "tiertrain",
+        "kind": "tiertrain",
+        "plan": {"stream": "compute"},
+        "batch": 4,
+        "step_s": 2.0,
+        "h2d_gb": 10.0,
+        "d2h_gb": 6.0,
+        "host_adam_params": 1e9,
+    }
     fp32 = dict(row, system="tiertrain-fp32", plan={"stream": "master"})
     assert step_bytes(row) == pytest.approx(16e9 + 30e9) and step_bytes(fp32) == pytest.approx(16e9 + 28e9)
-    lines = table([row, fp32, {"system": "DeepSpeed ZeRO-3 offload CPU", "kind": "deepspeed", "batch": 4}],
-                  {"host_adam_fp32_stream_params_per_s": 4e9})  # 112 GB/s
+    # 112 GB/s
+    lines = table(
+        [row, fp32, {"system": "DeepSpeed ZeRO-3 offload CPU", "kind": "deepspeed", "batch": 4}],
+        {"host_adam_fp32_stream_params_per_s": 4e9},
+    )
     cells = [ln.split(" | ") for ln in lines if ln.startswith("| tiertrain")]
     assert [c[3] for c in cells] == ["46.0", "44.0"] and [c[4] for c in cells] == ["23", "22"]
     assert [c[5] for c in cells] == ["112", "112"]
@@ -56,8 +84,17 @@ def test_adamw_ceiling_is_at_least_what_the_step_reached():
     from bench.dram import adam_rate, dram_rate, table
 
     probe = {"host_adam_params_per_s": 4e9, "host_adam_fp32_stream_params_per_s": 5e9}
-    row = {"system": "tiertrain", "kind": "tiertrain", "plan": {"stream": "compute"}, "batch": 4, "step_s": 1.0,
-           "h2d_gb": 10.0, "d2h_gb": 6.0, "host_adam_params": 1e9, "timeline": {"upd_gparams_s": 4.5}}
+    row = {
+        "system": "tiertrain",
+        "kind": "tiertrain",
+        "plan": {"stream": "compute"},
+        "batch": 4,
+        "step_s": 1.0,
+        "h2d_gb": 10.0,
+        "d2h_gb": 6.0,
+        "host_adam_params": 1e9,
+        "timeline": {"upd_gparams_s": 4.5},
+    }
     fp32 = dict(row, system="tiertrain-fp32", plan={"stream": "master"})
     # the bf16 variant's probe (4.0) is below the step's 4.5; the fp32 variant's (5.0) is not
     assert adam_rate(row, probe) == (pytest.approx(4.5e9), True)
@@ -66,8 +103,11 @@ def test_adamw_ceiling_is_at_least_what_the_step_reached():
     # DRAM: the probe's fp32 rate x 28 B (140 GB/s) against the step's 4.5 x 30 B (135) and x 28 B (126)
     assert dram_rate(row, probe) == pytest.approx(140e9)
     assert dram_rate(dict(row, timeline={"upd_gparams_s": 5.0}), probe) == pytest.approx(150e9)
-    cells = [ln.split(" | ") for ln in table([dict(row, timeline={"upd_gparams_s": 5.0})], probe)
-             if ln.startswith("| tiertrain")]
+    cells = [
+        ln.split(" | ")
+        for ln in table([dict(row, timeline={"upd_gparams_s": 5.0})], probe)
+        if ln.startswith("| tiertrain")
+    ]
     assert [c[5] for c in cells] == ["150"] and float(cells[0][6]) == pytest.approx(46 / 150, abs=1e-3)
 
 
@@ -79,10 +119,22 @@ def test_timeline_rates_count_only_the_host_units():
     from bench.timeline import host_units, summarize
 
     M = 100_000_000
-    ev = [("step", -1, 0.0), ("backward", -1, 0.1), ("spec job", 2, 0.1), ("spec grad", 2, 0.12),
-          ("spec done", 2, 0.17), ("norm", -1, 0.2), ("job", 0, 0.2), ("done", 0, 0.202),  # resident: 2 ms
-          ("job", 1, 0.202), ("grad", 1, 0.202), ("done", 1, 0.252), ("step", -1, 0.21),
-          ("backward", -1, 0.3), ("norm", -1, 0.4)]
+    ev = [
+        ("step", -1, 0.0),
+        ("backward", -1, 0.1),
+        ("spec job", 2, 0.1),
+        ("spec grad", 2, 0.12),
+        ("spec done", 2, 0.17),
+        ("norm", -1, 0.2),
+        ("job", 0, 0.2),
+        ("done", 0, 0.202),  # resident: 2 ms
+        ("job", 1, 0.202),
+        ("grad", 1, 0.202),
+        ("done", 1, 0.252),
+        ("step", -1, 0.21),
+        ("backward", -1, 0.3),
+        ("norm", -1, 0.4),
+    ]
     numels = [M, M, M]
     s, every = summarize(ev, numels, {1, 2}), summarize(ev, numels)
     assert s["upd_gparams_s"] == pytest.approx(0.1 / 0.05) and s["upd_busy_s"] == pytest.approx(0.05)
@@ -105,7 +157,9 @@ def test_a_bench_system_is_overrides_and_its_rows_record_the_plan(tmp_path):
 
     hw = tmp_path / "hw.json"
     REFERENCE.save(hw)
-    a = argparse.Namespace(config="debug", batches=[2], micro=1, warmup=1, steps=1, grad_clip=1.0, hardware=str(hw))
+    a = argparse.Namespace(
+        config="debug", batches=[2], micro=1, warmup=1, steps=1, grad_clip=1.0, hardware=str(hw)
+    )
     (row,) = run_tiertrain(a, "tiertrain-host-adam", TIERTRAIN["tiertrain-host-adam"])
     assert row["kind"] == "tiertrain" and row["sets"] == TIERTRAIN["tiertrain-host-adam"]
     assert row["plan"]["stream"] == "master" and row["plan"]["micro_batch"] == 1

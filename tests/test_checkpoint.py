@@ -1,4 +1,5 @@
 """Checkpoints: a resumed run is the run that was never stopped, bit for bit; a killed write loses nothing."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import budget_for, DEEP, least_budget, same_run, tiny_config, VARIANTS
+from conftest import DEEP, VARIANTS, budget_for, least_budget, same_run, tiny_config
 from tiertrain import checkpoint as ckpt
 from tiertrain import rundir
 from tiertrain.loop import fit
@@ -36,9 +37,19 @@ def _fit(cfg, out, stop_at=None, resume=None):
     return lines
 
 
-@pytest.mark.parametrize("spill", ["none", "posix", "resident", "gpu-update", "gpu-speculated", "everything",
-                                   "speculated",
-                                   pytest.param("kvikio", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "spill",
+    [
+        "none",
+        "posix",
+        "resident",
+        "gpu-update",
+        "gpu-speculated",
+        "everything",
+        "speculated",
+        pytest.param("kvikio", marks=pytest.mark.gpu),
+    ],
+)
 def test_resume_is_bit_identical(token_file, tmp_path, spill):
     """`resident`: the first units' state in device memory, the last units' moments on NVMe.
     `gpu-update`: the first two units updated on the device as they load (a checkpoint runs the
@@ -49,8 +60,11 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
     sets = [*VARIANTS["qwen2"], *STEPS, "data.shuffle=true"]
     if spill == "everything":
         sets += ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"', *DEEP]
-        sets += [f"tiers.host_gb={least_budget(tiny_config(token_file, *sets))}",
-                 f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
+        sets += [
+            f"tiers.host_gb={least_budget(tiny_config(token_file, *sets))}",
+            f'tiers.nvme_dir="{tmp_path / "nvme"}"',
+            'tiers.io="posix"',
+        ]
         spill = "posix-set"
     if spill == "resident":
         sets.append("tiers.gpu_resident_gb=0.002")
@@ -63,15 +77,23 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         assert Trainer(tiny_config(token_file, *sets)).run_plan.updated("gpu", "gpu-speculated") == {0, 1}
         spill = "none"
     if spill == "gpu-speculated":
-        sets += ["tiers.gpu_update_units=2", "optim.speculate_gpu_updates=true", "optim.grad_clip=100",
-                 "optim.speculate_units=99"]
+        sets += [
+            "tiers.gpu_update_units=2",
+            "optim.speculate_gpu_updates=true",
+            "optim.grad_clip=100",
+            "optim.speculate_units=99",
+        ]
         tr = Trainer(tiny_config(token_file, *sets))
-        assert tr.run_plan.updated("gpu", "gpu-speculated") == tr.run_plan.updated("gpu-speculated") == {2, 4} and set(tr.run.host.copies) == set(range(5))
+        assert tr.run_plan.updated("gpu", "gpu-speculated") == tr.run_plan.updated("gpu-speculated") == {
+            2,
+            4,
+        } and set(tr.run.host.copies) == set(range(5))
         tr.close()
         spill = "none"
     if spill == "kvikio":
         sets.append('train.device="cuda"')
-    if spill not in ("none", "posix-set"):  # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
+    # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
+    if spill not in ("none", "posix-set"):
         gb = budget_for(tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []))
         sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', f'tiers.io="{spill}"']
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")
@@ -79,7 +101,8 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
     assert any("stopped by SIGTERM after step 5" in x for x in lines)
     assert [p.name for p in rundir.checkpoints(tmp_path / "cut")] == ["step_3", "step_5"]
     if spill != "none":
-        assert not list((tmp_path / "nvme").glob("tiertrain-*"))  # the scratch stores went once the state was saved
+        # the scratch stores went once the state was saved
+        assert not list((tmp_path / "nvme").glob("tiertrain-*"))
     latest = rundir.resolve("latest", tmp_path / "cut")
     _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=latest)
     same_run(tmp_path / "whole", tmp_path / "cut")
@@ -118,8 +141,11 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous(token_file, tmp_pa
     child.wait()
     assert (out / "checkpoints" / ".step_3.tmp").is_dir()  # the torn write is there, and ignored
     assert [p.name for p in rundir.checkpoints(out)] == ["step_1", "step_2"]
-    r = subprocess.run([sys.executable, "-m", "tiertrain", "run", "--resume", "latest", "--out", str(out)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain", "run", "--resume", "latest", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "resumed at step 2 of 8" in r.stdout
     assert not (out / "checkpoints" / ".step_3.tmp").exists()
@@ -129,8 +155,22 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous(token_file, tmp_pa
 
 def test_sigint_saves_and_exits_zero(tmp_path):
     out = tmp_path / "run"
-    child = subprocess.Popen([sys.executable, "-m", "tiertrain", "run", "--set", "train.steps=100000",
-                              "--set", "train.seq_len=64", "--out", str(out)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain",
+            "run",
+            "--set",
+            "train.steps=100000",
+            "--set",
+            "train.seq_len=64",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
         assert time.time() < deadline and child.poll() is None
@@ -184,12 +224,17 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp
     monkeypatch.setattr(ckpt, "_fsync_tree", full)
     out = tmp_path / "run"
     cfg = tiny_config(token_file, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3")
-    with pytest.raises(ckpt.CheckpointError, match=r"the disk is full; the previous checkpoint \(step_2\) is intact"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"the disk is full; the previous checkpoint \(step_2\) is intact"
+    ):
         _fit(cfg, out)
     assert [p.name for p in rundir.checkpoints(out)] == ["step_2"]
     assert not list((out / "checkpoints").glob(".*"))  # the partial write is gone
     ckpt.read_meta(out / "checkpoints" / "step_2")
     monkeypatch.setattr(ckpt, "_fsync_tree", real)
-    _fit(tiny_config(token_file, "train.steps=6", "checkpoint.every=2"), out,
-         resume=rundir.resolve("latest", out))
+    _fit(
+        tiny_config(token_file, "train.steps=6", "checkpoint.every=2"),
+        out,
+        resume=rundir.resolve("latest", out),
+    )
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 7))

@@ -1,12 +1,13 @@
 """The command line: a run writes what it promises; bad input fails with one line and no traceback."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 
 import numpy as np
 import pytest
-import tomllib
 
 from tiertrain.metrics import read_metrics
 
@@ -31,7 +32,9 @@ def test_run_writes_metrics_and_config(tmp_path):
     out = r.stdout
     log = (tmp_path / "run" / "train.log").read_text()  # the progress lines, as shown
     assert "step 12/12" in log and log.splitlines() == out.splitlines()
-    assert "parameters" in out and "host tier" in out and "step 12/12" in out and "tok/s" in out and "ETA" in out
+    assert (
+        "parameters" in out and "host tier" in out and "step 12/12" in out and "tok/s" in out and "ETA" in out
+    )
     again = cli("run", *FAST, "--out", str(tmp_path / "run"))  # never writes over a run
     assert again.returncode != 0 and "already holds a run" in again.stderr
 
@@ -40,26 +43,38 @@ def test_prepare_then_train_on_it(tmp_path):
     (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     r = cli("prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "a.bin"))
     assert r.returncode == 0, r.stderr
-    r = cli("run", *FAST, "--set", f'data.path="{tmp_path / "a.bin"}"', "--set", "train.batch_size=8",
-            "--out", str(tmp_path / "run"))
+    r = cli(
+        "run",
+        *FAST,
+        "--set",
+        f'data.path="{tmp_path / "a.bin"}"',
+        "--set",
+        "train.batch_size=8",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--set", "train.nope=1"], "unknown key train.nope"),
-    (["--set", "train.batch_size=-2"], "train.batch_size"),
-    (["--set", "train.seq_len=5000"], "max_position_embeddings"),
-    (["--config", "missing.toml"], "not found"),
-    (["--set", 'data.path="/nonexistent/tokens.bin"'], "tiertrain prepare"),
-    (["--set", 'data.path="SHORT"'], "fewer than one batch"),
-    (["--set", 'train.device="cuda"'], "no CUDA GPU"),
-    (["--hardware", "missing.json"], "tiertrain probe --out"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--set", "train.nope=1"], "unknown key train.nope"),
+        (["--set", "train.batch_size=-2"], "train.batch_size"),
+        (["--set", "train.seq_len=5000"], "max_position_embeddings"),
+        (["--config", "missing.toml"], "not found"),
+        (["--set", 'data.path="/nonexistent/tokens.bin"'], "tiertrain prepare"),
+        (["--set", 'data.path="SHORT"'], "fewer than one batch"),
+        (["--set", 'train.device="cuda"'], "no CUDA GPU"),
+        (["--hardware", "missing.json"], "tiertrain probe --out"),
+    ],
+)
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):
     np.save(tmp_path / "short.npy", np.arange(100))
     args = [a.replace("SHORT", str(tmp_path / "short.npy")) for a in args]
     if "cuda" in " ".join(args):
         import torch
+
         if torch.cuda.is_available():
             pytest.skip("this machine has a GPU")
     r = cli("run", *args, "--out", str(tmp_path / "run"))
@@ -80,10 +95,24 @@ def test_report_summarizes_and_plots(tmp_path):
     """Medians skip step 1 (no overlap yet): by hand, steps 2-4 have step_s 2, 3, 2 -> 2.0 s; predicted 1.6."""
     import json
 
-    recs = [{"step": k, "loss": 5.0 - k, "tokens": 1000 * k, "step_s": s, "tokens_per_s": 1000 / s,
-             "model_tflops": 1.0, "forward_s": 0.5, "backward_s": 1.0, "opt_wait_s": s - 1.5, "pred_step_s": 1.6,
-             "nvme_read_gb": 3.0, "nvme_write_gb": 2.0, "host_rss_gb": 10.0 + k}
-            for k, s in ((1, 9.0), (2, 2.0), (3, 3.0), (4, 2.0))]
+    recs = [
+        {
+            "step": k,
+            "loss": 5.0 - k,
+            "tokens": 1000 * k,
+            "step_s": s,
+            "tokens_per_s": 1000 / s,
+            "model_tflops": 1.0,
+            "forward_s": 0.5,
+            "backward_s": 1.0,
+            "opt_wait_s": s - 1.5,
+            "pred_step_s": 1.6,
+            "nvme_read_gb": 3.0,
+            "nvme_write_gb": 2.0,
+            "host_rss_gb": 10.0 + k,
+        }
+        for k, s in ((1, 9.0), (2, 2.0), (3, 3.0), (4, 2.0))
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     r = cli("report", str(tmp_path))
     assert r.returncode == 0, r.stderr

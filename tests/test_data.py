@@ -5,8 +5,8 @@ import pytest
 
 from conftest import tiny_config
 from tiertrain.data import BYTE_EOS, HEADER, Loader, builtin_tokens, read_tokens, token_vocab, write_bin
-from tiertrain.prepare import prepare
 from tiertrain.errors import DataError
+from tiertrain.prepare import prepare
 
 
 def test_rows_in_order_without_shuffle(tmp_path):
@@ -19,7 +19,9 @@ def test_rows_in_order_without_shuffle(tmp_path):
         inp, tgt = ld.batch(k)
         for j in range(B):
             r = k * B + j
-            assert (inp[j] == toks[r * S:r * S + S]).all() and (tgt[j] == toks[r * S + 1:r * S + S + 1]).all()
+            assert (inp[j] == toks[r * S : r * S + S]).all() and (
+                tgt[j] == toks[r * S + 1 : r * S + S + 1]
+            ).all()
     inp, _ = ld.batch(24)  # samples 96..99: rows 96, 97, 98, then row 0 of the next epoch
     assert [int(x[0]) for x in inp] == [960, 970, 980, 0]
 
@@ -82,7 +84,9 @@ def _word_tokenizer(path, eot="<|endoftext|>"):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import AddedToken, models, pre_tokenizers
 
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "moon": 3}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "moon": 3}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if eot:
         tok.add_special_tokens([AddedToken(eot, special=True)])
@@ -124,14 +128,19 @@ def test_jsonl_and_parquet_prepare_as_text_files(tmp_path, tokenizer):
     for i, doc in enumerate(DOCS):
         txts.append(tmp_path / f"d{i}.txt")
         txts[-1].write_text(doc)
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
+    (tmp_path / "d.jsonl").write_text(
+        "".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS))
+    )
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
     pq.write_table(pa.table({"body": DOCS, "n": [1, 2, 3]}), tmp_path / "d.parquet")
     got = {}
-    for name, inputs in {"txt": [str(p) for p in txts], "jsonl": [str(tmp_path / "d.jsonl")],
-                         "parquet": [str(tmp_path / "d.parquet")]}.items():
+    for name, inputs in {
+        "txt": [str(p) for p in txts],
+        "jsonl": [str(tmp_path / "d.jsonl")],
+        "parquet": [str(tmp_path / "d.parquet")],
+    }.items():
         prepare(inputs, str(tmp_path / f"{name}.bin"), tok, text_field="body")
         got[name] = read_tokens(tmp_path / f"{name}.bin").tolist()
     assert got["txt"] == got["jsonl"] == got["parquet"]

@@ -1,5 +1,6 @@
 """The validation loss (data.val_fraction / data.val_path, train.eval_every): the training forward pass's
 math, against a plain PyTorch evaluation of the same weights, and the training's bits untouched by it."""
+
 from __future__ import annotations
 
 import json
@@ -8,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import budget_for, DEEP, tiny_config, VARIANTS
-from tiertrain.modes import Home
+from conftest import DEEP, VARIANTS, budget_for, tiny_config
 from tiertrain.config import load_config
 from tiertrain.data import Loader, held_out, read_tokens
 from tiertrain.errors import ConfigError
 from tiertrain.loop import fit
 from tiertrain.model.reference import ReferenceLM
+from tiertrain.modes import Home
 from tiertrain.trainer import Trainer
 
 
@@ -24,8 +25,11 @@ def _plain_val_loss(cfg, state: dict, val: np.ndarray, batches: int) -> float:
     ref.load_state_dict(state, strict=False)  # a tied head shares the embedding
     loader = Loader(val, cfg.train.seq_len, cfg.train.batch_size, cfg.model.vocab_size, False, 0)
     with torch.no_grad():
-        losses = [float(ref(*(torch.from_numpy(a) for a in loader.batch(k)))) / (cfg.train.batch_size * cfg.train.seq_len)
-                  for k in range(batches)]
+        losses = [
+            float(ref(*(torch.from_numpy(a) for a in loader.batch(k))))
+            / (cfg.train.batch_size * cfg.train.seq_len)
+            for k in range(batches)
+        ]
     return sum(losses) / batches
 
 
@@ -33,7 +37,13 @@ def _plain_val_loss(cfg, state: dict, val: np.ndarray, batches: int) -> float:
 def test_val_loss_equals_a_plain_evaluation(token_file, tmp_path, variant):
     """Held-out rows of the training file, evaluated every 3 steps and at the end: each val_loss in
     metrics.jsonl is the plain PyTorch loss of the weights after that step, over the same held-out rows."""
-    sets = [*VARIANTS[variant], "data.val_fraction=0.1", "train.eval_every=3", "train.eval_batches=2", "train.steps=7"]
+    sets = [
+        *VARIANTS[variant],
+        "data.val_fraction=0.1",
+        "train.eval_every=3",
+        "train.eval_batches=2",
+        "train.steps=7",
+    ]
     cfg = tiny_config(token_file, *sets)
     tr = Trainer(cfg)
     train_part, val = held_out(read_tokens(token_file), cfg.train.seq_len, 0.1)
@@ -66,8 +76,14 @@ def test_evaluating_changes_no_training_bit(token_file, tmp_path, spill):
     streamed weights and moments spilled to NVMe."""
     sets = ["optim.grad_clip=100", "optim.speculate_units=99"]
     if spill == "cuda":  # GPU updates and a resident unit too: every update path lands before the evaluation
-        sets = ['train.device="cuda"', 'train.compute_dtype="bfloat16"', 'tiers.stream="master"',
-                "tiers.gpu_update_units=2", "tiers.gpu_resident_gb=0.0005", *sets]
+        sets = [
+            'train.device="cuda"',
+            'train.compute_dtype="bfloat16"',
+            'tiers.stream="master"',
+            "tiers.gpu_update_units=2",
+            "tiers.gpu_resident_gb=0.0005",
+            *sets,
+        ]
     if spill == "nvme":
         sets = [*DEEP, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"', 'tiers.io="posix"']
         sets.append(f"tiers.host_gb={budget_for(tiny_config(token_file, *sets))}")
@@ -103,11 +119,14 @@ def test_a_separate_validation_file(token_file, tmp_path):
     assert tr.val.rows // 8 == 7 and loss == pytest.approx(plain, rel=1e-5)
 
 
-@pytest.mark.parametrize("sets,words", [
-    (["train.eval_every=5"], ["train.eval_every", "data.val_path or data.val_fraction"]),
-    (['data.val_path="x.npy"', "data.val_fraction=0.1"], ["data.val_fraction", "set one"]),
-    (["data.val_fraction=1"], ["data.val_fraction", "[0, 1)"]),
-])
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (["train.eval_every=5"], ["train.eval_every", "data.val_path or data.val_fraction"]),
+        (['data.val_path="x.npy"', "data.val_fraction=0.1"], ["data.val_fraction", "set one"]),
+        (["data.val_fraction=1"], ["data.val_fraction", "[0, 1)"]),
+    ],
+)
 def test_validation_settings_are_checked(sets, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
@@ -121,7 +140,11 @@ def test_tensorboard_scalars_when_asked(token_file, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     sets = ["train.steps=3", "data.val_fraction=0.1"]
-    fit(Trainer(tiny_config(token_file, *sets, "train.tensorboard=true")), tmp_path / "tb", echo=lambda s: None)
+    fit(
+        Trainer(tiny_config(token_file, *sets, "train.tensorboard=true")),
+        tmp_path / "tb",
+        echo=lambda s: None,
+    )
     ev = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
     ev.Reload()
     recs = [json.loads(x) for x in (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()]

@@ -1,6 +1,7 @@
 """Faults a new or careless user meets: tiertrain never empties, overwrites or deletes what it did not create,
 a refusal is one line (exit 2, no traceback) before anything is allocated, a suggested budget runs, two runs
 with the default threads give the same bits, and a save killed at any moment resumes bit-identically."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cli, DEEP_ARGS, least_gb, refused, same_run, same_state, STEPS, tiny, tree_hash, user_files
+from conftest import (
+    DEEP_ARGS,
+    STEPS,
+    cli,
+    least_gb,
+    refused,
+    same_run,
+    same_state,
+    tiny,
+    tree_hash,
+    user_files,
+)
 from tiertrain.metrics import read_metrics
 from tiertrain.sizes import budget, gb
+
 
 # ---- data loss and overwrites -------------------------------------------------------------------
 def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
@@ -27,13 +40,18 @@ def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
     mine = user_files(nvme / "Documents")
     other = nvme / "tiertrain-other-abc"  # a live run's store: its marker names a process that exists
     other.mkdir()
-    (other / "tiertrain-scratch.json").write_text(json.dumps(
-        {"format": "tiertrain-nvme/1", "run": "/x/other", "host": os.uname().nodename, "pid": os.getpid()}))
+    (other / "tiertrain-scratch.json").write_text(
+        json.dumps(
+            {"format": "tiertrain-nvme/1", "run": "/x/other", "host": os.uname().nodename, "pid": os.getpid()}
+        )
+    )
     spill = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file), "--nvme-dir", str(nvme))
     r = cli("run", *spill, "--out", str(nvme / "myrun"))
     assert r.returncode == 0, r.stderr
     assert "NVMe tier" in r.stdout and "tiertrain-myrun-" in r.stdout  # it did spill, to its own directory
-    assert (nvme / "myrun" / "checkpoints" / "step_12").is_dir() and (nvme / "myrun" / "metrics.jsonl").is_file()
+    assert (nvme / "myrun" / "checkpoints" / "step_12").is_dir() and (
+        nvme / "myrun" / "metrics.jsonl"
+    ).is_file()
     r = cli("run", *spill, "--out", str(tmp_path / "runs" / "Documents"))
     assert r.returncode == 0, r.stderr
     (tmp_path / "cwd").mkdir()
@@ -49,13 +67,17 @@ def test_nvme_store_is_its_own_new_directory(token_file, tmp_path):
 
 def test_out_and_nvme_store_stay_apart(token_file, tmp_path):
     spill = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file))
-    refused(cli("run", *spill, "--nvme-dir", str(tmp_path / "run" / "nvme"), "--out", str(tmp_path / "run")),
-            "inside --out")
+    refused(
+        cli("run", *spill, "--nvme-dir", str(tmp_path / "run" / "nvme"), "--out", str(tmp_path / "run")),
+        "inside --out",
+    )
     store = tmp_path / "nvme" / "tiertrain-x-1"
     store.mkdir(parents=True)
     (store / "tiertrain-scratch.json").write_text("{}")
-    refused(cli("run", *spill, "--nvme-dir", str(tmp_path / "nvme"), "--out", str(store / "run")),
-            "inside tiertrain's scratch store")
+    refused(
+        cli("run", *spill, "--nvme-dir", str(tmp_path / "nvme"), "--out", str(store / "run")),
+        "inside tiertrain's scratch store",
+    )
 
 
 def test_an_out_that_is_not_a_run_is_never_written(token_file, tmp_path):
@@ -90,8 +112,10 @@ def test_a_resume_writes_only_into_its_own_run(token_file, tmp_path):
     r = cli("run", "--resume", str(a / "checkpoints" / "step_3"), "--out", str(fork))
     assert r.returncode == 0, r.stderr
     ra, rf = (read_metrics(d / "metrics.jsonl") for d in (a, fork))
-    assert [(x["step"], x["loss"], x["grad_norm"]) for x in rf] == \
-        [(x["step"], x["loss"], x["grad_norm"]) for x in ra[3:]]  # the fork logs from step 4, as a did
+    # the fork logs from step 4, as a did
+    assert [(x["step"], x["loss"], x["grad_norm"]) for x in rf] == [
+        (x["step"], x["loss"], x["grad_norm"]) for x in ra[3:]
+    ]
     assert same_state(a, fork)
 
 
@@ -111,7 +135,8 @@ def test_a_full_disk_while_logging_leaves_whole_lines(token_file, tmp_path):
     left in metrics.jsonl whole."""
     out = tmp_path / "run"
     out.mkdir()
-    r = cli("run", *tiny(token_file), "--out", str(out), fsize=4096)  # config.toml, plan.json fit; 12 records do not
+    # config.toml, plan.json fit; 12 records do not
+    r = cli("run", *tiny(token_file), "--out", str(out), fsize=4096)
     refused(r, "metrics.jsonl", "file size limit")
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert lines and all(line.endswith("\n") and json.loads(line) for line in lines)
@@ -123,12 +148,28 @@ def test_a_disk_full_at_start_is_one_line(token_file, tmp_path):
 
 # ---- budgets and sizes --------------------------------------------------------------------------
 def test_the_least_host_budget_named_runs(token_file, tmp_path):
-    r = cli("run", *tiny(token_file, *DEEP_ARGS), "--host-gb", "0.0001", "--nvme-dir", str(tmp_path / "nvme"),
-            "--out", str(tmp_path / "a"))
+    r = cli(
+        "run",
+        *tiny(token_file, *DEEP_ARGS),
+        "--host-gb",
+        "0.0001",
+        "--nvme-dir",
+        str(tmp_path / "nvme"),
+        "--out",
+        str(tmp_path / "a"),
+    )
     least = re.search(r"raise --host-gb to at least ([0-9.]+)", refused(r, "--host-gb")).group(1)
     assert float(least) * 1e9 >= float(least_gb(token_file)) * 1e9 - 1e3
-    r = cli("run", *tiny(token_file, *DEEP_ARGS), "--host-gb", least, "--nvme-dir", str(tmp_path / "nvme"),
-            "--out", str(tmp_path / "b"))
+    r = cli(
+        "run",
+        *tiny(token_file, *DEEP_ARGS),
+        "--host-gb",
+        least,
+        "--nvme-dir",
+        str(tmp_path / "nvme"),
+        "--out",
+        str(tmp_path / "b"),
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -143,11 +184,15 @@ def test_a_state_larger_than_the_machine_is_refused_before_allocation(tmp_path):
         pytest.skip("this machine holds llama-3b's state")
     out, cpu = tmp_path / "run", ["--set", 'train.device="cpu"']
     small = ["--set", "train.batch_size=2", "--set", "train.micro_batch_size=1"]
-    line = refused(cli("run", "--config", "llama-3b", *cpu, *small, "--out", str(out)), "RAM available", "--nvme-dir")
+    line = refused(
+        cli("run", "--config", "llama-3b", *cpu, *small, "--out", str(out)), "RAM available", "--nvme-dir"
+    )
     assert not out.exists()
     fit = float(re.search(r"pass --host-gb ([0-9.]+)", line).group(1))
     assert 0 < fit * 1e9 < avail
-    refused(cli("run", "--config", "llama-70b", *cpu, "--host-gb", "100000", "--out", str(out)), "RAM available")
+    refused(
+        cli("run", "--config", "llama-70b", *cpu, "--host-gb", "100000", "--out", str(out)), "RAM available"
+    )
     assert not out.exists()
 
 
@@ -161,8 +206,12 @@ def test_sizes_have_enough_digits_and_budgets_round_up():
 
 def test_plan_of_the_debug_config_finishes():
     """The largest-model search is bounded (a hang check, not a timing)."""
-    r = subprocess.run([sys.executable, "-m", "tiertrain", "plan", "--config", "debug"], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain", "plan", "--config", "debug"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "Largest model of this shape that fits these budgets: at least 4096 layers" in r.stdout
 
@@ -220,10 +269,21 @@ main()
 """
 
 
-@pytest.mark.parametrize("resave, what, nth", [
-    (False, "chunk", 7), (False, "before", 1), (False, "before", 2), (False, "after", 2),
-    (True, "chunk", 7), (True, "before", 1), (True, "after", 1), (True, "before", 2), (True, "before", 3),
-    (True, "after", 3)])
+@pytest.mark.parametrize(
+    "resave, what, nth",
+    [
+        (False, "chunk", 7),
+        (False, "before", 1),
+        (False, "before", 2),
+        (False, "after", 2),
+        (True, "chunk", 7),
+        (True, "before", 1),
+        (True, "after", 1),
+        (True, "before", 2),
+        (True, "before", 3),
+        (True, "after", 3),
+    ],
+)
 def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_path, resave, what, nth):
     """SIGKILL inside the save of step 6: while its chunks are written, before or after each rename. A resume
     from step 3 of a run that had saved step 6 first moves that step_6 aside (the cut of the timeline: the first
@@ -237,8 +297,9 @@ def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_pat
         args = ["run", "--resume", str(cut / "checkpoints" / "step_3"), "--out", str(cut)]
     else:
         args = ["run", *tiny(token_file), *STEPS, "--out", str(cut)]
-    r = subprocess.run([sys.executable, "-c", KILLER, what, str(nth), "step_6", *args], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", KILLER, what, str(nth), "step_6", *args], capture_output=True, text=True
+    )
     assert r.returncode == -9, r.stderr  # killed where asked
     r = cli("run", "--resume", "latest", "--out", str(cut))
     assert r.returncode == 0, r.stderr
@@ -258,23 +319,32 @@ def hf_dir(tmp_path: Path, config) -> str:
     return str(d)
 
 
-LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "vocab_size": 97}
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 97,
+}
 
 
-@pytest.mark.parametrize("case, words", [
-    ("not-utf8", "not UTF-8"),
-    ("rope-string", "model.rope_scaling"),
-    ("hf-no-hidden", "has no hidden_size"),
-    ("hf-zero-heads", "num_attention_heads = 0"),
-    ("hf-list", "holds a JSON list"),
-    ("empty-npy", "not a readable .npy"),
-    ("negative-id", "negative token id (-5)"),
-    ("late-oov", "token id 5000"),
-    ("lr-inf", "optim.lr must be a finite number"),
-    ("odd-head", "the head size, must be even"),
-    ("kvikio", "pip install \"tiertrain[cu"),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("not-utf8", "not UTF-8"),
+        ("rope-string", "model.rope_scaling"),
+        ("hf-no-hidden", "has no hidden_size"),
+        ("hf-zero-heads", "num_attention_heads = 0"),
+        ("hf-list", "holds a JSON list"),
+        ("empty-npy", "not a readable .npy"),
+        ("negative-id", "negative token id (-5)"),
+        ("late-oov", "token id 5000"),
+        ("lr-inf", "optim.lr must be a finite number"),
+        ("odd-head", "the head size, must be even"),
+        ("kvikio", 'pip install "tiertrain[cu'),
+    ],
+)
 def test_bad_input_is_one_line(token_file, tmp_path, case, words):
     out = tmp_path / "run"
     args = tiny(token_file)
@@ -282,11 +352,17 @@ def test_bad_input_is_one_line(token_file, tmp_path, case, words):
         (tmp_path / "c.toml").write_bytes(b"[train]\nsteps = 3 # caf\xe9\n")
         args = ["--config", str(tmp_path / "c.toml")]
     elif case == "rope-string":
-        args += ["--set", 'model.rope_scaling={rope_type="llama3",factor="8",low_freq_factor=1,'
-                 'high_freq_factor=4,original_max_position_embeddings=8192}']
+        args += [
+            "--set",
+            'model.rope_scaling={rope_type="llama3",factor="8",low_freq_factor=1,'
+            "high_freq_factor=4,original_max_position_embeddings=8192}",
+        ]
     elif case.startswith("hf-"):
-        cfg = {"hf-no-hidden": {k: v for k, v in LLAMA.items() if k != "hidden_size"},
-               "hf-zero-heads": {**LLAMA, "num_attention_heads": 0}, "hf-list": [LLAMA]}[case]
+        cfg = {
+            "hf-no-hidden": {k: v for k, v in LLAMA.items() if k != "hidden_size"},
+            "hf-zero-heads": {**LLAMA, "num_attention_heads": 0},
+            "hf-list": [LLAMA],
+        }[case]
         args += ["--init-from", hf_dir(tmp_path, cfg)]
     elif case in ("empty-npy", "negative-id", "late-oov"):
         toks = np.arange(40_000) % 97
@@ -304,11 +380,19 @@ def test_bad_input_is_one_line(token_file, tmp_path, case, words):
     elif case == "kvikio":
         try:
             import kvikio  # noqa: F401
+
             pytest.skip("kvikio is installed here")
         except ImportError:
             pass
-        args += [*DEEP_ARGS, "--host-gb", least_gb(token_file), "--nvme-dir", str(tmp_path / "nvme"),
-                 "--set", 'tiers.io="kvikio"']
+        args += [
+            *DEEP_ARGS,
+            "--host-gb",
+            least_gb(token_file),
+            "--nvme-dir",
+            str(tmp_path / "nvme"),
+            "--set",
+            'tiers.io="kvikio"',
+        ]
     refused(cli("run", *args, "--out", str(out)), words)
     assert not out.exists()
 
@@ -316,8 +400,17 @@ def test_bad_input_is_one_line(token_file, tmp_path, case, words):
 def test_a_tokenizer_that_is_not_json_is_one_line(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n")
     (tmp_path / "tok.json").write_text("this is not json")
-    refused(cli("prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "a.bin"), "--tokenizer",
-                str(tmp_path / "tok.json")), "not a Hugging Face tokenizer.json")
+    refused(
+        cli(
+            "prepare",
+            str(tmp_path / "a.txt"),
+            "--out",
+            str(tmp_path / "a.bin"),
+            "--tokenizer",
+            str(tmp_path / "tok.json"),
+        ),
+        "not a Hugging Face tokenizer.json",
+    )
 
 
 @pytest.mark.parametrize("edit", ["no-rng", "no-kinds", "edited-lr"])
@@ -331,7 +424,8 @@ def test_checkpoint_attributes_are_checked_and_checksummed(token_file, tmp_path,
         attrs["optimizer"]["lr"] = 1.0
     else:
         del attrs["rng" if edit == "no-rng" else "kinds"]
-        del attrs["attributes_crc32c"]  # as a checkpoint of the format before the checksum: its keys are checked
+        # as a checkpoint of the format before the checksum: its keys are checked
+        del attrs["attributes_crc32c"]
         attrs["format"] = "tiertrain-checkpoint/1"
     meta_file.write_text(json.dumps(meta))
     words = "fail their checksum" if edit == "edited-lr" else ("rng" if edit == "no-rng" else "kinds")

@@ -1,4 +1,5 @@
 """Hugging Face import and export: a transformers model in, trained exactly as transformers would, and out."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,9 @@ class Loss(torch.nn.Module):
         self.hf = hf
 
     def forward(self, inp, tgt):
-        return F.cross_entropy(self.hf(input_ids=inp).logits.float().flatten(0, 1), tgt.flatten(), reduction="sum")
+        return F.cross_entropy(
+            self.hf(input_ids=inp).logits.float().flatten(0, 1), tgt.flatten(), reduction="sum"
+        )
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,8 +55,9 @@ def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path)
     back = _load(tmp_path / "out")
     tokens = torch.randint(0, COMMON["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(back(input_ids=tokens).logits, hf.eval()(input_ids=tokens).logits,
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            back(input_ids=tokens).logits, hf.eval()(input_ids=tokens).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("case", IMPORTED)
@@ -92,11 +96,21 @@ def test_bad_model_directories_are_refused(token_file, tmp_path):
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[1]
     (tmp_path / "sharded" / gone).unlink()
-    r = _cli("run", "--init-from", str(tmp_path / "sharded"), "--set", "train.seq_len=32", "--out", str(tmp_path / "run"))
+    r = _cli(
+        "run",
+        "--init-from",
+        str(tmp_path / "sharded"),
+        "--set",
+        "train.seq_len=32",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 2 and f"shard {gone} listed in model.safetensors.index.json is missing" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
-    r = _cli("run", "--config", "debug", "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run"))
+    r = _cli(
+        "run", "--config", "debug", "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")
+    )
     assert r.returncode == 2 and "not a directory" in r.stderr
 
 
@@ -108,7 +122,9 @@ def test_export_refuses_to_overwrite(token_file, tmp_path):
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "taken"))
     assert r.returncode == 2 and "already exists and is not empty" in r.stderr
-    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine" and len(list((tmp_path / "taken").iterdir())) == 1
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine" and len(
+        list((tmp_path / "taken").iterdir())
+    ) == 1
     r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--dtype", "bfloat16")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -120,18 +136,37 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
     generation config and tokenizer files come out as they went in, in shards of --max-shard-size."""
     hf_dir("mistral", tmp_path / "hf")
     src = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
-                                                                        "temperature": 0.7, "do_sample": True}))
+    (tmp_path / "hf" / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.7, "do_sample": True})
+    )
     (tmp_path / "hf" / "tokenizer.json").write_text('{"not": "read by the test"}')
-    r = _cli("run", "--init-from", str(tmp_path / "hf"), "--set", f'data.path="{token_file}"', "--set", "train.steps=2",
-             "--set", "train.seq_len=32", "--set", "train.batch_size=4", "--set", "train.micro_batch_size=2",
-             "--set", 'train.compute_dtype="float32"', "--out", str(tmp_path / "run"))
+    r = _cli(
+        "run",
+        "--init-from",
+        str(tmp_path / "hf"),
+        "--set",
+        f'data.path="{token_file}"',
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.seq_len=32",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        'train.compute_dtype="float32"',
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 0, r.stderr
     r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "out"), "--max-shard-size", "30KB")
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert src["sliding_window"] == out["sliding_window"] == 4096
-    assert {k: out.get(k) for k in ("bos_token_id", "eos_token_id")} == {k: src[k] for k in ("bos_token_id", "eos_token_id")}
+    assert {k: out.get(k) for k in ("bos_token_id", "eos_token_id")} == {
+        k: src[k] for k in ("bos_token_id", "eos_token_id")
+    }
     for name in ("generation_config.json", "tokenizer.json"):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1

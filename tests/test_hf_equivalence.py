@@ -1,4 +1,5 @@
 """The templates compute what transformers' Llama / Qwen2 / Qwen3 models compute (fp32 logits)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from tiertrain.model.spec import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 
+
 def _pair(case: str):
     cfg_cls, model_cls, extra = CASES[case]
     hf_cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
@@ -21,10 +23,16 @@ def _pair(case: str):
         for name, p in hf.named_parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-    spec = ModelSpec(**COMMON, model_type="llama" if case.startswith("llama") else case,
-                     rope_theta=extra["rope_theta"], rope_scaling=extra.get("rope_scaling"),
-                     tie_word_embeddings=extra.get("tie_word_embeddings", False),
-                     attention_bias=case == "qwen2", qk_norm=case == "qwen3", head_dim=extra.get("head_dim"))
+    spec = ModelSpec(
+        **COMMON,
+        model_type="llama" if case.startswith("llama") else case,
+        rope_theta=extra["rope_theta"],
+        rope_scaling=extra.get("rope_scaling"),
+        tie_word_embeddings=extra.get("tie_word_embeddings", False),
+        attention_bias=case == "qwen2",
+        qk_norm=case == "qwen3",
+        head_dim=extra.get("head_dim"),
+    )
     spec.validate()
     return hf, spec
 

@@ -1,28 +1,31 @@
 """Kept activations (train.keep_activations): a block's backward pass through the graph its forward pass kept
 gives the same bits as recomputing it from its checkpoint; the planner prices the graph exactly."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from conftest import VARIANTS, tiny_config
 from tiertrain.config import load_config
+from tiertrain.errors import ConfigError
 from tiertrain.model import llama
 from tiertrain.model.spec import ModelSpec
+from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import plan
+from tiertrain.plan.resolve import resolve
 from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.plan.workset import kept_bytes_per_token
-from tiertrain.plan.resolve import resolve
-from tiertrain.plan.hardware import REFERENCE
-from tiertrain.errors import ConfigError
 from tiertrain.trainer import Trainer
-
-from conftest import tiny_config, VARIANTS
 
 
 def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str) -> int:
     """What llama.block's autograd graph saves for one sequence of t tokens, weights aside."""
     ctx = llama.Context.build(spec, t, dtype, torch.device(device))
-    w = {x.name: torch.randn(x.shape, dtype=dtype, device=device).requires_grad_() for x in spec.units()[1].tensors}
+    w = {
+        x.name: torch.randn(x.shape, dtype=dtype, device=device).requires_grad_()
+        for x in spec.units()[1].tensors
+    }
     weights = {v.untyped_storage().data_ptr() for v in w.values()}
     seen = {}
 
@@ -41,24 +44,48 @@ def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str) -> in
 @pytest.mark.parametrize("shape", [(256, 512, 4, 4), (256, 1024, 4, 2), (512, 768, 8, 8)])
 def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device):
     H, FF, heads, kv = shape
-    spec = ModelSpec(hidden_size=H, intermediate_size=FF, num_attention_heads=heads, num_key_value_heads=kv,
-                     num_hidden_layers=2, vocab_size=256, max_position_embeddings=512)
+    spec = ModelSpec(
+        hidden_size=H,
+        intermediate_size=FF,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
     if device == "cuda" and dtype == "float32" and kv != heads:
-        pytest.skip("fp32 GQA on CUDA: SDPA's math kernel saves the attention weights; the plan keeps none there")
+        pytest.skip(
+            "fp32 GQA on CUDA: SDPA's math kernel saves the attention weights; the plan keeps none there"
+        )
     dt = getattr(torch, dtype)
-    per_token = (_saved_bytes(spec, dt, 512, device) - _saved_bytes(spec, dt, 256, device)) / 256  # constants aside
+    # constants aside
+    per_token = (_saved_bytes(spec, dt, 512, device) - _saved_bytes(spec, dt, 256, device)) / 256
     assert per_token == kept_bytes_per_token(spec, dtype)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("sets", [["train.keep_activations=3"], ["train.keep_activations=2"],
-                                  ["train.keep_activations=1", 'tiers.activations="host"'],
-                                  ["train.keep_activations=3", 'train.compute_dtype="bfloat16"'],
-                                  pytest.param(["train.keep_activations=2", 'train.device="cuda"',
-                                                'train.compute_dtype="bfloat16"', 'tiers.activations="host"',
-                                                'tiers.stream="master"', "tiers.gpu_update_units=1",
-                                                "tiers.gpu_resident_gb=0.0005"], marks=pytest.mark.gpu)],
-                         ids=["all", "last-two", "host-checkpoints", "bf16", "cuda"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.keep_activations=3"],
+        ["train.keep_activations=2"],
+        ["train.keep_activations=1", 'tiers.activations="host"'],
+        ["train.keep_activations=3", 'train.compute_dtype="bfloat16"'],
+        pytest.param(
+            [
+                "train.keep_activations=2",
+                'train.device="cuda"',
+                'train.compute_dtype="bfloat16"',
+                'tiers.activations="host"',
+                'tiers.stream="master"',
+                "tiers.gpu_update_units=1",
+                "tiers.gpu_resident_gb=0.0005",
+            ],
+            marks=pytest.mark.gpu,
+        ),
+    ],
+    ids=["all", "last-two", "host-checkpoints", "bf16", "cuda"],
+)
 def test_kept_activations_give_the_bits_of_recompute(token_file, variant, sets):
     base = [*VARIANTS[variant], "train.steps=4", *[s for s in sets if "keep_activations" not in s]]
     runs = {}
@@ -75,7 +102,9 @@ def test_kept_activations_give_the_bits_of_recompute(token_file, variant, sets):
 
 
 def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
-    cfg = load_config("llama-3b", ["train.batch_size=4", "train.micro_batch_size=4", "tiers.gpu_resident_gb=0"])
+    cfg = load_config(
+        "llama-3b", ["train.batch_size=4", "train.micro_batch_size=4", "tiers.gpu_resident_gb=0"]
+    )
     spec, job = cfg.model, Job(cfg.model, 4, 2048)
     roomy = plan(job, Budgets(host_gb=200, gpu_gb=141), REFERENCE)
     none = plan(job, Budgets(host_gb=200, gpu_gb=141), REFERENCE, Choice(keep=0))
@@ -83,11 +112,19 @@ def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
     assert roomy.memory.kept == spec.num_hidden_layers and 0 < tight.memory.kept < spec.num_hidden_layers
     assert tight.memory.gpu.total <= 30e9 * 0.95 and roomy.prediction.step_s < none.prediction.step_s
     # kept: the backward pass skips the blocks' forward pass, a third of theirs (attention at its own rate)
-    F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (1 - 1 / REFERENCE.attention_rate(spec.hd))
+    F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (
+        1 - 1 / REFERENCE.attention_rate(spec.hd)
+    )
     blocks = F - 6 * spec.vocab_size * spec.hidden_size
-    assert roomy.prediction.times["compute bwd"] == pytest.approx(none.prediction.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9)
+    assert roomy.prediction.times["compute bwd"] == pytest.approx(
+        none.prediction.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9
+    )
     flags = [not u.recompute for u in tight.run_plan.units]  # the last blocks, the head not among them
-    assert flags == [False] * (spec.num_hidden_layers + 1 - tight.memory.kept) + [True] * tight.memory.kept + [False]
+    assert flags == [False] * (spec.num_hidden_layers + 1 - tight.memory.kept) + [
+        True
+    ] * tight.memory.kept + [False]
     with pytest.raises(ConfigError, match="lower train.keep_activations"):
-        resolve(load_config("llama-3b", ["train.keep_activations=26", 'train.device="cuda"']),
-                REFERENCE.__class__(**{**REFERENCE.__dict__, "gpu_mem_gb": 30}))
+        resolve(
+            load_config("llama-3b", ["train.keep_activations=26", 'train.device="cuda"']),
+            REFERENCE.__class__(**{**REFERENCE.__dict__, "gpu_mem_gb": 30}),
+        )

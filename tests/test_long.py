@@ -1,22 +1,30 @@
 """Long context: the tiled MLP and loss against untiled runs, checkpoints on NVMe (and split across homes) against
 the GPU's, and the plans of the issue's long runs."""
+
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, tiny_config, VARIANTS
 
-from tiertrain.modes import Home
+from conftest import TINY, VARIANTS, tiny_config
 from tiertrain.config import load_config
+from tiertrain.modes import Home
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import plan
-from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.plan.report import to_markdown
 from tiertrain.plan.resolve import search
+from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.trainer import Trainer
 
-LONG = ["train.seq_len=2048", "model.max_position_embeddings=2048", "train.batch_size=2", "train.micro_batch_size=1",
-        'train.device="cpu"', "train.steps=3", 'train.compute_dtype="float32"']
+LONG = [
+    "train.seq_len=2048",
+    "model.max_position_embeddings=2048",
+    "train.batch_size=2",
+    "train.micro_batch_size=1",
+    'train.device="cpu"',
+    "train.steps=3",
+    'train.compute_dtype="float32"',
+]
 
 
 def _train(cfg, steps: int):
@@ -39,8 +47,11 @@ def test_tiled_block_equals_the_block_under_autograd(variant):
     extra = VARIANTS.get(variant, ["model.num_key_value_heads=4"])
     spec = load_config("debug", [s for s in TINY if s.startswith("model.")] + extra).model
     torch.manual_seed(0)
-    w = {t.name: torch.randn(t.shape, dtype=torch.float64).float() * (0.3 if len(t.shape) > 1 else 1) + (
-        1 if len(t.shape) == 1 and "bias" not in t.name else 0) for t in spec.units()[1].tensors}
+    w = {
+        t.name: torch.randn(t.shape, dtype=torch.float64).float() * (0.3 if len(t.shape) > 1 else 1)
+        + (1 if len(t.shape) == 1 and "bias" not in t.name else 0)
+        for t in spec.units()[1].tensors
+    }
     x, g = torch.randn(2, 40, spec.hidden_size), torch.randn(2, 40, spec.hidden_size)
     ctx = Context.build(spec, 40, torch.float32, torch.device("cpu"), tile=24)
     assert ctx.tiled(x)
@@ -72,7 +83,7 @@ def test_tiled_mlp_and_loss_match_untiled():
 
 
 def test_plan_tiles_the_mlp_beyond_a_tile():
-    """"auto": no tiles while the untiled MLP takes at most an eighth of the GPU (they cost its forward pass
+    """ "auto": no tiles while the untiled MLP takes at most an eighth of the GPU (they cost its forward pass
     again), tiles beyond; and the tiled working set no longer grows with the intermediate size times the length."""
     spec = load_config("llama-7b").model
     b = Budgets(host_gb=1000, gpu_gb=141)
@@ -81,7 +92,8 @@ def test_plan_tiles_the_mlp_beyond_a_tile():
     untiled = plan(Job(spec, 1, 131072), b, REFERENCE, Choice(1, tile=0))
     assert short.run_plan.tile == 0 and long.run_plan.tile == 8192 and untiled.run_plan.tile == 0
     assert untiled.memory.gpu.working - long.memory.gpu.working > 0.5 * 16.8 * spec.intermediate_size * 131072
-    assert long.prediction.times["compute bwd"] > untiled.prediction.times["compute bwd"]  # the tiles' forward runs again
+    # the tiles' forward runs again
+    assert long.prediction.times["compute bwd"] > untiled.prediction.times["compute bwd"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -90,14 +102,20 @@ def test_plan_tiles_the_mlp_beyond_a_tile():
 def test_checkpoint_homes_give_the_same_bits(token_file, tmp_path, home, device, ck):
     """Checkpoints on NVMe, in RAM, and split across the GPU, the host and NVMe, in fp32 or bf16: the same bits as
     on the GPU in the same dtype."""
-    sets = ['train.compute_dtype="bfloat16"', "model.num_hidden_layers=5", "train.steps=3", f'train.device="{device}"',
-            f'tiers.activation_dtype="{ck}"']
+    sets = [
+        'train.compute_dtype="bfloat16"',
+        "model.num_hidden_layers=5",
+        "train.steps=3",
+        f'train.device="{device}"',
+        f'tiers.activation_dtype="{ck}"',
+    ]
     base, base_sd, _ = _train(tiny_config(token_file, *sets), 3)
     acts = "nvme" if home == "split" else home
     cfg = tiny_config(token_file, *sets, f'tiers.activations="{acts}"', f'tiers.nvme_dir="{tmp_path}"')
     tr = Trainer(cfg)
     assert set(tr.run_plan.checkpoints().values()) == {Home(acts)} and len(tr.run_plan.checkpoints()) == 5
-    if home == "split":  # the order a split plan gives: NVMe for the first blocks, then the host, the GPU last
+    # the order a split plan gives: NVMe for the first blocks, then the host, the GPU last
+    if home == "split":
         tr.run.activations.homes = {1: Home.NVME, 2: Home.NVME, 3: Home.HOST, 4: Home.GPU, 5: Home.GPU}
     recs = [tr.train_step() for _ in range(3)]
     sd = tr.state_dict()
@@ -105,9 +123,18 @@ def test_checkpoint_homes_give_the_same_bits(token_file, tmp_path, home, device,
     if acts == "nvme":
         import zarr
 
-        assert store.rows == [1, 2, 3, 4, 5] and zarr.open_group(store.root, mode="r")["checkpoints"].shape[0] == 6
-        per_step = 2 * (2 if home == "split" else 5) * cfg.train.batch_size * cfg.train.seq_len * cfg.model.hidden_size \
+        assert (
+            store.rows == [1, 2, 3, 4, 5]
+            and zarr.open_group(store.root, mode="r")["checkpoints"].shape[0] == 6
+        )
+        per_step = (
+            2
+            * (2 if home == "split" else 5)
+            * cfg.train.batch_size
+            * cfg.train.seq_len
+            * cfg.model.hidden_size
             * (2 if ck == "bfloat16" else 4)
+        )
         assert recs[-1]["ck_disk_gb"] * 1e9 == per_step  # each written once and read back once
     tr.close()
     tr.discard_scratch()
@@ -123,8 +150,12 @@ def test_bf16_checkpoints_change_the_losses_by_a_bounded_amount(token_file):
     steps (measured 4e-6 at step 3 to 9.7e-5 at step 8, relative), bounded here at 3e-4; the weights by 3.3e-3 of
     their norm (bf16 keeps 8 bits of each checkpoint element), bounded at 1e-2."""
     base, base_sd, _ = _train(tiny_config(token_file, "train.steps=8", "model.num_hidden_layers=4"), 8)
-    losses, sd, tr = _train(tiny_config(token_file, "train.steps=8", "model.num_hidden_layers=4",
-                                        'tiers.activation_dtype="bfloat16"'), 8)
+    losses, sd, tr = _train(
+        tiny_config(
+            token_file, "train.steps=8", "model.num_hidden_layers=4", 'tiers.activation_dtype="bfloat16"'
+        ),
+        8,
+    )
     assert tr.run_plan.activation_dtype == "bfloat16" and tr.run.activations.dtype == torch.bfloat16
     assert losses[0] == base[0] and losses[1:] != base[1:]
     diff = max(abs(a - b) / b for a, b in zip(losses, base))
@@ -144,8 +175,15 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
     """115 GB of RAM, 55 GB of disk, a 141 GB GPU: the checkpoints split across the three (the last blocks' on the
     GPU, NVMe's spread from the first block), blocks tiled, the attention's FLOPs counted; no longer sequence by 1024 tokens
     more than the report's longest fits."""
-    cfg = load_config(config, [f"train.seq_len={seq}", "train.batch_size=1", "train.micro_batch_size=1",
-                               f"model.max_position_embeddings={seq}"])
+    cfg = load_config(
+        config,
+        [
+            f"train.seq_len={seq}",
+            "train.batch_size=1",
+            "train.micro_batch_size=1",
+            f"model.max_position_embeddings={seq}",
+        ],
+    )
     p = search(cfg, REFERENCE, 115, 141, 55, config)
     assert p.fits, p.why
     assert p.run_plan.activations == "split" and p.run_plan.tile and p.report.longest_seq_len >= seq
@@ -160,10 +198,23 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
     assert homes.count(Home.GPU) == p.memory.checkpoints[Home.GPU] > 0
     ck = seq * cfg.model.hidden_size * 4
     assert p.memory.host_total <= 115e9 + 3e9 and p.memory.gpu.total <= 141e9 * 0.95
-    assert p.memory.nvme_checkpoints >= p.memory.checkpoints[Home.NVME] * ck and sum(p.memory.nvme.values()) + p.memory.nvme_checkpoints <= 55e9
-    assert (f"activation checkpoints on NVMe | | {p.memory.nvme_checkpoints / 1e9:.1f} GB" in to_markdown(p)) == bool(
-        p.memory.checkpoints[Home.NVME])  # llama-1b's, since blocks are tiled whole, fit the GPU and the host
-    assert (p.prediction.times["NVMe bwd"] > 0) == bool(p.memory.checkpoints[Home.NVME])  # their reads are priced in the backward pass
-    longer = load_config(config, [f"train.seq_len={p.report.longest_seq_len + 1024}", "train.batch_size=1",
-                                  "train.micro_batch_size=1", f"model.max_position_embeddings={p.report.longest_seq_len + 1024}"])
+    assert (
+        p.memory.nvme_checkpoints >= p.memory.checkpoints[Home.NVME] * ck
+        and sum(p.memory.nvme.values()) + p.memory.nvme_checkpoints <= 55e9
+    )
+    assert (
+        f"activation checkpoints on NVMe | | {p.memory.nvme_checkpoints / 1e9:.1f} GB" in to_markdown(p)
+        # llama-1b's, since blocks are tiled whole, fit the GPU and the host
+    ) == bool(p.memory.checkpoints[Home.NVME])
+    # their reads are priced in the backward pass
+    assert (p.prediction.times["NVMe bwd"] > 0) == bool(p.memory.checkpoints[Home.NVME])
+    longer = load_config(
+        config,
+        [
+            f"train.seq_len={p.report.longest_seq_len + 1024}",
+            "train.batch_size=1",
+            "train.micro_batch_size=1",
+            f"model.max_position_embeddings={p.report.longest_seq_len + 1024}",
+        ],
+    )
     assert not search(longer, REFERENCE, 115, 141, 55, config, advise=False).fits

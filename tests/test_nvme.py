@@ -1,4 +1,5 @@
 """The NVMe tier: a run that spills to disk trains bit for bit like one in RAM; bad setups are refused."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,12 +10,22 @@ import pytest
 import torch
 import zarr
 
-from conftest import budget_for, DEEP, least_budget, tiny_config, VARIANTS
-from tiertrain.modes import Home, Kind
+from conftest import DEEP, VARIANTS, budget_for, least_budget, tiny_config
 from tiertrain.errors import ConfigError, UserError
+from tiertrain.modes import Home, Kind
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
-from tiertrain.tiers.placement import (RING_SLOTS, disk_bytes, kind_bytes, least_host, place, place_within,
-                                       ring_bytes, ring_widths, spilled_bytes, streamed_kind)
+from tiertrain.tiers.placement import (
+    RING_SLOTS,
+    disk_bytes,
+    kind_bytes,
+    least_host,
+    place,
+    place_within,
+    ring_bytes,
+    ring_widths,
+    spilled_bytes,
+    streamed_kind,
+)
 from tiertrain.tiers.slab import host_cost
 from tiertrain.trainer import Trainer
 
@@ -34,8 +45,15 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
     dev = "cuda" if io == "kvikio" else "cpu"
     base = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"')
     gb = budget_for(base)
-    spill = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"', f"tiers.host_gb={gb}",
-                        f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
+    spill = tiny_config(
+        token_file,
+        *VARIANTS["qwen2"],
+        *DEEP,
+        f'train.device="{dev}"',
+        f"tiers.host_gb={gb}",
+        f'tiers.nvme_dir="{tmp_path}"',
+        f'tiers.io="{io}"',
+    )
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill)
     on_nvme = [k for k, t in tr.run_plan.where().items() if t == Home.NVME]
@@ -50,7 +68,7 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
     assert got[-1]["nvme_read_gb"] * 1e9 == pytest.approx(spilled) == got[-1]["nvme_write_gb"] * 1e9
     arr = zarr.open_group(tr.run.nvme.store.root, mode="r")["exp_avg_sq"]
     u = on_nvme[0][0]
-    assert arr.shape[0] == len(sizes) and float(abs(arr[u, :sizes[u]]).max()) > 0
+    assert arr.shape[0] == len(sizes) and float(abs(arr[u, : sizes[u]]).max()) > 0
 
 
 def test_spilled_master_is_bit_identical(token_file, tmp_path):
@@ -61,14 +79,22 @@ def test_spilled_master_is_bit_identical(token_file, tmp_path):
     tr = Trainer(base)
     width = max(lay.numel for lay in tr.layouts)
     # grads and the bf16 copy, a third of the masters, and a ring for three kinds
-    gb = (sum(lay.numel * 6 + 2 * 4096 for lay in tr.layouts) + sum(lay.numel * 4 for lay in tr.layouts) / 3
-          + RING_SLOTS * 3 * width * 4) / 1e9
+    gb = (
+        sum(lay.numel * 6 + 2 * 4096 for lay in tr.layouts)
+        + sum(lay.numel * 4 for lay in tr.layouts) / 3
+        + RING_SLOTS * 3 * width * 4
+    ) / 1e9
     tr.close()
-    spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', 'tiers.io="posix"')
+    spill = tiny_config(
+        token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', 'tiers.io="posix"'
+    )
     _, want, want_sd = _train(base, steps=3)
     tr, got, sd = _train(spill, steps=3)
     spilled = {k for (_, k), t in tr.run_plan.where().items() if t == Home.NVME}
-    assert spilled == {Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER} and tr.run_plan.where()[(0, Kind.MASTER)] == Home.HOST
+    assert (
+        spilled == {Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER}
+        and tr.run_plan.where()[(0, Kind.MASTER)] == Home.HOST
+    )
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     for k in want_sd:
         assert torch.equal(sd[k], want_sd[k]), k
@@ -84,21 +110,31 @@ def test_spilled_gradients_are_bit_identical(token_file, tmp_path, io):
     tr = Trainer(base)
     sizes = [lay.numel for lay in tr.layouts]
     tr.close()
-    gb = (sum(host_cost(n * 4) for n in sizes) + RING_SLOTS * 3 * max(sizes) * 4 + 1000) / 1e9  # master + ring
-    spill = tiny_config(token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"')
+    # master + ring
+    gb = (sum(host_cost(n * 4) for n in sizes) + RING_SLOTS * 3 * max(sizes) * 4 + 1000) / 1e9
+    spill = tiny_config(
+        token_file, *sets, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', f'tiers.io="{io}"'
+    )
     _, want, want_sd = _train(base, steps=3)
     tr, got, sd = _train(spill, steps=3)
     grads = [u for (u, k), t in tr.run_plan.where().items() if k == Kind.GRAD and t == Home.NVME]
-    assert {k for (_, k), t in tr.run_plan.where().items() if t == Home.NVME} == {Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRAD}
-    assert len(grads) == len(sizes)  # unit 0's too: the optimizer's first read must wait for the backward pass
+    assert {k for (_, k), t in tr.run_plan.where().items() if t == Home.NVME} == {
+        Kind.EXP_AVG,
+        Kind.EXP_AVG_SQ,
+        Kind.GRAD,
+    }
+    # unit 0's too: the optimizer's first read must wait for the backward pass
+    assert len(grads) == len(sizes)
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
     for k in want_sd:
         assert torch.equal(sd[k], want_sd[k]), k
 
 
-@pytest.mark.parametrize("stream,io", [("compute", "posix"), ("master", "posix"),
-                                       pytest.param("master", "kvikio", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "stream,io",
+    [("compute", "posix"), ("master", "posix"), pytest.param("master", "kvikio", marks=pytest.mark.gpu)],
+)
 def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, monkeypatch):
     """The least host budget: every slab on NVMe, the weights that stream too (read for the forward and
     the backward pass, written by the optimizer). `compute`: a bf16 copy streams (bf16 compute on the
@@ -116,11 +152,21 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
     monkeypatch.setattr(PosixIO, "_piece", staticmethod(slow))
     dev = "cuda" if io == "kvikio" else "cpu"
     dtype = "bfloat16" if stream == "compute" else "float32"
-    sets = [*VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"', f'train.compute_dtype="{dtype}"',
-            f'tiers.stream="{stream}"']
+    sets = [
+        *VARIANTS["qwen2"],
+        *DEEP,
+        f'train.device="{dev}"',
+        f'train.compute_dtype="{dtype}"',
+        f'tiers.stream="{stream}"',
+    ]
     base = tiny_config(token_file, *sets)
-    spill = tiny_config(token_file, *sets, f"tiers.host_gb={least_budget(base)}", f'tiers.nvme_dir="{tmp_path}"',
-                        f'tiers.io="{io}"')
+    spill = tiny_config(
+        token_file,
+        *sets,
+        f"tiers.host_gb={least_budget(base)}",
+        f'tiers.nvme_dir="{tmp_path}"',
+        f'tiers.io="{io}"',
+    )
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill, close=False)
     assert set(tr.run_plan.where().values()) == {Home.NVME} and tr.run.host.nbytes() == {}
@@ -133,7 +179,12 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
     # copy, which it writes whole); the forward pass reads every unit's weights, the backward pass all
     # but the embedding, the head and the last two blocks, which are still on the device
     once = sum(n * b for n in sizes for b in kb.values())
-    reads = once - (sum(sizes) * 2 if s == Kind.WEIGHTS else 0) + sum(sizes) * kb[s] + sum(sizes[1:L - 3]) * kb[s]
+    reads = (
+        once
+        - (sum(sizes) * 2 if s == Kind.WEIGHTS else 0)
+        + sum(sizes) * kb[s]
+        + sum(sizes[1 : L - 3]) * kb[s]
+    )
     assert got[-1]["nvme_read_gb"] * 1e9 == pytest.approx(reads, rel=1e-12)
     assert got[-1]["nvme_write_gb"] * 1e9 == pytest.approx(once, rel=1e-12)
     if s == Kind.WEIGHTS:  # plain zarr reads the bf16 copy, as its bits
@@ -141,7 +192,7 @@ def test_everything_on_nvme_is_bit_identical(token_file, tmp_path, stream, io, m
         u = L - 2
         with tr.run.state.slab(u, Kind.MASTER, read=True) as m:
             want_w = m.to(torch.bfloat16)
-        assert torch.equal(torch.from_numpy(arr[u, :sizes[u]]).view(torch.bfloat16), want_w)
+        assert torch.equal(torch.from_numpy(arr[u, : sizes[u]]).view(torch.bfloat16), want_w)
     tr.close()
 
 
@@ -151,7 +202,10 @@ def _spilled(where):
 
 def test_placement_policy_by_hand():
     """A unit 3x as wide as the others, bytes costing what they are. 220 elements x 18 B = 3960 B."""
-    numels, kb = [30] + [10] * 19, {Kind.MASTER: 4, Kind.EXP_AVG: 4, Kind.EXP_AVG_SQ: 4, Kind.GRAD: 4, Kind.WEIGHTS: 2}
+    numels, kb = (
+        [30] + [10] * 19,
+        {Kind.MASTER: 4, Kind.EXP_AVG: 4, Kind.EXP_AVG_SQ: 4, Kind.GRAD: 4, Kind.WEIGHTS: 2},
+    )
     one = lambda n: n  # noqa: E731
     assert set(place(numels, kb).values()) == {Home.HOST}
     assert place_within(numels, kb, 3960, 0, one) == (place(numels, kb), 0, 3960)
@@ -174,10 +228,18 @@ def test_a_kind_stays_in_ram_when_its_ring_would_cost_more():
     numels, kb = [800, *[100] * 7], kind_bytes("float32", "master")
     one = lambda n: n  # noqa: E731
     least = least_host(numels, kb, 0, one)
-    assert least == 800 * 16 + 7 * 400 + ring_bytes({Kind.EXP_AVG: 100, Kind.EXP_AVG_SQ: 100, Kind.GRAD: 100}, kb, one)
+    assert least == 800 * 16 + 7 * 400 + ring_bytes(
+        {Kind.EXP_AVG: 100, Kind.EXP_AVG_SQ: 100, Kind.GRAD: 100}, kb, one
+    )
     where, ring, _ = place_within(numels, kb, least, 0, one)
-    assert _spilled(where) == {(u, k) for u in range(1, 8) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRAD)}
-    assert ring == 3 * 4 * 400 and ring_widths(numels, where) == {Kind.EXP_AVG: 100, Kind.EXP_AVG_SQ: 100, Kind.GRAD: 100}
+    assert _spilled(where) == {
+        (u, k) for u in range(1, 8) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRAD)
+    }
+    assert ring == 3 * 4 * 400 and ring_widths(numels, where) == {
+        Kind.EXP_AVG: 100,
+        Kind.EXP_AVG_SQ: 100,
+        Kind.GRAD: 100,
+    }
     assert least < ring_bytes({k: 800 for k in kb}, kb, one)  # every slab spilled: the old least
 
 
@@ -191,17 +253,27 @@ def test_the_runtime_allocates_the_planned_ring(token_file, tmp_path):
     tr.close()
     assert numels[0] > 2 * max(numels[1:])
     least = least_host(numels, kb, 0, host_cost)
-    tr = Trainer(tiny_config(token_file, *sets, f"tiers.host_gb={least / 1e9 + 1e-9}", f'tiers.nvme_dir="{tmp_path}"',
-                             'tiers.io="posix"'))
+    tr = Trainer(
+        tiny_config(
+            token_file,
+            *sets,
+            f"tiers.host_gb={least / 1e9 + 1e-9}",
+            f'tiers.nvme_dir="{tmp_path}"',
+            'tiers.io="posix"',
+        )
+    )
     want, ring, _ = place_within(numels, kb, least + 1, 0, host_cost)
     assert tr.run_plan.where() == want and all(tr.run_plan.where()[(0, k)] == Home.HOST for k in kb)
     assert {k for _, k in _spilled(tr.run_plan.where())} == set(kb)
     assert tr.run.nvme.ring_nbytes() == ring == ring_bytes(ring_widths(numels, want), kb, host_cost)
     assert ring_widths(numels, want) == {k: max(numels[1:]) for k in kb}
-    for u, k in _spilled(tr.run_plan.where()):  # the disk, too, holds rows a block wide, not the embedding's width
+    # the disk, too, holds rows a block wide, not the embedding's width
+    for u, k in _spilled(tr.run_plan.where()):
         assert tr.run.nvme.store.path(k, u).stat().st_size == max(numels[1:]) * kb[k]
     # what --nvme-gb is held to is what the store takes (the head's rows are a block wide too)
-    assert disk_bytes(numels, kb, want) == sum(tr.run.nvme.store.path(k, u).stat().st_size for u, k in _spilled(want))
+    assert disk_bytes(numels, kb, want) == sum(
+        tr.run.nvme.store.path(k, u).stat().st_size for u, k in _spilled(want)
+    )
     assert disk_bytes(numels, kb, want) > sum(spilled_bytes(numels, kb, want).values())
     got = [tr.train_step()["loss"] for _ in range(2)]
     tr.close()
@@ -218,15 +290,21 @@ def test_what_fits_in_ram_stays_there(token_file, tmp_path):
 
 def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001")
-    with pytest.raises(ConfigError, match=r"raise --host-gb to [0-9.]+, or pass --nvme-dir .*--host-gb [0-9.]+ is the least"):
+    with pytest.raises(
+        ConfigError, match=r"raise --host-gb to [0-9.]+, or pass --nvme-dir .*--host-gb [0-9.]+ is the least"
+    ):
         Trainer(cfg)
     cfg = tiny_config(token_file, "tiers.host_gb=0.0001", f'tiers.nvme_dir="{tmp_path}"')
-    with pytest.raises(ConfigError, match="cannot hold even the staging ring with all it can spill on NVMe: raise "
-                                          "--host-gb to at least [0-9.]+"):
+    with pytest.raises(
+        ConfigError,
+        match="cannot hold even the staging ring with all it can spill on NVMe: raise "
+        "--host-gb to at least [0-9.]+",
+    ):
         Trainer(cfg)
     gb = budget_for(tiny_config(token_file, *DEEP))
-    cfg = tiny_config(token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"',
-                      "tiers.nvme_gb=0.000001")
+    cfg = tiny_config(
+        token_file, *DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path}"', "tiers.nvme_gb=0.000001"
+    )
     with pytest.raises(ConfigError, match="the spilled state takes [0-9.]+ MiB on disk and --nvme-gb"):
         Trainer(cfg)
 
@@ -238,8 +316,16 @@ def test_store_faults(tmp_path):
     with pytest.raises(StoreError, match="already holds a store of another run"):
         NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=True)
     with pytest.raises(StoreError, match="different model or config"):
-        NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, {"model": {"hidden_size": 9}}, io, create=False)
-    NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=False)  # the same: opens
+        NvmeStore(
+            tmp_path / "s",
+            [4096, 8192],
+            {Kind.EXP_AVG: "float32"},
+            {"model": {"hidden_size": 9}},
+            io,
+            create=False,
+        )
+    # the same: opens
+    NvmeStore(tmp_path / "s", [4096, 8192], {Kind.EXP_AVG: "float32"}, meta, io, create=False)
     chunk = tmp_path / "s" / "exp_avg" / "c" / "1" / "0"
     chunk.write_bytes(chunk.read_bytes()[:100])
     with pytest.raises(StoreError, match="missing or truncated"):
@@ -255,7 +341,8 @@ def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
-    with pytest.raises(StoreError, match="has 1000 B free, the spilled state needs 4.0 MiB"):  # digits that differ
+    # digits that differ
+    with pytest.raises(StoreError, match="has 1000 B free, the spilled state needs 4.0 MiB"):
         NvmeStore(tmp_path / "s", [1 << 20], {Kind.EXP_AVG: "float32"}, {}, PosixIO(1), create=True)
     assert not (tmp_path / "s" / "zarr.json").exists()
 
@@ -295,7 +382,9 @@ def test_peak_rss_stays_under_the_budget(tmp_path, budget):
     + a stated fixed overhead of 150 MB (activations of a step, allocator slack, zarr). 0.35 GB: the
     26 M-parameter model's state is 0.42 GB (+0.11 GB of ring), the moments go to disk; `least`: every
     slab on NVMe, the host holds the staging ring (0.24 GB)."""
-    r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, budget, str(tmp_path)], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, budget, str(tmp_path)], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     budget, *rest = r.stdout.split()
     budget = float(budget)
@@ -308,6 +397,7 @@ def test_kvikio_missing_says_what_to_install():
     """tiers.io = "kvikio" where it is not installed (CI): the extra for this torch's CUDA, by name."""
     try:
         import kvikio  # noqa: F401
+
         pytest.skip("kvikio is installed here")
     except ImportError:
         pass

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tiertrain.modes import Kind
-from tiertrain.config import OptimConfig
 from tiertrain.optim.adamw import clip_coefficient, lr_at
+from tiertrain.sections import OptimConfig
 
 
 def test_schedules_by_hand():
@@ -67,9 +67,22 @@ def test_one_pass_kernel_in_place_and_into_copies(scale, stores, offset, w_offse
     v = v.abs()
     args = (1e-3, 0.9, 0.95, 0.1, 1e-8, 7.0, scale, stores)
     want = [t.clone() for t in (p, m, v)]
-    torch._fused_adamw_([want[0]], [g.clone()], [want[1]], [want[2]], [], [torch.tensor(7.0)], lr=1e-3, beta1=0.9,
-                        beta2=0.95, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
-                        grad_scale=torch.tensor(scale) if scale else None)
+    torch._fused_adamw_(
+        [want[0]],
+        [g.clone()],
+        [want[1]],
+        [want[2]],
+        [],
+        [torch.tensor(7.0)],
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.95,
+        weight_decay=0.1,
+        eps=1e-8,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=torch.tensor(scale) if scale else None,
+    )
     inplace = [t.clone() for t in (p, m, v)]
     w_in = torch.empty(n + w_offset, dtype=torch.bfloat16)[w_offset:]
     ext.adamw(inplace[0], g, inplace[1], inplace[2], *inplace, w_in, *args)
@@ -150,7 +163,8 @@ def test_a_killed_build_s_lock_is_removed_and_the_build_announced(tmp_path, monk
     lock.write_text("")
     with caplog.at_level(logging.WARNING, logger="tiertrain"):
         kernel._prepare_build()
-    assert lock.exists() and "building the one-pass host AdamW" in caplog.text  # fresh: a build may be running
+    # fresh: a build may be running
+    assert lock.exists() and "building the one-pass host AdamW" in caplog.text
     old = time.time() - kernel.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
     (d / f"{kernel.NAME}.so").write_text("")

@@ -1,11 +1,12 @@
 """tiertrain's layer-streaming step trains exactly like plain PyTorch."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import reference_train, tiny_config, VARIANTS
+from conftest import VARIANTS, reference_train, tiny_config
 from tiertrain.trainer import Trainer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -38,9 +39,12 @@ def _train(cfg):
     return tr, init, recs
 
 
-ON_DEVICE = {"llama-resident": ["tiers.gpu_resident_gb=0.004"], "llama-all-resident": ["tiers.gpu_resident_gb=1"],
-             "llama-gpu-update": ['tiers.stream="master"', "tiers.gpu_update_units=3"],
-             "qwen2-both": [*VARIANTS["qwen2"], "tiers.gpu_resident_gb=0.0005", "tiers.gpu_update_units=2"]}
+ON_DEVICE = {
+    "llama-resident": ["tiers.gpu_resident_gb=0.004"],
+    "llama-all-resident": ["tiers.gpu_resident_gb=1"],
+    "llama-gpu-update": ['tiers.stream="master"', "tiers.gpu_update_units=3"],
+    "qwen2-both": [*VARIANTS["qwen2"], "tiers.gpu_resident_gb=0.0005", "tiers.gpu_update_units=2"],
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -76,7 +80,9 @@ def test_bf16_matches_autocast(token_file, variant, device):
     ask that tiertrain's bf16 weights be no farther from the exact fp32 run than 3x the distance of
     PyTorch's own autocast run from it, per tensor. That bounds our error by bf16's inherent one.
     """
-    cfg = tiny_config(token_file, *VARIANTS[variant], f'train.device="{device}"', 'train.compute_dtype="bfloat16"')
+    cfg = tiny_config(
+        token_file, *VARIANTS[variant], f'train.device="{device}"', 'train.compute_dtype="bfloat16"'
+    )
     tr, init, recs = _train(cfg)
     auto_losses, _, auto = reference_train(cfg, init, device, autocast=True)
     _, _, exact = reference_train(cfg, init, device, autocast=False)
@@ -96,12 +102,21 @@ def test_gpu_updates_change_no_bit(token_file, device, speculated):
     backward pass; the bytes moved say where each update ran: 12 bytes per parameter more each way for each
     unit updated on the device (in as they load, the state replaces the master; speculated, the state
     comes in during the backward pass and the kept master streams like the host's)."""
-    base = ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', f'train.device="{device}"', "train.steps=4",
-            "optim.grad_clip=100", "optim.speculate_units=0", f"optim.speculate_gpu_updates={str(speculated).lower()}"]
+    base = [
+        'train.compute_dtype="bfloat16"',
+        'tiers.stream="master"',
+        f'train.device="{device}"',
+        "train.steps=4",
+        "optim.grad_clip=100",
+        "optim.speculate_units=0",
+        f"optim.speculate_gpu_updates={str(speculated).lower()}",
+    ]
     runs = []
     for n in (0, 2, 5):
         tr, _, recs = _train(tiny_config(token_file, *base, f"tiers.gpu_update_units={n}"))
-        assert tr.run_plan.updated("gpu", "gpu-speculated") == frozenset(range(5)[::-1][::2][:n] if speculated and n < 5 else range(n))
+        assert tr.run_plan.updated("gpu", "gpu-speculated") == frozenset(
+            range(5)[::-1][::2][:n] if speculated and n < 5 else range(n)
+        )
         assert tr.run.updates.kept == (4 if speculated and n else 0)
         runs.append((tr, recs, tr.state_dict()))
     (_, r0, s0), (t2, r2, s2), (t5, r5, s5) = runs
@@ -123,8 +138,14 @@ def test_gpu_updates_need_the_master_streamed(token_file):
     from tiertrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match='tiers.stream=\\"master\\"'):
-        Trainer(tiny_config(token_file, 'train.compute_dtype="bfloat16"', 'tiers.stream="compute"',
-                            "tiers.gpu_update_units=1"))
+        Trainer(
+            tiny_config(
+                token_file,
+                'train.compute_dtype="bfloat16"',
+                'tiers.stream="compute"',
+                "tiers.gpu_update_units=1",
+            )
+        )
 
 
 def test_micro_batching_does_not_change_the_step(token_file):

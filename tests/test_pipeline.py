@@ -1,4 +1,5 @@
 """The pipeline's options change where bytes live and when work runs, never the numbers."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import tiny_config, VARIANTS
+from conftest import VARIANTS, tiny_config
 from tiertrain.modes import Kind
 from tiertrain.trainer import Trainer
 
@@ -14,7 +15,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _run(token_file, device, *sets, steps=4):
-    tr = Trainer(tiny_config(token_file, *VARIANTS["qwen2"], f'train.device="{device}"', f"train.steps={steps}", *sets))
+    tr = Trainer(
+        tiny_config(token_file, *VARIANTS["qwen2"], f'train.device="{device}"', f"train.steps={steps}", *sets)
+    )
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
     tr.close()
@@ -22,12 +25,15 @@ def _run(token_file, device, *sets, steps=4):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [
-    ["train.overlap=false"],
-    ['tiers.activations="host"'],
-    ['tiers.stream="master"'],
-    ["train.overlap=false", 'tiers.activations="host"', 'tiers.stream="master"'],
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["train.overlap=false"],
+        ['tiers.activations="host"'],
+        ['tiers.stream="master"'],
+        ["train.overlap=false", 'tiers.activations="host"', 'tiers.stream="master"'],
+    ],
+)
 def test_modes_are_bit_identical(token_file, device, variant):
     """Overlapped optimizer vs synchronous, checkpoints on host vs GPU, fp32-master streaming (cast on
     the device) vs a host bf16 copy: the same bits."""
@@ -44,7 +50,9 @@ def test_bytes_moved_per_step(token_file):
     are still in the two slots when backward starts; the embedding is resident); D2H: every unit's fp32
     gradient once. The host bf16 copy streams 2 bytes per parameter, fp32-master streaming 4."""
     for stream, wbytes in (("compute", 2), ("master", 4)):
-        _, _, recs = _run(token_file, "cpu", 'train.compute_dtype="bfloat16"', f'tiers.stream="{stream}"', steps=2)
+        _, _, recs = _run(
+            token_file, "cpu", 'train.compute_dtype="bfloat16"', f'tiers.stream="{stream}"', steps=2
+        )
         tr = Trainer(tiny_config(token_file, *VARIANTS["qwen2"], 'train.device="cpu"'))
         sizes = [lay.numel for lay in tr.layouts]
         tr.close()
@@ -77,12 +85,21 @@ def test_optimizer_errors_surface(token_file, monkeypatch):
         tr.train_step()
 
 
-@pytest.mark.parametrize("sets,stream,acts", [
-    (['train.compute_dtype="bfloat16"', 'tiers.activations="auto"'], "compute", "gpu"),  # half the bytes to copy
-    (['train.compute_dtype="float32"'], "master", "gpu"),
-    (['train.compute_dtype="bfloat16"', "tiers.gpu_update_units=2"], "master", "gpu"),  # the GPU update needs it
-    (['train.compute_dtype="bfloat16"', 'tiers.stream="master"', 'tiers.activations="host"'], "master", "host"),
-])
+@pytest.mark.parametrize(
+    "sets,stream,acts",
+    [
+        # half the bytes to copy
+        (['train.compute_dtype="bfloat16"', 'tiers.activations="auto"'], "compute", "gpu"),
+        (['train.compute_dtype="float32"'], "master", "gpu"),
+        # the GPU update needs it
+        (['train.compute_dtype="bfloat16"', "tiers.gpu_update_units=2"], "master", "gpu"),
+        (
+            ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', 'tiers.activations="host"'],
+            "master",
+            "host",
+        ),
+    ],
+)
 def test_auto_on_a_cpu(token_file, sets, stream, acts):
     """On a CPU the plan runs on the CPU's figures: "auto" settles on the cheapest copies, and a set value
     stays; the run obeys the plan's RunPlan (the config stays what was asked for)."""
@@ -104,16 +121,31 @@ def test_auto_micro_batch_on_a_cpu(token_file, batch, micro):
     largest divisor of the batch of at most 64k tokens; recorded."""
     tr = Trainer(tiny_config(token_file, f"train.batch_size={batch}", 'train.micro_batch_size="auto"'))
     tr.close()
-    assert tr.run_plan.micro_batch == micro and "micro-batch" in tr.chosen and tr.cfg.train.micro_batch_size == "auto"
+    assert (
+        tr.run_plan.micro_batch == micro
+        and "micro-batch" in tr.chosen
+        and tr.cfg.train.micro_batch_size == "auto"
+    )
 
 
 def test_what_saves_pcie_is_not_chosen_on_a_cpu(token_file):
     """On a CPU, whose memory is the host's, "auto" keeps nothing resident, updates nothing on the device and
     speculates nothing (the updates share the compute's cores); recorded."""
-    tr = Trainer(tiny_config(token_file, 'tiers.gpu_resident_gb="auto"', 'tiers.gpu_update_units="auto"',
-                             'optim.speculate_units="auto"', "optim.grad_clip=0"))
+    tr = Trainer(
+        tiny_config(
+            token_file,
+            'tiers.gpu_resident_gb="auto"',
+            'tiers.gpu_update_units="auto"',
+            'optim.speculate_units="auto"',
+            "optim.grad_clip=0",
+        )
+    )
     tr.close()
-    assert tr.run_plan.resident_gb == 0 and "gpu" not in tr.run_plan.where().values() and "resident GB" in tr.chosen
+    assert (
+        tr.run_plan.resident_gb == 0
+        and "gpu" not in tr.run_plan.where().values()
+        and "resident GB" in tr.chosen
+    )
     assert {u.update for u in tr.run_plan.units} == {"host"} and "speculation" in tr.chosen
 
 
@@ -131,24 +163,39 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     cfg = tiny_config(token_file, *sets)
     tc = cfg.train
     job = Job(cfg.model, tc.batch_size, tc.seq_len)
-    gpu = {a: evaluate(job, Choice(tc.micro_batch_size, "compute", a, keep=0), Budgets(1e9, 1e3, None),
-                       REFERENCE).memory.gpu.total / 1e9 for a in ("gpu", "host")}
+    gpu = {
+        a: evaluate(
+            job, Choice(tc.micro_batch_size, "compute", a, keep=0), Budgets(1e9, 1e3, None), REFERENCE
+        ).memory.gpu.total
+        / 1e9
+        for a in ("gpu", "host")
+    }
     assert gpu["host"] < gpu["gpu"]
-    hw = {"slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
-          "slow rounding": dict(host_adam_copy_params_per_s=1e3),
-          "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE), "micro-batch": {},
-          "resident": {}}[case]
+    hw = {
+        "slow PCIe": dict(h2d_gbs=1e-4, d2h_gbs=1e-4, bidir_gbs=2e-4),
+        "slow rounding": dict(host_adam_copy_params_per_s=1e3),
+        "small GPU": dict(gpu_mem_gb=(gpu["host"] + gpu["gpu"]) / 2 / GPU_RESERVE),
+        "micro-batch": {},
+        "resident": {},
+    }[case]
     monkeypatch.setattr(trainer, "run_hardware", lambda *a: dataclasses.replace(REFERENCE, **hw))
-    more = {"micro-batch": ['train.micro_batch_size="auto"'], "resident": ['tiers.gpu_resident_gb="auto"']}.get(case, [])
+    more = {
+        "micro-batch": ['train.micro_batch_size="auto"'],
+        "resident": ['tiers.gpu_resident_gb="auto"'],
+    }.get(case, [])
     tr = Trainer(tiny_config(token_file, *sets, *more))
     tr.train_step()
     tr.close()
     assert tr.run_plan == tr.plan.run_plan  # the runtime obeys the planner's RunPlan, unit by unit
-    assert tr.run_plan.micro_batch == (tr.plan.run_plan.micro_batch if case == "micro-batch" else tc.micro_batch_size)
+    assert tr.run_plan.micro_batch == (
+        tr.plan.run_plan.micro_batch if case == "micro-batch" else tc.micro_batch_size
+    )
     if case == "small GPU":
         assert tr.run_plan.activations == "host"
     elif case == "resident":  # the tiny model's whole state fits what the plan leaves: every unit resident
-        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1 and set(tr.run_plan.where().values()) == {"gpu"}
+        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1 and set(
+            tr.run_plan.where().values()
+        ) == {"gpu"}
     elif case == "micro-batch":
         assert tc.batch_size % tr.run_plan.micro_batch == 0 and "micro-batch" in tr.chosen
     else:

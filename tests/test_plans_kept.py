@@ -2,6 +2,7 @@
 test_planner.py gives, byte for byte, what tests/data/plans.txt recorded: one plan a line (its arguments, a tab, its
 JSON on one line), so that a change reads as a diff. A change meant to alter plans rewrites the record (`python
 tests/test_plans_kept.py --write`) and says why in its commit."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,35 +14,87 @@ from pathlib import Path
 import pytest
 
 RECORD = Path(__file__).parent / "data" / "plans.txt"
-CONFIGS = ["debug", "llama-1b", "llama-3b", "llama-5b", "llama-7b", "llama3.1-8b", "mistral-7b", "qwen2.5-7b",
-           "qwen3-8b", "llama-13b", "qwen2.5-32b", "llama-70b", "llama-120b"]
-BUDGETS = [["--host-gb", "1500", "--gpu-gb", "141", "--nvme-gb", "8000"],
-           ["--host-gb", "60", "--gpu-gb", "80", "--nvme-gb", "500"],
-           ["--host-gb", "40"],
-           ["--host-gb", "115", "--gpu-gb", "141", "--nvme-gb", "55", "--set", 'tiers.gpu_resident_gb="auto"'],
-           ["--host-gb", "200", "--gpu-gb", "80"]]
+CONFIGS = [
+    "debug",
+    "llama-1b",
+    "llama-3b",
+    "llama-5b",
+    "llama-7b",
+    "llama3.1-8b",
+    "mistral-7b",
+    "qwen2.5-7b",
+    "qwen3-8b",
+    "llama-13b",
+    "qwen2.5-32b",
+    "llama-70b",
+    "llama-120b",
+]
+BUDGETS = [
+    ["--host-gb", "1500", "--gpu-gb", "141", "--nvme-gb", "8000"],
+    ["--host-gb", "60", "--gpu-gb", "80", "--nvme-gb", "500"],
+    ["--host-gb", "40"],
+    ["--host-gb", "115", "--gpu-gb", "141", "--nvme-gb", "55", "--set", 'tiers.gpu_resident_gb="auto"'],
+    ["--host-gb", "200", "--gpu-gb", "80"],
+]
 LONG = ["--config", "llama3.1-8b", "--batch-size", "1", "--set", "model.max_position_embeddings=1048576"]
 MORE = [  # the choices a config fixes, the long-context plans of issue 34, several GPUs, other hardware
     [*LONG, "--seq-len", "524288", "--gpu-gb", "80", "--host-gb", "240", "--nvme-gb", "2000"],
     [*LONG, "--seq-len", "1048576", "--gpu-gb", "141", "--host-gb", "240", "--nvme-gb", "2000"],
-    [*LONG, "--seq-len", "262144", "--gpu-gb", "80", "--host-gb", "120", "--nvme-gb", "55",
-     "--set", 'tiers.checkpoint_dtype="bfloat16"'],
+    [
+        *LONG,
+        "--seq-len",
+        "262144",
+        "--gpu-gb",
+        "80",
+        "--host-gb",
+        "120",
+        "--nvme-gb",
+        "55",
+        "--set",
+        'tiers.checkpoint_dtype="bfloat16"',
+    ],
     [*LONG, "--seq-len", "131072", "--gpu-gb", "80", "--host-gb", "120", "--nvme-gb", "55"],
     ["--config", "llama-3b", "--host-gb", "200", "--gpus", "2"],
     ["--config", "llama-13b", "--host-gb", "400", "--nvme-gb", "1000", "--gpus", "4", "--gpus-per-host", "2"],
     ["--config", "llama-3b", "--host-gb", "200", "--set", "optim.speculate_units=4"],
     ["--config", "llama-3b", "--host-gb", "200", "--set", "optim.grad_clip=0"],
-    ["--config", "llama-3b", "--host-gb", "200", "--set", 'tiers.activations="host"', "--set",
-     "train.micro_batch_size=1"],
-    ["--config", "llama-3b", "--host-gb", "200", "--set", 'tiers.stream="master"', "--set",
-     "tiers.gpu_update_units=3"],
+    [
+        "--config",
+        "llama-3b",
+        "--host-gb",
+        "200",
+        "--set",
+        'tiers.activations="host"',
+        "--set",
+        "train.micro_batch_size=1",
+    ],
+    [
+        "--config",
+        "llama-3b",
+        "--host-gb",
+        "200",
+        "--set",
+        'tiers.stream="master"',
+        "--set",
+        "tiers.gpu_update_units=3",
+    ],
     ["--config", "llama-3b", "--host-gb", "200", "--set", 'train.compute_dtype="float32"'],
-    ["--config", "llama-7b", "--host-gb", "60", "--nvme-gb", "500", "--set", "tiers.gpu_resident_gb=10",
-     "--set", "train.keep_activations=2"],
+    [
+        "--config",
+        "llama-7b",
+        "--host-gb",
+        "60",
+        "--nvme-gb",
+        "500",
+        "--set",
+        "tiers.gpu_resident_gb=10",
+        "--set",
+        "train.keep_activations=2",
+    ],
     ["--config", "llama-3b", "--host-gb", "5", "--nvme-gb", "100"],
     ["--config", "llama-3b", "--host-gb", "1000", "--gpu-gb", "2"],
     ["--config", "llama-3b", "--host-gb", "200", "--hardware", "SLOW_HOST"],
-    ["--config", "llama-1b", "--hardware", "CPU", "--set", 'train.tile_tokens=512'],
+    ["--config", "llama-1b", "--hardware", "CPU", "--set", "train.tile_tokens=512"],
 ]
 
 
@@ -52,8 +105,8 @@ def cases() -> list[list[str]]:
 def answer(args: list[str], tmp: Path) -> str:
     """The JSON `tiertrain plan` prints for `args` (hardware SLOW_HOST and CPU: tests' stand-ins, as files)."""
     from click.testing import CliRunner
-    from conftest import SLOW_HOST
 
+    from conftest import SLOW_HOST
     from tiertrain.cli import main
     from tiertrain.plan.hardware import HardwareSpec
 
@@ -75,8 +128,11 @@ def test_plan_is_as_recorded(args, tmp_path):
     if got != want:  # the line is the JSON on one line: the output is json.dumps(indent=1) of the same values
         a, b = json.loads(got), json.loads(want)
         diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)][:5]
-        pytest.fail(f"{diff} differ, e.g. {diff[0]}: {a.get(diff[0])} != {b.get(diff[0])}" if diff else
-                    "the same values, other bytes")
+        pytest.fail(
+            f"{diff} differ, e.g. {diff[0]}: {a.get(diff[0])} != {b.get(diff[0])}"
+            if diff
+            else "the same values, other bytes"
+        )
 
 
 def test_every_case_is_recorded():

@@ -1,23 +1,18 @@
 """Several ranks, on CPUs as CI runs them: `tiertrain run --gpus 2` (two processes, gloo) against one process with the
 same global batch; checkpoints of two ranks resumed on one and on two; the shards; the plan for N GPUs."""
+
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
 import torch
 import zarr
-from conftest import cli, hf_dir, refused, stale_store, tiny, tiny_config
 
+from conftest import cli, hf_dir, refused, stale_store, tiny, tiny_config
 from tiertrain.checkpoint import KINDS
-from tiertrain.modes import Update
-from tiertrain.plan.hardware import REFERENCE
-from tiertrain.plan.advice import explain
 from tiertrain.plan.memory import slab_sizes as _layouts
-from tiertrain.plan.planner import plan
-from tiertrain.plan.values import Budgets, Choice, Job
 from tiertrain.sizes import budget
 from tiertrain.tiers.placement import kind_bytes, least_host
 from tiertrain.tiers.slab import Shard, SlabLayout, host_cost
@@ -26,7 +21,9 @@ STEPS = ["--set", "train.steps=6", "--set", "checkpoint.every=3", "--set", "chec
 
 
 def losses(run) -> list[tuple[float, float]]:
-    return [(r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+    return [
+        (r["loss"], r["grad_norm"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 def state(run, step: int) -> dict[str, np.ndarray]:
@@ -43,7 +40,15 @@ def close(a, b, rel: float = 1e-5) -> None:
 
 
 def train(token_file, out, *more, gpus: int = 1):
-    r = cli("run", *(["--gpus", str(gpus)] if gpus > 1 else []), *tiny(token_file), *STEPS, "--out", str(out), *more)
+    r = cli(
+        "run",
+        *(["--gpus", str(gpus)] if gpus > 1 else []),
+        *tiny(token_file),
+        *STEPS,
+        "--out",
+        str(out),
+        *more,
+    )
     assert r.returncode == 0, r.stderr
     return r
 
@@ -68,8 +73,14 @@ def test_two_ranks_train_as_one_process(token_file, tmp_path):
 def test_two_ranks_update_their_shards_on_the_gpu_as_one_process(token_file, tmp_path, speculated):
     """A rank's shard of the first unit resident, of the next two updated on the "GPU" (this CPU) as they load or
     speculated in the backward pass: the one-process run with the same updates within 1e-5."""
-    sets = ["--set", "tiers.gpu_resident_gb=0.0003", "--set", "tiers.gpu_update_units=2",
-            "--set", f"optim.speculate_gpu_updates={str(speculated).lower()}"]
+    sets = [
+        "--set",
+        "tiers.gpu_resident_gb=0.0003",
+        "--set",
+        "tiers.gpu_update_units=2",
+        "--set",
+        f"optim.speculate_gpu_updates={str(speculated).lower()}",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     train(token_file, one, *sets)
     train(token_file, two, *sets, gpus=2)
@@ -87,16 +98,28 @@ def test_a_checkpoint_of_two_ranks_resumes_on_two_and_on_one(token_file, tmp_pat
     two, one = tmp_path / "two", tmp_path / "one"
     train(token_file, two, gpus=2)
     train(token_file, one)
-    for name, gpus, source, exact in (("2on2", 2, two, True), ("2on1", 1, two, False), ("1on2", 2, one, False)):
+    for name, gpus, source, exact in (
+        ("2on2", 2, two, True),
+        ("2on1", 1, two, False),
+        ("1on2", 2, one, False),
+    ):
         out = tmp_path / name
-        r = cli("run", *(["--gpus", str(gpus)] if gpus > 1 else []), "--resume",
-                str(source / "checkpoints" / "step_3"), "--out", str(out))
+        r = cli(
+            "run",
+            *(["--gpus", str(gpus)] if gpus > 1 else []),
+            "--resume",
+            str(source / "checkpoints" / "step_3"),
+            "--out",
+            str(out),
+        )
         assert r.returncode == 0, r.stderr
         got, want = losses(out), losses(source)[3:]
         assert len(got) == 3
         if exact:
             assert got == want
-            assert all(np.array_equal(x, y) for x, y in zip(state(out, 6).values(), state(source, 6).values()))
+            assert all(
+                np.array_equal(x, y) for x, y in zip(state(out, 6).values(), state(source, 6).values())
+            )
         else:
             for (la, na), (lb, nb) in zip(got, want):
                 assert la == pytest.approx(lb, rel=1e-5) and na == pytest.approx(nb, rel=1e-5)
@@ -110,7 +133,8 @@ def test_two_ranks_spilling_to_nvme_give_the_plain_bits(token_file, tmp_path):
 
     deep = ["--set", "model.num_hidden_layers=8"]
     cfg = tiny_config(token_file, "model.num_hidden_layers=8")
-    least = least_host(_layouts(cfg.model, 2), kind_bytes("float32", "master"), 0, host_cost) * 2  # the host's
+    # the host's
+    least = least_host(_layouts(cfg.model, 2), kind_bytes("float32", "master"), 0, host_cost) * 2
     plain, spilled, disk = tmp_path / "plain", tmp_path / "spilled", tmp_path / "nvme"
     for i in range(4):
         stale_store(disk, spilled, f"tiertrain-spilled-{i}")
@@ -126,55 +150,17 @@ def test_a_batch_the_ranks_cannot_split_is_one_line(token_file, tmp_path):
     r = cli("run", "--gpus", "3", *tiny(token_file), "--out", str(tmp_path / "run"))
     refused(r, "train.batch_size 8", "3 ranks")
     assert not (tmp_path / "run").exists()
-    r = cli("run", "--gpus", "2", *tiny(token_file), "--set", "train.micro_batch_size=8", "--out", str(tmp_path / "run"))
+    r = cli(
+        "run",
+        "--gpus",
+        "2",
+        *tiny(token_file),
+        "--set",
+        "train.micro_batch_size=8",
+        "--out",
+        str(tmp_path / "run"),
+    )
     refused(r, "train.micro_batch_size 8", "4 rows")
-
-
-@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
-def test_shards_cover_each_slab_once(ranks):
-    """Whatever the number of ranks, the shards' parts inside the slab tile it, on whole pages, and their
-    optimizer ranges are the slab's, cut at the shards' edges."""
-    for shapes in ([("w", (7, 300)), ("b", (300,))], [("n", (64,))], [("e", (97, 64)), ("h", (64, 97)), ("g", (5,))]):
-        lay = SlabLayout.build(shapes)
-        shards = [Shard(lay, r, ranks) for r in range(ranks)]
-        assert sum(s.stored for s in shards) == lay.numel
-        assert all(s.numel % 2048 == 0 and s.start == r * s.numel for r, s in enumerate(shards))
-        cut = [(a + s.start, b + s.start, d) for s in shards for a, b, d in s.ranges()]
-        merged = []
-        for a, b, d in cut:
-            if merged and merged[-1][1] == a and merged[-1][2] == d:
-                merged[-1] = (merged[-1][0], b, d)
-            else:
-                merged.append((a, b, d))
-        assert merged == lay.ranges()
-
-
-def test_the_plan_for_two_gpus_halves_each_ranks_share():
-    """llama-3b at 64k tokens per step on two H200s of one host: each rank holds half the state and moves half
-    the weights over its PCIe link, computes half the tokens (and, with half the activations, keeps more blocks'
-    on the GPU: more than twice one GPU's rate is possible); the host's budget is shared; the report says the
-    scaling and its bound."""
-    from tiertrain.config import load_config
-    from tiertrain.plan.report import to_markdown
-
-    spec = load_config("llama-3b", []).model
-    one = plan(Job(spec, 8, 8192), Budgets(host_gb=250), REFERENCE)
-    two = plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=250), REFERENCE)
-    assert one.fits and two.fits and two.run_plan.gpus == 2 and two.job.rows == 4
-    assert sum(two.memory.host.values()) == pytest.approx(sum(one.memory.host.values()) / 2, rel=0.01)
-    assert two.prediction.times["H2D fwd"] == pytest.approx(one.prediction.times["H2D fwd"] / 2, rel=0.02)
-    assert two.prediction.times["compute fwd"] == pytest.approx(one.prediction.times["compute fwd"] / 2, rel=1e-6)
-    assert two.prediction.times["peer fwd"] > 0 and one.prediction.times["peer fwd"] == 0
-    assert two.prediction.tokens_per_s > 1.5 * one.prediction.tokens_per_s and two.memory.kept >= one.memory.kept
-    apart = plan(Job(spec, 8, 8192, gpus=2, per_host=1), Budgets(host_gb=125), REFERENCE)
-    assert apart.prediction.times["peer bwd"] == pytest.approx(two.prediction.times["peer bwd"] * REFERENCE.peer_gbs / REFERENCE.network_gbs)
-    text = to_markdown(two, one)
-    assert "2 GPUs" in text and "x one GPU" in text
-    # the host budget is the host's: what one rank's half of the state needs, twice over, and not less
-    need = two.memory.host_total - two.memory.host_fixed()["process"]
-    assert plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=2 * need / 1e9 * 1.01), REFERENCE,
-                Choice(speculate=two.run_plan.count(Update.HOST_SPECULATED))).fits
-    assert not plan(Job(spec, 8, 8192, gpus=2), Budgets(host_gb=need / 1e9), REFERENCE).fits
 
 
 def test_one_rank_is_the_unsharded_run(token_file):
@@ -202,10 +188,28 @@ def test_two_ranks_import_a_hugging_face_model_and_export_it(token_file, tmp_pat
     runs = {}
     for gpus in (1, 2):
         out = tmp_path / f"run{gpus}"
-        r = cli("run", *(["--gpus", "2"] if gpus == 2 else []), "--init-from", str(tmp_path / "hf"),
-                "--set", f'data.path="{token_file}"', "--set", "train.steps=3", "--set", "train.seq_len=32",
-                "--set", "train.batch_size=4", "--set", "train.micro_batch_size=2", "--set", 'train.device="cpu"',
-                "--set", 'train.compute_dtype="float32"', "--out", str(out))
+        r = cli(
+            "run",
+            *(["--gpus", "2"] if gpus == 2 else []),
+            "--init-from",
+            str(tmp_path / "hf"),
+            "--set",
+            f'data.path="{token_file}"',
+            "--set",
+            "train.steps=3",
+            "--set",
+            "train.seq_len=32",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "train.micro_batch_size=2",
+            "--set",
+            'train.device="cpu"',
+            "--set",
+            'train.compute_dtype="float32"',
+            "--out",
+            str(out),
+        )
         assert r.returncode == 0, r.stderr
         r = cli("export", str(out), "--to", str(tmp_path / f"hf{gpus}"))
         assert r.returncode == 0, r.stderr
@@ -224,13 +228,33 @@ def test_two_ranks_on_the_gpu_train_as_one(token_file, tmp_path, updates):
     one GPU through gloo: as one rank on the GPU within 1e-5 relative. NCCL needs two GPUs: bench/ranks.py."""
     import os
 
-    sets = [] if updates == "host" else ["--set", "tiers.gpu_resident_gb=0.0003", "--set", "tiers.gpu_update_units=2",
-                                         "--set", f"optim.speculate_gpu_updates={str(updates != 'gpu').lower()}"]
+    sets = (
+        []
+        if updates == "host"
+        else [
+            "--set",
+            "tiers.gpu_resident_gb=0.0003",
+            "--set",
+            "tiers.gpu_update_units=2",
+            "--set",
+            f"optim.speculate_gpu_updates={str(updates != 'gpu').lower()}",
+        ]
+    )
     runs = {}
     for gpus in (1, 2):
         out = tmp_path / f"run{gpus}"
-        r = cli("run", *(["--gpus", "2"] if gpus == 2 else []), *tiny(token_file), *STEPS, *sets, "--set",
-                'train.device="cuda"', "--out", str(out), env={**os.environ, "TIERTRAIN_DIST_BACKEND": "gloo"})
+        r = cli(
+            "run",
+            *(["--gpus", "2"] if gpus == 2 else []),
+            *tiny(token_file),
+            *STEPS,
+            *sets,
+            "--set",
+            'train.device="cuda"',
+            "--out",
+            str(out),
+            env={**os.environ, "TIERTRAIN_DIST_BACKEND": "gloo"},
+        )
         assert r.returncode == 0, r.stderr
         runs[gpus] = out
     for (la, na), (lb, nb) in zip(losses(runs[2]), losses(runs[1])):
@@ -262,7 +286,10 @@ def test_a_rank_that_fails_mid_run_stops_every_rank_with_its_line(token_file, tm
 
     (tmp_path / "hook").mkdir()
     (tmp_path / "hook" / "sitecustomize.py").write_text(HOOK)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")]),
+    }
     out, whole = tmp_path / "run", tmp_path / "whole"
     r = cli("run", "--gpus", "2", *tiny(token_file), *STEPS, "--out", str(out), env=env)
     refused(r, "rank 1: rank 1 cannot read its rows")
@@ -275,8 +302,20 @@ def test_a_rank_that_fails_mid_run_stops_every_rank_with_its_line(token_file, tm
 
 
 def test_a_divergence_every_rank_meets_is_said_once(token_file, tmp_path):
-    r = cli("run", "--gpus", "2", *tiny(token_file), "--set", "optim.lr=1e30", "--set", "optim.grad_clip=0",
-            "--set", "optim.warmup_steps=0", "--out", str(tmp_path / "run"))
+    r = cli(
+        "run",
+        "--gpus",
+        "2",
+        *tiny(token_file),
+        "--set",
+        "optim.lr=1e30",
+        "--set",
+        "optim.grad_clip=0",
+        "--set",
+        "optim.warmup_steps=0",
+        "--out",
+        str(tmp_path / "run"),
+    )
     refused(r, "training diverged", "optim.lr")
 
 
@@ -311,7 +350,10 @@ def test_two_ranks_gather_and_set_the_whole_state(token_file, tmp_path):
 
     tests = str(Path(__file__).parent)
     for n in (1, 2):
-        assert launch(n, ["-c", STATE, tests, str(token_file), str(tmp_path / f"{n}.safetensors")], module=None) == 0
+        assert (
+            launch(n, ["-c", STATE, tests, str(token_file), str(tmp_path / f"{n}.safetensors")], module=None)
+            == 0
+        )
     one, two = (load_file(tmp_path / f"{n}.safetensors") for n in (1, 2))
     assert one.keys() == two.keys()
     for k, v in one.items():
@@ -329,9 +371,26 @@ def test_torchrun_runs_the_job_run_gpus_runs(token_file, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's default; --gpus takes the cores' share
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     assert cli("run", "--gpus", "2", *tiny(token_file), *STEPS, "--out", str(ours), env=env).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "tiertrain", "run", *tiny(token_file), *STEPS, "--out", str(theirs)],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tiertrain",
+            "run",
+            *tiny(token_file),
+            *STEPS,
+            "--out",
+            str(theirs),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     assert losses(theirs) == losses(ours)
     assert all(np.array_equal(x, y) for x, y in zip(state(theirs, 6).values(), state(ours, 6).values()))
@@ -342,8 +401,17 @@ def test_torchrun_runs_the_job_run_gpus_runs(token_file, tmp_path):
 def test_two_gpus_over_nccl_train_as_one(token_file, tmp_path):
     """Two ranks on two GPUs, NCCL between them (the all-gathers and reduce-scatters on the GPUs' streams): as
     one GPU within 1e-5 relative, with the shards resident, updated on the GPU and speculated, or on the host."""
-    for sets in ([], ["--set", "tiers.gpu_resident_gb=0.0003", "--set", "tiers.gpu_update_units=2",
-                      "--set", "optim.speculate_gpu_updates=true"]):
+    for sets in (
+        [],
+        [
+            "--set",
+            "tiers.gpu_resident_gb=0.0003",
+            "--set",
+            "tiers.gpu_update_units=2",
+            "--set",
+            "optim.speculate_gpu_updates=true",
+        ],
+    ):
         runs = {}
         for gpus in (1, 2):
             runs[gpus] = tmp_path / f"run{gpus}-{len(sets)}"
@@ -356,21 +424,15 @@ def test_two_gpus_over_nccl_train_as_one(token_file, tmp_path):
 @pytest.mark.gpu
 def test_more_ranks_than_gpus_is_one_line(token_file, tmp_path):
     n = torch.cuda.device_count()
-    r = cli("run", "--gpus", str(n + 1), *tiny(token_file), "--set", 'train.device="cuda"', "--out", str(tmp_path / "r"))
+    r = cli(
+        "run",
+        "--gpus",
+        str(n + 1),
+        *tiny(token_file),
+        "--set",
+        'train.device="cuda"',
+        "--out",
+        str(tmp_path / "r"),
+    )
     refused(r, f"--gpus {n + 1}", f"pass --gpus {n} or fewer")
     assert not (tmp_path / "r").exists()
-
-
-def test_the_plan_of_two_gpus_names_the_hosts_budgets():
-    """Two ranks on a host short of RAM: the miss names the host's --host-gb (as passed) and the least the host
-    needs, which then fits, where a little less does not; the report of a fit names the same least budget."""
-    from tiertrain.config import load_config
-
-    spec = load_config("llama-3b", []).model
-    job, at = Job(spec, 16, 2048, gpus=2), lambda gb: Budgets(host_gb=gb, gpu_gb=30, nvme_gb=100)
-    miss = plan(job, at(4), REFERENCE)
-    assert not miss.fits and miss.why.startswith("host: 4.00 GB cannot hold")
-    need = float(re.search(r"at least ([0-9.]+)$", miss.why).group(1))
-    assert need > 2 * 4 / 2 and plan(job, at(need), REFERENCE).fits and not plan(job, at(need - 0.01), REFERENCE).fits
-    fit = plan(job, at(need), REFERENCE)
-    assert explain(job, fit, at(need), REFERENCE).least_host / 1e9 == pytest.approx(need, abs=0.01)

@@ -1,8 +1,8 @@
 """A run's directory is its own: its checkpoints planned against their disk before training, one timeline, one
 writer, paths that resume where they were, scratch stores cleaned, and the fault review's cases in one line."""
+
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -12,16 +12,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import cli, DEEP, least_budget, refused, stale_store, STEPS, tiny, tree_hash
+from conftest import DEEP, STEPS, cli, least_budget, refused, stale_store, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
 from tiertrain import rundir
 from tiertrain.metrics import read_metrics
 from tiertrain.modes import Home, Kind
 
 # about 25 M parameters (a 40k vocabulary, untied): 300 MB of full checkpoint, 100 MB of weights
-WIDE = ["--set", "model.vocab_size=40000", "--set", "model.hidden_size=256", "--set", "model.intermediate_size=512",
-        "--set", "model.num_hidden_layers=4", "--set", "model.num_attention_heads=4",
-        "--set", "model.num_key_value_heads=4"]
+WIDE = [
+    "--set",
+    "model.vocab_size=40000",
+    "--set",
+    "model.hidden_size=256",
+    "--set",
+    "model.intermediate_size=512",
+    "--set",
+    "model.num_hidden_layers=4",
+    "--set",
+    "model.num_attention_heads=4",
+    "--set",
+    "model.num_key_value_heads=4",
+]
 
 
 def _steps(run: Path) -> list[str]:
@@ -34,7 +45,9 @@ def _mounted_tmpfs(path: Path, mb: int) -> list[str]:
     own; else in a user namespace), or skips where neither can mount."""
     path.mkdir(parents=True, exist_ok=True)
     prefix = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    probe = subprocess.run([*prefix, "sh", "-c", f"mount -t tmpfs -o size={mb}m tmpfs {path}"], capture_output=True)
+    probe = subprocess.run(
+        [*prefix, "sh", "-c", f"mount -t tmpfs -o size={mb}m tmpfs {path}"], capture_output=True
+    )
     if shutil.which("unshare") is None or probe.returncode:
         pytest.skip("no tmpfs can be mounted here (needs root or user namespaces)")
     return [*prefix, "sh", "-c", f'mount -t tmpfs -o size={mb}m tmpfs {path} && exec "$@"', "sh"]
@@ -47,14 +60,31 @@ def test_checkpoints_that_cannot_fit_their_disk_are_refused_before_training(toke
     disk = tmp_path / "small"
     prefix = _mounted_tmpfs(disk, 40)
     args = [*tiny(token_file), *WIDE, "--set", "train.steps=1"]
-    r = subprocess.run([*prefix, sys.executable, "-m", "tiertrain", "run", *args, "--out", str(disk / "run")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [*prefix, sys.executable, "-m", "tiertrain", "run", *args, "--out", str(disk / "run")],
+        capture_output=True,
+        text=True,
+    )
     line = refused(r, "checkpoints need", "checkpoint.dir")
     assert "metrics" not in r.stdout and "step 1/1" not in r.stdout
     assert "checkpoint.state" not in line  # 100 MB of weights do not fit either: not offered
     big = tmp_path / "big"
-    r = subprocess.run([*prefix, sys.executable, "-m", "tiertrain", "run", *args, "--set",
-                        f'checkpoint.dir="{big}"', "--out", str(disk / "run")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "tiertrain",
+            "run",
+            *args,
+            "--set",
+            f'checkpoint.dir="{big}"',
+            "--out",
+            str(disk / "run"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     (made,) = big.iterdir()  # the run's own directory there, marked
     assert (made / "tiertrain-checkpoints.json").is_file() and (made / "step_1").is_dir()
@@ -63,20 +93,23 @@ def test_checkpoints_that_cannot_fit_their_disk_are_refused_before_training(toke
 def test_the_disk_check_counts_kept_checkpoints_and_offers_what_fits(token_file, tmp_path, monkeypatch):
     """With checkpoints kept, the one in flight counts too; weights-only checkpoints are offered where they fit,
     and fit; a run without a final checkpoint needs none."""
+    from conftest import tiny_config
     from tiertrain.errors import ConfigError
     from tiertrain.plan.saves import checkpoint_bytes
-    from conftest import tiny_config
     from tiertrain.trainer import Trainer
 
     cfg = tiny_config(token_file, "train.steps=6", "checkpoint.every=2", "checkpoint.keep=2")
     numels = [u.numel for u in cfg.model.units()]  # about: the slabs are a little larger
     full = checkpoint_bytes([n + 4096 for n in numels], "full")
-    monkeypatch.setattr(rundir, "disk_free", lambda p: (int(2.5 * full), 1))  # 3 at once (2 kept + 1) do not fit
+    # 3 at once (2 kept + 1) do not fit
+    monkeypatch.setattr(rundir, "disk_free", lambda p: (int(2.5 * full), 1))
     with pytest.raises(ConfigError, match=r"3 of .* at once.*checkpoint.keep = 1") as e:
         Trainer(cfg, out=tmp_path / "run")
     assert 'checkpoint.state = "weights"' in str(e.value)
     for ok in ('checkpoint.state="weights"', "checkpoint.keep=1"):
-        Trainer(tiny_config(token_file, "train.steps=6", "checkpoint.every=2", ok), out=tmp_path / "run").close()
+        Trainer(
+            tiny_config(token_file, "train.steps=6", "checkpoint.every=2", ok), out=tmp_path / "run"
+        ).close()
     monkeypatch.setattr(rundir, "disk_free", lambda p: (1000, 1))
     Trainer(tiny_config(token_file, "checkpoint.final=false"), out=tmp_path / "run").close()
 
@@ -85,7 +118,9 @@ def test_a_weights_checkpoint_exports_and_starts_a_new_run(token_file, tmp_path)
     """checkpoint.state = "weights": the master alone (a third of the bytes), which `export` reads; --resume from
     it starts a new run (step 0, fresh moments) into a new --out, and is refused into its own run."""
     a = tmp_path / "a"
-    assert cli("run", *tiny(token_file), "--set", 'checkpoint.state="weights"', "--out", str(a)).returncode == 0
+    assert (
+        cli("run", *tiny(token_file), "--set", 'checkpoint.state="weights"', "--out", str(a)).returncode == 0
+    )
     (last,) = rundir.checkpoints(a)
     meta = ckpt.read_meta(last)
     assert meta["kinds"] == ["master"] and not (last / "exp_avg").exists()
@@ -100,7 +135,9 @@ def test_a_weights_checkpoint_exports_and_starts_a_new_run(token_file, tmp_path)
     tr = Trainer(tiny_config(token_file), resume=last)  # the weights, step 0, moments zero
     try:
         assert tr.step == 0 and tr.run.updates.opt.step_count == 0
-        assert np.array_equal(tr.run.host.slab(1, Kind.MASTER).numpy()[:meta["numels"][1]], _arrays(last)["master/1"])
+        assert np.array_equal(
+            tr.run.host.slab(1, Kind.MASTER).numpy()[: meta["numels"][1]], _arrays(last)["master/1"]
+        )
         assert not tr.run.host.slab(1, Kind.EXP_AVG).any()
     finally:
         tr.close()
@@ -139,13 +176,17 @@ def test_a_spilled_runs_last_checkpoint_takes_the_stores_chunks(token_file, tmp_
             tr.train_step()
         return tr
 
-    spill = trained(f"tiers.host_gb={least_budget(tiny_config(token_file, *DEEP))}",
-                    f'tiers.nvme_dir="{tmp_path / "nvme"}"')
+    spill = trained(
+        f"tiers.host_gb={least_budget(tiny_config(token_file, *DEEP))}",
+        f'tiers.nvme_dir="{tmp_path / "nvme"}"',
+    )
     spilled = [(u, k) for (u, k), h in spill.run_plan.where().items() if h == Home.NVME and k in ckpt.KINDS]
     inodes = {uk: spill.run.nvme.store.path(uk[1], uk[0]).stat().st_ino for uk in spilled}
     path, _ = spill.save_checkpoint(tmp_path / "spill", last=True)
     spill.close()
-    assert spilled and all((path / k.value / str(u) / "c" / "0").stat().st_ino == i for (u, k), i in inodes.items())
+    assert spilled and all(
+        (path / k.value / str(u) / "c" / "0").stat().st_ino == i for (u, k), i in inodes.items()
+    )
     ram = trained()
     other, _ = ram.save_checkpoint(tmp_path / "ram")
     ram.close()
@@ -161,8 +202,19 @@ def test_a_resume_from_an_older_checkpoint_starts_the_runs_one_timeline(token_fi
     keep = ["--set", "checkpoint.every=1", "--set", "checkpoint.keep=10"]
     assert cli("run", *tiny(token_file), *keep, "--set", "train.steps=5", "--out", str(r_)).returncode == 0
     old5 = _arrays(r_ / "checkpoints" / "step_5")
-    r = cli("run", "--resume", str(r_ / "checkpoints" / "step_3"), "--out", str(r_), "--set", "train.steps=4",
-            "--set", "optim.lr=5e-4", "--set", "optim.min_lr=1e-4")
+    r = cli(
+        "run",
+        "--resume",
+        str(r_ / "checkpoints" / "step_3"),
+        "--out",
+        str(r_),
+        "--set",
+        "train.steps=4",
+        "--set",
+        "optim.lr=5e-4",
+        "--set",
+        "optim.min_lr=1e-4",
+    )
     assert r.returncode == 0, r.stderr
     assert "moved to" in r.stdout and "step_4, step_5" in r.stdout
     assert _steps(r_) == ["step_1", "step_2", "step_3", "step_4"]
@@ -186,8 +238,11 @@ def test_a_cut_killed_midway_is_finished_by_the_next_process(token_file, tmp_pat
     r = cli("run", "--resume", "latest", "--out", str(r_), "--set", "train.steps=3")
     assert r.returncode == 0, r.stderr
     assert not (r_ / rundir.CUT).exists() and _steps(r_) == ["step_1", "step_2", "step_3"]
-    assert sorted(p.name for p in (r_ / "abandoned" / "resumed-at-step_2-x").iterdir()) == \
-        ["metrics.jsonl", "step_3", "step_4"]
+    assert sorted(p.name for p in (r_ / "abandoned" / "resumed-at-step_2-x").iterdir()) == [
+        "metrics.jsonl",
+        "step_3",
+        "step_4",
+    ]
 
 
 # ---- one writer ---------------------------------------------------------------------------------
@@ -199,14 +254,26 @@ def test_a_live_run_directory_is_refused_to_a_second_process(token_file, tmp_pat
     assert cli("run", *tiny(token_file), *STEPS, "--set", "train.steps=3", "--out", str(out)).returncode == 0
     (out / "checkpoints" / ".step_9.tmp").mkdir()  # as a live save leaves it mid-way
     before = tree_hash(out)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from tiertrain.rundir import RunLock; RunLock(Path(sys.argv[1])).acquire(); "
-                               "print('locked', flush=True); time.sleep(60)", str(out)], stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from tiertrain.rundir import RunLock; RunLock(Path(sys.argv[1])).acquire(); "
+            "print('locked', flush=True); time.sleep(60)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         holding = tree_hash(out)
-        refused(cli("run", "--resume", "latest", "--out", str(out)), "in use by a live run", f"process {holder.pid}")
+        refused(
+            cli("run", "--resume", "latest", "--out", str(out)),
+            "in use by a live run",
+            f"process {holder.pid}",
+        )
         refused(cli("run", *tiny(token_file), "--out", str(out)), "already holds a run")
         assert tree_hash(out) == holding
         fresh = tmp_path / "fresh"
@@ -215,9 +282,11 @@ def test_a_live_run_directory_is_refused_to_a_second_process(token_file, tmp_pat
     finally:
         holder.kill()
         holder.wait()
-    assert {k: v for k, v in tree_hash(out).items() if k != rundir.LOCK} == \
-        {k: v for k, v in before.items() if k != rundir.LOCK}
-    r = cli("run", "--resume", "latest", "--out", str(out), "--set", "train.steps=4")  # the killed holder's lock
+    assert {k: v for k, v in tree_hash(out).items() if k != rundir.LOCK} == {
+        k: v for k, v in before.items() if k != rundir.LOCK
+    }
+    # the killed holder's lock
+    r = cli("run", "--resume", "latest", "--out", str(out), "--set", "train.steps=4")
     assert r.returncode == 0, r.stderr
     assert not (out / "checkpoints" / ".step_9.tmp").exists()  # the run's own next process finished it
 
@@ -233,15 +302,25 @@ def test_a_resume_from_another_directory_reads_the_same_data(tmp_path):
     from conftest import TINY
 
     sets = [a for s in TINY for a in ("--set", s)] + ["--set", 'data.path="tokens.npy"']
-    assert cli("run", *sets, *STEPS, "--set", "train.steps=4", "--out", str(tmp_path / "a"), cwd=here).returncode == 0
-    assert cli("run", *sets, *STEPS, "--set", "train.steps=6", "--out", str(tmp_path / "b"), cwd=here).returncode == 0
+    assert (
+        cli("run", *sets, *STEPS, "--set", "train.steps=4", "--out", str(tmp_path / "a"), cwd=here).returncode
+        == 0
+    )
+    assert (
+        cli("run", *sets, *STEPS, "--set", "train.steps=6", "--out", str(tmp_path / "b"), cwd=here).returncode
+        == 0
+    )
     r = cli("run", "--resume", "latest", "--out", str(tmp_path / "a"), "--set", "train.steps=6", cwd=there)
     assert r.returncode == 0, r.stderr
     a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in "ab")
     assert [x["loss"] for x in a] == [x["loss"] for x in b]  # as if it had never stopped
-    np.save(here / "tokens.npy", np.random.default_rng(2).integers(0, 97, 40_000))  # same length, other tokens
-    refused(cli("run", "--resume", "latest", "--out", str(tmp_path / "a"), "--set", "train.steps=8"),
-            "is not the data", "--init-from")
+    # same length, other tokens
+    np.save(here / "tokens.npy", np.random.default_rng(2).integers(0, 97, 40_000))
+    refused(
+        cli("run", "--resume", "latest", "--out", str(tmp_path / "a"), "--set", "train.steps=8"),
+        "is not the data",
+        "--init-from",
+    )
 
 
 # ---- scratch stores ---------------------------------------------------------------------------------
@@ -259,130 +338,3 @@ def test_every_stale_scratch_store_of_the_run_goes_and_links_are_not_followed(to
     assert r.returncode == 0, r.stderr
     assert not any(d.exists() for d in stale) and other.is_dir() and mine.is_dir()
     assert (nvme / "tiertrain-run-link").is_symlink()
-
-
-# ---- one line, not a traceback ---------------------------------------------------------------------
-def test_prepare_refuses_in_one_line_and_leaves_nothing(tmp_path):
-    (tmp_path / "a.txt").write_text("hello world\n")
-    a = str(tmp_path / "a.txt")
-    refused(cli("prepare", a, "--out", str(tmp_path / "missing" / "t.bin")), "does not exist")
-    (tmp_path / "d.bin").mkdir()
-    refused(cli("prepare", a, "--out", str(tmp_path / "d.bin")), "is a directory")
-    (tmp_path / "t.bin.tmp").write_text("a user's file")  # the old temporary name: never written
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
-    refused(cli("prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "t.bin")), "bad.jsonl:2")
-    assert (tmp_path / "t.bin.tmp").read_text() == "a user's file"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bad.jsonl", "d.bin", "t.bin.tmp"]
-
-
-@pytest.mark.parametrize("case", ["int", "binary", "truncated", "not-parquet"])
-def test_a_parquet_file_prepare_cannot_read_is_one_line(tmp_path, case):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    path = tmp_path / "d.parquet"
-    if case in ("int", "binary"):
-        col = [1, 2, 3] if case == "int" else [b"a", b"b", b"c"]
-        pq.write_table(pa.table({"text": col}), path)
-    else:
-        pq.write_table(pa.table({"text": ["hello world"] * 1000}), path)
-        data = path.read_bytes()
-        path.write_bytes(data[:len(data) // 2] if case == "truncated" else b"just some text\n" * 40)
-    words = "not text" if case in ("int", "binary") else "not a readable .parquet"
-    refused(cli("prepare", str(path), "--out", str(tmp_path / "t.bin")), words)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet"]
-
-
-def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path):
-    pytest.importorskip("tokenizers")
-    from tokenizers import AddedToken, Tokenizer, models
-
-    tok = Tokenizer(models.WordLevel({}, unk_token=None))
-    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "a.txt").write_text("hello world\n")
-    refused(cli("prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "t.bin"), "--tokenizer",
-                str(tmp_path / "tokenizer.json")), "no vocabulary")
-
-
-def _hf(tmp_path: Path, config: dict, index=None) -> str:
-    d = tmp_path / "hf"
-    d.mkdir(exist_ok=True)
-    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "vocab_size": 97}
-    (d / "config.json").write_text(json.dumps({**base, **config}))
-    if index is not None:
-        (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    return str(d)
-
-
-@pytest.mark.parametrize("config, index, words", [
-    ({}, [{"weight_map": {}}], "no weight_map"),
-    ({"rope_parameters": ["default", 10000]}, None, "rope_parameters holds a JSON list"),
-    ({"model_type": "mistral", "sliding_window": "4096"}, None, "sliding_window = '4096'"),
-    ({"rope_theta": float("inf")}, None, "rope_theta"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": float("inf"), "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}, None, "finite"),
-    ({}, {"weight_map": {"model.embed_tokens.weight": "../../etc/passwd"}}, "outside the model directory"),
-])
-def test_a_model_directory_it_cannot_read_is_one_line(token_file, tmp_path, config, index, words):
-    refused(cli("run", *tiny(token_file), "--init-from", _hf(tmp_path, config, index), "--out",
-                str(tmp_path / "run")), words)
-    assert not (tmp_path / "run").exists()
-
-
-def test_tokenizer_files_that_link_outside_the_model_stay_behind(tmp_path):
-    from tiertrain.model.hf import carry_files
-
-    model, secret = tmp_path / "model", tmp_path / "secret.txt"
-    model.mkdir()
-    secret.write_text("not the model's")
-    (model / "tokenizer.json").symlink_to(secret)
-    (model / "tokenizer_config.json").write_text("{}")
-    copied, left = carry_files(model, tmp_path / "out")
-    assert copied == ["tokenizer_config.json"] and left == ["tokenizer.json"]
-    assert not (tmp_path / "out" / "tokenizer.json").exists()
-    hub = tmp_path / "models--org--name"  # the hub cache's snapshots link to its blobs: inside the model
-    (hub / "blobs").mkdir(parents=True)
-    (hub / "snapshots" / "rev").mkdir(parents=True)
-    (hub / "blobs" / "abc").write_text("{}")
-    (hub / "snapshots" / "rev" / "tokenizer.json").symlink_to("../../blobs/abc")
-    assert carry_files(hub / "snapshots" / "rev", tmp_path / "out2") == (["tokenizer.json"], [])
-
-
-@pytest.mark.parametrize("args, words", [
-    (["--host-gb", "nan"], "--host-gb nan"), (["--gpu-gb", "inf"], "--gpu-gb inf"), (["--host-gb", "-1"], "--host-gb -1"),
-    (["--batch-size", "0"], "--batch-size"), (["--seq-len", "0"], "--seq-len"),
-    (["--chart", "/nonexistent/dir/c.png"], "does not exist"), (["--hardware", "HW"], "not a probe file"),
-])
-def test_plan_refuses_impossible_budgets_and_files(tmp_path, args, words):
-    (tmp_path / "hw.json").write_text(json.dumps({"h2d_gbs": 10}))
-    args = [a.replace("HW", str(tmp_path / "hw.json")) for a in args]
-    r = cli("plan", "--config", "debug", *args)
-    assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
-
-
-def test_export_refusals_speak_of_export(token_file, tmp_path):
-    refused(cli("export", str(tmp_path), "--to", str(tmp_path / "hf")), "export", "neither a tiertrain run")
-    assert "--resume" not in cli("export", str(tmp_path), "--to", str(tmp_path / "hf")).stderr
-    a = tmp_path / "a"
-    assert cli("run", *tiny(token_file), "--set", "train.steps=1", "--out", str(a)).returncode == 0
-    refused(cli("export", str(a), "--to", str(tmp_path / "hf"), "--max-shard-size", "1.2.3GB"), "--max-shard-size")
-
-
-def test_validation_data_messages_name_their_setting(token_file, tmp_path):
-    refused(cli("run", *tiny(token_file), "--set", 'data.val_path="missing.npy"', "--out", str(tmp_path / "a")),
-            "data.val_path 'missing.npy' not found")
-    refused(cli("run", *tiny(token_file), "--set", "data.val_fraction=0.999999", "--out", str(tmp_path / "b")),
-            "data.val_fraction = 0.999999 holds out")
-
-
-def test_a_run_that_diverged_before_saving_says_what_to_do(token_file, tmp_path):
-    """A run that diverged after its first step, before any checkpoint: a new run and a resume on its directory are
-    both refused with what to do (a new --out), neither pointing at the other."""
-    out = tmp_path / "run"
-    refused(cli("run", *tiny(token_file), "--set", "optim.lr=1e30", "--set", "optim.grad_clip=0", "--out", str(out)),
-            "diverged")
-    for r in (cli("run", *tiny(token_file), "--out", str(out)), cli("run", "--resume", "latest", "--out", str(out))):
-        line = refused(r, "saved no checkpoint", "stopped after step 1", "new")
-        assert "--resume latest" not in line

@@ -1,9 +1,9 @@
 """Speculative updates (optim.speculate_units): started in the backward pass as if the global norm will
 not clip, kept when it does not, redone from the untouched state when it does: never a different bit."""
+
 from __future__ import annotations
 
 import dataclasses
-
 import threading
 import time
 from dataclasses import replace
@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import DEEP, SLOW_HOST, tiny_config, VARIANTS
+from conftest import DEEP, SLOW_HOST, VARIANTS, tiny_config
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
-from tiertrain.optim.adamw import OptimizerThread
 from tiertrain.modes import Home, Update
+from tiertrain.optim.adamw import OptimizerThread
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.memory import slab_sizes as _layouts
 from tiertrain.plan.planner import SPEC_MARGIN, evaluate, plan
@@ -30,11 +30,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _run(cfg, steps=6, gpu_spec=True):
     tr = Trainer(cfg)
-    if not gpu_spec:  # the placement of a run whose GPU updates speculate, never speculating: its RunPlan says so
+    # the placement of a run whose GPU updates speculate, never speculating: its RunPlan says so
+    if not gpu_spec:
         updates = {u: "gpu" for u in tr.run_plan.updated("gpu-speculated")}
         tr.close()
         tr = Trainer(cfg, updates=updates)
-        assert tr.run_plan.updated("gpu-speculated") == frozenset() and tr.run_plan.updated("gpu", "gpu-speculated") == set(updates)
+        assert tr.run_plan.updated("gpu-speculated") == frozenset() and tr.run_plan.updated(
+            "gpu", "gpu-speculated"
+        ) == set(updates)
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
     early, kept, redone = tr.run_plan.updated("host-speculated"), tr.run.updates.kept, tr.run.updates.redone
@@ -49,11 +52,14 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("variant", [
-    ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"'],  # the bf16 copy rewritten in place
-    ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', "tiers.gpu_update_units=2"],
-    ["tiers.gpu_resident_gb=0.0005"],  # the embedding resident: updated on the device, not speculated
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"'],  # the bf16 copy rewritten in place
+        ['train.compute_dtype="bfloat16"', 'tiers.stream="master"', "tiers.gpu_update_units=2"],
+        ["tiers.gpu_resident_gb=0.0005"],  # the embedding resident: updated on the device, not speculated
+    ],
+)
 def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
     """The clip threshold is the median norm of the plain run: some steps clip (their speculation is
     redone, and the next step does not speculate), others do not (kept). GPU-updated units speculate on
@@ -74,10 +80,18 @@ def test_kept_and_redone_speculation_change_no_bit(token_file, device, variant):
         kept, redone = got[3]
         assert kept >= 1 and redone >= 1
     tr = Trainer(tiny_config(token_file, *sets, clip, *every))
-    host = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == Home.HOST for k in tr.run.host.kinds)]
+    host = [
+        u
+        for u in range(len(tr.units))
+        if all(tr.run_plan.where()[(u, k)] == Home.HOST for k in tr.run.host.kinds)
+    ]
     early = tr.run_plan.updated("host-speculated")
-    assert early == set(host) - tr.run_plan.updated("gpu", "gpu-speculated") and set(tr.run.host.copies) == early | tr.run_plan.updated("gpu", "gpu-speculated")  # copies for those
-    if tr.run_plan.updated("gpu", "gpu-speculated"):  # every other unit from the last: the GPU-updated ones and the host's alternate
+    # copies for those
+    assert early == set(host) - tr.run_plan.updated("gpu", "gpu-speculated") and set(
+        tr.run.host.copies
+    ) == early | tr.run_plan.updated("gpu", "gpu-speculated")
+    # every other unit from the last: the GPU-updated ones and the host's alternate
+    if tr.run_plan.updated("gpu", "gpu-speculated"):
         assert sorted(tr.run_plan.updated("gpu", "gpu-speculated")) == host[::-1][::2][:2][::-1]
     tr.close()
 
@@ -140,6 +154,7 @@ def test_speculation_not_started_at_the_norm_runs_in_place_in_unit_order(token_f
 
 class Landing:
     """A gradient's D2H event, landed when the test says."""
+
     def __init__(self):
         self.landed = threading.Event()
 
@@ -200,11 +215,21 @@ def test_units_in_ram_speculate_every_other_from_the_last_and_spilled_ones_never
     # a block's slab short of the whole state: the last units' exp_avg spill, enough to pay for their ring
     gb = (sum(host_cost(n * 4) * 4 for n in sizes) - host_cost(sizes[-2] * 4)) / 1e9
     sets = [*DEEP, 'tiers.io="posix"', "optim.grad_clip=0", f"tiers.host_gb={gb}"]
-    got = _run(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "a"}"', "optim.speculate_units=3"), steps=3)
-    want = _run(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "b"}"', "optim.speculate_units=0"), steps=3)
+    got = _run(
+        tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "a"}"', "optim.speculate_units=3"),
+        steps=3,
+    )
+    want = _run(
+        tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "b"}"', "optim.speculate_units=0"),
+        steps=3,
+    )
     _same(got, want)
     tr = Trainer(tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "c"}"'))
-    ram = [u for u in range(len(tr.units)) if all(tr.run_plan.where()[(u, k)] == Home.HOST for k in tr.run.host.kinds)]
+    ram = [
+        u
+        for u in range(len(tr.units))
+        if all(tr.run_plan.where()[(u, k)] == Home.HOST for k in tr.run.host.kinds)
+    ]
     tr.close()
     assert RING_SLOTS < len(sizes) - len(ram) < len(sizes) and got[2] == {ram[-1], ram[-3], ram[-5]}
 
@@ -217,7 +242,9 @@ def test_copies_must_fit_the_host_budget(token_file):
     with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
         Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
     tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # "auto" on a CPU: none
-    assert tr.run_plan.updated("host-speculated") == frozenset() and not tr.run_plan.updated("host-speculated")
+    assert tr.run_plan.updated("host-speculated") == frozenset() and not tr.run_plan.updated(
+        "host-speculated"
+    )
     tr.close()
 
 
@@ -245,11 +272,23 @@ def test_planner_balances_the_speculated_units():
 
     def at(job=job, **choice):
         return evaluate(job, Choice(16, "master", "host", keep=0, **choice), budgets, REFERENCE)
+
     unclipped = replace(job, clipping=False)
     off = at(speculate=0, speculate_gpu=False)
     auto = at(unclipped, speculate_gpu=False)
-    assert auto.run_plan.count(Update.HOST_SPECULATED) > 0 and auto.prediction.step_s < off.prediction.step_s * 0.95
-    every = [at(unclipped, speculate=n, gpu_updates=auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED), speculate_gpu=False).prediction.step_s for n in range(29)]
+    assert (
+        auto.run_plan.count(Update.HOST_SPECULATED) > 0
+        and auto.prediction.step_s < off.prediction.step_s * 0.95
+    )
+    every = [
+        at(
+            unclipped,
+            speculate=n,
+            gpu_updates=auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED),
+            speculate_gpu=False,
+        ).prediction.step_s
+        for n in range(29)
+    ]
     assert auto.prediction.step_s == pytest.approx(min(every))
     # by hand: the backward phase's host AdamW time of n speculated blocks, in place and into copies
     n = 5
@@ -258,19 +297,37 @@ def test_planner_balances_the_speculated_units():
     params = 98_308_096 + (n - 1) * 113_252_352  # the head, then the last blocks
     rate = REFERENCE.host_adam_params_per_s
     assert a.prediction.times["host AdamW bwd"] == pytest.approx(params / rate * REFERENCE.adam_contention)
-    assert b.prediction.times["host AdamW bwd"] == pytest.approx(params / (rate * REFERENCE.out_of_place) * REFERENCE.adam_contention)
-    assert b.memory.host_fixed()["update copies"] == 3 * (host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4))
+    assert b.prediction.times["host AdamW bwd"] == pytest.approx(
+        params / (rate * REFERENCE.out_of_place) * REFERENCE.adam_contention
+    )
+    assert b.memory.host_fixed()["update copies"] == 3 * (
+        host_cost(98_308_096 * 4) + (n - 1) * host_cost(113_252_352 * 4)
+    )
     assert "update copies" not in a.memory.host_fixed()
     # while the norm clips nothing speculates: the same plan without its speculation; clipping off, never
     assert b.prediction.clipped_step_s == pytest.approx(at(speculate=0, gpu_updates=0).prediction.step_s)
     assert a.prediction.clipped_step_s == a.prediction.step_s
-    at8k = evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", gpu_updates=0, keep=0), Budgets(host_gb=120), REFERENCE)
-    assert at8k.run_plan.count(Update.HOST_SPECULATED) and at8k.prediction.clipped_step_s > at8k.prediction.step_s * 1.1
+    at8k = evaluate(
+        Job(spec, 4, 2048),
+        Choice(4, "compute", "gpu", gpu_updates=0, keep=0),
+        Budgets(host_gb=120),
+        REFERENCE,
+    )
+    assert (
+        at8k.run_plan.count(Update.HOST_SPECULATED)
+        and at8k.prediction.clipped_step_s > at8k.prediction.step_s * 1.1
+    )
     assert at8k.prediction.clipped_times["host AdamW"] > at8k.prediction.times["host AdamW"]
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
-    tight = Budgets(host_gb=sum(off.memory.host.values()) / 1e9 + off.memory.host_fixed()["host checkpoints"] / 1e9 + 2)
-    miss = plan(Job(spec, 16, 2048), tight, REFERENCE,
-                Choice(16, "master", "host", gpu_updates=0, speculate=28, speculate_gpu=False))
+    tight = Budgets(
+        host_gb=sum(off.memory.host.values()) / 1e9 + off.memory.host_fixed()["host checkpoints"] / 1e9 + 2
+    )
+    miss = plan(
+        Job(spec, 16, 2048),
+        tight,
+        REFERENCE,
+        Choice(16, "master", "host", gpu_updates=0, speculate=28, speculate_gpu=False),
+    )
     assert not miss.fits and "copies of the speculative update" in miss.why
     few = plan(Job(spec, 16, 2048), tight, REFERENCE, Choice(16, "master", "host", gpu_updates=0))
     assert few.fits and 0 < few.run_plan.count(Update.HOST_SPECULATED) < 28 and few.memory.copies <= 2e9
@@ -282,9 +339,12 @@ def test_planner_queues_more_than_the_backward_pass_has_room_for():
     it), so more never lengthen the plan's step; the plan queues SPEC_MARGIN times the least number that
     gives its shortest step (the host's rate varies between runs), at the same predicted step."""
     spec = load_config("llama-3b").model
+
     def at(**choice):
-        return evaluate(Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0, **choice), Budgets(host_gb=200),
-                        REFERENCE)
+        return evaluate(
+            Job(spec, 4, 2048), Choice(4, "compute", "gpu", keep=0, **choice), Budgets(host_gb=200), REFERENCE
+        )
+
     steps = [at(speculate=n, gpu_updates=0).prediction.step_s for n in range(29)]
     assert all(b <= a * (1 + 1e-9) for a, b in zip(steps, steps[1:]))
     least = next(n for n, s in enumerate(steps) if s <= min(steps) * (1 + 1e-9))
@@ -292,7 +352,11 @@ def test_planner_queues_more_than_the_backward_pass_has_room_for():
     auto = at(gpu_updates=0)
     numels = _layouts(spec)
     params = [sum(numels[u] for u in alternate_from_last(list(range(len(numels))), n)) for n in range(29)]
-    assert params[auto.run_plan.count(Update.HOST_SPECULATED) - 1] < SPEC_MARGIN * params[least] <= params[auto.run_plan.count(Update.HOST_SPECULATED)]
+    assert (
+        params[auto.run_plan.count(Update.HOST_SPECULATED) - 1]
+        < SPEC_MARGIN * params[least]
+        <= params[auto.run_plan.count(Update.HOST_SPECULATED)]
+    )
     assert auto.prediction.step_s == pytest.approx(min(steps))
     # all queued: the backward pass takes what it has room for, in its time, the rest after the norm
     every = at(speculate=28, gpu_updates=0)
@@ -309,28 +373,50 @@ def test_planner_speculates_gpu_updates_in_the_backward_pass():
     the backward pass, which has PCIe to spare, and the step shortens. The bytes move between the phases
     and their copies take host memory."""
     spec = load_config("llama-3b").model
+
     def at(clipping=True, **choice):
-        return evaluate(Job(spec, 8, 2048, clipping=clipping), Choice(8, "master", "gpu", keep=0, **choice),
-                        Budgets(host_gb=120), SLOW_HOST)
+        return evaluate(
+            Job(spec, 8, 2048, clipping=clipping),
+            Choice(8, "master", "gpu", keep=0, **choice),
+            Budgets(host_gb=120),
+            SLOW_HOST,
+        )
+
     fwd = at(speculate_gpu=False)
     auto = at()
-    assert bool(auto.run_plan.count(Update.GPU_SPECULATED)) and auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED) > 0 and auto.prediction.step_s < fwd.prediction.step_s * 0.9
+    assert (
+        bool(auto.run_plan.count(Update.GPU_SPECULATED))
+        and auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED) > 0
+        and auto.prediction.step_s < fwd.prediction.step_s * 0.9
+    )
     k, n = auto.run_plan.count(Update.GPU, Update.GPU_SPECULATED), auto.run_plan.count(Update.HOST_SPECULATED)
     none = at(gpu_updates=0, speculate=n, speculate_gpu=False)
     b = at(gpu_updates=k, speculate=n, speculate_gpu=True)
     numels = _layouts(spec)
-    params = sum(numels[u] for u in gpu_updated(list(range(len(numels))), k, True))  # every other from the last
+    # every other from the last
+    params = sum(numels[u] for u in gpu_updated(list(range(len(numels))), k, True))
     rate = SLOW_HOST.h2d_gbs * 1e9
-    assert b.prediction.times["H2D fwd"] == none.prediction.times["H2D fwd"]  # the kept masters stream like the host's
-    assert (b.prediction.times["H2D bwd"] - none.prediction.times["H2D bwd"]) * rate == pytest.approx(12 * params, rel=1e-9)
+    # the kept masters stream like the host's
+    assert b.prediction.times["H2D fwd"] == none.prediction.times["H2D fwd"]
+    assert (b.prediction.times["H2D bwd"] - none.prediction.times["H2D bwd"]) * rate == pytest.approx(
+        12 * params, rel=1e-9
+    )
     # their state shares PCIe with the weights the compute waits for: at spec_copy_efficiency of the copies' rate
     for p, eff in ((b, SLOW_HOST.spec_copy_efficiency), (none, 1.0)):
-        both = (p.prediction.times["H2D bwd"] * SLOW_HOST.h2d_gbs + p.prediction.times["D2H"] * SLOW_HOST.d2h_gbs) * 1e9
-        assert p.prediction.times["PCIe both bwd"] * SLOW_HOST.bidir_gbs * SLOW_HOST.copy_efficiency * eff * 1e9 == pytest.approx(both)
+        both = (
+            p.prediction.times["H2D bwd"] * SLOW_HOST.h2d_gbs + p.prediction.times["D2H"] * SLOW_HOST.d2h_gbs
+        ) * 1e9
+        assert p.prediction.times[
+            "PCIe both bwd"
+        ] * SLOW_HOST.bidir_gbs * SLOW_HOST.copy_efficiency * eff * 1e9 == pytest.approx(both)
     gpu = gpu_updated(list(range(len(numels))), k, True)
     host = [u for u in range(len(numels)) if u not in gpu]
-    assert b.memory.host_fixed()["update copies"] == 3 * sum(host_cost(numels[u] * 4) for u in gpu + alternate_from_last(host, n))
-    assert "update copies" not in at(False, gpu_updates=k, speculate=0, speculate_gpu=True).memory.host_fixed()
+    assert b.memory.host_fixed()["update copies"] == 3 * sum(
+        host_cost(numels[u] * 4) for u in gpu + alternate_from_last(host, n)
+    )
+    assert (
+        "update copies" not in at(False, gpu_updates=k, speculate=0, speculate_gpu=True).memory.host_fixed()
+    )
 
 
 def test_timeline_accounts_for_every_host_update(token_file):
@@ -359,7 +445,8 @@ def test_timeline_accounts_for_every_host_update(token_file):
     s = summarize(ev, numels)
     assert s["bwd_s"] > 0 and s["spec_busy_s"] > 0 and s["upd_busy_s"] > 0
     assert s["upd_gparams_s"] == pytest.approx(
-        sum(n for u, n in enumerate(numels) if u in plain[-1]) / 1e9 / s["upd_busy_s"], rel=0.5)
+        sum(n for u, n in enumerate(numels) if u in plain[-1]) / 1e9 / s["upd_busy_s"], rel=0.5
+    )
 
 
 @pytest.mark.gpu
@@ -367,9 +454,12 @@ def test_timeline_accounts_for_every_host_update(token_file):
 def test_the_step_prediction_follows_whether_the_last_update_was_speculated(token_file, clip, kept):
     """A step's forward pass waits for the last update: its prediction is the plan's step when that update
     was speculated and kept, and the plan's step without speculation when the norm clipped."""
-    tr = Trainer(tiny_config(token_file, 'train.device="cuda"', f"optim.grad_clip={clip}", "optim.speculate_units=99"))
+    tr = Trainer(
+        tiny_config(token_file, 'train.device="cuda"', f"optim.grad_clip={clip}", "optim.speculate_units=99")
+    )
     assert tr.plan is not None and tr.run_plan.updated("host-speculated")
-    apart = dataclasses.replace(tr.plan.prediction, step_s=1.0, clipped_step_s=2.0)  # whatever the tiny model's times
+    # whatever the tiny model's times
+    apart = dataclasses.replace(tr.plan.prediction, step_s=1.0, clipped_step_s=2.0)
     tr.plan = dataclasses.replace(tr.plan, prediction=apart)
     recs = [tr.train_step() for _ in range(3)]
     tr.close()

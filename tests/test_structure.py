@@ -1,6 +1,7 @@
 """The package's shape: no import cycles between its modules, no arrow back up its floors (dev/imports.py: the tiers
 below the planner, the planner pure and below the runtime, assemble and the trainer above), the planner importing no
 torch, and every module small."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -10,8 +11,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # what the planner may import: itself, the model's shape, the shared names, and the tiers' pure layout and policy
-BELOW_PLAN = {"tiertrain.model.spec", "tiertrain.modes", "tiertrain.sizes", "tiertrain.errors", "tiertrain.config",
-              "tiertrain.tiers.placement", "tiertrain.tiers.slab"}
+BELOW_PLAN = {
+    "tiertrain.model.spec",
+    "tiertrain.modes",
+    "tiertrain.sizes",
+    "tiertrain.errors",
+    "tiertrain.config",
+    "tiertrain.sections",
+    "tiertrain.tiers.placement",
+    "tiertrain.tiers.slab",
+}
 
 
 def _graph():
@@ -53,9 +62,11 @@ def test_the_planner_imports_only_what_is_below_it():
 def test_the_planner_imports_no_torch():
     """Every module of tiertrain.plan, and `tiertrain plan` itself, load without torch or numpy."""
     mods = sorted(p.stem for p in (ROOT / "tiertrain" / "plan").glob("*.py") if p.stem != "__init__")
-    code = ("import sys, importlib; import tiertrain.plan; "
-            f"[importlib.import_module('tiertrain.plan.' + m) for m in {mods}]; "
-            "bad = [m for m in ('torch', 'numpy') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, importlib; import tiertrain.plan; "
+        f"[importlib.import_module('tiertrain.plan.' + m) for m in {mods}]; "
+        "bad = [m for m in ('torch', 'numpy') if m in sys.modules]; assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert len(mods) >= 8

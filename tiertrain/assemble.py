@@ -2,6 +2,7 @@
 kind's reader), the activation checkpoints' store, the streams, the weight slots, the gradient accumulators, the
 state where the plan put it, the updates and the step. Each part takes the sizes and homes it needs, never the
 RunPlan; what builds them settles nothing: the plan has (plan_run, before anything is allocated)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import rundir
-from .config import Config, fixed
+from .config import Config
 from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
@@ -27,6 +28,7 @@ from .plan.runplan import RunPlan
 from .plan.saves import Saves, check_disk, checkpoint_bytes, saves
 from .plan.values import Plan
 from .probe import available_ram, run_hardware
+from .sections import fixed
 from .state import State
 from .tiers.host import HostStore
 from .tiers.nvme import NvmeStore, check_backend, discard, make_io, new_scratch
@@ -43,6 +45,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 class NvmeTier:
     """The spilled state's store, the optimizer's staging of it and the streamed kind's reader (None: the streamed
     kind stays in RAM), with the traffic both count."""
+
     store: NvmeStore
     staging: Staging
     reader: StreamReader | None
@@ -60,6 +63,7 @@ class NvmeTier:
 @dataclass(frozen=True)
 class Run:
     """The parts of a run, each built by assemble from what the RunPlan says of it."""
+
     host: HostStore
     nvme: NvmeTier | None
     activations: ActivationStore
@@ -91,8 +95,16 @@ def copied(rp: RunPlan, clipping: bool) -> frozenset[int]:
     return rp.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED) if clipping else frozenset()
 
 
-def plan_run(cfg: Config, device: torch.device, ranks: Ranks, layouts: list[SlabLayout], resume: Path | None,
-             updates: dict[int, str] | None, hardware: Path | None, out: Path | None):
+def plan_run(
+    cfg: Config,
+    device: torch.device,
+    ranks: Ranks,
+    layouts: list[SlabLayout],
+    resume: Path | None,
+    updates: dict[int, str] | None,
+    hardware: Path | None,
+    out: Path | None,
+):
     """(the figures the run plans with, its Plan with the RunPlan it obeys, the settings the plan chose): what the
     config leaves "auto" settled for this machine and this rank, and what cannot run here refused, before anything
     is allocated, naming the setting to change: the GPU's memory (the plan), the host's RAM, the checkpoints' disk
@@ -116,14 +128,23 @@ def plan_run(cfg: Config, device: torch.device, ranks: Ranks, layouts: list[Slab
     rp = p.run_plan
     if Home.NVME in rp.where().values():
         check_backend(cfg.tiers.io)
-    check_ram(rp, copied(rp, cfg.optim.grad_clip > 0), avail // ranks.local_size, cfg.tiers.host_gb,
-              cfg.tiers.nvme_dir, p.memory.gpu.total if hw.unified else 0.0, ranks.local_size)
+    check_ram(
+        rp,
+        copied(rp, cfg.optim.grad_clip > 0),
+        avail // ranks.local_size,
+        cfg.tiers.host_gb,
+        cfg.tiers.nvme_dir,
+        p.memory.gpu.total if hw.unified else 0.0,
+        ranks.local_size,
+    )
     if out is not None and ranks.first:
         _check_saves(cfg, p, [lay.numel for lay in layouts], ranks, resume, out)
     return hw, p, chosen
 
 
-def _check_saves(cfg: Config, p: Plan, numels: list[int], ranks: Ranks, resume: Path | None, out: Path) -> None:
+def _check_saves(
+    cfg: Config, p: Plan, numels: list[int], ranks: Ranks, resume: Path | None, out: Path
+) -> None:
     """The run's checkpoints, and the NVMe stores on the same disk, fit the free space of the checkpoints' disk
     (plan.saves): refused before anything is allocated, naming the settings that would fit."""
     c, t, rp = cfg.checkpoint, cfg.tiers, p.run_plan
@@ -134,47 +155,92 @@ def _check_saves(cfg: Config, p: Plan, numels: list[int], ranks: Ranks, resume: 
     free, dev = rundir.disk_free(where)
     same = bool(t.nvme_dir) and rundir.disk_free(Path(t.nvme_dir))[1] == dev
     home = rp.where()
-    store = (disk_bytes(list(rp.numels), rp.kind_bytes(), home) + p.memory.nvme_checkpoints) * ranks.local_size \
-        if same else 0
+    store = (
+        (disk_bytes(list(rp.numels), rp.kind_bytes(), home) + p.memory.nvme_checkpoints) * ranks.local_size
+        if same
+        else 0
+    )
     count = saves(start, cfg.train.steps, c.every, c.final)
     by_state = {}
     for state, kinds in ckpt.SAVED.items():
         each = checkpoint_bytes(numels, state)
-        taken = sum(numels[u] * 4 for (u, k), h in home.items() if h == Home.NVME and k in kinds) \
-            if same and ranks.size == 1 else 0
+        taken = (
+            sum(numels[u] * 4 for (u, k), h in home.items() if h == Home.NVME and k in kinds)
+            if same and ranks.size == 1
+            else 0
+        )
         by_state[state] = Saves(each, each - taken, count, existing, c.keep)
     check_disk(by_state, free, store, str(where), c.state)
 
 
-def assemble(cfg: Config, rp: RunPlan, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], shards: list[Shard],
-             ranks: Ranks, device: torch.device, run_name: str) -> Run:
+@dataclass(frozen=True)
+class Scratch:
+    """Where a run's scratch stores go (new directories under `parent`, named for the run) and how they move bytes."""
+
+    parent: str  # tiers.nvme_dir
+    run_name: str
+    io: str  # tiers.io
+    threads: int  # tiers.io_threads
+
+    def make(self) -> Path:
+        return new_scratch(self.parent, self.run_name)
+
+    def backend(self):
+        return make_io(self.io, self.threads)
+
+
+def assemble(
+    cfg: Config,
+    rp: RunPlan,
+    units: tuple[UnitSpec, ...],
+    layouts: list[SlabLayout],
+    shards: list[Shard],
+    ranks: Ranks,
+    device: torch.device,
+    run_name: str,
+) -> Run:
     """The run of RunPlan `rp`, built bottom-up; what was made of it goes again where a later part is refused."""
     t, tc, pin, dtype = cfg.tiers, cfg.train, device.type == "cuda", DTYPES[rp.compute_dtype]
-    where = rp.where()
+    scratch, where = Scratch(t.nvme_dir, run_name, t.io, t.io_threads), rp.where()
     host = HostStore(shards, dtype, pin, compute_copy=rp.stream == "compute", where=where, device=device)
     host.add_copies(copied(rp, cfg.optim.grad_clip > 0))
     nvme = activations = None
     try:
         spilled = spilled_bytes(list(rp.numels), rp.kind_bytes(), where)
         meta = {"model": cfg.to_dict()["model"], "compute_dtype": rp.compute_dtype}
-        nvme = nvme_tier(list(rp.numels), where, {k: host.dtype(k) for k in spilled}, host.streamed_kind, pin,
-                         t.nvme_dir, run_name, t.io, t.io_threads, meta) if spilled else None
-        rows = sorted(rp.checkpoints(Home.NVME))
-        store = activation_store(rows, ck_disk_bytes(rp.checkpoint_bytes(rp.micro_batch), rp.rows // rp.micro_batch)
-                                 // CK_PIECE_BYTES, t.nvme_dir, run_name, t.io, t.io_threads) if rows else None
+        dtypes = {k: host.dtype(k) for k in spilled}
+        nvme = (
+            nvme_tier(list(rp.numels), where, dtypes, host.streamed_kind, pin, scratch, meta)
+            if spilled
+            else None
+        )
         streams = Streams(device)
         clock = StallClock(streams)
-        activations = ActivationStore(rp.checkpoints(), streams, clock, device, pin, store,
-                                      getattr(torch, rp.activation_dtype))
+        activations = activation_store(rp, streams, clock, device, scratch)
         staging, reader = (nvme.staging, nvme.reader) if nvme else (None, None)
-        slots = WeightSlots(layouts, host, device, dtype, streams, clock, reader=reader, shards=shards, ranks=ranks)
+        slots = WeightSlots(
+            layouts, host, device, dtype, streams, clock, reader=reader, shards=shards, ranks=ranks
+        )
         state = State(units, layouts, shards, ranks, host, staging, where)
         grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks)
-        updates = Updates(rp, HostAdamW(host, shards, cfg.optim, staging), grads, streams, device, tc.overlap,
-                          staging, reader)
+        opt = HostAdamW(host, shards, cfg.optim, staging)
+        updates = Updates(rp, opt, grads, streams, device, tc.overlap, staging, reader)
         context = Context.build(cfg.model, tc.seq_len, dtype, device, rp.tile)
-        step = Step(units, layouts, slots, grads, activations, updates, clock, context, fixed(tc.loss_chunk_tokens),
-                    cfg.optim.grad_clip, rp.kept(), ranks)
+        chunk = fixed(tc.loss_chunk_tokens)
+        step = Step(
+            units,
+            layouts,
+            slots,
+            grads,
+            activations,
+            updates,
+            clock,
+            context,
+            chunk,
+            cfg.optim.grad_clip,
+            rp.kept(),
+            ranks,
+        )
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes
         for part in (nvme, activations):
             if part is not None and part.store is not None:
@@ -184,41 +250,76 @@ def assemble(cfg: Config, rp: RunPlan, units: tuple[UnitSpec, ...], layouts: lis
     return Run(host, nvme, activations, streams, clock, slots, grads, state, updates, step)
 
 
-def nvme_tier(numels: list[int], where: dict[tuple[int, str], str], dtypes: dict[str, torch.dtype], streamed: str,
-              pin: bool, parent: str, run_name: str, io: str, io_threads: int, meta: dict) -> NvmeTier:
-    """The store of the slabs `where` puts on NVMe (`dtypes`: each spilled kind's), in a new scratch directory under
-    `parent`, with the optimizer's staging and, where the streamed kind spills, its reader; `meta`: what the store
-    records (the model)."""
+def nvme_tier(
+    numels: list[int],
+    where: dict[tuple[int, Kind], Home],
+    dtypes: dict[Kind, torch.dtype],
+    streamed: Kind,
+    pin: bool,
+    scratch: Scratch,
+    meta: dict,
+) -> NvmeTier:
+    """The store of the slabs `where` puts on NVMe (`dtypes`: each spilled kind's), in a new scratch directory, with
+    the optimizer's staging and, where the streamed kind spills, its reader; `meta`: what the store records."""
     kinds = by_value(dtypes)
     # numpy has no bfloat16: the compute-dtype copy is stored as its bits
     meta = {**meta, **({"weights": "bfloat16 bits, as uint16"} if Kind.WEIGHTS in kinds else {})}
     units = {k: [u for (u, kk), home in where.items() if kk == k and home == Home.NVME] for k in kinds}
-    backend = make_io(io, io_threads)
-    root = new_scratch(parent, run_name)
+    stored = {k: "uint16" if k == Kind.WEIGHTS else "float32" for k in kinds}
+    backend, root = scratch.backend(), scratch.make()
     try:
-        store = NvmeStore(root, numels, {k: "uint16" if k == Kind.WEIGHTS else "float32" for k in kinds}, meta,
-                          backend, create=True, units=units)
+        store = NvmeStore(root, numels, stored, meta, backend, create=True, units=units)
     except BaseException:
         discard(root)
         raise
     widths, traffic = ring_widths(numels, where), Traffic()
     on_disk = set(units.get(streamed, []))
-    reader = StreamReader(store, streamed, on_disk, dtypes[streamed], widths[streamed], pin, READ_AHEAD, traffic) \
-        if on_disk else None
-    spilled = {u: [k for (uu, k), home in where.items() if uu == u and home == Home.NVME]
-               for u in range(len(numels))}
-    staging = Staging(store, spilled, dtypes, widths, pin, READ_AHEAD, fresh=frozenset({Kind.WEIGHTS}),
-                      drained=frozenset({Kind.GRAD}), on_write=reader.written if reader else None, traffic=traffic)
+    reader = (
+        StreamReader(store, streamed, on_disk, dtypes[streamed], widths[streamed], pin, READ_AHEAD, traffic)
+        if on_disk
+        else None
+    )
+    spilled = {
+        u: [k for (uu, k), home in where.items() if uu == u and home == Home.NVME] for u in range(len(numels))
+    }
+    staging = Staging(
+        store,
+        spilled,
+        dtypes,
+        widths,
+        pin,
+        READ_AHEAD,
+        fresh=frozenset({Kind.WEIGHTS}),
+        drained=frozenset({Kind.GRAD}),
+        on_write=reader.written if reader else None,
+        traffic=traffic,
+    )
     return NvmeTier(store, staging, reader, traffic)
 
 
-def activation_store(rows: list[int], pieces: int, parent: str, run_name: str, io: str,
-                     io_threads: int) -> PieceStore:
-    """The store of the activation checkpoints of blocks `rows` (each `pieces` pieces), in a new scratch directory
-    under `parent`."""
-    root = new_scratch(parent, run_name)
-    try:
-        return PieceStore(root, rows, pieces, make_io(io, io_threads))
-    except BaseException:
-        discard(root)
-        raise
+def activation_store(
+    rp: RunPlan, streams: Streams, clock: StallClock, device: torch.device, scratch: Scratch
+) -> ActivationStore:
+    """The activation checkpoints' store: each block's home as the RunPlan says; those on NVMe in a PieceStore (a
+    new scratch directory, each block's checkpoint in whole pieces)."""
+    rows = sorted(rp.checkpoints(Home.NVME))
+    store = None
+    if rows:
+        pieces = (
+            ck_disk_bytes(rp.checkpoint_bytes(rp.micro_batch), rp.rows // rp.micro_batch) // CK_PIECE_BYTES
+        )
+        root = scratch.make()
+        try:
+            store = PieceStore(root, rows, pieces, scratch.backend())
+        except BaseException:
+            discard(root)
+            raise
+    return ActivationStore(
+        rp.checkpoints(),
+        streams,
+        clock,
+        device,
+        device.type == "cuda",
+        store,
+        getattr(torch, rp.activation_dtype),
+    )

@@ -1,5 +1,6 @@
 """PNG charts (matplotlib, the optional `chart` extra): a plan's time split and memory per tier, and a
 run's loss, tokens/s and measured time split. Imports no torch: `tiertrain plan --chart` runs anywhere."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,9 @@ def _pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UserError("charts need matplotlib: pip install 'tiertrain[chart]' (or pip install matplotlib)") from None
+        raise UserError(
+            "charts need matplotlib: pip install 'tiertrain[chart]' (or pip install matplotlib)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -33,8 +36,11 @@ def plan_chart(p, path: str | Path) -> None:
     a.set_xlabel("seconds per step")
     a.set_title(f"{p.job.name}: predicted time per link (bottleneck: {pr.bottleneck})")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes: never over a bar
-    tiers = {"host": {**{k.value: b for k, b in mem.host.items()}, **mem.host_fixed()},
-             "NVMe": {k.value: b for k, b in mem.nvme.items()}, "GPU": mem.gpu.table()}
+    tiers = {
+        "host": {**{k.value: b for k, b in mem.host.items()}, **mem.host_fixed()},
+        "NVMe": {k.value: b for k, b in mem.nvme.items()},
+        "GPU": mem.gpu.table(),
+    }
     kinds = sorted({k for parts in tiers.values() for k in parts})
     cmap = plt.get_cmap("tab20")
     left = [0.0] * len(tiers)

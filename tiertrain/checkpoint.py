@@ -20,6 +20,7 @@ group and sizes every chunk file, each rank writes (reads) its shard's byte rang
 checksums of the ranges combine into the file's CRC32C (crc_combine). So a checkpoint resumes on any number of
 ranks. The run directory must then be one every rank sees (a shared filesystem across hosts).
 """
+
 from __future__ import annotations
 
 import base64
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from . import __version__
+from .checksum import combined, crc
 from .errors import ElsewhereError, UserError, why
 from .modes import STATE, Kind
 
@@ -62,12 +64,6 @@ def _direct_io(threads: int = 8) -> Iterator:
         yield io
     finally:
         io.close()
-
-
-def _crc(t: torch.Tensor) -> int:
-    import google_crc32c
-
-    return google_crc32c.value(t.view(torch.uint8).numpy())
 
 
 def _direct(t: torch.Tensor) -> bool:
@@ -112,52 +108,17 @@ def _set_crc(file: Path, nbytes: int, crc: int) -> None:
         f.write(np.array([crc], dtype="<u4").tobytes())
 
 
-# ---- CRC32C of a file from its parts' (zlib's crc32_combine, with the Castagnoli polynomial) ----
-_POLY = 0x82F63B78  # CRC32C, reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a x b modulo the polynomial (reflected bit order)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    p, out = 1 << 30, []  # x^1
-    for _ in range(32):
-        out.append(p)
-        p = _multmodp(p, p)
-    return out
-
-
-_X2N = _x2n_table()
-
-
-def crc_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC32C of A + B from A's (crc1), B's (crc2) and B's length in bytes."""
-    p, k, n = 1 << 31, 3, len2  # x^(8 * len2)
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
-
-
 class CheckpointError(UserError):
     pass
 
 
 def checkpoints(d: Path) -> list[Path]:
     """The whole checkpoints in the directory `d`, oldest first (not the temporaries of a save)."""
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()] \
-        if Path(d).is_dir() else []
+    found = (
+        [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()]
+        if Path(d).is_dir()
+        else []
+    )
     return [p for _, p in sorted(found)]
 
 
@@ -170,8 +131,11 @@ def recover(d: Path) -> None:
     d = Path(d)
     if not d.is_dir():
         return
-    left = sorted((("tmp", "new", "old").index(m.group(2)), m.group(1), p)
-                  for p in d.iterdir() if (m := LEFT.match(p.name)))
+    left = sorted(
+        (("tmp", "new", "old").index(m.group(2)), m.group(1), p)
+        for p in d.iterdir()
+        if (m := LEFT.match(p.name))
+    )
     for _, name, p in left:
         final, old = d / name, d / f".{name}.old"
         if p.name.endswith(".tmp"):
@@ -225,16 +189,32 @@ def _create(tmp: Path, numels: list[int], kinds: tuple[Kind, ...], attrs: dict) 
     for kind in kinds:
         sub = g.create_group(kind.value)
         for u, n in enumerate(numels):
-            sub.create_array(str(u), shape=(n,), chunks=(n,), dtype="float32", fill_value=0,
-                             compressors=[Crc32cCodec()], config={"write_empty_chunks": True})  # zeros too: whole
+            # zeros too: whole
+            sub.create_array(
+                str(u),
+                shape=(n,),
+                chunks=(n,),
+                dtype="float32",
+                fill_value=0,
+                compressors=[Crc32cCodec()],
+                config={"write_empty_chunks": True},
+            )
             file = _chunk(tmp, kind, u)
             file.parent.mkdir(parents=True, exist_ok=True)
             with open(file, "wb") as f:
                 f.truncate(n * 4 + 4)
 
 
-def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, threads: int = 4,
-         kinds: tuple[Kind, ...] = KINDS, take: Callable[[int, Kind], Path | None] | None = None) -> int:
+def save(
+    path: Path,
+    numels: list[int],
+    source: Source,
+    meta: dict,
+    ranks=None,
+    threads: int = 4,
+    kinds: tuple[Kind, ...] = KINDS,
+    take: Callable[[int, Kind], Path | None] | None = None,
+) -> int:
     """Writes the checkpoint at `path` from `source(unit, kind)` (this rank's part of the unit's fp32 slab) for each
     of `kinds` (KINDS, or the master alone: WEIGHTS); returns the bytes this rank wrote. `threads` slabs are in
     flight at once. `ranks`: the ranks that save together (parallel.Ranks; None: this process alone); rank 0 makes,
@@ -249,11 +229,17 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
     tmp = path.with_name(f".{path.name}.tmp")
     keys = [(u, k) for k in kinds for u in range(len(numels))]
     taken = {key: f for key in keys if ranks.size == 1 and take and (f := take(*key)) is not None}
-    attrs = json.loads(json.dumps({"format": FORMAT, "tiertrain_version": __version__,
-                                   "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                   "kinds": [k.value for k in kinds], "numels": list(numels), **meta}))
+    attrs = {
+        "format": FORMAT,
+        "tiertrain_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "kinds": [k.value for k in kinds],
+        "numels": list(numels),
+        **meta,
+    }
+    attrs = json.loads(json.dumps(attrs))  # as read back: the checksum is of the JSON's values
     attrs[ATTRS_CRC] = _attrs_crc(attrs)
-    parts = {}
+    parts: dict = {}
     with ranks.together(OSError) as agreed:
         if ranks.first:
             recover(path.parent)  # a save of this run killed before: finished first
@@ -261,34 +247,44 @@ def save(path: Path, numels: list[int], source: Source, meta: dict, ranks=None, 
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
     with ranks.together(OSError) as agreed:
-        with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
-            def write(key: tuple[int, str]) -> None:
-                with source(*key) as (start, t):
-                    file = _chunk(tmp, key[1], key[0])
-                    if t.numel():
-                        _body(file, t, True, io, start * 4)
-                    parts[key] = (_crc(t), t.numel() * 4)
-                    fsync(file)  # this rank's bytes: another host's rank cannot fsync them
-
-            def move(key: tuple[int, str]) -> None:  # the slab's bytes are on this disk already: read once
-                with source(*key) as (_, t):
-                    parts[key] = (_crc(t), t.numel() * 4)
-                os.truncate(taken[key], t.numel() * 4)
-                os.rename(taken[key], _chunk(tmp, key[1], key[0]))
-
-            list(pool.map(write, [key for key in keys if key not in taken]))
-            list(pool.map(move, list(taken)))  # last: a failure above leaves the store whole
+        parts = _write_parts(tmp, keys, source, taken, threads)
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     with ranks.together(OSError) as agreed, _removed_unless_done(tmp):
         if ranks.first:
             for i, (u, kind) in enumerate(keys):
-                _set_crc(_chunk(tmp, kind, u), numels[u] * 4, _combined(crcs, i))
+                _set_crc(_chunk(tmp, kind, u), numels[u] * 4, combined(crcs, i))
             _publish(path)
     if agreed.failed:
         return _failed(path, tmp, agreed.error, ranks)
     return sum(n for key in keys if key not in taken for n in parts[key][1:])
+
+
+def _write_parts(tmp: Path, keys: list, source: Source, taken: dict, threads: int) -> dict:
+    """This rank's part of every (unit, kind) slab into the temporary checkpoint `tmp`, `threads` at a time: written,
+    or for a slab in `taken` its file renamed in (after the others: a failure leaves the store whole). Returns
+    {key: (CRC32C of the part, its bytes)}."""
+    parts = {}
+    with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+
+        def write(key: tuple[int, Kind]) -> None:
+            with source(*key) as (start, t):
+                file = _chunk(tmp, key[1], key[0])
+                if t.numel():
+                    _body(file, t, True, io, start * 4)
+                parts[key] = (crc(t), t.numel() * 4)
+                fsync(file)  # this rank's bytes: another host's rank cannot fsync them
+
+        def move(key: tuple[int, Kind]) -> None:  # the slab's bytes are on this disk already: read once
+            with source(*key) as (_, t):
+                parts[key] = (crc(t), t.numel() * 4)
+            os.truncate(taken[key], t.numel() * 4)
+            os.rename(taken[key], _chunk(tmp, key[1], key[0]))
+
+        list(pool.map(write, [key for key in keys if key not in taken]))
+        list(pool.map(move, list(taken)))
+    return parts
 
 
 def _publish(path: Path) -> None:
@@ -324,10 +320,16 @@ def _failed(path: Path, tmp: Path, failure: OSError | None, ranks) -> int:
     if failure is None:
         raise ElsewhereError(f"writing checkpoint {path} failed on another rank")
     before = checkpoints(path.parent)
-    raise CheckpointError(f"writing checkpoint {path} failed: {why(failure)}; " + (
-        f"the previous checkpoint ({before[-1].name}) is intact: free space on its disk and resume with --resume "
-        "latest" if before else "the run has no other checkpoint: free space on its disk, or set checkpoint.dir to "
-        "one with room, and start again"))
+    raise CheckpointError(
+        f"writing checkpoint {path} failed: {why(failure)}; "
+        + (
+            f"the previous checkpoint ({before[-1].name}) is intact: free space on its disk and resume with --resume "
+            "latest"
+            if before
+            else "the run has no other checkpoint: free space on its disk, or set checkpoint.dir to "
+            "one with room, and start again"
+        )
+    )
 
 
 def read_meta(path: Path) -> dict:
@@ -336,7 +338,9 @@ def read_meta(path: Path) -> dict:
 
     path = Path(path)
     if not (path / "zarr.json").is_file():
-        raise CheckpointError(f"{path} is not a checkpoint (no zarr.json); pass a checkpoint or run directory")
+        raise CheckpointError(
+            f"{path} is not a checkpoint (no zarr.json); pass a checkpoint or run directory"
+        )
     try:
         meta = dict(zarr.open_group(path, mode="r").attrs)
     except Exception as e:  # noqa: BLE001 - any unreadable group
@@ -344,17 +348,22 @@ def read_meta(path: Path) -> dict:
     if meta.get("format") not in FORMATS:
         raise CheckpointError(f"{path} is not a tiertrain checkpoint (format {meta.get('format')!r})")
     if meta["format"] == FORMAT and meta.pop(ATTRS_CRC, None) != _attrs_crc(meta):
-        raise CheckpointError(f"{path} is corrupt: its attributes (zarr.json) fail their checksum, were they "
-                              "edited? Resume from another checkpoint")
+        raise CheckpointError(
+            f"{path} is corrupt: its attributes (zarr.json) fail their checksum, were they "
+            "edited? Resume from another checkpoint"
+        )
     bad = [k for k, ok in _SCHEMA.items() if not ok(meta.get(k))]
     if bad:
-        raise CheckpointError(f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; resume from "
-                              "another checkpoint")
+        raise CheckpointError(
+            f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; resume from "
+            "another checkpoint"
+        )
     for kind in kinds_of(meta):
         for u in range(len(meta["numels"])):
             if not _chunk(path, kind, u).is_file():
-                raise CheckpointError(f"{path} is corrupt: chunk {kind.value}/{u} is missing; resume from another "
-                                      "checkpoint")
+                raise CheckpointError(
+                    f"{path} is corrupt: chunk {kind.value}/{u} is missing; resume from another checkpoint"
+                )
     return meta
 
 
@@ -362,7 +371,9 @@ ATTRS_CRC = "attributes_crc32c"
 _SCHEMA = {  # what restore, resume and export read from the attributes
     "step": lambda v: isinstance(v, int) and v >= 0,
     "config": lambda v: isinstance(v, dict) and isinstance(v.get("model"), dict),
-    "kinds": lambda v: isinstance(v, list) and sorted(v) in (sorted(k.value for k in kinds) for kinds in SAVED.values()),
+    "kinds": lambda v: (
+        isinstance(v, list) and sorted(v) in (sorted(k.value for k in kinds) for kinds in SAVED.values())
+    ),
     "numels": lambda v: isinstance(v, list) and bool(v) and all(isinstance(n, int) and n > 0 for n in v),
     "rng": lambda v: isinstance(v, dict) and isinstance(v.get("torch"), str),
     "optimizer": lambda v: isinstance(v, dict) and isinstance(v.get("step_count"), int),
@@ -384,15 +395,17 @@ def load(path: Path, kind: Kind, unit: int, out: torch.Tensor, io=None) -> None:
     n = out.numel() * out.element_size()
     _check_size(path, kind, unit, n)
     _body(_chunk(path, kind, unit), out, write=False, io=io)
-    _verify(path, kind, unit, n, _crc(out))
+    _verify(path, kind, unit, n, crc(out))
 
 
 def _check_size(path: Path, kind: Kind, unit: int, nbytes: int) -> None:
     """The chunk file holds the slab's `nbytes` and its checksum."""
     size = _chunk(path, kind, unit).stat().st_size
     if size != nbytes + 4:
-        raise CheckpointError(f"{path} is corrupt: {kind.value}/{unit} holds {size - 4} bytes, the model "
-                              f"needs {nbytes}; resume from another checkpoint")
+        raise CheckpointError(
+            f"{path} is corrupt: {kind.value}/{unit} holds {size - 4} bytes, the model "
+            f"needs {nbytes}; resume from another checkpoint"
+        )
 
 
 def _verify(path: Path, kind: Kind, unit: int, nbytes: int, computed: int) -> None:
@@ -401,20 +414,20 @@ def _verify(path: Path, kind: Kind, unit: int, nbytes: int, computed: int) -> No
         f.seek(nbytes)
         stored = int(np.frombuffer(f.read(4), dtype="<u4")[0])
     if stored != computed:
-        raise CheckpointError(f"{path} is corrupt: {kind.value}/{unit} fails its checksum (stored {stored:#010x}, "
-                              f"computed {computed:#010x}); resume from another checkpoint")
+        raise CheckpointError(
+            f"{path} is corrupt: {kind.value}/{unit} fails its checksum (stored {stored:#010x}, "
+            f"computed {computed:#010x}); resume from another checkpoint"
+        )
 
 
-def _combined(crcs: list[list[int]], i: int) -> int:
-    """The CRC32C of the i-th slab from every rank's (crc, bytes) of its part, in rank order (host_ints' lists)."""
-    crc = 0
-    for r in crcs:
-        crc = crc_combine(crc, r[2 * i], r[2 * i + 1])
-    return crc
-
-
-def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads: int = 4,
-             kinds: tuple[Kind, ...] = KINDS) -> None:
+def load_all(
+    path: Path,
+    numels: list[int],
+    target: Source,
+    ranks=None,
+    threads: int = 4,
+    kinds: tuple[Kind, ...] = KINDS,
+) -> None:
     """Reads every slab of the checkpoint into `target(unit, kind)` (a context manager giving this rank's part
     of the slab to fill), `threads` at a time, as save writes them; the parts' checksums, combined across
     the ranks (parallel.Ranks; None: this process alone), must give each file's."""
@@ -424,23 +437,25 @@ def load_all(path: Path, numels: list[int], target: Source, ranks=None, threads:
     keys = [(u, k) for u in range(len(numels)) for k in kinds]
     parts = {}
     with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+
         def one(key: tuple[int, str]) -> None:
             u, kind = key
             _check_size(path, kind, u, numels[u] * 4)
             with target(*key) as (start, flat):
                 if flat.numel():
                     _body(_chunk(path, kind, u), flat, False, io, start * 4)
-                parts[key] = (_crc(flat), flat.numel() * 4)
+                parts[key] = (crc(flat), flat.numel() * 4)
 
         list(pool.map(one, keys))
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     for i, (u, kind) in enumerate(keys):
-        _verify(path, kind, u, numels[u] * 4, _combined(crcs, i))
+        _verify(path, kind, u, numels[u] * 4, combined(crcs, i))
 
 
 def rng_state(device: torch.device) -> dict:
     """torch's generator states (base64): nothing in a step draws random numbers today, but a resumed
     run must continue any that does."""
+
     def enc(t: torch.Tensor) -> str:
         return base64.b64encode(t.numpy().tobytes()).decode()
 

@@ -1,8 +1,9 @@
 """Command line: tiertrain run | export | prepare | plan | probe."""
+
 from __future__ import annotations
 
+import json
 import sys
-import time
 from pathlib import Path
 
 import click
@@ -30,29 +31,68 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--config", "config_path", default=None, metavar="FILE",
-              help="TOML config file, or a shipped name (debug, llama-3b, ...). Default: the debug model, or with "
-                   "--resume the checkpoint's own config.")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override one config value (a TOML literal); repeatable.")
+@click.option(
+    "--config",
+    "config_path",
+    default=None,
+    metavar="FILE",
+    help="TOML config file, or a shipped name (debug, llama-3b, ...). Default: the debug model, or with "
+    "--resume the checkpoint's own config.",
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override one config value (a TOML literal); repeatable.",
+)
 @click.option("--out", default=None, metavar="DIR", help="Run directory. Default: runs/<config>-<time>.")
 @click.option("--host-gb", type=float, default=None, help="Hard budget of host memory (tiers.host_gb).")
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
 @click.option("--nvme-gb", type=float, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
-@click.option("--save-every", type=int, default=None, metavar="N", help="Checkpoint every N steps (checkpoint.every).")
-@click.option("--resume", default=None, metavar="latest|PATH",
-              help="Continue a run: `latest` (the newest checkpoint of --out), a checkpoint or a run directory.")
-@click.option("--init-from", default=None, metavar="HF_DIR",
-              help="Start from a local Hugging Face model (config.json + safetensors) instead of a random init.")
-@click.option("--hardware", default=None, metavar="FILE",
-              help="JSON from `tiertrain probe` for the plan. Default: probe's default file if present, else reference "
-                   "figures.")
-@click.option("--gpus", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Train on N GPUs of this host, one rank each: the job `torchrun --nproc-per-node N -m tiertrain "
-                   "run` runs. --host-gb and --nvme-gb are the host's.")
-def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, host_gb: float | None,
-        nvme_dir: str | None, nvme_gb: float | None, save_every: int | None, resume: str | None,
-        init_from: str | None, hardware: str | None, gpus: int | None) -> None:
+@click.option(
+    "--save-every", type=int, default=None, metavar="N", help="Checkpoint every N steps (checkpoint.every)."
+)
+@click.option(
+    "--resume",
+    default=None,
+    metavar="latest|PATH",
+    help="Continue a run: `latest` (the newest checkpoint of --out), a checkpoint or a run directory.",
+)
+@click.option(
+    "--init-from",
+    default=None,
+    metavar="HF_DIR",
+    help="Start from a local Hugging Face model (config.json + safetensors) instead of a random init.",
+)
+@click.option(
+    "--hardware",
+    default=None,
+    metavar="FILE",
+    help="JSON from `tiertrain probe` for the plan. Default: probe's default file if present, else reference "
+    "figures.",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Train on N GPUs of this host, one rank each: the job `torchrun --nproc-per-node N -m tiertrain "
+    "run` runs. --host-gb and --nvme-gb are the host's.",
+)
+def run(
+    config_path: str | None,
+    overrides: tuple[str, ...],
+    out: str | None,
+    host_gb: float | None,
+    nvme_dir: str | None,
+    nvme_gb: float | None,
+    save_every: int | None,
+    resume: str | None,
+    init_from: str | None,
+    hardware: str | None,
+    gpus: int | None,
+) -> None:
     """Train a model."""
     import os
 
@@ -63,15 +103,28 @@ def run(config_path: str | None, overrides: tuple[str, ...], out: str | None, ho
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if 0 < have < gpus and not os.environ.get("TIERTRAIN_DIST_BACKEND"):  # NCCL takes one GPU per rank
-            _fail(UserError(f"--gpus {gpus}: this host has {have} GPU{'s' * (have > 1)}; pass --gpus {have} or "
-                            "fewer, or torchrun across hosts"))
+            _fail(
+                UserError(
+                    f"--gpus {gpus}: this host has {have} GPU{'s' * (have > 1)}; pass --gpus {have} or "
+                    "fewer, or torchrun across hosts"
+                )
+            )
         sys.exit(launch(gpus, _without_gpus(sys.argv[1:])))
     from .parallel import Ranks
 
     ranks = Ranks.from_env()
+    from .start import start
+
+    flags = {
+        "tiers.host_gb": host_gb,
+        "tiers.nvme_dir": nvme_dir,
+        "tiers.nvme_gb": nvme_gb,
+        "checkpoint.every": save_every,
+        "train.init_from": init_from,
+    }
+    overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
     try:
-        _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,
-             ranks)
+        start(config_path, overrides, out, resume, init_from, hardware, ranks, click.echo)
     except UserError as e:
         _fail(e, ranks)
     except Exception as e:  # noqa: BLE001 - re-raised unless a peer's exit broke a collective
@@ -86,7 +139,9 @@ def _peer_gone(e: Exception) -> bool:
     """A collective failed because another rank's process is gone (it failed, and says so itself)."""
     import torch.distributed as dist
 
-    return isinstance(e, getattr(dist, "DistError", ())) or any(w in str(e) for w in ("by peer", "remote worker"))
+    return isinstance(e, getattr(dist, "DistError", ())) or any(
+        w in str(e) for w in ("by peer", "remote worker")
+    )
 
 
 def _without_gpus(args: list[str]) -> list[str]:
@@ -101,116 +156,24 @@ def _without_gpus(args: list[str]) -> list[str]:
     return out
 
 
-def _run(config_path, overrides, out, host_gb, nvme_dir, nvme_gb, save_every, resume, init_from, hardware,
-         ranks) -> None:
-    """`run` on one rank of the job. Rank 0 alone checks the run directory, takes its lock, finishes what a killed
-    process of the run left half done, and marks it; the first rank of each host discards the scratch stores the
-    run's killed processes left there."""
-    import json
-
-    from . import checkpoint, rundir
-    from .config import config_from_dict, load_config
-    from .loop import fit
-    from .tiers.nvme import discard_stale
-    from .trainer import Trainer
-
-    flags = {"tiers.host_gb": host_gb, "tiers.nvme_dir": nvme_dir, "tiers.nvme_gb": nvme_gb,
-             "checkpoint.every": save_every, "train.init_from": init_from}
-    overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
-    ckpt, out_dir, made, lock, cfg, meta = None, None, "", None, None, None
-    with ranks.together(UserError) as agreed:
-        if hardware and not Path(hardware).is_file():
-            raise UserError(f"--hardware {hardware} is not a file; write one with `tiertrain probe --out FILE`")
-        if resume and init_from:
-            raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
-        if ranks.first:
-            out_dir, lock, made, ckpt = _claim(resume, Path(out) if out else None, config_path, overrides)
-    agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
-    out_dir = Path(ranks.share(str(out_dir)))
-    ckpt = Path(ranks.share(str(ckpt))) if resume else None
-    with ranks.together(UserError) as agreed:
-        if resume:
-            meta = checkpoint.read_meta(ckpt)
-            cfg = load_config(config_path, list(overrides)) if config_path else \
-                config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
-            cfg.train.init_from = ""  # the checkpoint holds the weights
-        else:
-            cfg = load_config(config_path, list(overrides))
-        if ranks.first:
-            rundir.check_paths(out_dir, cfg.tiers.nvme_dir, cfg.checkpoint.dir)
-        if cfg.tiers.nvme_dir and ranks.local_rank == 0:  # the others wait below, before they make stores
-            discard_stale(cfg.tiers.nvme_dir, str(out_dir.resolve()))
-    if agreed.failed and ranks.first:
-        rundir.release(out_dir, made, lock)
-    agreed.raise_any(ranks.rank)
-    trainer = None
-    with ranks.together(UserError) as agreed:
-        trainer = Trainer(cfg, run_name=str(out_dir.resolve()), resume=ckpt,
-                          hardware=Path(hardware) if hardware else None, ranks=ranks, out=out_dir)
-    if agreed.failed:
-        if trainer is not None:
-            trainer.close()
-            trainer.discard_scratch()
-        if ranks.first:
-            rundir.release(out_dir, made, lock)
-        agreed.raise_any(ranks.rank)
-    try:
-        fit(trainer, out_dir, echo=click.echo)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _claim(resume: str | None, out: Path | None, config_path: str | None, overrides) -> tuple:
-    """Rank 0's part of `run` before anything is read or allocated: the run directory it writes (checked, locked and
-    marked: rundir.claim), and the checkpoint it resumes from (after what a killed process of the same run left
-    half done is finished). Returns (run directory, its lock, what claim made, the checkpoint or None)."""
-    from . import rundir
-    from .checkpoint import read_meta, whole
-    from .config import load_config
-
-    if not resume:
-        stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
-        target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        rundir.check_new(target)
-        ckpt_parent = load_config(config_path, list(overrides)).checkpoint.dir  # its refusals come first
-        lock, made = rundir.claim(target, ckpt_parent)
-        return target, lock, made, None
-    given = Path(resume) if resume != "latest" else None
-    if given is None and out is None:
-        raise UserError("--resume latest needs --out DIR, the run to continue")
-    own = out if given is None else rundir.run_of(given) if (given / "zarr.json").is_file() else given
-    target = out or own
-    if target is None:
-        raise UserError(f"{given} is not inside a run's checkpoints/ directory; pass --out, a new directory for the "
-                        "resumed run")
-    mine = own is not None and rundir.same(own, target)
-    if not mine:
-        rundir.check_fork(target, own or given)  # a resume writes into its own run, or into a new empty --out
-    elif not rundir.is_run(target):
-        raise UserError(f"{target} holds no tiertrain run to resume; pass --resume a run directory or one of its "
-                        "checkpoints")
-    lock, made = rundir.claim(target)
-    try:
-        if mine:
-            rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
-        ckpt = rundir.resolve(resume, target if given is None else None) if given is None or \
-            not (given / "zarr.json").is_file() else given
-        meta = read_meta(ckpt)
-        rundir.check_resume(ckpt, target, new_run=not whole(meta))
-    except BaseException:
-        rundir.release(target, made, lock)
-        raise
-    return target, lock, made, ckpt
-
-
 @main.command()
 @click.argument("source", metavar="RUN_DIR|CHECKPOINT")
-@click.option("--to", "to", required=True, metavar="OUT_DIR", help="New directory for the Hugging Face model.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
-              help="Dtype of the exported weights (the master weights are fp32).")
-@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
-              help="Largest safetensors file, as transformers spells it: 5GB, 500MB, 2GiB.")
+@click.option(
+    "--to", "to", required=True, metavar="OUT_DIR", help="New directory for the Hugging Face model."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    default="float32",
+    help="Dtype of the exported weights (the master weights are fp32).",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    metavar="SIZE",
+    help="Largest safetensors file, as transformers spells it: 5GB, 500MB, 2GiB.",
+)
 def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
     """Write a checkpoint as a Hugging Face model (config.json + safetensors, and the tokenizer and
     generation config of an --init-from model) that transformers loads."""
@@ -233,14 +196,28 @@ def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
 @main.command()
 @click.argument("inputs", nargs=-1, required=True, metavar="FILE...")
 @click.option("--out", required=True, metavar="FILE.bin", help="Token file to write.")
-@click.option("--tokenizer", default=None, metavar="PATH",
-              help="A Hugging Face tokenizer.json or model directory. Default: byte-level (ids 0-255, 256 ends "
-                   "a document).")
-@click.option("--text-field", default="text", show_default=True, help="The field (.jsonl) or column (.parquet) "
-              "that holds each document's text.")
-@click.option("--eot", default=None, metavar="TOKEN", help="The token put after each document. Default: the "
-              "tokenizer's end-of-text token; '' for none.")
-def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field: str, eot: str | None) -> None:
+@click.option(
+    "--tokenizer",
+    default=None,
+    metavar="PATH",
+    help="A Hugging Face tokenizer.json or model directory. Default: byte-level (ids 0-255, 256 ends "
+    "a document).",
+)
+@click.option(
+    "--text-field",
+    default="text",
+    show_default=True,
+    help="The field (.jsonl) or column (.parquet) that holds each document's text.",
+)
+@click.option(
+    "--eot",
+    default=None,
+    metavar="TOKEN",
+    help="The token put after each document. Default: the tokenizer's end-of-text token; '' for none.",
+)
+def prepare(
+    inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field: str, eot: str | None
+) -> None:
     """Tokenize documents (.txt: one per file; .jsonl: one per line; .parquet: one per row) into a token file
     for data.path."""
     import os
@@ -261,69 +238,103 @@ def prepare(inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field
     except OSError as e:  # the disk: full, read-only, not ours
         from .errors import why
 
-        _fail(UserError(f"--out {out}: writing the token file failed ({why(e)}); pass a file on a writable disk "
-                        "with room"))
-    click.echo(f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path=\"{out}\"")
+        _fail(
+            UserError(
+                f"--out {out}: writing the token file failed ({why(e)}); pass a file on a writable disk "
+                "with room"
+            )
+        )
+    click.echo(
+        f'wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path="{out}"'
+    )
 
 
 @main.command()
-@click.option("--config", "config_path", required=True, metavar="FILE", help="TOML config, or a shipped name.")
+@click.option(
+    "--config", "config_path", required=True, metavar="FILE", help="TOML config, or a shipped name."
+)
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
-@click.option("--host-gb", type=float, default=None,
-              help="Host memory budget. Default: the RAM of the machine planned for (see --hardware).")
+@click.option(
+    "--host-gb",
+    type=float,
+    default=None,
+    help="Host memory budget. Default: the RAM of the machine planned for (see --hardware).",
+)
 @click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
 @click.option("--nvme-gb", type=float, default=None, help="NVMe tier size. Default: none.")
-@click.option("--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget.")
-@click.option("--hardware", default=None, metavar="FILE",
-              help="JSON from `tiertrain probe`, or `reference` (the H200 machine). Default: on a machine with a GPU, "
-                   "what `run` plans with (probe's file if there is one, else the reference's rates with this GPU and "
-                   "RAM); without a GPU, the reference.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size).")
-@click.option("--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len).")
+@click.option(
+    "--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget."
+)
+@click.option(
+    "--hardware",
+    default=None,
+    metavar="FILE",
+    help="JSON from `tiertrain probe`, or `reference` (the H200 machine). Default: on a machine with a GPU, "
+    "what `run` plans with (probe's file if there is one, else the reference's rates with this GPU and "
+    "RAM); without a GPU, the reference.",
+)
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size)."
+)
+@click.option(
+    "--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len)."
+)
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
-@click.option("--chart", default=None, metavar="FILE.png", help="Also draw the time split and memory per tier.")
-@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True,
-              help="GPUs (ranks) of the run; the report then says the scaling against one and what bounds it.")
-@click.option("--gpus-per-host", type=click.IntRange(min=1), default=None,
-              help="Of them, on each host (sharing its RAM, cores and disk; the budgets are a host's). Default: all.")
-def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, fmt,
-         chart, gpus, gpus_per_host) -> None:
+@click.option(
+    "--chart", default=None, metavar="FILE.png", help="Also draw the time split and memory per tier."
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="GPUs (ranks) of the run; the report then says the scaling against one and what bounds it.",
+)
+@click.option(
+    "--gpus-per-host",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Of them, on each host (sharing its RAM, cores and disk; the budgets are a host's). Default: all.",
+)
+def plan(
+    config_path,
+    overrides,
+    host_gb,
+    gpu_gb,
+    nvme_gb,
+    nvme_dir,
+    hardware,
+    batch_size,
+    seq_len,
+    fmt,
+    chart,
+    gpus,
+    gpus_per_host,
+) -> None:
     """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
-    import math
-    import shutil
-
-    from .config import load_config
-    from .plan.hardware import REFERENCE, HardwareSpec, local_gpu, this_machine
     from .plan.report import to_json, to_markdown
     from .plan.resolve import search
 
     try:
-        for flag, v in (("--host-gb", host_gb), ("--gpu-gb", gpu_gb), ("--nvme-gb", nvme_gb)):
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise UserError(f"{flag} {v:g}: pass a finite number of GB, 0 or more")
-        if chart and not Path(chart).absolute().parent.is_dir():
-            raise UserError(f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "
-                            "or pass a file in an existing directory")
-        sets = list(overrides) + [f"train.batch_size={batch_size}"] * bool(batch_size) + \
-            [f"train.seq_len={seq_len}"] * bool(seq_len)
-        if batch_size:
-            sets.append('train.micro_batch_size="auto"')  # the config's may not divide it: the planner chooses
-        cfg = load_config(config_path, sets)
-        gpu = None if hardware else local_gpu()  # by default, plan for this machine as `run` will
-        hw = HardwareSpec.load(hardware) if hardware not in (None, "reference") else \
-            this_machine(gpu) if gpu else REFERENCE
-        if nvme_dir and nvme_gb is None:
-            nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
+        cfg, hw, nvme_gb = _plan_inputs(
+            config_path,
+            overrides,
+            host_gb,
+            gpu_gb,
+            nvme_gb,
+            nvme_dir,
+            hardware,
+            batch_size,
+            seq_len,
+            chart,
+            gpus,
+        )
         name = Path(config_path).name.removesuffix(".toml")
-        if cfg.train.batch_size % gpus:
-            raise UserError(f"train.batch_size {cfg.train.batch_size} does not split over {gpus} GPUs: pass a "
-                            f"--batch-size that is a multiple of {gpus}")
-        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, gpus=gpus, per_host=gpus_per_host)  # as `run` plans
+        # as `run` plans
+        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, gpus=gpus, per_host=gpus_per_host)
         one = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, advise=False) if gpus > 1 else None
     except UserError as e:
         _fail(e)
-    except OSError as e:
-        _fail(UserError(f"--nvme-dir {nvme_dir}: {e.strerror}"))
     click.echo(to_json(p, one) if fmt == "json" else to_markdown(p, one))
     if chart and p.fits:
         from .charts import plan_chart
@@ -334,6 +345,53 @@ def plan(config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, b
             _fail(e)
     if not p.fits:
         sys.exit(1)
+
+
+def _plan_inputs(
+    config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, chart, gpus
+):
+    """`plan`'s (config, hardware figures, NVMe budget), every flag checked: one line for what cannot be planned."""
+    import math
+    import shutil
+
+    from .config import load_config
+    from .plan.hardware import REFERENCE, HardwareSpec, local_gpu, this_machine
+
+    for flag, v in (("--host-gb", host_gb), ("--gpu-gb", gpu_gb), ("--nvme-gb", nvme_gb)):
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise UserError(f"{flag} {v:g}: pass a finite number of GB, 0 or more")
+    if chart and not Path(chart).absolute().parent.is_dir():
+        raise UserError(
+            f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "
+            "or pass a file in an existing directory"
+        )
+    sets = [
+        *overrides,
+        *[f"train.batch_size={batch_size}"] * bool(batch_size),
+        *[f"train.seq_len={seq_len}"] * bool(seq_len),
+    ]
+    if batch_size:  # the config's micro-batch may not divide it: the planner chooses
+        sets.append('train.micro_batch_size="auto"')
+    cfg = load_config(config_path, sets)
+    gpu = None if hardware else local_gpu()  # by default, plan for this machine as `run` will
+    hw = (
+        HardwareSpec.load(hardware)
+        if hardware not in (None, "reference")
+        else this_machine(gpu)
+        if gpu
+        else REFERENCE
+    )
+    if nvme_dir and nvme_gb is None:
+        try:
+            nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
+        except OSError as e:
+            raise UserError(f"--nvme-dir {nvme_dir}: {e.strerror}") from None
+    if cfg.train.batch_size % gpus:
+        raise UserError(
+            f"train.batch_size {cfg.train.batch_size} does not split over {gpus} GPUs: pass a "
+            f"--batch-size that is a multiple of {gpus}"
+        )
+    return cfg, hw, nvme_gb
 
 
 @main.command()
@@ -364,19 +422,28 @@ def report(run_dir: str, out: str | None) -> None:
 
 
 @main.command()
-@click.option("--out", default=None, metavar="FILE", help="Where to save. Default: ~/.cache/tiertrain/hardware.json")
-@click.option("--nvme-dir", default=None, metavar="DIR", help="Measure the disk here (direct I/O, the runtime's backend).")
+@click.option(
+    "--out", default=None, metavar="FILE", help="Where to save. Default: ~/.cache/tiertrain/hardware.json"
+)
+@click.option(
+    "--nvme-dir",
+    default=None,
+    metavar="DIR",
+    help="Measure the disk here (direct I/O, the runtime's backend).",
+)
 def probe(out: str | None, nvme_dir: str | None) -> None:
     """Measure this machine for the planner, with the runtime's own code paths."""
-    from .probe import probe_spec
-
     import os
+
+    from .probe import probe_spec
 
     target = Path(out) if out else Path.home() / ".cache" / "tiertrain" / "hardware.json"
     try:
         if nvme_dir and not (Path(nvme_dir).is_dir() and os.access(nvme_dir, os.W_OK)):
-            raise UserError(f"--nvme-dir {nvme_dir} is not a writable directory; create it, or pass the "
-                            "directory the NVMe tier will use")
+            raise UserError(
+                f"--nvme-dir {nvme_dir} is not a writable directory; create it, or pass the "
+                "directory the NVMe tier will use"
+            )
         spec, notes = probe_spec(nvme_dir)
     except UserError as e:
         _fail(e)

@@ -1,11 +1,11 @@
-"""Run configuration: one dataclass per TOML section, `--set section.key=value` overrides, validation.
-
-Every message raised here is one line that names the key and how to fix it.
+"""Run configuration: the Config of its sections (tiertrain.sections, and [model]), read from a TOML file, `--set
+section.key=value` overrides or a checkpoint's record, every value checked against its field's type. Every message
+raised here is one line that names the key and how to fix it.
 """
+
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 import typing
@@ -16,172 +16,29 @@ import tomli_w
 
 from .errors import ConfigError
 from .model.spec import ModelSpec
-from .modes import Dtype
+from .sections import (
+    AUTO,
+    Auto,
+    CheckpointConfig,
+    DataConfig,
+    OptimConfig,
+    TiersConfig,
+    TrainConfig,
+    _need,
+    _show,
+)
 
 SHIPPED = Path(__file__).parent / "configs"
-AUTO = "auto"  # the one spelling of "the plan decides"
-Auto = typing.Literal["auto"]
-Device = typing.Literal["auto", "cpu", "cuda"]
-Schedule = typing.Literal["constant", "cosine"]
-HostKernel = typing.Literal["auto", "tiertrain", "torch"]
-StreamSetting = typing.Literal["auto", "compute", "master"]
-Places = typing.Literal["auto", "gpu", "host", "nvme"]
-IoBackend = typing.Literal["auto", "posix", "kvikio"]
-SavedState = typing.Literal["full", "weights"]
-DTYPES, DEVICES, SCHEDULES, HOST_KERNELS, STREAMS, PLACES, IO_BACKENDS, SAVED_STATES = (
-    typing.get_args(t) for t in (Dtype, Device, Schedule, HostKernel, StreamSetting, Places, IoBackend, SavedState))
 
 
-@dataclass
-class DataConfig:
-    path: str = ""  # token file (.npy or .bin); empty: the built-in corpus
-    shuffle: bool = True
-    val_path: str = ""  # a held-out token file for the validation loss
-    val_fraction: float = 0.0  # or this fraction of the training file's rows (its last), held out from training
-
-    def validate(self) -> None:  # the files themselves are checked when they are opened
-        _need(0 <= self.val_fraction < 1, "data", "val_fraction", self, "must be in [0, 1): 0 holds out nothing")
-        _need(not (self.val_path and self.val_fraction), "data", "val_fraction", self,
-              "and data.val_path are two sources of validation data: set one")
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 100
-    batch_size: int = 16  # sequences per optimizer step
-    micro_batch_size: int | Auto = 8  # sequences per forward/backward; "auto": the plan's
-    seq_len: int = 256
-    compute_dtype: Dtype = "bfloat16"
-    seed: int = 0
-    device: Device = "auto"
-    log_every: int = 10
-    loss_chunk_tokens: int | Auto = "auto"  # tokens per cross-entropy chunk; "auto": a chunk's logits near 64 MiB
-    overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
-    init_from: str = ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
-    eval_every: int = 0  # steps between validation losses (with data.val_path or val_fraction); 0: at the end only
-    eval_batches: int = 8  # batches of train.batch_size sequences per validation loss (the first, unshuffled)
-    tensorboard: bool = False  # also write metrics.jsonl's numbers as TensorBoard scalars under <out>/tensorboard
-    # the last N blocks keep their activations on the GPU for the backward pass instead of recomputing their
-    # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
-    keep_activations: int | Auto = "auto"
-    # tokens per tile of a block (model/tiled.py: norms, projections and MLP over tiles of the sequence, the
-    # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled MLP's working
-    # set would take over an eighth of the GPU memory); 0: off
-    tile_tokens: int | Auto = "auto"
-
-    def validate(self) -> None:
-        for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
-            _need(getattr(self, key) > 0, "train", key, self, "must be a positive integer")
-        _need(self.eval_every >= 0, "train", "eval_every", self, "must be 0 (at the end only) or positive")
-        _need(_auto_or(self.micro_batch_size, 1), "train", "micro_batch_size", self,
-              'must be "auto" (the plan chooses) or a positive integer')
-        _need(_auto_or(self.loss_chunk_tokens, 1), "train", "loss_chunk_tokens", self,
-              'must be "auto" or a positive integer')
-        _need(_auto_or(self.keep_activations, 0), "train", "keep_activations", self,
-              'must be "auto" (the plan chooses), 0 (recompute every block) or a number of blocks')
-        _need(_auto_or(self.tile_tokens, 0), "train", "tile_tokens", self,
-              'must be "auto" (the plan chooses), 0 (no tiling) or a number of tokens')
-        _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
-        _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
-        _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
-        _need(self.micro_batch_size == AUTO or self.batch_size % self.micro_batch_size == 0, "train", "batch_size", self,
-              f"must be a multiple of train.micro_batch_size ({self.micro_batch_size})")
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # decoupled, on tensors of 2 or more dimensions only
-    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
-    schedule: Schedule = "cosine"
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    # the last N units the host updates from RAM start their update in the backward pass, as soon as their
-    # gradient is on the host, as if the global norm will not clip (in place when clipping is off; else into
-    # a second copy of their master and moments, 12 B/param more host memory, kept when the norm does not
-    # clip and redone when it does); "auto": the plan's number (none on a CPU); 0: none
-    speculate_units: int | Auto = "auto"
-    # true: the units updated on the GPU (tiers.gpu_update_units) are speculated too, on the GPU in the backward
-    # pass as their gradients are accumulated (their state crosses PCIe there instead of in the next forward
-    # pass; into host copies of their master and moments when clipping is on); "auto": the plan's choice
-    # (false on a CPU); false: they update as their weights load in the forward pass
-    speculate_gpu_updates: bool | Auto = "auto"
-    # the host AdamW's kernel: "tiertrain" (tiertrain/optim/csrc/adamw.cpp, one pass, also into a speculative
-    # update's copies; built on first use: a C++ compiler and ninja), "torch" (torch's fused kernel, in place:
-    # an update into copies copies first), "auto" (tiertrain's when it builds)
-    host_kernel: HostKernel = "auto"
-
-    def validate(self) -> None:
-        _need(self.lr > 0, "optim", "lr", self, "must be positive")
-        _need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim", "betas", self,
-              "must be two numbers in [0, 1), e.g. [0.9, 0.95]")
-        _need(self.eps > 0, "optim", "eps", self, "must be positive")
-        _need(self.weight_decay >= 0, "optim", "weight_decay", self, "must be 0 or positive")
-        _need(self.grad_clip >= 0, "optim", "grad_clip", self, "must be 0 (off) or positive")
-        _need(_auto_or(self.speculate_units, 0), "optim", "speculate_units", self,
-              'must be "auto" (the plan chooses), 0 (none) or a number of units')
-        _need(self.host_kernel in HOST_KERNELS, "optim", "host_kernel", self, f"must be one of {_q(HOST_KERNELS)}")
-        _need(self.schedule in SCHEDULES, "optim", "schedule", self, f"must be one of {_q(SCHEDULES)}")
-        _need(self.warmup_steps >= 0, "optim", "warmup_steps", self, "must be 0 or positive")
-        _need(0 <= self.min_lr <= self.lr, "optim", "min_lr", self, f"must be between 0 and optim.lr ({self.lr})")
-
-
-@dataclass
-class TiersConfig:
-    # "auto" (both): the plan's choice (on a CPU, whose memory is the host's, checkpoints stay on the "gpu")
-    # "compute": host keeps a compute-dtype copy to stream; "master": stream fp32, cast on GPU
-    stream: StreamSetting = "auto"
-    # where activation checkpoints live: "gpu", "host" (pinned, copied on side streams) or "nvme" (the NVMe tier,
-    # through a ring of pinned buffers); "auto": the plan's, split across the three when no one of them holds all
-    activations: Places = "auto"
-    # the dtype activation checkpoints are kept in: "float32" (the residual stream's own: exact recompute) or
-    # "bfloat16" (half the bytes on every tier and link; the recompute starts from the rounded input)
-    activation_dtype: Dtype = "float32"
-    host_gb: float = 0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)
-    nvme_dir: str = ""  # directory of the NVMe tier (a Zarr store); empty: no NVMe tier
-    nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
-    io: IoBackend = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
-    io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
-    # GPU memory for the whole state of the first units (updated there); "auto": what the plan leaves free
-    # beside the streaming buffers and activations (none on a CPU); 0: none
-    gpu_resident_gb: float | Auto = "auto"
-    gpu_update_units: int | Auto = "auto"  # streamed units updated on the GPU as they load; 0: none; "auto": the plan's
-
-    def validate(self) -> None:
-        _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
-        _need(self.activations in PLACES, "tiers", "activations", self, f"must be one of {_q(PLACES)}")
-        _need(self.activation_dtype in DTYPES, "tiers", "activation_dtype", self, f"must be one of {_q(DTYPES)}")
-        _need(self.host_gb >= 0, "tiers", "host_gb", self, "must be 0 (no budget) or a positive number of GB")
-        _need(self.nvme_gb >= 0, "tiers", "nvme_gb", self, "must be 0 (the free space) or a positive number of GB")
-        _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
-        _need(1 <= self.io_threads <= 256, "tiers", "io_threads", self, "must be between 1 and 256")
-        _need(_auto_or(self.gpu_resident_gb, 0), "tiers", "gpu_resident_gb", self,
-              'must be 0 (none), a number of GB, or "auto" (the GPU memory the plan leaves free)')
-        _need(_auto_or(self.gpu_update_units, 0), "tiers", "gpu_update_units", self,
-              'must be "auto" (the plan chooses), 0 (none) or a number of units')
-
-
-@dataclass
-class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0: none but the final one
-    keep: int = 2  # the newest checkpoints kept; older ones are deleted once a new one is whole
-    final: bool = True  # a checkpoint after the last step; false: the run ends without one (signals still save)
-    # "full": fp32 master and Adam moments, a bit-identical resume; "weights": the fp32 master only (a third of
-    # the bytes), which `export` reads and `--resume` starts a new run from (fresh moments, step 0)
-    state: SavedState = "full"
-    # a directory (on another disk than --out) in which the run makes its own checkpoint directory; "": --out's
-    dir: str = ""
-
-    def validate(self) -> None:
-        _need(self.every >= 0, "checkpoint", "every", self, "must be 0 (only at the end) or a positive step count")
-        _need(self.keep >= 1, "checkpoint", "keep", self, "must be at least 1")
-        _need(self.state in SAVED_STATES, "checkpoint", "state", self, f"must be one of {_q(SAVED_STATES)}")
-
-
-SECTIONS = {"model": ModelSpec, "data": DataConfig, "train": TrainConfig, "optim": OptimConfig,
-            "tiers": TiersConfig, "checkpoint": CheckpointConfig}
+SECTIONS = {
+    "model": ModelSpec,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "optim": OptimConfig,
+    "tiers": TiersConfig,
+    "checkpoint": CheckpointConfig,
+}
 
 
 @dataclass
@@ -196,29 +53,53 @@ class Config:
     def validate(self) -> "Config":
         for name in SECTIONS:
             getattr(self, name).validate()
-        _need(self.train.seq_len <= self.model.max_position_embeddings, "train", "seq_len", self.train,
-              f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
-              "lower train.seq_len or raise model.max_position_embeddings")
-        _need(not self.model.sliding_window or self.train.seq_len <= self.model.sliding_window, "train", "seq_len",
-              self.train, f"exceeds model.sliding_window ({self.model.sliding_window}), which tiertrain does not "
-              "implement (it attends to the whole sequence); lower train.seq_len")
-        _need(not self.train.eval_every or self.data.val_path or self.data.val_fraction, "train", "eval_every",
-              self.train, "needs validation data: set data.val_path or data.val_fraction")
+        _need(
+            self.train.seq_len <= self.model.max_position_embeddings,
+            "train",
+            "seq_len",
+            self.train,
+            f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
+            "lower train.seq_len or raise model.max_position_embeddings",
+        )
+        _need(
+            not self.model.sliding_window or self.train.seq_len <= self.model.sliding_window,
+            "train",
+            "seq_len",
+            self.train,
+            f"exceeds model.sliding_window ({self.model.sliding_window}), which tiertrain does not "
+            "implement (it attends to the whole sequence); lower train.seq_len",
+        )
+        _need(
+            not self.train.eval_every or self.data.val_path or self.data.val_fraction,
+            "train",
+            "eval_every",
+            self.train,
+            "needs validation data: set data.val_path or data.val_fraction",
+        )
         return self
 
     def to_dict(self) -> dict:
         out = {}
         for name in SECTIONS:
             sec = getattr(self, name)
-            out[name] = {f.name: getattr(sec, f.name) for f in dataclasses.fields(sec)
-                         if not f.name.startswith("_") and getattr(sec, f.name) is not None}
+            out[name] = {
+                f.name: getattr(sec, f.name)
+                for f in dataclasses.fields(sec)
+                if not f.name.startswith("_") and getattr(sec, f.name) is not None
+            }
         return out
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
 
-PATHS = (("data", "path"), ("data", "val_path"), ("train", "init_from"), ("tiers", "nvme_dir"), ("checkpoint", "dir"))
+PATHS = (
+    ("data", "path"),
+    ("data", "val_path"),
+    ("train", "init_from"),
+    ("tiers", "nvme_dir"),
+    ("checkpoint", "dir"),
+)
 
 
 def absolute_paths(d: dict) -> dict:
@@ -229,31 +110,6 @@ def absolute_paths(d: dict) -> dict:
         if out.get(sec, {}).get(key):
             out[sec][key] = str(Path(out[sec][key]).absolute())
     return out
-
-
-def _auto_or(v: object, least: float) -> bool:
-    """`v` is "auto" or a number of at least `least`."""
-    return v == AUTO or v >= least
-
-
-def fixed(v: object) -> object | None:
-    """A setting's value, None where it is "auto" (the plan decides)."""
-    return None if v == AUTO else v
-
-
-def _q(options: tuple[str, ...]) -> str:
-    return ", ".join(f'"{o}"' for o in options)
-
-
-def _need(ok: bool, section: str, key: str, obj: object, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{section}.{key} = {_show(getattr(obj, key))} is not allowed: {why}; "
-                          f"change it in the config file or with --set {section}.{key}=...")
-
-
-def _show(v: object) -> str:
-    """A value as one line (JSON is close to TOML's literals for what a config holds)."""
-    return json.dumps(v) if v is not None else "unset"
 
 
 def _int(v: object) -> bool:
@@ -270,8 +126,10 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
         args = [a for a in args if a is not Auto]
     if int in args and list[int] in args:  # a token id or a list of them (eos_token_id)
         if not (_int(value) or isinstance(value, list) and value and all(_int(v) for v in value)):
-            raise ConfigError(f"{section}.{key} must be an integer or a list of integers (got {_show(value)}); "
-                              f"fix it in the config file or with --set {section}.{key}=...")
+            raise ConfigError(
+                f"{section}.{key} must be an integer or a list of integers (got {_show(value)}); "
+                f"fix it in the config file or with --set {section}.{key}=..."
+            )
         return value
     if typing.get_origin(hint) in (typing.Union, type(int | None)) and len(args) == 1:
         hint = args[0]
@@ -287,26 +145,37 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
     elif base is str or base is typing.Literal:  # a Literal's values: validate() names them
         ok = isinstance(value, str)
     elif base is list:
-        ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                             and math.isfinite(v) for v in value)
+        ok = isinstance(value, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value
+        )
         value = [float(v) for v in value] if ok else value
     elif base is dict:
         ok = isinstance(value, dict)
     if not ok:
-        want = {bool: "true or false", int: "an integer", float: "a finite number", str: "a quoted string",
-                typing.Literal: "a quoted string",
-                list: "a list of finite numbers", dict: "a table like {key = value}"}[base]
+        want = {
+            bool: "true or false",
+            int: "an integer",
+            float: "a finite number",
+            str: "a quoted string",
+            typing.Literal: "a quoted string",
+            list: "a list of finite numbers",
+            dict: "a table like {key = value}",
+        }[base]
         if auto_ok:
             want += ' or "auto" (the plan decides)'
-        raise ConfigError(f"{section}.{key} must be {want} (got {_show(value)}); "
-                          f"fix it in the config file or with --set {section}.{key}=...")
+        raise ConfigError(
+            f"{section}.{key} must be {want} (got {_show(value)}); "
+            f"fix it in the config file or with --set {section}.{key}=..."
+        )
     return value
 
 
 def _apply(cfg: Config, data: dict, origin: str) -> None:
     for section, values in data.items():
         if section not in SECTIONS:
-            raise ConfigError(f"unknown section [{section}] in {origin}; known sections: {', '.join(SECTIONS)}")
+            raise ConfigError(
+                f"unknown section [{section}] in {origin}; known sections: {', '.join(SECTIONS)}"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"[{section}] in {origin} must be a table of keys, e.g. {section}.key = value")
         obj = getattr(cfg, section)
@@ -316,12 +185,15 @@ def _apply(cfg: Config, data: dict, origin: str) -> None:
             if (section, key) in RENAMED:  # an older name reads as the new one, in files and --set
                 new = RENAMED[(section, key)]
                 if new in values:
-                    raise ConfigError(f"{section}.{key} in {origin} is the old name of {section}.{new}, which it "
-                                      f"gives too; keep only {section}.{new}")
+                    raise ConfigError(
+                        f"{section}.{key} in {origin} is the old name of {section}.{new}, which it "
+                        f"gives too; keep only {section}.{new}"
+                    )
                 key = new
             if key not in known:
-                raise ConfigError(f"unknown key {section}.{key} in {origin}; known keys of [{section}]: "
-                                  f"{', '.join(known)}")
+                raise ConfigError(
+                    f"unknown key {section}.{key} in {origin}; known keys of [{section}]: {', '.join(known)}"
+                )
             setattr(obj, key, _coerce(section, key, value, hints[key]))
 
 
@@ -348,7 +220,9 @@ def resolve_path(path: str | None) -> Path:
     if p.parent == Path(".") and shipped.is_file():
         return shipped
     names = ", ".join(sorted(f.stem for f in SHIPPED.glob("*.toml")))
-    raise ConfigError(f"config file {path!r} not found; pass --config an existing TOML file or a shipped name ({names})")
+    raise ConfigError(
+        f"config file {path!r} not found; pass --config an existing TOML file or a shipped name ({names})"
+    )
 
 
 def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
@@ -358,29 +232,43 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{src} is not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{src} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8, as TOML "
-                          "requires") from None
+        raise ConfigError(
+            f"{src} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8, as TOML requires"
+        ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {src}: {e.strerror}") from None
     return config_from_dict(data, overrides, str(src))
 
 
 # a checkpoint written before "auto" was the one spelling holds these numbers for "the plan decides"
-LEGACY = {("train", "micro_batch_size"): {0: AUTO}, ("train", "loss_chunk_tokens"): {0: AUTO},
-          ("optim", "speculate_units"): {-1: AUTO}, ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
-          ("tiers", "gpu_resident_gb"): {-1: AUTO}, ("tiers", "gpu_update_units"): {-1: AUTO}}
+LEGACY = {
+    ("train", "micro_batch_size"): {0: AUTO},
+    ("train", "loss_chunk_tokens"): {0: AUTO},
+    ("optim", "speculate_units"): {-1: AUTO},
+    ("optim", "speculate_gpu_updates"): {-1: AUTO, 0: False, 1: True},
+    ("tiers", "gpu_resident_gb"): {-1: AUTO},
+    ("tiers", "gpu_update_units"): {-1: AUTO},
+}
 # keys renamed since: the old name is read as the new one, in config files, --set and checkpoints alike
 RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens", ("tiers", "checkpoint_dtype"): "activation_dtype"}
 
 
-def config_from_dict(data: dict, overrides: list[str] = (), origin: str = "the config",
-                     legacy: bool = False) -> Config:
+def config_from_dict(
+    data: dict, overrides: list[str] = (), origin: str = "the config", legacy: bool = False
+) -> Config:
     """A config from parsed TOML (or a checkpoint's config), then `--set` overrides. `legacy`: a checkpoint's,
     whose older numbers for "auto" are read as it."""
     cfg = Config()
     if legacy:
-        data = {sec: {k: LEGACY[(sec, k)].get(v, v) if (sec, k) in LEGACY and not isinstance(v, bool) else v
-                      for k, v in vals.items()} if isinstance(vals, dict) else vals for sec, vals in data.items()}
+        data = {
+            sec: {
+                k: LEGACY[(sec, k)].get(v, v) if (sec, k) in LEGACY and not isinstance(v, bool) else v
+                for k, v in vals.items()
+            }
+            if isinstance(vals, dict)
+            else vals
+            for sec, vals in data.items()
+        }
     _apply(cfg, data, origin)
     for o in overrides:
         _apply(cfg, parse_override(o), "--set")

@@ -1,4 +1,5 @@
 """`tiertrain export`: a checkpoint's fp32 master weights as a Hugging Face model directory."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,10 +8,10 @@ from typing import Iterator
 import torch
 
 from . import checkpoint as ckpt
-from .rundir import resolve, run_of
 from .config import config_from_dict
-from .modes import Kind
 from .model.hf import write_hf
+from .modes import Kind
+from .rundir import resolve, run_of
 from .tiers.slab import SlabLayout
 
 
@@ -32,5 +33,8 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
                 yield t.hf_name, views[t.name]
 
     run = run_of(path)
-    hf = run / "hf" if run is not None else None  # the tokenizer and generation config of its --init-from model
-    return write_hf(Path(to), spec, tensors(), dtype, shard_bytes, hf if hf is not None and hf.is_dir() else None)
+    # the tokenizer and generation config of its --init-from model
+    hf = run / "hf" if run is not None else None
+    return write_hf(
+        Path(to), spec, tensors(), dtype, shard_bytes, hf if hf is not None and hf.is_dir() else None
+    )

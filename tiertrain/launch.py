@@ -4,6 +4,7 @@ rendezvous; `torchrun --nproc-per-node N -m tiertrain run ...` is the same job. 
 the others at once (SIGKILL: they cannot save without it, and the last checkpoint is whole whatever moment
 they stop at), and its exit status is the job's; SIGINT and SIGTERM are passed on to every
 rank (each then finishes its step, they save a checkpoint together and stop)."""
+
 from __future__ import annotations
 
 import os
@@ -26,11 +27,22 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
     port, cores = _free_port(), os.cpu_count() or 1
     procs = []
     for r in range(n):
-        env = dict(os.environ, WORLD_SIZE=str(n), RANK=str(r), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                   GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))  # the host's cores shared, as torchrun would
+        env = dict(
+            os.environ,
+            WORLD_SIZE=str(n),
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(n),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        # the host's cores shared, as torchrun would
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))
         cmd = [sys.executable, *(["-m", module] if module else []), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None))
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
+        )
 
     def forward(signum, frame) -> None:
         for p in procs:

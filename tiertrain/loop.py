@@ -1,15 +1,17 @@
 """The training loop of `tiertrain run`: steps, metrics, checkpoints, and stopping on a signal."""
+
 from __future__ import annotations
 
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from . import rundir
 from .errors import UserError, why
-from .model.hf import carry_files
 from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer
+from .model.hf import carry_files
 from .trainer import Trainer
 
 
@@ -28,17 +30,23 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         if tr.cfg.train.init_from and not tr.step:  # its tokenizer and generation config, for the export
             _, left = carry_files(tr.cfg.train.init_from, out / "hf")
             if left:
-                shown(f"warning: {', '.join(left)} of {tr.cfg.train.init_from} link outside it: not copied for the "
-                      "export; copy them into the exported directory yourself")
+                shown(
+                    f"warning: {', '.join(left)} of {tr.cfg.train.init_from} link outside it: not copied for the "
+                    "export; copy them into the exported directory yourself"
+                )
         cut = rundir.cut_timeline(out, tr.step) if tr.step else None  # one timeline: latest is this one's
         log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)
         echo = TrainLog(out / "train.log", shown)
     except OSError as e:
         _close(tr)
-        raise UserError(f"cannot write the run directory {out}: {why(e)}; free space or pass another --out") from None
+        raise UserError(
+            f"cannot write the run directory {out}: {why(e)}; free space or pass another --out"
+        ) from None
     except ValueError as e:
         _close(tr)
-        raise UserError(f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out") from None
+        raise UserError(
+            f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out"
+        ) from None
     if cut:
         echo(cut)
     try:
@@ -53,31 +61,30 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog 
         echo(f"resumed at step {tr.step} of {tc.steps}")
     for line in tr.describe():
         echo(line)
-    history, t_start, first = [], time.perf_counter(), tr.step
-    t_run = t_start
+    history, clock = [], Eta(tr.step, tc.steps)
     with StopSignals() as stop:
         try:
-            while tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):  # a signal stops every rank
+            # a signal stops every rank
+            while tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):
                 rec = tr.train_step()
-                evals = tr.val is not None and (tc.eval_every and tr.step % tc.eval_every == 0 or tr.step == tc.steps)
+                evals = tr.val is not None and (
+                    tc.eval_every and tr.step % tc.eval_every == 0 or tr.step == tc.steps
+                )
                 if evals:
-                    t0 = time.perf_counter()
-                    rec["val_loss"] = tr.evaluate()
-                    t_start += time.perf_counter() - t0  # the ETA counts training steps only
+                    with clock.paused():  # the ETA counts training steps only
+                        rec["val_loss"] = tr.evaluate()
                 if log:
                     log.write(rec)
                 history.append(rec)
-                if rec["step"] == first + 1:  # the ETA leaves out the first step: it builds and warms up
-                    t_start = time.perf_counter()
-                if rec["step"] % tc.log_every == 0 or rec["step"] in (first + 1, tc.steps) or evals:
-                    done = rec["step"] - first - 1
-                    eta = (time.perf_counter() - t_start) / done * (tc.steps - rec["step"]) if done else None
-                    echo(progress_line(rec, tc.steps, eta))
-                    if "pred_step_s" in rec and rec["step"] > 1:
-                        echo("  measured / predicted s: " + ", ".join(
-                            f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
-                            for k in ("step", "forward", "backward", "opt_wait")))
-                if every and tr.step % every == 0 and tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):
+                clock.stepped(rec["step"])
+                if rec["step"] % tc.log_every == 0 or rec["step"] in (clock.first + 1, tc.steps) or evals:
+                    _show(rec, tc.steps, clock.eta(rec["step"]), echo)
+                if (
+                    every
+                    and tr.step % every == 0
+                    and tr.step < tc.steps
+                    and not tr.ranks.any_failed(bool(stop.signal))
+                ):
                     _checkpoint(tr, out, echo)
             # a stop saves, the end as checkpoint.final says: the process's last save
             if (history or not rundir.checkpoints(out)) and (tr.step < tc.steps or tr.cfg.checkpoint.final):
@@ -86,15 +93,65 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog 
             if log:
                 log.close()
             _close(tr)
-    if stop.signal or tr.step < tc.steps:
-        how = f"tiertrain run --resume latest --out {out}" if tr.cfg.checkpoint.state == "full" else \
-            f"tiertrain run --resume {out} --out NEW_DIR (its checkpoint holds the weights only: a new run)"
-        echo(f"stopped by {stop.signal or 'a signal to another rank'} after step {tr.step}; continue with: {how}")
-    else:
-        echo(f"done: {tc.steps} steps in {format_duration(time.perf_counter() - t_run)}"
-             + (f", final loss {history[-1]['loss']:.4f}" if history else "")
-             + (f", validation loss {history[-1]['val_loss']:.4f}" if history and "val_loss" in history[-1] else "") + f"; metrics in {out / 'metrics.jsonl'}")
+    echo(_ending(tr, out, stop.signal, history, clock.since_start()))
     return history
+
+
+def _show(rec: dict, steps: int, eta: float | None, echo: Callable[[str], None]) -> None:
+    """The step's progress line, and on a GPU the measured times against the plan's."""
+    echo(progress_line(rec, steps, eta))
+    if "pred_step_s" in rec and rec["step"] > 1:
+        echo(
+            "  measured / predicted s: "
+            + ", ".join(
+                f"{k} {rec[k + '_s']:.3f}/{rec['pred_' + k + '_s']:.3f}"
+                for k in ("step", "forward", "backward", "opt_wait")
+            )
+        )
+
+
+def _ending(tr: Trainer, out: Path, signal_name: str | None, history: list[dict], took: float) -> str:
+    """The run's last line: how to go on after a stop, or what it reached."""
+    steps = tr.cfg.train.steps
+    if signal_name or tr.step < steps:
+        how = (
+            f"tiertrain run --resume latest --out {out}"
+            if tr.cfg.checkpoint.state == "full"
+            else f"tiertrain run --resume {out} --out NEW_DIR (its checkpoint holds the weights only: a new run)"
+        )
+        return f"stopped by {signal_name or 'a signal to another rank'} after step {tr.step}; continue with: {how}"
+    last = history[-1] if history else {}
+    return (
+        f"done: {steps} steps in {format_duration(took)}"
+        + (f", final loss {last['loss']:.4f}" if history else "")
+        + (f", validation loss {last['val_loss']:.4f}" if "val_loss" in last else "")
+        + f"; metrics in {out / 'metrics.jsonl'}"
+    )
+
+
+class Eta:
+    """The time left, from the steps after the first (which builds and warms up), evaluations left out."""
+
+    def __init__(self, first: int, steps: int):
+        self.first, self.steps = first, steps
+        self.t_run = self.t_start = time.perf_counter()
+
+    @contextmanager
+    def paused(self):
+        t0 = time.perf_counter()
+        yield
+        self.t_start += time.perf_counter() - t0
+
+    def stepped(self, step: int) -> None:
+        if step == self.first + 1:
+            self.t_start = time.perf_counter()
+
+    def eta(self, step: int) -> float | None:
+        done = step - self.first - 1
+        return (time.perf_counter() - self.t_start) / done * (self.steps - step) if done else None
+
+    def since_start(self) -> float:
+        return time.perf_counter() - self.t_run
 
 
 def _close(tr: Trainer) -> None:

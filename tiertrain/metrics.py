@@ -1,4 +1,5 @@
 """Per-step records: metrics.jsonl and the progress line."""
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,13 @@ def format_duration(seconds: float) -> str:
 
 def progress_line(rec: dict, total_steps: int, eta_s: float | None) -> str:
     """One step's line; `eta_s` None: not known yet (after the first step)."""
-    return (f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  "
-            + (f"val {rec['val_loss']:.4f}  " if "val_loss" in rec else "") + f"lr {rec['lr']:.2e}  "
-            f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
-            f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}")
+    return (
+        f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  "
+        + (f"val {rec['val_loss']:.4f}  " if "val_loss" in rec else "")
+        + f"lr {rec['lr']:.2e}  "
+        f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
+        f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}"
+    )
 
 
 def tensorboard_writer(out: Path | None):
@@ -43,8 +47,10 @@ def tensorboard_writer(out: Path | None):
     except ImportError:
         from .errors import ConfigError
 
-        raise ConfigError("train.tensorboard = true needs the tensorboard package: pip install "
-                          "'tiertrain[tensorboard]', or set train.tensorboard = false") from None
+        raise ConfigError(
+            "train.tensorboard = true needs the tensorboard package: pip install "
+            "'tiertrain[tensorboard]', or set train.tensorboard = false"
+        ) from None
     return SummaryWriter(str(out / "tensorboard")) if out is not None else None
 
 
@@ -56,7 +62,8 @@ class MetricsLog:
 
     def __init__(self, path: Path, tensorboard=None):
         self.path, self.tb = path, tensorboard
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # unbuffered: no write held back
+        # unbuffered: no write held back
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, rec: dict) -> None:
         from .errors import UserError, why
@@ -72,8 +79,10 @@ class MetricsLog:
                 os.ftruncate(self._fd, end)  # needs no space: the torn record goes
             except OSError:
                 pass
-            raise UserError(f"writing {self.path} failed: {why(e)}; free space, then continue with "
-                            f"tiertrain run --resume latest --out {self.path.parent}") from None
+            raise UserError(
+                f"writing {self.path} failed: {why(e)}; free space, then continue with "
+                f"tiertrain run --resume latest --out {self.path.parent}"
+            ) from None
         if self.tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -127,20 +136,31 @@ def run_summary(records: list[dict]) -> list[str]:
     def med(key: str) -> float:
         return median(r[key] for r in steady if key in r)
 
-    out = [f"{len(records)} steps (up to step {records[-1]['step']}), {records[-1]['tokens']:,} tokens; loss "
-           f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
-           f"median step {med('step_s'):.3f} s: {med('tokens_per_s'):,.0f} tokens/s, {med('model_tflops'):.1f} "
-           "model TFLOP/s" + (f", MFU {med('mfu'):.1%}" if any("mfu" in r for r in steady) else "")]
-    split = [k for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s", "opt_wait_s") if k in steady[0]]
+    out = [
+        f"{len(records)} steps (up to step {records[-1]['step']}), {records[-1]['tokens']:,} tokens; loss "
+        f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
+        f"median step {med('step_s'):.3f} s: {med('tokens_per_s'):,.0f} tokens/s, {med('model_tflops'):.1f} "
+        "model TFLOP/s" + (f", MFU {med('mfu'):.1%}" if any("mfu" in r for r in steady) else ""),
+    ]
+    split = [
+        k for k in ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s", "opt_wait_s") if k in steady[0]
+    ]
     if split:
         out.append("time split (median s): " + ", ".join(f"{k[:-2]} {med(k):.3f}" for k in split))
     if any("pred_step_s" in r for r in steady):
-        out.append(f"measured / predicted step: {med('step_s'):.3f} / {med('pred_step_s'):.3f} s "
-                   f"({med('step_s') / med('pred_step_s') - 1:+.0%})")
+        out.append(
+            f"measured / predicted step: {med('step_s'):.3f} / {med('pred_step_s'):.3f} s "
+            f"({med('step_s') / med('pred_step_s') - 1:+.0%})"
+        )
     if any("nvme_read_gb" in r for r in steady):
-        out.append(f"NVMe per update (median): read {med('nvme_read_gb'):.1f} GB, write {med('nvme_write_gb'):.1f} GB")
-    peaks = [f"{name} {max(r[k] for r in records if k in r):.1f} GB" for k, name in
-             (("gpu_peak_gb", "GPU"), ("host_rss_gb", "host RSS")) if any(k in r for r in records)]
+        out.append(
+            f"NVMe per update (median): read {med('nvme_read_gb'):.1f} GB, write {med('nvme_write_gb'):.1f} GB"
+        )
+    peaks = [
+        f"{name} {max(r[k] for r in records if k in r):.1f} GB"
+        for k, name in (("gpu_peak_gb", "GPU"), ("host_rss_gb", "host RSS"))
+        if any(k in r for r in records)
+    ]
     if peaks:
         out.append("peaks: " + ", ".join(peaks))
     return out

@@ -2,6 +2,7 @@
 string: a name written as a string where a member belongs is found by the tests; `.value` at the JSON boundary:
 plan.json, checkpoints, the NVMe store's arrays), update modes as a string enum, and the config's string modes as
 Literal types. Pure Python."""
+
 from __future__ import annotations
 
 from enum import Enum, StrEnum
@@ -10,6 +11,7 @@ from typing import Literal
 
 class Kind(Enum):
     """A kind of slab: one flat buffer per unit and kind (tiers.slab)."""
+
     WEIGHTS = "weights"  # the compute-dtype copy that streams (tiers.stream = "compute")
     MASTER = "master"  # fp32 master weights
     EXP_AVG = "exp_avg"  # Adam's first moment
@@ -23,6 +25,7 @@ STATE = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 class Home(Enum):
     """Where a slab or an activation checkpoint lives."""
+
     GPU = "gpu"
     HOST = "host"  # pinned RAM
     NVME = "nvme"  # the disk tier
@@ -30,6 +33,7 @@ class Home(Enum):
 
 class Update(StrEnum):
     """Where and when a unit's AdamW runs (plan.runplan says each)."""
+
     HOST = "host"
     HOST_SPECULATED = "host-speculated"
     GPU = "gpu"
@@ -38,7 +42,8 @@ class Update(StrEnum):
 
 
 Dtype = Literal["bfloat16", "float32"]
-Stream = Literal["compute", "master"]  # what carries the weights to the GPU: a compute-dtype copy, or the master
+# what carries the weights to the GPU: a compute-dtype copy, or the master
+Stream = Literal["compute", "master"]
 Activations = Literal["gpu", "host", "nvme", "split"]  # the checkpoints' home; "split": each block's own
 
 

@@ -8,6 +8,7 @@ gradient so that each rank drains only its shard, and sums the squared norm and 
 The process group routes each tensor by its device: CUDA tensors to NCCL, host tensors (checkpoint checksums,
 state gathers, flags) to gloo.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ def _gather(out: torch.Tensor, part: torch.Tensor, group=None) -> None:
 @dataclass
 class Together:
     """What the ranks learned together on leaving a `with ranks.together(...)` block."""
+
     error: BaseException | None = None  # this rank's, caught in the block
     first: int | None = None  # the lowest rank that failed, the same on every rank; None: none did
 
@@ -54,6 +56,7 @@ class Together:
 class Ranks:
     """This process's place in the job, and its collectives. Main thread only: every rank issues the same
     collectives in the same order (the step's, a checkpoint's, the loop's), which is what keeps them matched."""
+
     rank: int = 0
     size: int = 1
     local_size: int = 1  # ranks on this host: they share its RAM, cores and disks
@@ -77,8 +80,13 @@ class Ranks:
                 torch.cuda.set_device(local_rank % torch.cuda.device_count())
             backend = os.environ.get("TIERTRAIN_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if cuda else "gloo")
             dist.init_process_group(backend)
-        return cls(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-                   local_rank, owned)
+        return cls(
+            dist.get_rank(),
+            dist.get_world_size(),
+            int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+            local_rank,
+            owned,
+        )
 
     @property
     def first(self) -> bool:
@@ -93,11 +101,15 @@ class Ranks:
 
     def check_batch(self, batch: int, micro: int | None) -> None:
         if batch % self.size:
-            raise ConfigError(f"train.batch_size {batch} does not split over {self.size} ranks: make it a multiple "
-                              f"of {self.size}")
+            raise ConfigError(
+                f"train.batch_size {batch} does not split over {self.size} ranks: make it a multiple "
+                f"of {self.size}"
+            )
         if micro and (batch // self.size) % micro:
-            raise ConfigError(f"train.micro_batch_size {micro} does not divide a rank's {batch // self.size} rows "
-                              f"of the batch: make it a divisor of {batch // self.size}, or \"auto\"")
+            raise ConfigError(
+                f"train.micro_batch_size {micro} does not divide a rank's {batch // self.size} rows "
+                f'of the batch: make it a divisor of {batch // self.size}, or "auto"'
+            )
 
     def rows(self, batch: int) -> slice:
         """This rank's rows of a batch of `batch`: the r-th contiguous block of batch / N rows."""
@@ -109,12 +121,12 @@ class Ranks:
         """`out` (every rank's part, in rank order) from each rank's out[start:start + numel], in place; on the
         current stream."""
         if self.size > 1:
-            _gather(out, out[start:start + numel])
+            _gather(out, out[start : start + numel])
 
     def reduce_scatter(self, t: torch.Tensor, start: int, numel: int) -> torch.Tensor:
         """t[start:start + numel] becomes the sum over the ranks of theirs (in place); the rest of `t` is left
         undefined. Returns that part."""
-        part = t[start:start + numel]
+        part = t[start : start + numel]
         if self.size > 1:
             dist = _dist()  # renamed like all_gather_into_tensor
             (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, t)
@@ -171,7 +183,7 @@ class Ranks:
             return text
         t = torch.zeros(4096, dtype=torch.uint8)
         raw = text.encode()[:4096] if self.first else b""
-        t[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else t[:0]
+        t[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else t[:0]
         _dist().broadcast(t, 0)
         return bytes(t.numpy()).rstrip(b"\0").decode()
 

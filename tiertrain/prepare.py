@@ -7,6 +7,7 @@ tokenizer is byte-level (ids 0-255, 256 ends a document), a Hugging Face tokeniz
 model directory (its tokenizer.json, else transformers' AutoTokenizer). Documents are encoded in batches
 (the tokenizers library spreads a batch over every core).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,10 +42,14 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
                 try:
                     text = json.loads(line)[text_field]
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise DataError(f"{path}:{n} is not a JSON object ({e}); fix the line or the file") from None
+                    raise DataError(
+                        f"{path}:{n} is not a JSON object ({e}); fix the line or the file"
+                    ) from None
                 except (KeyError, TypeError):
-                    raise DataError(f"{path}:{n} has no {text_field!r} field; pass the field that holds the text "
-                                    "with --text-field") from None
+                    raise DataError(
+                        f"{path}:{n} has no {text_field!r} field; pass the field that holds the text "
+                        "with --text-field"
+                    ) from None
                 if not isinstance(text, str):
                     raise DataError(f"{path}:{n}: {text_field!r} holds a {type(text).__name__}, not text")
                 yield [text], len(line)
@@ -52,25 +57,33 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading .parquet needs pyarrow: pip install 'tiertrain[data]'") from None
+            raise DataError(
+                f"{path}: reading .parquet needs pyarrow: pip install 'tiertrain[data]'"
+            ) from None
         import pyarrow as pa
 
         try:
             pf = pq.ParquetFile(path)
             if text_field not in pf.schema_arrow.names:
-                raise DataError(f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
-                                "pass the column that holds the text with --text-field")
+                raise DataError(
+                    f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
+                    "pass the column that holds the text with --text-field"
+                )
             kind = pf.schema_arrow.field(text_field).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise DataError(f"{path}: column {text_field!r} holds {kind}, not text; pass the column that holds "
-                                "the text with --text-field")
+                raise DataError(
+                    f"{path}: column {text_field!r} holds {kind}, not text; pass the column that holds "
+                    "the text with --text-field"
+                )
             rows, size = max(pf.metadata.num_rows, 1), path.stat().st_size
             for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
                 for text in batch.column(0).to_pylist():
                     yield [text or ""], size // rows
         except (pa.ArrowException, OSError) as e:  # not parquet, or cut short
-            raise DataError(f"{path} is not a readable .parquet file ({str(e).splitlines()[0][:160]}); rewrite it, "
-                            "or pass .jsonl or .txt") from None
+            raise DataError(
+                f"{path} is not a readable .parquet file ({str(e).splitlines()[0][:160]}); rewrite it, "
+                "or pass .jsonl or .txt"
+            ) from None
 
 
 class Encoder:
@@ -91,8 +104,10 @@ class Encoder:
         if name is None:
             name = next((t for t in EOT_NAMES if self.token_id(t) is not None), None)
         if name is None:
-            raise DataError(f"{spec}: no end-of-text token found (none of {', '.join(EOT_NAMES)}, no "
-                            "tokenizer_config.json eos_token); pass --eot TOKEN, or --eot '' to put none")
+            raise DataError(
+                f"{spec}: no end-of-text token found (none of {', '.join(EOT_NAMES)}, no "
+                "tokenizer_config.json eos_token); pass --eot TOKEN, or --eot '' to put none"
+            )
         self.eot = self.token_id(name) if name else None
         if name and self.eot is None:
             raise DataError(f"--eot {name!r} is not a token of {spec}; pass one of its special tokens")
@@ -101,18 +116,25 @@ class Encoder:
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise DataError("--tokenizer needs the `tokenizers` package: pip install 'tiertrain[hf]'") from None
+            raise DataError(
+                "--tokenizer needs the `tokenizers` package: pip install 'tiertrain[hf]'"
+            ) from None
         if not path.is_file():
-            raise DataError(f"tokenizer {str(path)!r} not found; pass a tokenizer.json or a Hugging Face model "
-                            "directory")
+            raise DataError(
+                f"tokenizer {str(path)!r} not found; pass a tokenizer.json or a Hugging Face model directory"
+            )
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception for a file it cannot parse
-            raise DataError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
-                            "pass the tokenizer.json of a tokenizers / transformers model") from None
+            raise DataError(
+                f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
+                "pass the tokenizer.json of a tokenizers / transformers model"
+            ) from None
         if not tok.get_vocab_size(with_added_tokens=False):
-            raise DataError(f"{path} has no vocabulary (its model lists no tokens); pass the tokenizer.json of a "
-                            "trained tokenizer")
+            raise DataError(
+                f"{path} has no vocabulary (its model lists no tokens); pass the tokenizer.json of a "
+                "trained tokenizer"
+            )
         self.vocab = tok.get_vocab_size(with_added_tokens=True)
         self.token_id = tok.token_to_id
         self.encode_batch = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
@@ -121,14 +143,19 @@ class Encoder:
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            raise DataError(f"{path} has no tokenizer.json; its tokenizer needs transformers: pip install "
-                            "transformers") from None
+            raise DataError(
+                f"{path} has no tokenizer.json; its tokenizer needs transformers: pip install transformers"
+            ) from None
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as e:
-            raise DataError(f"{path}: no tokenizer could be loaded ({str(e).splitlines()[0][:160]})") from None
+            raise DataError(
+                f"{path}: no tokenizer could be loaded ({str(e).splitlines()[0][:160]})"
+            ) from None
         if not tok.vocab_size:
-            raise DataError(f"{path}: its tokenizer has no vocabulary; pass the directory of a trained tokenizer")
+            raise DataError(
+                f"{path}: its tokenizer has no vocabulary; pass the directory of a trained tokenizer"
+            )
         self.vocab = len(tok)
         self.token_id = lambda t: tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
         self.encode_batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
@@ -143,17 +170,27 @@ def _config_eot(model_dir: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def prepare(inputs: list[str], out: str, tokenizer: str | None = None, text_field: str = "text",
-            eot: str | None = None, progress: Callable[[int], None] = lambda n: None) -> tuple[int, int]:
+def prepare(
+    inputs: list[str],
+    out: str,
+    tokenizer: str | None = None,
+    text_field: str = "text",
+    eot: str | None = None,
+    progress: Callable[[int], None] = lambda n: None,
+) -> tuple[int, int]:
     """Tokenizes the documents of `inputs` into the .bin file `out`, the end-of-text token after each;
     (tokens, vocabulary size). `eot`: that token's name (None: the tokenizer's; "": none); `progress` is
     called with the input bytes each batch covered."""
     paths, target = [Path(p) for p in inputs], Path(out)
     if target.is_dir():
-        raise DataError(f"--out {out} is a directory; pass the token file to write, e.g. {target / 'tokens.bin'}")
+        raise DataError(
+            f"--out {out} is a directory; pass the token file to write, e.g. {target / 'tokens.bin'}"
+        )
     if not target.parent.is_dir():
-        raise DataError(f"--out {out}: the directory {target.parent} does not exist; create it or pass a file in an "
-                        "existing directory")
+        raise DataError(
+            f"--out {out}: the directory {target.parent} does not exist; create it or pass a file in an "
+            "existing directory"
+        )
     for p in paths:
         if not p.is_file():
             raise DataError(f"input file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
@@ -184,4 +221,5 @@ def prepare(inputs: list[str], out: str, tokenizer: str | None = None, text_fiel
                     done = 0
         yield from flush(batch)
         progress(done)
+
     return write_bin(out, chunks(), enc.vocab), enc.vocab

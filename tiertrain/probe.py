@@ -1,6 +1,7 @@
 """Measures the machine: its ceilings with the runtime's own code paths (PCIe copies from pinned slabs, GPU
 matmul rate, host AdamW rate, the disk), the figures a run plans with, and the RAM it can take. torch is
 imported inside the functions: `plan` never needs it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,10 @@ def available_ram() -> int:
     import psutil
 
     avail = psutil.virtual_memory().available
-    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, used in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             avail = min(avail, int(Path(limit).read_text()) - int(Path(used).read_text()))
         except (OSError, ValueError):  # no such cgroup file, or "max": no limit
@@ -75,9 +78,11 @@ def pcie_rates(nbytes: int = 1 << 30, reps: int = 5) -> dict[str, float]:
     host.uniform_()
     pageable.uniform_()
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-    out = {"h2d_gbs": nbytes / _timed_cuda(lambda: dev.copy_(host, non_blocking=True), reps) / 1e9,
-           "d2h_gbs": nbytes / _timed_cuda(lambda: host.copy_(dev, non_blocking=True), reps) / 1e9,
-           "pageable_h2d_gbs": nbytes / _timed_cuda(lambda: dev.copy_(pageable), reps) / 1e9}
+    out = {
+        "h2d_gbs": nbytes / _timed_cuda(lambda: dev.copy_(host, non_blocking=True), reps) / 1e9,
+        "d2h_gbs": nbytes / _timed_cuda(lambda: host.copy_(dev, non_blocking=True), reps) / 1e9,
+        "pageable_h2d_gbs": nbytes / _timed_cuda(lambda: dev.copy_(pageable), reps) / 1e9,
+    }
 
     def both():
         cur = torch.cuda.current_stream()
@@ -100,12 +105,19 @@ def matmul_tflops(dtype_name: str = "bfloat16", n: int = 8192, reps: int = 10) -
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n, device="cuda").to(dtype)
     b = torch.randn(n, n, device="cuda").to(dtype)
-    return 2 * n ** 3 / _timed_cuda(lambda: a @ b, reps) / 1e12
+    return 2 * n**3 / _timed_cuda(lambda: a @ b, reps) / 1e12
 
 
-def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int = 5, into_copies: bool = False,
-                   host_kernel: str = "auto", stores: int | None = None, threads: int | None = None,
-                   pin: bool | None = None) -> float:
+def host_adam_rate(
+    n_params: int = 1 << 27,
+    compute_copy: bool = True,
+    reps: int = 5,
+    into_copies: bool = False,
+    host_kernel: str = "auto",
+    stores: int | None = None,
+    threads: int | None = None,
+    pin: bool | None = None,
+) -> float:
     """Parameters per second of the runtime's host AdamW, run as the runtime runs it: its kernel, called
     on a worker thread with the runtime's thread count (`threads`, else optim.adamw.adam_threads), on
     slabs pinned where a GPU is (`pin`, else so); with the rounding into the bf16 copy when
@@ -114,8 +126,8 @@ def host_adam_rate(n_params: int = 1 << 27, compute_copy: bool = True, reps: int
     caches; the median of `reps` updates after one to warm up."""
     import torch
 
-    from .config import OptimConfig
     from .optim.adamw import HostAdamW, adam_pool
+    from .sections import OptimConfig
     from .tiers.host import HostStore
     from .tiers.slab import SlabLayout
 
@@ -149,11 +161,14 @@ def probe(gpu: bool = True) -> dict:
 
     from .optim import kernel
 
-    out: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                 "host_adam_params_per_s": host_adam_rate(), "host_adam_fp32_stream_params_per_s":
-                 host_adam_rate(compute_copy=False),
-                 "host_adam_into_copies_params_per_s": host_adam_rate(compute_copy=False, into_copies=True),
-                 "host_kernel": "tiertrain" if kernel.load() else "torch"}
+    out: dict = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "host_adam_params_per_s": host_adam_rate(),
+        "host_adam_fp32_stream_params_per_s": host_adam_rate(compute_copy=False),
+        "host_adam_into_copies_params_per_s": host_adam_rate(compute_copy=False, into_copies=True),
+        "host_kernel": "tiertrain" if kernel.load() else "torch",
+    }
     if gpu and torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name()
         out["gpu_mem_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
@@ -163,8 +178,9 @@ def probe(gpu: bool = True) -> dict:
     return out
 
 
-def disk_rates(directory: str, nbytes: int = 1 << 30, backend: str = "auto",
-               threads: int = 16) -> tuple[float, float, float]:
+def disk_rates(
+    directory: str, nbytes: int = 1 << 30, backend: str = "auto", threads: int = 16
+) -> tuple[float, float, float]:
     """GB/s of whole-file direct I/O in `directory` through the runtime's backend: (read, write, both at
     once: half the bytes read from one file while the other half is written to another, summed)."""
     from .tiers.nvme import make_io
@@ -186,8 +202,10 @@ def _disk_rates(directory: str, nbytes: int, io) -> tuple[float, float, float]:
     buf = alloc_slab(nbytes // 4, torch.float32, pin=torch.cuda.is_available())
     buf.uniform_()
     half = buf.numel() // 2
-    with tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as f, \
-            tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as g:
+    with (
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as f,
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".tiertrain-probe-") as g,
+    ):
         f.truncate(nbytes)
         g.truncate(nbytes // 2)
         t0 = time.perf_counter()
@@ -217,12 +235,18 @@ def spec_of(m: dict, host_ram_gb: float, source: str):
     """The HardwareSpec of probe()'s figures `m` (the reference's where it measured none)."""
     from .plan.hardware import REFERENCE
 
-    spec = HardwareSpec(host_ram_gb=host_ram_gb, cpu_count=m["cpu_count"],
-                        host_adam_params_per_s=m["host_adam_fp32_stream_params_per_s"],
-                        host_adam_copy_params_per_s=m["host_adam_params_per_s"],
-                        out_of_place=m["host_adam_into_copies_params_per_s"] / m["host_adam_fp32_stream_params_per_s"],  # of its kernel
-                        out_of_place_dram_bytes=0.0 if m["host_kernel"] == "tiertrain"
-                        else TORCH_COPIES["out_of_place_dram_bytes"], source=source)
+    spec = HardwareSpec(
+        host_ram_gb=host_ram_gb,
+        cpu_count=m["cpu_count"],
+        host_adam_params_per_s=m["host_adam_fp32_stream_params_per_s"],
+        host_adam_copy_params_per_s=m["host_adam_params_per_s"],
+        out_of_place=m["host_adam_into_copies_params_per_s"]
+        / m["host_adam_fp32_stream_params_per_s"],  # of its kernel
+        out_of_place_dram_bytes=0.0
+        if m["host_kernel"] == "tiertrain"
+        else TORCH_COPIES["out_of_place_dram_bytes"],
+        source=source,
+    )
     if "gpu" in m:
         spec.gpu, spec.gpu_mem_gb = m["gpu"], m["gpu_mem_gb"]
         spec.h2d_gbs, spec.d2h_gbs, spec.bidir_gbs = m["h2d_gbs"], m["d2h_gbs"], m["bidir_gbs"]

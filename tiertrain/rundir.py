@@ -9,6 +9,7 @@ that does not exist or is empty; a resume writes into the run it resumes, or int
 of runs written before the marker existed (metrics.jsonl or checkpoints/ without it) count as runs too. Every
 refusal happens before anything large is allocated, and names what to change.
 """
+
 from __future__ import annotations
 
 import errno
@@ -54,8 +55,11 @@ def _cut(run: Path) -> dict | None:
 
 
 def _steps(d: Path) -> list[tuple[int, Path]]:
-    return sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()) \
-        if d.is_dir() else []
+    return (
+        sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir())
+        if d.is_dir()
+        else []
+    )
 
 
 def checkpoints(run: Path) -> list[Path]:
@@ -110,10 +114,14 @@ def resolve(arg: str, out: Path | None, what: str = "--resume") -> Path:
     found = checkpoints(run)
     if not found:
         if is_run(run):
-            raise CheckpointError(f"{run} is a run that saved no checkpoint ({_stopped(run)}): there is nothing to "
-                                  f"{'resume' if what == '--resume' else 'export'}; start a new run")
-        raise CheckpointError(f"{run} is neither a tiertrain run nor a checkpoint; pass {what} the --out directory of "
-                              "a run or one of its checkpoints/step_N")
+            raise CheckpointError(
+                f"{run} is a run that saved no checkpoint ({_stopped(run)}): there is nothing to "
+                f"{'resume' if what == '--resume' else 'export'}; start a new run"
+            )
+        raise CheckpointError(
+            f"{run} is neither a tiertrain run nor a checkpoint; pass {what} the --out directory of "
+            "a run or one of its checkpoints/step_N"
+        )
     return found[-1]
 
 
@@ -143,13 +151,19 @@ def check_new(out: Path) -> None:
     if not out.is_dir() or not any(out.iterdir()) or _empty_run(out):
         return
     if is_run(out) and not checkpoints(out):
-        raise UserError(f"--out {out} holds a run that saved no checkpoint ({_stopped(out)}): nothing to resume. "
-                        "Pass a new --out directory (or delete that one to start over in it)")
+        raise UserError(
+            f"--out {out} holds a run that saved no checkpoint ({_stopped(out)}): nothing to resume. "
+            "Pass a new --out directory (or delete that one to start over in it)"
+        )
     if is_run(out):
-        raise UserError(f"--out {out} already holds a run; continue it with --resume latest --out {out}, "
-                        "or pass a new --out directory")
-    raise UserError(f"--out {out} is a directory that is not a tiertrain run and is not empty; tiertrain writes "
-                    "only into a new or empty --out: pass one")
+        raise UserError(
+            f"--out {out} already holds a run; continue it with --resume latest --out {out}, "
+            "or pass a new --out directory"
+        )
+    raise UserError(
+        f"--out {out} is a directory that is not a tiertrain run and is not empty; tiertrain writes "
+        "only into a new or empty --out: pass one"
+    )
 
 
 def check_resume(checkpoint: Path, out: Path | None, new_run: bool = False) -> Path:
@@ -159,14 +173,18 @@ def check_resume(checkpoint: Path, out: Path | None, new_run: bool = False) -> P
     own = run_of(checkpoint)
     if new_run:
         if out is None or (own is not None and same(own, out)):
-            raise UserError(f"{checkpoint} holds the weights only (checkpoint.state = \"weights\"): it starts a new "
-                            "run, with fresh Adam moments from step 0; pass --out, a new directory for it")
+            raise UserError(
+                f'{checkpoint} holds the weights only (checkpoint.state = "weights"): it starts a new '
+                "run, with fresh Adam moments from step 0; pass --out, a new directory for it"
+            )
         check_new(out)
         return out
     if out is None:
         if own is None:
-            raise UserError(f"{checkpoint} is not inside a run's checkpoints/ directory; pass --out, a new "
-                            "directory for the resumed run")
+            raise UserError(
+                f"{checkpoint} is not inside a run's checkpoints/ directory; pass --out, a new "
+                "directory for the resumed run"
+            )
         return own
     if own is not None and same(own, out):
         return out
@@ -178,8 +196,10 @@ def check_fork(out: Path, source: Path) -> None:
     """A resume from `source` (a run, or a checkpoint outside any) into `out`, another directory: new or empty."""
     if out.is_dir() and any(out.iterdir()) and not _empty_run(out):
         what = "another run" if is_run(out) else "files that are not a tiertrain run"
-        raise UserError(f"--out {out} holds {what}; a resume writes only into the run it resumes ({source}) or into "
-                        "a new empty --out")
+        raise UserError(
+            f"--out {out} holds {what}; a resume writes only into the run it resumes ({source}) or into "
+            "a new empty --out"
+        )
     check_new(out)
 
 
@@ -192,9 +212,14 @@ def check_paths(out: Path, nvme_dir: str, ckpt_parent: str) -> None:
     if nvme_dir:
         d = Path(nvme_dir).resolve()
         if d == o or o in d.parents:
-            raise UserError(f"--nvme-dir {nvme_dir} is inside --out {out}: the run's scratch store would sit in its "
-                            "run directory; pass an --nvme-dir outside it")
-    for what, path in (("--out", o), ("checkpoint.dir", Path(ckpt_parent).resolve() if ckpt_parent else None)):
+            raise UserError(
+                f"--nvme-dir {nvme_dir} is inside --out {out}: the run's scratch store would sit in its "
+                "run directory; pass an --nvme-dir outside it"
+            )
+    for what, path in (
+        ("--out", o),
+        ("checkpoint.dir", Path(ckpt_parent).resolve() if ckpt_parent else None),
+    ):
         for p in (path, *path.parents) if path else ():
             if (p / SCRATCH_MARKER).is_file():
                 raise UserError(f"{what} {path} is inside tiertrain's scratch store {p}; pass one outside it")
@@ -217,11 +242,24 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 raise
-            raise UserError(f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to "
-                            "end, or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest") from None
+            raise UserError(
+                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to "
+                "end, or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest"
+            ) from None
         os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n").encode())
+        os.write(
+            fd,
+            (
+                json.dumps(
+                    {
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    }
+                )
+                + "\n"
+            ).encode(),
+        )
         self.fd = fd
 
     def _holder(self) -> str:
@@ -248,17 +286,24 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
         lock = RunLock(out)
         lock.acquire()  # before the marker: a run that finds the lock taken leaves what the live run made
     except OSError as e:
-        raise UserError(f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room") from None
+        raise UserError(
+            f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
+        ) from None
     try:
         if not (out / MARKER).is_file():
-            marker = {"format": "tiertrain-run/1", "tiertrain_version": __version__,
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            marker = {
+                "format": "tiertrain-run/1",
+                "tiertrain_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
             if ckpt_parent:
                 marker["checkpoints"] = str(_new_checkpoint_dir(Path(ckpt_parent), out))
             write_json(out / MARKER, marker)
     except OSError as e:
         lock.release()
-        raise UserError(f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room") from None
+        raise UserError(
+            f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
+        ) from None
     return lock, made
 
 
@@ -269,8 +314,10 @@ def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
         d = Path(tempfile.mkdtemp(prefix=f"{out.resolve().name or 'run'}-", dir=parent))
         write_json(d / CKPT_MARKER, {"format": "tiertrain-checkpoints/1", "run": str(out.resolve())})
     except OSError as e:
-        raise UserError(f"cannot make the checkpoint directory in checkpoint.dir {parent}: {why(e)}; pass a "
-                        "writable directory") from None
+        raise UserError(
+            f"cannot make the checkpoint directory in checkpoint.dir {parent}: {why(e)}; pass a "
+            "writable directory"
+        ) from None
     return d
 
 
@@ -279,7 +326,8 @@ def release(out: Path, made: str, lock: RunLock | None = None) -> None:
     if made:
         ck = _marker(out).get("checkpoints")
         if ck and (Path(ck) / CKPT_MARKER).is_file() and not _steps(Path(ck)):
-            shutil.rmtree(ck, ignore_errors=True)  # the directory claim() made there, still without a checkpoint
+            # the directory claim() made there, still without a checkpoint
+            shutil.rmtree(ck, ignore_errors=True)
         (out / MARKER).unlink(missing_ok=True)
     if made == "dir":
         (out / LOCK).unlink(missing_ok=True)
@@ -299,7 +347,8 @@ def cut_timeline(run: Path, step: int) -> str | None:
     then the newer checkpoints do not count. Returns the line that reports what moved (None: nothing newer)."""
     newer = [p for s, p in _steps(checkpoint_dir(run)) if s > step]
     if not newer:
-        truncate_metrics(Path(run) / "metrics.jsonl", step)  # records a killed process logged after its last checkpoint: redone alike
+        # records a killed process logged after its last checkpoint: redone alike
+        truncate_metrics(Path(run) / "metrics.jsonl", step)
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
     write_json(Path(run) / CUT, {"step": step, "to": f"resumed-at-step_{step}-{stamp}"})
@@ -315,7 +364,8 @@ def finish_cut(run: Path) -> str | None:
         return None
     step, ck = cut["step"], checkpoint_dir(run)
     dest = run / "abandoned" / cut["to"]
-    dest_ck = dest if same(ck, run / "checkpoints") else ck / "abandoned" / cut["to"]  # a rename stays on its disk
+    # a rename stays on its disk
+    dest_ck = dest if same(ck, run / "checkpoints") else ck / "abandoned" / cut["to"]
     for d in (dest, dest_ck):
         d.mkdir(parents=True, exist_ok=True)
     metrics = run / "metrics.jsonl"
@@ -333,9 +383,11 @@ def finish_cut(run: Path) -> str | None:
     fsync(ck)
     (run / CUT).unlink()
     fsync(run)
-    return (f"resumed from step {step}, before the newest checkpoints of this run: "
-            f"{', '.join(moved) or 'its checkpoints'} and the metrics after step {step} moved to {dest_ck}"
-            + (f" and {dest}" if dest_ck != dest else ""))
+    return (
+        f"resumed from step {step}, before the newest checkpoints of this run: "
+        f"{', '.join(moved) or 'its checkpoints'} and the metrics after step {step} moved to {dest_ck}"
+        + (f" and {dest}" if dest_ck != dest else "")
+    )
 
 
 def heal(run: Path) -> None:
@@ -360,4 +412,3 @@ def same(a: Path, b: Path) -> bool:
         return Path(a).resolve() == Path(b).resolve()
     except OSError:
         return False
-

@@ -1,4 +1,5 @@
 """Sizes in messages: enough digits to tell two sizes apart, and suggested budgets that themselves work."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,8 @@ def budget(nbytes: float) -> str:
     is printed, it is at least `nbytes` (a budget rounded down would be refused again)."""
     x = max(nbytes, 1.0) / 1e9
     digits = max(0, 2 - math.floor(math.log10(x)))
-    text = f"{math.ceil(x * 10 ** digits - 1e-9) / 10 ** digits:.{digits}f}"
+    text = f"{math.ceil(x * 10**digits - 1e-9) / 10**digits:.{digits}f}"
     while float(text) * 1e9 < nbytes:  # float rounding in the line above
         digits += 1
-        text = f"{math.ceil(x * 10 ** digits) / 10 ** digits:.{digits}f}"
+        text = f"{math.ceil(x * 10**digits) / 10**digits:.{digits}f}"
     return text

@@ -2,6 +2,7 @@
 (a resident unit's) or on NVMe (through the staging ring); this rank's part of a slab; a unit's whole master,
 gathered from the ranks. What reads or sets the state outside the step goes through here: the init, a
 Hugging Face import, checkpoints, state_dict. Main thread only, between steps (the caller quiesces first)."""
+
 from __future__ import annotations
 
 import zlib
@@ -18,8 +19,16 @@ from .tiers.slab import Shard, SlabLayout
 
 
 class State:
-    def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], shards: list[Shard], ranks: Ranks,
-                 host: HostStore, staging, where: dict[tuple[int, str], str]):
+    def __init__(
+        self,
+        units: tuple[UnitSpec, ...],
+        layouts: list[SlabLayout],
+        shards: list[Shard],
+        ranks: Ranks,
+        host: HostStore,
+        staging,
+        where: dict[tuple[int, str], str],
+    ):
         """`staging`: the NVMe tier's staging (tiers.staging.Staging; None: nothing spilled); `where`: each
         (unit, kind)'s home."""
         self.units, self.layouts, self.shards, self.ranks = units, layouts, shards, ranks
@@ -52,8 +61,8 @@ class State:
         sh = self.shards[unit]
         with self.slab(unit, kind, read) as flat:
             if not read:
-                flat[sh.stored:].zero_()
-            yield sh.start, flat[:sh.stored]
+                flat[sh.stored :].zero_()
+            yield sh.start, flat[: sh.stored]
             if not read and kind == Kind.MASTER:
                 self.master_set(unit, flat)
 
@@ -72,10 +81,10 @@ class State:
         if read:
             with self.slab(unit, Kind.MASTER, read=True) as part:
                 self.ranks.host_gather(part, whole)
-        yield whole[:sh.layout.numel]
+        yield whole[: sh.layout.numel]
         if not read:
             with self.slab(unit, Kind.MASTER, read=False) as part:
-                part.copy_(whole[sh.start:sh.start + sh.numel])
+                part.copy_(whole[sh.start : sh.start + sh.numel])
                 self.master_set(unit, part)
 
     def master_set(self, unit: int, master: torch.Tensor) -> None:
@@ -102,8 +111,13 @@ class State:
                 for t in unit.tensors:
                     v = views[t.name]
                     if len(t.shape) >= 2:
-                        v.normal_(0.0, std, generator=torch.Generator().manual_seed(
-                            seed * 1_000_003 + zlib.crc32(t.hf_name.encode())))
+                        v.normal_(
+                            0.0,
+                            std,
+                            generator=torch.Generator().manual_seed(
+                                seed * 1_000_003 + zlib.crc32(t.hf_name.encode())
+                            ),
+                        )
                     elif t.name.endswith(".bias"):
                         v.zero_()
                     else:

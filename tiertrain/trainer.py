@@ -1,6 +1,7 @@
 """What a run does: train (a step on the next batch), evaluate, save, restore and describe itself. Built from a
 config: the data, the plan (assemble.plan_run, which refuses what cannot run here before anything is allocated),
 the run's parts (assemble.assemble) and the initial state (a checkpoint, a Hugging Face model or a fresh init)."""
+
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,7 @@ import torch
 from . import checkpoint as ckpt
 from . import rundir
 from .assemble import DTYPES, assemble, plan_run
-from .config import Config, absolute_paths, fixed
+from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count, tensorboard_writer
@@ -23,12 +24,22 @@ from .model.hf import HFReader, spec_from_hf
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
+from .sections import fixed
 from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
 # dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
-BF16_PEAK = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0,
-             "A100": 312.0, "L40S": 362.1, "GH200": 989.4, "B200": 2250.0}
+BF16_PEAK = {
+    "H200": 989.4,
+    "H100 SXM": 989.4,
+    "H100 80GB HBM3": 989.4,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "GH200": 989.4,
+    "B200": 2250.0,
+}
 
 
 def bf16_peak_tflops(device: torch.device) -> float | None:
@@ -42,7 +53,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError('train.device = "cuda" but no CUDA GPU is visible; use --set train.device="cpu" or "auto"')
+        raise ConfigError(
+            'train.device = "cuda" but no CUDA GPU is visible; use --set train.device="cpu" or "auto"'
+        )
     return torch.device(name)
 
 
@@ -61,36 +74,45 @@ def _imported(cfg: Config, resume: Path | None) -> tuple[Config, HFReader | None
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_name: str = "run", resume: Path | None = None,
-                 updates: dict[int, str] | None = None, hardware: Path | None = None, ranks: Ranks | None = None,
-                 out: Path | None = None):
-        """`resume`: a checkpoint to continue from (its state replaces the init; one of the weights alone starts
-        a new run from them); else the weights come from train.init_from (a Hugging Face directory, whose
-        config.json replaces [model]) or a fresh init. `out`: the run directory, whose checkpoints' disk is checked
-        (None: no checkpoints are planned).
-        `updates`: {unit: update} replacing the RunPlan's for those units (RunPlan.with_updates checks them).
-        `hardware`: a `tiertrain probe` file for the plan (else probe's default file, else the reference).
-        `ranks`: the ranks training together (parallel.Ranks; None: the torchrun job of the environment, or
-        this process alone): each holds 1/N of the state and takes 1/N of every batch's rows."""
+    def __init__(
+        self,
+        cfg: Config,
+        run_name: str = "run",
+        resume: Path | None = None,
+        updates: dict[int, str] | None = None,
+        hardware: Path | None = None,
+        ranks: Ranks | None = None,
+        out: Path | None = None,
+    ):
+        """`resume`: a checkpoint to continue from (its state replaces the init; one of the weights alone starts a new
+        run from them); else the weights come from train.init_from (a Hugging Face directory) or a fresh init.
+        `updates`: {unit: update} replacing the RunPlan's (RunPlan.with_updates checks them). `hardware`: a probe
+        file for the plan. `ranks`: the ranks training together (None: the torchrun job of the environment, or this
+        process alone). `out`: the run directory, whose checkpoints' disk is checked (None: no checkpoints)."""
         if cfg.train.tensorboard:
-            tensorboard_writer(None)  # refused here, before anything is allocated, when the package is missing
+            # refused here, before anything is allocated, when the package is missing
+            tensorboard_writer(None)
         cfg, hf_reader = _imported(cfg, resume)
         self.cfg, self.run_name, self.out, tc, d = cfg, run_name, out, cfg.train, cfg.data
-        self.ranks, self.owns_ranks = ranks or Ranks.from_env(), ranks is None  # close() ends the group it made
+        # close() ends the group it made
+        self.ranks, self.owns_ranks = (ranks or Ranks.from_env(), ranks is None)
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
-        self.loader, self.val = loaders(d.path, d.val_path, d.val_fraction, d.shuffle, tc.seq_len, tc.batch_size,
-                                        cfg.model.vocab_size, tc.seed)
+        self.loader, self.val = loaders(d, tc, cfg.model.vocab_size)
         self.units = cfg.model.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
-        self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]  # this rank's part
+        # this rank's part
+        self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
-        self.hw, self.plan, self.chosen = plan_run(cfg, self.device, self.ranks, self.layouts, resume, updates,
-                                                   hardware, out)
+        self.hw, self.plan, self.chosen = plan_run(
+            cfg, self.device, self.ranks, self.layouts, resume, updates, hardware, out
+        )
         self.run_plan = self.plan.run_plan
-        self.predicts = self.device.type == "cuda"  # on a CPU the plan settles the choices; its times are rough
-        self.run = assemble(cfg, self.run_plan, self.units, self.layouts, self.shards, self.ranks, self.device,
-                            run_name)
+        # on a CPU the plan settles the choices; its times are rough
+        self.predicts = self.device.type == "cuda"
+        self.run = assemble(
+            cfg, self.run_plan, self.units, self.layouts, self.shards, self.ranks, self.device, run_name
+        )
         self.step = 0
         try:
             if resume is not None:
@@ -136,19 +158,45 @@ class Trainer:
         self._quiesce()
         o, t0, c = self.cfg.optim, time.perf_counter(), self.cfg.checkpoint
         config = absolute_paths(self.cfg.to_dict())  # a resume from another directory finds the same files
-        meta = {"step": self.step, "config": config, "run": str(Path(run_dir).resolve()),
-                "data": {"next_step": self.step, "path": config["data"]["path"], "shuffle": self.cfg.data.shuffle,
-                         "seed": self.cfg.train.seed, "rows": self.loader.rows, "identity": self.data_identity},
-                "rng": ckpt.rng_state(self.device),
-                "optimizer": {"type": "AdamW", "step_count": self.run.updates.opt.step_count, "lr": o.lr,
-                              "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
-                              "grad_clip": o.grad_clip, "schedule": o.schedule, "warmup_steps": o.warmup_steps,
-                              "min_lr": o.min_lr},
-                "units": [u.name for u in self.units], "plan": self.run_plan.to_dict()}
+        meta = {
+            "step": self.step,
+            "config": config,
+            "run": str(Path(run_dir).resolve()),
+            "data": {
+                "next_step": self.step,
+                "path": config["data"]["path"],
+                "shuffle": self.cfg.data.shuffle,
+                "seed": self.cfg.train.seed,
+                "rows": self.loader.rows,
+                "identity": self.data_identity,
+            },
+            "rng": ckpt.rng_state(self.device),
+            "optimizer": {
+                "type": "AdamW",
+                "step_count": self.run.updates.opt.step_count,
+                "lr": o.lr,
+                "betas": list(o.betas),
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
+                "grad_clip": o.grad_clip,
+                "schedule": o.schedule,
+                "warmup_steps": o.warmup_steps,
+                "min_lr": o.min_lr,
+            },
+            "units": [u.name for u in self.units],
+            "plan": self.run_plan.to_dict(),
+        }
         path = rundir.step_path(run_dir, self.step)
         take = self._store_chunk(path.parent) if last else None
-        nbytes = ckpt.save(path, [lay.numel for lay in self.layouts], lambda u, k: self.run.state.part(u, k, read=True),
-                           meta, self.ranks, kinds=ckpt.SAVED[c.state], take=take)
+        nbytes = ckpt.save(
+            path,
+            [lay.numel for lay in self.layouts],
+            lambda u, k: self.run.state.part(u, k, read=True),
+            meta,
+            self.ranks,
+            kinds=ckpt.SAVED[c.state],
+            take=take,
+        )
         if self.ranks.first:
             rundir.prune(run_dir, c.keep)
         self.ranks.barrier()  # every rank's checkpoint is whole before any goes on
@@ -175,23 +223,31 @@ class Trainer:
         numels = [lay.numel for lay in self.layouts]
         if mine != theirs or meta["numels"] != numels:
             diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            raise ckpt.CheckpointError(f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
-                                       "differ); resume with the run's own config, or start a new run")
+            raise ckpt.CheckpointError(
+                f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
+                "differ); resume with the run's own config, or start a new run"
+            )
         kinds, whole = ckpt.kinds_of(meta), ckpt.whole(meta)
         theirs = meta.get("data", {}).get("identity")
         if whole and theirs and theirs != self.data_identity:
             was = meta["data"].get("path") or "the built-in corpus"
-            raise DataError(f"{self.loader.name} is not the data {path} trained on ({was}: {theirs['size']:,} bytes, "
-                            "another checksum): set data.path to that file, or export the checkpoint and start a new "
-                            "run from it with --init-from")
+            raise DataError(
+                f"{self.loader.name} is not the data {path} trained on ({was}: {theirs['size']:,} bytes, "
+                "another checksum): set data.path to that file, or export the checkpoint and start a new "
+                "run from it with --init-from"
+            )
         self._quiesce()
         t0 = time.perf_counter()
-        ckpt.load_all(path, numels, lambda u, k: self.run.state.part(u, k, read=False), self.ranks, kinds=kinds)
+        ckpt.load_all(
+            path, numels, lambda u, k: self.run.state.part(u, k, read=False), self.ranks, kinds=kinds
+        )
         if whole:
             self.step = meta["step"]
             self.run.updates.opt.step_count = meta["optimizer"]["step_count"]
             ckpt.set_rng_state(meta["rng"], self.device)
-        self.restore_gbs = sum(sh.stored for sh in self.shards) * 4 * len(kinds) / 1e9 / (time.perf_counter() - t0)
+        self.restore_gbs = (
+            sum(sh.stored for sh in self.shards) * 4 * len(kinds) / 1e9 / (time.perf_counter() - t0)
+        )
         return self.restore_gbs
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -218,8 +274,10 @@ class Trainer:
         n = min(self.cfg.train.eval_batches, self.val.rows // self.val.B)
         total = torch.zeros((), dtype=torch.float64)
         for k in range(n):
-            inp, tgt = (torch.from_numpy(a[self.ranks.rows(len(a))]).to(self.device).split(self.run_plan.micro_batch)
-                        for a in self.val.batch(k))
+            inp, tgt = (
+                torch.from_numpy(a[self.ranks.rows(len(a))]).to(self.device).split(self.run_plan.micro_batch)
+                for a in self.val.batch(k)
+            )
             total += self.run.step.evaluate(list(inp), list(tgt)).double().cpu()
         return float(total / n)
 
@@ -230,8 +288,9 @@ class Trainer:
         t0 = time.perf_counter()  # ---- the step
         mb = self.run_plan.micro_batch
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-        loss, grad_norm = self.run.step.run(list(inp.to(self.device).split(mb)), list(tgt.to(self.device).split(mb)),
-                                            lr)
+        loss, grad_norm = self.run.step.run(
+            list(inp.to(self.device).split(mb)), list(tgt.to(self.device).split(mb)), lr
+        )
         loss = float(loss)
         dt = time.perf_counter() - t0
         self.step += 1
@@ -250,8 +309,16 @@ class Trainer:
         tc, upd, nvme, acts = self.cfg.train, self.run.updates, self.run.nvme, self.run.activations
         tokens = shape[0] * shape[1] * self.ranks.size
         tflops = self.cfg.model.flops_per_token(shape[1]) * tokens / dt / 1e12
-        rec = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.step * tokens,
-               "step_s": dt, "tokens_per_s": tokens / dt, "model_tflops": tflops}
+        rec = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": self.step * tokens,
+            "step_s": dt,
+            "tokens_per_s": tokens / dt,
+            "model_tflops": tflops,
+        }
         rec.update({f"{k}_s": v for k, v in self.run.clock.read().items()})
         rec["opt_wait_s"] = upd.host.wait_s
         if upd.any_speculated:  # steps so far whose speculation was kept / redone (clipped)
@@ -273,15 +340,22 @@ class Trainer:
             # its forward pass waited for the last update, speculated beside a backward pass unless a norm clipped
             p = self.plan.prediction
             pt, ps = (p.times, p.step_s) if before.speculation_kept else (p.clipped_times, p.clipped_step_s)
-            rec.update(pred_step_s=ps, pred_forward_s=pt["compute fwd"],
-                       pred_backward_s=pt["compute bwd"], pred_opt_wait_s=pt["exposed update"])
+            rec.update(
+                pred_step_s=ps,
+                pred_forward_s=pt["compute fwd"],
+                pred_backward_s=pt["compute bwd"],
+                pred_opt_wait_s=pt["exposed update"],
+            )
         return rec
 
     def bytes_moved(self) -> tuple[int, int]:
         """(H2D, D2H) bytes so far: weights, gradients, GPU updates' state and activation checkpoints."""
         r = self.run
         ck, gpu = r.activations, r.updates.gpu
-        return (r.slots.h2d_bytes + gpu.h2d_bytes + ck.h2d_bytes, r.grads.d2h_bytes + gpu.d2h_bytes + ck.d2h_bytes)
+        return (
+            r.slots.h2d_bytes + gpu.h2d_bytes + ck.h2d_bytes,
+            r.grads.d2h_bytes + gpu.d2h_bytes + ck.d2h_bytes,
+        )
 
     def close(self) -> None:
         """The run's threads (Run.close), then the process group this trainer made (gloo's threads abort the process
@@ -294,10 +368,16 @@ class Trainer:
         """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
         homes = list(self.run_plan.checkpoints().values())
         where = {Home.GPU: "on the device", Home.HOST: "in pinned host memory", Home.NVME: "on NVMe"}
-        text = ", ".join(f"{homes.count(h)} checkpoints {w}" for h, w in where.items() if h in homes) or "no checkpoints"
+        text = (
+            ", ".join(f"{homes.count(h)} checkpoints {w}" for h, w in where.items() if h in homes)
+            or "no checkpoints"
+        )
         store = self.run.activations.store
-        return text + (f" in {store.root}" if store else "") + (
-            f", blocks in tiles of {self.run_plan.tile:,} tokens" if self.run_plan.tile else "")
+        return (
+            text
+            + (f" in {store.root}" if store else "")
+            + (f", blocks in tiles of {self.run_plan.tile:,} tokens" if self.run_plan.tile else "")
+        )
 
     def discard_scratch(self) -> None:
         """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""
@@ -309,37 +389,58 @@ class Trainer:
         nv = spilled_bytes([sh.numel for sh in self.shards], self.kind_bytes(), self.run_plan.where())
         r = self.ranks
         return [
-            *([f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of every batch "
-               f"and holding 1/{r.size} of every slab; the tiers below are rank 0's"] if r.size > 1 else []),
+            *(
+                [
+                    f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of every batch "
+                    f"and holding 1/{r.size} of every slab; the tiers below are rank 0's"
+                ]
+                if r.size > 1
+                else []
+            ),
             f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
             f"host tier: {human_bytes(sum(host.values()))} ("
-            + ", ".join(f"{getattr(k, 'value', k)} {human_bytes(v)}" for k, v in host.items()) + ")",
-            *([f"NVMe tier: {human_bytes(sum(nv.values()))} ("
-               + ", ".join(f"{k.value} {human_bytes(v)}" for k, v in nv.items())
-               + f") in {nvme.store.root} via {nvme.store.io.name}, staging ring "
-               + human_bytes(nvme.ring_nbytes())] if nvme else []),
-            *([f"plan: step {pr.step_s:.2f} s"
-               + (f" ({pr.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
-                  if pr.clipped_step_s > pr.step_s * 1.005 else "")
-               + f", {pr.tokens_per_s:,.0f} tok/s, bottleneck "
-               f"{pr.bottleneck}, GPU {self.plan.memory.gpu.total / 1e9:.1f} GB ({self.plan.hardware})"]
-              if self.predicts else []),
+            + ", ".join(f"{getattr(k, 'value', k)} {human_bytes(v)}" for k, v in host.items())
+            + ")",
+            *(
+                [
+                    f"NVMe tier: {human_bytes(sum(nv.values()))} ("
+                    + ", ".join(f"{k.value} {human_bytes(v)}" for k, v in nv.items())
+                    + f") in {nvme.store.root} via {nvme.store.io.name}, staging ring "
+                    + human_bytes(nvme.ring_nbytes())
+                ]
+                if nvme
+                else []
+            ),
+            *(
+                [
+                    f"plan: step {pr.step_s:.2f} s"
+                    + (
+                        f" ({pr.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
+                        if pr.clipped_step_s > pr.step_s * 1.005
+                        else ""
+                    )
+                    + f", {pr.tokens_per_s:,.0f} tok/s, bottleneck "
+                    f"{pr.bottleneck}, GPU {self.plan.memory.gpu.total / 1e9:.1f} GB ({self.plan.hardware})"
+                ]
+                if self.predicts
+                else []
+            ),
             f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
             f"GPU updates' state, "
             f"plus activations ({self._checkpoint_homes()}); "
             f"weights stream as "
             f"{'the compute-dtype copy' if 'weights' in self.run.host.kinds else 'fp32 master'}"
-            + (f" ({', '.join(self.chosen)}: the plan)"
-               if self.chosen else ""),
+            + (f" ({', '.join(self.chosen)}: the plan)" if self.chosen else ""),
         ]
 
 
 @dataclass(frozen=True)
 class Counters:
     """The counts a step's record is measured against, taken before the step."""
+
     moved: tuple[int, int]  # (H2D, D2H) bytes so far
     ck_disk: int  # activation checkpoints' disk bytes so far
     ck_wait: float  # seconds the step's thread waited on their disk I/O so far

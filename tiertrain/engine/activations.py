@@ -8,6 +8,7 @@ PieceStore). The writer thread copies a block's inputs down piece by piece and w
 waits only when two blocks' inputs are still on their way down (GPU memory stays bounded). The reader thread
 reads a block's pieces, a few at a time, one unit ahead of the backward pass, after that block's writes landed.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,11 +28,26 @@ IN_FLIGHT = 2  # blocks whose inputs may be on their way to NVMe at once
 
 
 class ActivationStore:
-    def __init__(self, homes: dict[int, str], streams: Streams, clock: StallClock, device: torch.device, pin: bool,
-                 store=None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        homes: dict[int, str],
+        streams: Streams,
+        clock: StallClock,
+        device: torch.device,
+        pin: bool,
+        store=None,
+        dtype: torch.dtype = torch.float32,
+    ):
         """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones; `dtype`: the
         checkpoints' (RunPlan.activation_dtype): a block's fp32 input is cast to it when saved, back when got."""
-        self.homes, self.s, self.clock, self.device, self.pin, self.store = homes, streams, clock, device, pin, store
+        self.homes, self.s, self.clock, self.device, self.pin, self.store = (
+            homes,
+            streams,
+            clock,
+            device,
+            pin,
+            store,
+        )
         self.dtype = dtype
         self.saved: dict[int, list[torch.Tensor]] = {}
         self.ready: dict[int, object] = {}  # block -> its H2D event (host)
@@ -39,7 +55,9 @@ class ActivationStore:
         self._shape: tuple | None = None
         self.h2d_bytes = self.d2h_bytes = 0
         self.disk_bytes = 0  # written and read back, both
-        self.wait_s = 0.0  # the step's thread waiting on the disk (blocks on their way down, reads not landed)
+        self.wait_s = (
+            0.0  # the step's thread waiting on the disk (blocks on their way down, reads not landed)
+        )
         self.reads: dict[int, Future] = {}  # block -> its reader job (-> the H2D event of its last piece)
         if store is not None:
             # threads: the main thread (save, prefetch, get), one writer and one reader (owned here, shut by
@@ -106,7 +124,7 @@ class ActivationStore:
             buf = self.ring.take()
             with self.s.on(self.s.d2h):
                 self.s.wait(self.s.d2h, done)
-                buf.view(self.dtype)[:b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
+                buf.view(self.dtype)[: b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
                 copied = self.s.record(self.s.d2h)
             if copied is not None:
                 copied.synchronize()
@@ -156,7 +174,7 @@ class ActivationStore:
             self.disk_bytes += 2 * (b - a) * bufs[m].element_size()
             with self.s.on(self.s.h2d):
                 self.s.wait(self.s.h2d, allocated)
-                bufs[m].view(-1)[a:b].copy_(buf.view(self.dtype)[:b - a], non_blocking=True)
+                bufs[m].view(-1)[a:b].copy_(buf.view(self.dtype)[: b - a], non_blocking=True)
                 last = self.s.record(self.s.h2d)
             if last is not None:
                 last.synchronize()  # the buffer is free once its copy has read it

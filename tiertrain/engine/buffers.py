@@ -15,6 +15,7 @@ Several ranks (parallel.Ranks): the host holds this rank's shard of each slab (t
 the shard into its place in the buffer and all-gathers the rest from the other ranks, on the H2D stream; a
 drain reduce-scatters the accumulator in place, on the D2H stream, and sends down only this rank's part.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -41,9 +42,18 @@ def _own(shards: list[Shard]) -> tuple[tuple[int, int], int]:
 
 
 class WeightSlots:
-    def __init__(self, layouts: list[SlabLayout], host: HostStore, device: torch.device, dtype: torch.dtype,
-                 streams: Streams, clock: StallClock, reader=None, shards: list[Shard] | None = None,
-                 ranks: Ranks | None = None):
+    def __init__(
+        self,
+        layouts: list[SlabLayout],
+        host: HostStore,
+        device: torch.device,
+        dtype: torch.dtype,
+        streams: Streams,
+        clock: StallClock,
+        reader=None,
+        shards: list[Shard] | None = None,
+        ranks: Ranks | None = None,
+    ):
         """`reader`: the NVMe tier's reader of the streamed kind (tiers.reader.StreamReader), for the units whose
         streamed slab is spilled (its `units`). `shards`: this
         rank's part of each unit's slab, which the host holds (None: the whole slab); `ranks`: who holds the rest."""
@@ -54,8 +64,9 @@ class WeightSlots:
         self.res = {i: _Buf(self.shards[i].padded, dtype, device) for i in self.own}
         # fp32 master streamed for a bf16 run: copy into an fp32 stage, cast on the H2D stream
         casts = host.dtype(host.streamed_kind) != dtype
-        self.stage = torch.empty(max(sh.numel for sh in self.shards) if casts else 0, dtype=torch.float32,
-                                 device=device)
+        self.stage = torch.empty(
+            max(sh.numel for sh in self.shards) if casts else 0, dtype=torch.float32, device=device
+        )
         self._mru = 1
         self._at: dict[int, _Buf] = {}
         self.ready: dict[int, object] = {}  # unit -> event: its weights are in its buffer
@@ -70,13 +81,19 @@ class WeightSlots:
         key = (unit, self.host.version[unit])
         buf, self._mru = self._buffer_for(unit, key, self._mru, lambda b: b.holds)
         sh = self.shards[unit]
-        n, part = sh.numel, buf.t[sh.start:sh.start + sh.numel]  # this rank's part of the unit's weights
+        n, part = sh.numel, buf.t[sh.start : sh.start + sh.numel]  # this rank's part of the unit's weights
         self._at[unit] = buf
         if buf.holds == key:
             return
         buf.holds = key
         spilled = unit in self.spilled and updated is None
-        src = self.reader.read_for_copy(unit) if spilled else self.host.streamed(unit) if updated is None else updated
+        src = (
+            self.reader.read_for_copy(unit)
+            if spilled
+            else self.host.streamed(unit)
+            if updated is None
+            else updated
+        )
         with self.s.on(self.s.h2d):
             self.s.wait(self.s.h2d, buf.free)
             self.s.wait(self.s.h2d, after)
@@ -89,7 +106,7 @@ class WeightSlots:
                 part.copy_(src, non_blocking=True)
             if updated is None and not src.is_cuda:  # a resident unit's copy is device to device
                 self.h2d_bytes += src.numel() * src.element_size()
-            self.ranks.all_gather(buf.t[:sh.padded], sh.start, n)  # the other ranks' parts, over NVLink
+            self.ranks.all_gather(buf.t[: sh.padded], sh.start, n)  # the other ranks' parts, over NVLink
             self.ready[unit] = self.s.record(self.s.h2d)
         if spilled:
             self.reader.copied(unit, self.ready[unit])
@@ -109,7 +126,9 @@ class WeightSlots:
                 held[id(b)] = key
         self.reader.stream_pass(copies)
 
-    def _buffer_for(self, unit: int, key: tuple, mru: int, holds: Callable[[_Buf], tuple | None]) -> tuple[_Buf, int]:
+    def _buffer_for(
+        self, unit: int, key: tuple, mru: int, holds: Callable[[_Buf], tuple | None]
+    ) -> tuple[_Buf, int]:
         """The buffer a load of `key` uses, and the block slot used last after it, when buffer b holds
         `holds(b)`: the unit's own buffer, else the slot that already holds it, else the other slot."""
         if unit in self.res:
@@ -127,7 +146,7 @@ class WeightSlots:
     def use(self, unit: int) -> torch.Tensor:
         """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
         self.clock.wait("h2d_wait", self.ready.pop(unit, None))
-        return self._at[unit].t[:self.layouts[unit].numel]
+        return self._at[unit].t[: self.layouts[unit].numel]
 
     def release(self, *units: int) -> None:
         """The compute stream has enqueued its last use of these units' weights."""
@@ -136,14 +155,23 @@ class WeightSlots:
             self._at[u].free = ev
 
     def nbytes(self) -> int:
-        return sum(b.t.numel() * b.t.element_size() for b in self.slots + list(self.res.values())) + \
-            self.stage.numel() * 4
+        return (
+            sum(b.t.numel() * b.t.element_size() for b in self.slots + list(self.res.values()))
+            + self.stage.numel() * 4
+        )
 
 
 class Accumulators:
-    def __init__(self, layouts: list[SlabLayout], device: torch.device, streams: Streams, clock: StallClock,
-                 sink: Callable[[int], tuple[torch.Tensor, Callable | None]], shards: list[Shard] | None = None,
-                 ranks: Ranks | None = None):
+    def __init__(
+        self,
+        layouts: list[SlabLayout],
+        device: torch.device,
+        streams: Streams,
+        clock: StallClock,
+        sink: Callable[[int], tuple[torch.Tensor, Callable | None]],
+        shards: list[Shard] | None = None,
+        ranks: Ranks | None = None,
+    ):
         """`sink(unit)`: where a unit's gradient goes and what to call with the copy's event (its host slab,
         or for a spilled gradient a staging buffer, then the disk): this rank's shard (`shards`, as WeightSlots)."""
         self.layouts, self.s, self.clock, self.sink = layouts, streams, clock, sink
@@ -169,17 +197,17 @@ class Accumulators:
             b = self.blocks[self._turn]
             self._turn ^= 1
             self.clock.wait("d2h_wait", b.free)
-            b.t[:self.shards[unit].padded].zero_()
+            b.t[: self.shards[unit].padded].zero_()
             self._at[unit] = b
         return self.acc(unit)
 
     def acc(self, unit: int) -> torch.Tensor:
-        return self._at[unit].t[:self.layouts[unit].numel]
+        return self._at[unit].t[: self.layouts[unit].numel]
 
     def part(self, unit: int) -> torch.Tensor:
         """This rank's part of the unit's accumulator: after its drain, the gradient summed over the ranks."""
         sh = self.shards[unit]
-        return self._at[unit].t[sh.start:sh.start + sh.numel]
+        return self._at[unit].t[sh.start : sh.start + sh.numel]
 
     def read_until(self, unit: int, event) -> None:
         """Another copy out of the unit's accumulator (a speculated GPU update's) ends at `event`."""
@@ -193,7 +221,7 @@ class Accumulators:
         dst, landed = self.sink(unit)
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
-            part = self.ranks.reduce_scatter(self._at[unit].t[:sh.padded], sh.start, sh.numel)
+            part = self.ranks.reduce_scatter(self._at[unit].t[: sh.padded], sh.start, sh.numel)
             norm = torch.linalg.vector_norm(part)
             if norm.is_cuda:
                 norm.record_stream(self.s.compute)  # read there after norms_ready()

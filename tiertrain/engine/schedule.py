@@ -14,6 +14,7 @@ norm      the global gradient norm from the per-unit norms left on the device, s
           in one all-reduce: the step's one synchronization
 Where and when each unit's AdamW runs is its RunPlan entry's, carried out by optim.updates.Updates.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,23 +35,52 @@ from .streams import StallClock
 
 
 class Step:
-    def __init__(self, units: tuple[UnitSpec, ...], layouts: list[SlabLayout], slots: WeightSlots,
-                 grads: Accumulators, checkpoints: ActivationStore, updates: Updates, clock: StallClock, ctx: Context,
-                 loss_chunk_tokens: int | None, max_norm: float, kept: frozenset[int] = frozenset(),
-                 ranks: Ranks | None = None):
+    def __init__(
+        self,
+        units: tuple[UnitSpec, ...],
+        layouts: list[SlabLayout],
+        slots: WeightSlots,
+        grads: Accumulators,
+        checkpoints: ActivationStore,
+        updates: Updates,
+        clock: StallClock,
+        ctx: Context,
+        loss_chunk_tokens: int | None,
+        max_norm: float,
+        kept: frozenset[int] = frozenset(),
+        ranks: Ranks | None = None,
+    ):
         self.units, self.layouts, self.slots, self.grads, self.ck, self.updates, self.clock, self.ctx = (
-            units, layouts, slots, grads, checkpoints, updates, clock, ctx)
+            units,
+            layouts,
+            slots,
+            grads,
+            checkpoints,
+            updates,
+            clock,
+            ctx,
+        )
         self.kept = kept  # blocks whose activations stay on the GPU from forward to backward
         self.graphs: dict[int, tuple] = {}  # kept block -> (inputs, outputs, leaves) per micro-batch
         self.weights_now: dict[int, torch.Tensor] = {}  # kept block -> its flat weights for the backward pass
-        self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)  # ~64 MiB of fp32 logits
+        # ~64 MiB of fp32 logits
+        self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)
         self.max_norm = max_norm
         self.ranks = ranks or Ranks()  # each takes as many rows of the batch
 
-    def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float) -> tuple[torch.Tensor, float]:
+    def run(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float
+    ) -> tuple[torch.Tensor, float]:
         """Forward, backward, norm and the start of the update, over the micro-batches; (summed loss, the
         global gradient norm), over every rank's rows. The update finishes during the next step's forward pass."""
-        L, slots, grads, ck, updates, clock = len(self.units), self.slots, self.grads, self.ck, self.updates, self.clock
+        L, slots, grads, ck, updates, clock = (
+            len(self.units),
+            self.slots,
+            self.grads,
+            self.ck,
+            self.updates,
+            self.clock,
+        )
         n_tokens = sum(t.numel() for t in targets) * self.ranks.size
         load = self.load
 
@@ -151,9 +181,9 @@ class Step:
             for x, tgt in zip(xs, targets):
                 xf, t = x.reshape(-1, x.shape[-1]), tgt.reshape(-1)
                 for a in range(0, xf.shape[0], self.chunk):
-                    h = llama.final_norm({"norm.weight": w["norm.weight"]}, xf[a:a + self.chunk], self.ctx)
+                    h = llama.final_norm({"norm.weight": w["norm.weight"]}, xf[a : a + self.chunk], self.ctx)
                     lg = llama.logits({"lm_head.weight": w["lm_head.weight"]}, h, self.ctx)
-                    loss += F.cross_entropy(lg, t[a:a + self.chunk], reduction="sum") / n_tokens
+                    loss += F.cross_entropy(lg, t[a : a + self.chunk], reduction="sum") / n_tokens
             self.release(L - 1)
         self.slots.forget()
         return self.ranks.all_sum(loss)
@@ -166,7 +196,9 @@ class Step:
             w[name] = self.layouts[owner].views(self.slots.use(owner))[owner_name]
         return w
 
-    def bind_for_grad(self, unit: int) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    def bind_for_grad(
+        self, unit: int
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Leaf tensors over the weights, each paired with the fp32 accumulator view it feeds."""
         leaves = {n: v.detach().requires_grad_() for n, v in self.bind(unit).items()}
         accs = self.layouts[unit].views(self.grads.begin(unit))
@@ -182,13 +214,17 @@ class Step:
         """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it."""
         return tiled.forward(w, x, self.ctx) if self.ctx.tiled(x) else llama.block(w, x, self.ctx)
 
-    def block_backward(self, leaves, pairs, saved: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def block_backward(
+        self, leaves, pairs, saved: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """Each micro-batch's block recomputed from its checkpoint and differentiated; weight gradients added
         into the accumulators. Returns the gradients of the block's inputs (a tiled block's in `grads`' memory)."""
         out_grads = []
         for x, g in zip(saved, grads):
             if self.ctx.tiled(x):
-                out_grads.append(tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, self.ctx))
+                out_grads.append(
+                    tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, self.ctx)
+                )
                 continue
             x = x.requires_grad_()
             with torch.enable_grad():
@@ -199,7 +235,9 @@ class Step:
                 acc.add_(gw)
         return out_grads
 
-    def forward_kept(self, unit: int, w: dict[str, torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward_kept(
+        self, unit: int, w: dict[str, torch.Tensor], xs: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """The block's forward pass with autograd, its graph kept for the backward pass. What the graph saves
         of the weights is saved as (offset, shape, stride) in the unit's flat slot: the slot is refilled by
         other units in between, and the backward pass loads the unit's weights again (weights_now)."""
@@ -259,7 +297,8 @@ class Step:
         loss = torch.zeros((), dtype=torch.float32, device=xs[0].device)
         grads = []
         with self.clock.computing("backward"):
-            for x, tgt in zip(xs, targets):  # the final norm too a chunk at a time: nothing (tokens x H) but x, gx
+            # the final norm too a chunk at a time: nothing (tokens x H) but x, gx
+            for x, tgt in zip(xs, targets):
                 xf, t = x.reshape(-1, x.shape[-1]), tgt.reshape(-1)
                 gx = torch.empty_like(xf)
                 for a in range(0, xf.shape[0], self.chunk):

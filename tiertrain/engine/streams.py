@@ -4,6 +4,7 @@ Three streams: compute, H2D, D2H; and two more for the GPU updates speculated in
 state in, their write-back). Work on one stream waits for another only through events, never a
 device-wide synchronization. On CPU every call runs at once, in order, so the same schedule runs there.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@ Import reads a local directory (config.json and one `model.safetensors`, or shar
 slab. Export writes what `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json,
 shards of at most `shard_bytes` and their index, into a temporary directory renamed when whole.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,12 @@ from .spec import MODEL_TYPES, ModelSpec
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -51,20 +56,34 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
         raise HFError(f"{d}/config.json has no {', '.join(missing)}; it is not a complete {mt} config")
     bad = [k for k in need if isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] <= 0]
     if bad:
-        raise HFError(f"{d}/config.json: {', '.join(f'{k} = {c[k]!r}' for k in bad)}; each must be a positive integer")
+        raise HFError(
+            f"{d}/config.json: {', '.join(f'{k} = {c[k]!r}' for k in bad)}; each must be a positive integer"
+        )
     wrong = f"{d}/config.json has a field of the wrong type ({{}}); fix it or re-download the model"
     try:
         heads = c["num_attention_heads"]
         spec = ModelSpec(
-            hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=heads,
             num_key_value_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads, vocab_size=c["vocab_size"],
-            rope_theta=float(theta), rope_scaling=scaling, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), attention_bias=mt == "qwen2",
-            qk_norm=mt == "qwen3", max_position_embeddings=c.get("max_position_embeddings", 2048),
-            initializer_range=float(c.get("initializer_range", 0.02)), model_type=mt, sliding_window=window,
-            bos_token_id=c.get("bos_token_id"), eos_token_id=c.get("eos_token_id"), pad_token_id=c.get("pad_token_id"))
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab_size=c["vocab_size"],
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=mt == "qwen2",
+            qk_norm=mt == "qwen3",
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            initializer_range=float(c.get("initializer_range", 0.02)),
+            model_type=mt,
+            sliding_window=window,
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_id=c.get("eos_token_id"),
+            pad_token_id=c.get("pad_token_id"),
+        )
         spec.validate()
     except UserError as e:
         raise HFError(f"{d}/config.json: {e}") from None
@@ -79,8 +98,10 @@ def _config(d: Path) -> tuple[dict, str]:
         raise HFError(f"--init-from {d}: not a directory; pass a local Hugging Face model directory")
     c = _read_json(d / "config.json", "--init-from needs a Hugging Face model directory with config.json")
     if not isinstance(c, dict):
-        raise HFError(f"{d}/config.json holds a JSON {type(c).__name__}, not an object of model fields; pass a "
-                      "Hugging Face model directory")
+        raise HFError(
+            f"{d}/config.json holds a JSON {type(c).__name__}, not an object of model fields; pass a "
+            "Hugging Face model directory"
+        )
     mt = c.get("model_type")
     if mt not in MODEL_TYPES:
         raise HFError(f"{d}: model_type {mt!r} is not supported; tiertrain trains {', '.join(MODEL_TYPES)}")
@@ -90,9 +111,12 @@ def _config(d: Path) -> tuple[dict, str]:
 def _implemented(c: dict, d: Path, mt: str, seq_len: int | None) -> int | None:
     """Refuses what tiertrain does not implement (it could not train the model exactly); the sliding window
     kept for the export (None: none), at least `seq_len`."""
+
     def refuse(ok: bool, why: str) -> None:
         if not ok:
-            raise HFError(f"{d}: {why}, which tiertrain does not implement; it cannot train this model exactly")
+            raise HFError(
+                f"{d}: {why}, which tiertrain does not implement; it cannot train this model exactly"
+            )
 
     refuse(c.get("hidden_act", "silu") == "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)")
     refuse(not c.get("mlp_bias", False), "mlp_bias")
@@ -114,8 +138,10 @@ def _rope(c: dict, d: Path) -> tuple[object, dict | None]:
         return c.get("rope_theta", 10000.0), c.get("rope_scaling")
     rp = c["rope_parameters"] or {}
     if not isinstance(rp, dict):
-        raise HFError(f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
-                      "like {\"rope_type\": \"default\", \"rope_theta\": 500000.0}")
+        raise HFError(
+            f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
+            'like {"rope_type": "default", "rope_theta": 500000.0}'
+        )
     rp = dict(rp)
     theta = rp.pop("rope_theta", 10000.0)
     return theta, rp if rp.get("rope_type", "default") != "default" else None
@@ -123,22 +149,39 @@ def _rope(c: dict, d: Path) -> tuple[object, dict | None]:
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
     """config.json for `spec`, in the keys transformers 4.x and 5.x both read."""
-    c = {"architectures": [ARCHITECTURES[spec.model_type]], "model_type": spec.model_type,
-         "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
-         "num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
-         "num_key_value_heads": spec.n_kv_heads, "head_dim": spec.hd, "vocab_size": spec.vocab_size,
-         "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.rms_norm_eps,
-         "rope_theta": spec.rope_theta, "rope_scaling": spec.rope_scaling,
-         "tie_word_embeddings": spec.tie_word_embeddings, "initializer_range": spec.initializer_range,
-         "hidden_act": "silu", "torch_dtype": dtype, "use_cache": True}
+    c = {
+        "architectures": [ARCHITECTURES[spec.model_type]],
+        "model_type": spec.model_type,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.n_kv_heads,
+        "head_dim": spec.hd,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "initializer_range": spec.initializer_range,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
     if spec.model_type == "llama":
         c.update(attention_bias=False, mlp_bias=False)
     if spec.model_type in ("qwen2", "qwen3"):
         c.update(use_sliding_window=spec.sliding_window is not None, sliding_window=spec.sliding_window)
     if spec.model_type in ("mistral",):
         c.update(sliding_window=spec.sliding_window)
-    c.update({k: getattr(spec, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-              if getattr(spec, k) is not None})
+    c.update(
+        {
+            k: getattr(spec, k)
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if getattr(spec, k) is not None
+        }
+    )
     return c
 
 
@@ -151,23 +194,33 @@ class HFReader:
             index = _read_json(self.dir / INDEX, "")
             wm = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
-                raise HFError(f"{self.dir / INDEX} has no weight_map of tensor names to files; re-download the model")
+                raise HFError(
+                    f"{self.dir / INDEX} has no weight_map of tensor names to files; re-download the model"
+                )
             outside = [f for f in wm.values() if not _inside(self.dir, f)]
             if outside:  # a shard's name is a file of this directory, never a path out of it
-                raise HFError(f"{self.dir / INDEX} names a shard outside the model directory ({outside[0]!r}); "
-                              "re-download the model")
+                raise HFError(
+                    f"{self.dir / INDEX} names a shard outside the model directory ({outside[0]!r}); "
+                    "re-download the model"
+                )
             self.where = dict(wm)
         elif (self.dir / SINGLE).is_file():
             if not _inside(self.dir, SINGLE):
-                raise HFError(f"{self.dir / SINGLE} links outside the model directory; copy the model's files into it")
+                raise HFError(
+                    f"{self.dir / SINGLE} links outside the model directory; copy the model's files into it"
+                )
             self.where = None
         else:
-            raise HFError(f"{self.dir} holds neither {SINGLE} nor {INDEX}; tiertrain reads safetensors weights")
+            raise HFError(
+                f"{self.dir} holds neither {SINGLE} nor {INDEX}; tiertrain reads safetensors weights"
+            )
         files = sorted(set(self.where.values())) if self.where else [SINGLE]
         missing = [f for f in files if not (self.dir / f).is_file()]
         if missing:
-            raise HFError(f"{self.dir}: shard {missing[0]} listed in {INDEX} is missing"
-                          f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download it")
+            raise HFError(
+                f"{self.dir}: shard {missing[0]} listed in {INDEX} is missing"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download it"
+            )
         self._open: dict[str, object] = {}
         if self.where is None:
             self.where = {k: SINGLE for k in self._file(SINGLE).keys()}
@@ -179,39 +232,59 @@ class HFReader:
             try:
                 self._open[name] = safe_open(self.dir / name, framework="pt")
             except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-                raise HFError(f"{self.dir / name} is not a readable safetensors file ({e}); re-download it") from None
+                raise HFError(
+                    f"{self.dir / name} is not a readable safetensors file ({e}); re-download it"
+                ) from None
         return self._open[name]
 
     def check(self, names: Iterable[str]) -> None:
         missing = [n for n in names if n not in self.where]
         if missing:
-            raise HFError(f"{self.dir} lacks tensor {missing[0]}"
-                          f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; "
-                          "its weights do not match its config.json")
+            raise HFError(
+                f"{self.dir} lacks tensor {missing[0]}"
+                f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; "
+                "its weights do not match its config.json"
+            )
 
     def get(self, name: str, shape: tuple[int, ...]) -> "torch.Tensor":
         t = self._file(self.where[name]).get_tensor(name)
         if tuple(t.shape) != tuple(shape):
-            raise HFError(f"{self.dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
+            raise HFError(
+                f"{self.dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+            )
         return t
 
 
 # what an imported model's directory holds beside its weights that its export should too
-CARRIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-           "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+CARRIED = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def model_root(model_dir: Path) -> Path:
     """The directory a model's files must stay inside: the model directory, or for a snapshot of the Hugging Face
     hub's cache (`models--ORG--NAME/snapshots/REV`, whose files link to `../../blobs`) the model's cache entry."""
     d = Path(model_dir).resolve()
-    return d.parent.parent if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--") else d
+    return (
+        d.parent.parent if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--") else d
+    )
 
 
 def _inside(model_dir: Path, name: str) -> bool:
     """`name` is a file of the model directory (or below it), and no link leads out of model_root."""
-    return not Path(name).is_absolute() and ".." not in Path(name).parts and \
-        (Path(model_dir) / name).resolve().is_relative_to(model_root(model_dir))
+    return (
+        not Path(name).is_absolute()
+        and ".." not in Path(name).parts
+        and (Path(model_dir) / name).resolve().is_relative_to(model_root(model_dir))
+    )
 
 
 def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -226,20 +299,47 @@ def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[list[st
     return names, [n for n in present if n not in names]
 
 
-def write_hf(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Iterator[tuple[str, "torch.Tensor"]], dtype: str,
-             shard_bytes: int = 5 << 30, carried: str | os.PathLike | None = None) -> list[str]:
+def write_hf(
+    out_dir: str | os.PathLike,
+    spec: ModelSpec,
+    tensors: Iterator[tuple[str, "torch.Tensor"]],
+    dtype: str,
+    shard_bytes: int = 5 << 30,
+    carried: str | os.PathLike | None = None,
+) -> list[str]:
     """Writes config.json and safetensors shards (+ index) of the (name, tensor) stream, and the files of
     `carried` (carry_files); returns the shards. `out_dir` must not exist or be empty; it appears only when
-    whole."""
-    import torch
-    from safetensors.torch import save_file
+    whole, made in a new temporary directory beside it (never a path that was there)."""
+    import tempfile
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFError(f"--to {out} already exists and is not empty; pass a new directory")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        files = _shards(tmp, tensors, dtype, shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
+        if carried is not None:
+            carry_files(carried, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the model from other users
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
+
+
+def _shards(
+    tmp: Path, tensors: Iterator[tuple[str, "torch.Tensor"]], dtype: str, shard_bytes: int
+) -> list[str]:
+    """The tensors in `dtype` as safetensors files of at most `shard_bytes` in `tmp`, named as transformers names
+    them, with their index where there are several; the files' names."""
+    import torch
+    from safetensors.torch import save_file
+
     want = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     shard: dict[str, torch.Tensor] = {}
     names: dict[str, int] = {}  # tensor name -> shard number (from 1)
@@ -252,29 +352,23 @@ def write_hf(out_dir: str | os.PathLike, spec: ModelSpec, tensors: Iterator[tupl
         names.update({k: count for k in shard})
         shard = {}
 
-    try:
-        for name, t in tensors:
-            t = t.to(want).contiguous()
-            n = t.numel() * t.element_size()
-            if shard and sum(x.numel() * x.element_size() for x in shard.values()) + n > shard_bytes:
-                flush()
-            shard[name] = t
-            total += n
-        flush()
-        files = {k: f"model-{k:05d}-of-{count:05d}.safetensors" if count > 1 else SINGLE
-                 for k in range(1, count + 1)}  # the names transformers writes
-        for k, fname in files.items():
-            os.replace(tmp / f"part-{k}", tmp / fname)
-        if count > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": {n: files[k] for n, k in sorted(names.items())}}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
-        if carried is not None:
-            carry_files(carried, tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    for name, t in tensors:
+        t = t.to(want).contiguous()
+        n = t.numel() * t.element_size()
+        if shard and sum(x.numel() * x.element_size() for x in shard.values()) + n > shard_bytes:
+            flush()
+        shard[name] = t
+        total += n
+    flush()
+    files = {
+        k: f"model-{k:05d}-of-{count:05d}.safetensors" if count > 1 else SINGLE for k in range(1, count + 1)
+    }
+    for k, fname in files.items():
+        os.replace(tmp / f"part-{k}", tmp / fname)
+    if count > 1:
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {n: files[k] for n, k in sorted(names.items())},
+        }
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return list(files.values())

@@ -5,6 +5,7 @@ residual stream, norms, softmax and the loss stay in fp32, and matmul inputs are
 dtype: in bf16 this is the arithmetic of torch.autocast over an fp32 model. The math follows
 transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (rotate-half RoPE).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,6 +38,7 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
 @dataclass
 class Context:
     """What every template call of a run shares: the shape, the compute dtype, the RoPE tables."""
+
     spec: ModelSpec
     dtype: torch.dtype
     cos: torch.Tensor  # (S, head_dim) fp32
@@ -44,8 +46,9 @@ class Context:
     tile: int = 0  # tokens per tile of a block (RunPlan.tile); 0: a block runs on all its tokens at once
 
     @classmethod
-    def build(cls, spec: ModelSpec, seq_len: int, dtype: torch.dtype, device: torch.device,
-              tile: int = 0) -> "Context":
+    def build(
+        cls, spec: ModelSpec, seq_len: int, dtype: torch.dtype, device: torch.device, tile: int = 0
+    ) -> "Context":
         pos = torch.arange(seq_len, dtype=torch.float32)
         freqs = pos[:, None] * rope_inv_freq(spec)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -76,18 +79,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     if _SDPA_GQA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+    return F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+    )
 
 
 def embed(w: dict[str, torch.Tensor], tokens: torch.Tensor, ctx: Context) -> torch.Tensor:
     return F.embedding(tokens, w["embed_tokens.weight"]).float()
 
 
-ATTN_IN = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-           "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.q_norm.weight",
-           "self_attn.k_norm.weight")
-MLP_WEIGHTS = ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-               "mlp.down_proj.weight")
+ATTN_IN = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
+MLP_WEIGHTS = (
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
 
 
 def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 0):
@@ -105,7 +122,7 @@ def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 
     if s.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps).to(dt)
         k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps).to(dt)
-    cos, sin = ctx.cos[start:start + t], ctx.sin[start:start + t]
+    cos, sin = ctx.cos[start : start + t], ctx.sin[start : start + t]
     return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
 
 

@@ -3,6 +3,7 @@
 Written apart from the templates on purpose (nn.Linear, nn.Embedding, its own norm and RoPE code), so
 that agreement between the two is evidence, not an identity. Parameter names are Hugging Face's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,7 +53,11 @@ class Attention(nn.Module):
         v = self.v_proj(h).view(b, t, s.n_kv_heads, s.hd)
         if s.qk_norm:
             q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
-        q, k, v = (_rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2))
+        q, k, v = (
+            _rotate(q.transpose(1, 2), cos, sin),
+            _rotate(k.transpose(1, 2), cos, sin),
+            v.transpose(1, 2),
+        )
         rep = s.num_attention_heads // s.n_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

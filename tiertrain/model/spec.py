@@ -1,4 +1,5 @@
 """Model shape: Hugging Face-compatible fields, streaming units, tensor tables, counts. No torch here."""
+
 from __future__ import annotations
 
 import math
@@ -12,6 +13,11 @@ ROPE_TYPES = ("default", "llama3")
 
 def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _finite(v: object) -> bool:
+    """A positive finite number."""
+    return _number(v) and math.isfinite(v) and v > 0
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,8 @@ class ModelSpec:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     _units: tuple[UnitSpec, ...] | None = field(default=None, init=False, repr=False, compare=False)
-    _counts: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)  # with _units
+    # with _units
+    _counts: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- derived shape ------------------------------------------------------------------------
     @property
@@ -82,45 +89,78 @@ class ModelSpec:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
-        def need(ok: bool, key: str, why: str) -> None:
-            if not ok:
-                raise ConfigError(f"model.{key} = {getattr(self, key)!r} is not allowed: {why}")
-
-        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "vocab_size", "max_position_embeddings"):
+        """Each field checked: one line naming the one that is not allowed, and why."""
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             v = getattr(self, key)
-            need(isinstance(v, int) and v > 0, key, "must be a positive integer")
-        need(self.num_key_value_heads is None or self.num_key_value_heads > 0, "num_key_value_heads",
-             "must be a positive integer")
-        need(self.num_attention_heads % self.n_kv_heads == 0, "num_key_value_heads",
-             f"must divide model.num_attention_heads ({self.num_attention_heads})")
+            self._need(isinstance(v, int) and v > 0, key, "must be a positive integer")
+        kv = self.num_key_value_heads
+        self._need(kv is None or kv > 0, "num_key_value_heads", "must be a positive integer")
+        self._need(
+            self.num_attention_heads % self.n_kv_heads == 0,
+            "num_key_value_heads",
+            f"must divide model.num_attention_heads ({self.num_attention_heads})",
+        )
         if self.head_dim is None:
-            need(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
-                 f"must be a multiple of model.num_attention_heads ({self.num_attention_heads}), "
-                 "or set model.head_dim")
-            need(self.hd % 2 == 0, "hidden_size", f"/ model.num_attention_heads = {self.hd}, the head size, must "
-                 "be even (RoPE rotates pairs); change either, or set model.head_dim")
-        need(isinstance(self.hd, int) and self.hd > 0 and self.hd % 2 == 0, "head_dim",
-             "must be a positive even number (RoPE)")
+            self._need(
+                self.hidden_size % self.num_attention_heads == 0,
+                "hidden_size",
+                f"must be a multiple of model.num_attention_heads ({self.num_attention_heads}), or set "
+                "model.head_dim",
+            )
+            self._need(
+                self.hd % 2 == 0,
+                "hidden_size",
+                f"/ model.num_attention_heads = {self.hd}, the head size, "
+                "must be even (RoPE rotates pairs); change either, or set model.head_dim",
+            )
+        self._need(
+            isinstance(self.hd, int) and self.hd > 0 and self.hd % 2 == 0,
+            "head_dim",
+            "must be a positive even number (RoPE)",
+        )
         for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
-            v = getattr(self, key)
-            need(_number(v) and math.isfinite(v) and v > 0, key, "must be a positive finite number")
-        need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
-        rs = self.rope_scaling
-        if rs is not None:
-            need(isinstance(rs, dict), "rope_scaling", "must be a table like {rope_type = \"llama3\", factor = 8.0, ...}")
-            kind = rs.get("rope_type", rs.get("type", "default"))
-            need(kind in ROPE_TYPES, "rope_scaling", f"rope_type must be one of {', '.join(ROPE_TYPES)}")
-            need("factor" not in rs or _number(rs["factor"]) and math.isfinite(rs["factor"]) and rs["factor"] > 0,
-                 "rope_scaling", "factor must be a positive finite number")
-            if kind == "llama3":
-                keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                missing = [k for k in keys if k not in rs]
-                need(not missing, "rope_scaling", f"llama3 scaling needs {', '.join(missing)}")
-                bad = [k for k in keys if not (_number(rs[k]) and math.isfinite(rs[k]) and rs[k] > 0)]
-                need(not bad, "rope_scaling", f"{', '.join(bad)} must be positive finite numbers, not strings")
-                need(rs["high_freq_factor"] != rs["low_freq_factor"], "rope_scaling",
-                     "high_freq_factor must differ from low_freq_factor")
+            self._need(_finite(getattr(self, key)), key, "must be a positive finite number")
+        self._need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
+        if self.rope_scaling is not None:
+            self._validate_rope(self.rope_scaling)
+
+    def _need(self, ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"model.{key} = {getattr(self, key)!r} is not allowed: {why}")
+
+    def _validate_rope(self, rs: object) -> None:
+        self._need(
+            isinstance(rs, dict),
+            "rope_scaling",
+            'must be a table like {rope_type = "llama3", factor = 8.0, ...}',
+        )
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        self._need(kind in ROPE_TYPES, "rope_scaling", f"rope_type must be one of {', '.join(ROPE_TYPES)}")
+        self._need(
+            "factor" not in rs or _finite(rs["factor"]),
+            "rope_scaling",
+            "factor must be a positive finite number",
+        )
+        if kind == "llama3":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            missing = [k for k in keys if k not in rs]
+            self._need(not missing, "rope_scaling", f"llama3 scaling needs {', '.join(missing)}")
+            bad = [k for k in keys if not _finite(rs[k])]
+            self._need(
+                not bad, "rope_scaling", f"{', '.join(bad)} must be positive finite numbers, not strings"
+            )
+            self._need(
+                rs["high_freq_factor"] != rs["low_freq_factor"],
+                "rope_scaling",
+                "high_freq_factor must differ from low_freq_factor",
+            )
 
     # ---- units and tensor tables --------------------------------------------------------------
     def units(self) -> tuple[UnitSpec, ...]:
@@ -131,27 +171,43 @@ class ModelSpec:
     def _build_units(self) -> tuple[UnitSpec, ...]:
         h, v, ff = self.hidden_size, self.vocab_size, self.intermediate_size
         q_out, kv_out = self.num_attention_heads * self.hd, self.n_kv_heads * self.hd
-        embed = UnitSpec(0, "embed", "embed", (TensorSpec("embed_tokens.weight", (v, h), "model.embed_tokens.weight"),))
+        embed = UnitSpec(
+            0, "embed", "embed", (TensorSpec("embed_tokens.weight", (v, h), "model.embed_tokens.weight"),)
+        )
         units = [embed]
         for i in range(self.num_hidden_layers):
             p = f"model.layers.{i}."
-            local = [("self_attn.q_proj.weight", (q_out, h)), ("self_attn.k_proj.weight", (kv_out, h)),
-                     ("self_attn.v_proj.weight", (kv_out, h)), ("self_attn.o_proj.weight", (h, q_out)),
-                     ("mlp.gate_proj.weight", (ff, h)), ("mlp.up_proj.weight", (ff, h)),
-                     ("mlp.down_proj.weight", (h, ff)),
-                     ("input_layernorm.weight", (h,)), ("post_attention_layernorm.weight", (h,))]
+            local = [
+                ("self_attn.q_proj.weight", (q_out, h)),
+                ("self_attn.k_proj.weight", (kv_out, h)),
+                ("self_attn.v_proj.weight", (kv_out, h)),
+                ("self_attn.o_proj.weight", (h, q_out)),
+                ("mlp.gate_proj.weight", (ff, h)),
+                ("mlp.up_proj.weight", (ff, h)),
+                ("mlp.down_proj.weight", (h, ff)),
+                ("input_layernorm.weight", (h,)),
+                ("post_attention_layernorm.weight", (h,)),
+            ]
             if self.attention_bias:
-                local += [("self_attn.q_proj.bias", (q_out,)), ("self_attn.k_proj.bias", (kv_out,)),
-                          ("self_attn.v_proj.bias", (kv_out,))]
+                local += [
+                    ("self_attn.q_proj.bias", (q_out,)),
+                    ("self_attn.k_proj.bias", (kv_out,)),
+                    ("self_attn.v_proj.bias", (kv_out,)),
+                ]
             if self.qk_norm:
                 local += [("self_attn.q_norm.weight", (self.hd,)), ("self_attn.k_norm.weight", (self.hd,))]
-            units.append(UnitSpec(i + 1, "block", f"layers.{i}",
-                                  tuple(TensorSpec(n, s, p + n) for n, s in local)))
+            units.append(
+                UnitSpec(i + 1, "block", f"layers.{i}", tuple(TensorSpec(n, s, p + n) for n, s in local))
+            )
         norm = TensorSpec("norm.weight", (h,), "model.norm.weight")
         if self.tie_word_embeddings:
-            head = UnitSpec(len(units), "head", "head", (norm,), (("lm_head.weight", 0, "embed_tokens.weight"),))
+            head = UnitSpec(
+                len(units), "head", "head", (norm,), (("lm_head.weight", 0, "embed_tokens.weight"),)
+            )
         else:
-            head = UnitSpec(len(units), "head", "head", (TensorSpec("lm_head.weight", (v, h), "lm_head.weight"), norm))
+            head = UnitSpec(
+                len(units), "head", "head", (TensorSpec("lm_head.weight", (v, h), "lm_head.weight"), norm)
+            )
         units.append(head)
         return tuple(units)
 
@@ -161,8 +217,10 @@ class ModelSpec:
         if self._counts is None or self._units is None:
             units = self.units()
             matmul = sum(u.numel for u in units if u.kind != "embed")
-            self._counts = (sum(u.numel for u in units),
-                            matmul + (self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0))
+            self._counts = (
+                sum(u.numel for u in units),
+                matmul + (self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0),
+            )
         return self._counts
 
     @property

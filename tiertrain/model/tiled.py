@@ -14,6 +14,7 @@ group's. The backward pass is written out (no autograd graph over the block), fr
 Each forward part runs once (the q/k/v projections twice: A and E), against the untiled block's forward
 then backward. Weight gradients are summed over the tiles into the fp32 accumulators.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,9 +48,9 @@ def _project(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context):
     for a, e in _spans(x, ctx):
         q, k, v = qkv(w, x[:, a:e], ctx, a)
         for g in range(n):
-            qs[g][:, :, a:e] = q[:, g * r:(g + 1) * r]
-            ks[g][:, :, a:e] = k[:, g:g + 1]
-            vs[g][:, :, a:e] = v[:, g:g + 1]
+            qs[g][:, :, a:e] = q[:, g * r : (g + 1) * r]
+            ks[g][:, :, a:e] = k[:, g : g + 1]
+            vs[g][:, :, a:e] = v[:, g : g + 1]
     return qs, ks, vs
 
 
@@ -72,8 +73,9 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.
     return y
 
 
-def backward(w: dict[str, torch.Tensor], accs: dict[str, torch.Tensor], x: torch.Tensor, g: torch.Tensor,
-             ctx: Context) -> torch.Tensor:
+def backward(
+    w: dict[str, torch.Tensor], accs: dict[str, torch.Tensor], x: torch.Tensor, g: torch.Tensor, ctx: Context
+) -> torch.Tensor:
     """The gradient of llama.block at x (its checkpoint) against g, the gradient of its output, which it
     overwrites and returns; each weight's gradient is added into accs[name] (fp32)."""
     x = x.detach()
@@ -96,7 +98,7 @@ def backward(w: dict[str, torch.Tensor], accs: dict[str, torch.Tensor], x: torch
         g[:, a:e] = d[0]  # the gradient at x1 (the residual after attention)
         do = d[1].view(x.shape[0], e - a, -1, ctx.spec.hd).transpose(1, 2)
         for i, dg in enumerate(dos):
-            dg[:, :, a:e] = do[:, i * n_q:(i + 1) * n_q]
+            dg[:, :, a:e] = do[:, i * n_q : (i + 1) * n_q]
         _add(accs, outs, d[2:])
     del os, outs
     dqkv = []  # ---- D

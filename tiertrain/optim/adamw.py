@@ -7,6 +7,7 @@ or by torch's fused CPU kernel (a chunk at a time, each chunk still in cache for
 follows torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), applied when below 1
 (inside the kernel).
 """
+
 from __future__ import annotations
 
 import math
@@ -19,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from ..config import OptimConfig
 from ..errors import Everywhere
 from ..modes import STATE, Kind
+from ..sections import OptimConfig
 from ..tiers.host import HostStore
 from ..tiers.slab import SlabLayout
 from . import kernel
@@ -46,8 +47,10 @@ def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float,
     per-unit norms stay where they are (the GPU): one transfer, the step's one synchronization."""
     total = float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
     if not math.isfinite(total):
-        raise Everywhere(f"the gradient norm is {total}: training diverged; lower optim.lr or "
-                        "set optim.grad_clip, and check the data")
+        raise Everywhere(
+            f"the gradient norm is {total}: training diverged; lower optim.lr or "
+            "set optim.grad_clip, and check the data"
+        )
     if max_norm <= 0:
         return total, 1.0
     return total, min(1.0, max_norm / (total + 1e-6))
@@ -61,8 +64,12 @@ def adam_threads() -> int:
 
 def adam_pool(threads: int | None = None) -> ThreadPoolExecutor:
     """The one worker thread host updates run on, with `threads` intra-op threads (else adam_threads)."""
-    return ThreadPoolExecutor(1, thread_name_prefix="tiertrain-adamw", initializer=torch.set_num_threads,
-                              initargs=(threads or adam_threads(),))
+    return ThreadPoolExecutor(
+        1,
+        thread_name_prefix="tiertrain-adamw",
+        initializer=torch.set_num_threads,
+        initargs=(threads or adam_threads(),),
+    )
 
 
 class HostAdamW:
@@ -76,15 +83,23 @@ class HostAdamW:
         self.stores = kernel.STREAM_STATE | kernel.STREAM_COPY | kernel.prefetch(kernel.AHEAD)
         self.step_count = 0  # completed updates; every tensor shares it, as in torch.optim.AdamW
 
-    def apply(self, unit: int, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-              w: torch.Tensor | None, step: int, lr: float, clip: float, out: dict | None = None) -> None:
-        """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on a GPU
-        or by the one-pass kernel whole ranges, by torch's kernel a chunk at a time (each chunk still in
-        cache for the rounding into the copy `w`). Scalars are made by fill kernels: a copy from host
-        memory would block this thread until the stream's earlier work is done. `out` (host only): the
-        master and moments to write ({kind: slab}), the given ones left as they were: by the one-pass
-        kernel (optim.kernel) where it built, else each chunk copied there first (torch's fused kernel
-        works in place); the same arithmetic either way."""
+    def apply(
+        self,
+        unit: int,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        w: torch.Tensor | None,
+        step: int,
+        lr: float,
+        clip: float,
+        out: dict | None = None,
+    ) -> None:
+        """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on a GPU or by the
+        one-pass kernel whole ranges, by torch's kernel a chunk at a time (still in cache for the rounding into the
+        copy `w`). Scalars are made by fill kernels: a copy from host memory would block this thread until the
+        stream's earlier work is done. `out` (host only): the master and moments to write ({kind: slab}) instead."""
         dev, on_gpu = master.device, master.is_cuda
         b1, b2 = self.cfg.betas
         st = torch.full((), float(step), device=dev)
@@ -93,6 +108,26 @@ class HostAdamW:
         scale = torch.full((), 1.0 / clip, device=dev) if clip < 1.0 else None
         for a, b, decay in self.layouts[unit].ranges():
             wd = self.cfg.weight_decay if decay else 0.0
+            one_pass = (
+                lr,
+                b1,
+                b2,
+                wd,
+                self.cfg.eps,
+                float(step),
+                1.0 / clip if clip < 1.0 else 0.0,
+                self.stores,
+            )
+            fused = dict(
+                lr=lr,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=wd,
+                eps=self.cfg.eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=scale,
+            )
             # the one-pass kernel takes a whole range: each call takes the GIL back, which the main thread
             # holds while it launches GPU work (up to the 5 ms switch interval per call)
             step_by = b - a if on_gpu or self.kernel is not None else CHUNK
@@ -101,14 +136,11 @@ class HostAdamW:
                 p_, m_, v_ = master[c], m[c], v[c]
                 if self.kernel is not None and not on_gpu:  # one pass, in place or into `out`
                     dst = [out[k][c] if out else x for k, x in zip(STATE, (p_, m_, v_))]
-                    self.kernel.adamw(p_, grad[c], m_, v_, *dst, NO_COPY if w is None else w[c], lr, b1, b2, wd,
-                                      self.cfg.eps, float(step), 1.0 / clip if clip < 1.0 else 0.0, self.stores)
+                    self.kernel.adamw(p_, grad[c], m_, v_, *dst, NO_COPY if w is None else w[c], *one_pass)
                     continue
                 if out is not None:
                     p_, m_, v_ = (out[k][c].copy_(x) for k, x in zip(STATE, (p_, m_, v_)))
-                torch._fused_adamw_([p_], [grad[c]], [m_], [v_], [], [st], lr=lr, beta1=b1,
-                                    beta2=b2, weight_decay=wd, eps=self.cfg.eps, amsgrad=False, maximize=False,
-                                    grad_scale=scale)
+                torch._fused_adamw_([p_], [grad[c]], [m_], [v_], [], [st], **fused)
                 if w is not None:
                     w[c].copy_(p_)
 
@@ -120,8 +152,18 @@ class HostAdamW:
         if self.staging is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.staging.acquire(unit))
         out = self.host.copies[unit] if into_copies else None
-        self.apply(unit, s[Kind.MASTER], s[Kind.GRAD], s[Kind.EXP_AVG], s[Kind.EXP_AVG_SQ], s.get(Kind.WEIGHTS), step, lr,
-                   clip, out)
+        self.apply(
+            unit,
+            s[Kind.MASTER],
+            s[Kind.GRAD],
+            s[Kind.EXP_AVG],
+            s[Kind.EXP_AVG_SQ],
+            s.get(Kind.WEIGHTS),
+            step,
+            lr,
+            clip,
+            out,
+        )
         if self.staging is not None:
             self.staging.release(unit)
         if not into_copies:
@@ -146,8 +188,14 @@ class OptimizerThread:
     started ones (the copies swapped in) or runs the update again from the untouched state with the clip
     factor: the same numbers either way."""
 
-    def __init__(self, opt: HostAdamW, n_units: int, overlap: bool, units: frozenset[int],
-                 speculated: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        opt: HostAdamW,
+        n_units: int,
+        overlap: bool,
+        units: frozenset[int],
+        speculated: frozenset[int] = frozenset(),
+    ):
         self.opt, self.overlap, self.units, self.speculated = opt, overlap, units, speculated
         # threads: the main thread (the step) calls every method; the worker (self.pool, owned here and shut
         # by close()) runs _job, _keep and _speculate. Shared between them: speculations and landing (under
@@ -156,7 +204,8 @@ class OptimizerThread:
         self.pool = adam_pool()
         self.futures: list[Future | None] = [None] * n_units  # main thread only
         self.wait_s = 0.0  # time the caller spent blocked in wait(): the exposed optimizer
-        self.speculations: dict[int, Future] = {}  # the speculated units' updates, done by _speculate (under lock)
+        # the speculated units' updates, done by _speculate (under lock)
+        self.speculations: dict[int, Future] = {}
         self.landing: dict[int, tuple] = {}  # (grad event, step, lr) of those not yet taken (under lock)
         self.lock = threading.Lock()
         # (event, unit, time.perf_counter()): when each update waited, ran and finished, and the step's
@@ -209,7 +258,9 @@ class OptimizerThread:
             self.landing.clear()
         return bool(spec), {u: f for u, f in spec.items() if not f.cancel()}
 
-    def start(self, step: int, lr: float, clip: float, kept: dict[int, Future], grad_ready: Callable[[int], object]) -> None:
+    def start(
+        self, step: int, lr: float, clip: float, kept: dict[int, Future], grad_ready: Callable[[int], object]
+    ) -> None:
         """Queues this step's update of every unit of this thread in unit order: `kept`, the started
         speculations that stand (the copies swapped in once done), the rest plain updates. One already
         running and redone writes copies nobody reads; one not started runs in place (the same numbers),

@@ -1,6 +1,7 @@
 """The one-pass host AdamW of csrc/adamw.cpp, built on first use by torch's C++ extension loader (a C++
 compiler and ninja; the build is cached under ~/.cache/torch_extensions). Without them, or with
 optim.host_kernel = "torch", the host AdamW is torch's fused kernel, an update into copies a copy first."""
+
 from __future__ import annotations
 
 import logging
@@ -23,6 +24,8 @@ STALE_LOCK_S = 600  # a build takes under a minute: a lock this old was left by 
 def prefetch(blocks: int) -> int:
     """The `stores` bits of a prefetch `blocks` ahead."""
     return blocks << 8
+
+
 _ext, _why = None, ""
 
 
@@ -36,11 +39,17 @@ def load():
             # -fopenmp only when compiling: at::parallel_for then runs on torch's own OpenMP runtime
             # (resolved when loaded), with its thread count; -ffp-contract=off: see the source
             _prepare_build()
-            _ext = build(name=NAME, sources=[str(SOURCE)], verbose=False,
-                         extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"])
+            _ext = build(
+                name=NAME,
+                sources=[str(SOURCE)],
+                verbose=False,
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+            )
         except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel does the work
             _why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-            log.warning("tiertrain: the one-pass host AdamW did not build (%s); using torch's fused kernel", _why)
+            log.warning(
+                "tiertrain: the one-pass host AdamW did not build (%s); using torch's fused kernel", _why
+            )
     return _ext
 
 
@@ -71,6 +80,8 @@ def wanted(choice: str):
     if ext is None and choice == "tiertrain":
         from ..errors import ConfigError
 
-        raise ConfigError(f"optim.host_kernel = \"tiertrain\" but its build failed ({_why}); install a C++ "
-                          "compiler and ninja, or set optim.host_kernel = \"auto\" or \"torch\"")
+        raise ConfigError(
+            f'optim.host_kernel = "tiertrain" but its build failed ({_why}); install a C++ '
+            'compiler and ninja, or set optim.host_kernel = "auto" or "torch"'
+        )
     return ext

@@ -14,6 +14,7 @@ weights, `before_backward()`, `gradient_ready(u)` once unit u's gradient has lef
   resident         the kernel runs on its slabs in GPU memory, in place, as its weights load next
 A step after a clipped one does not speculate (clipping tends to persist: early training, spikes).
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,13 +55,31 @@ class GpuUpdates:
             s = self.host.slabs[unit]
             with self.s.on(self.s.h2d):
                 self.s.wait(self.s.h2d, self.grads.ready.get(unit))
-                self.opt.apply(unit, s[Kind.MASTER], s[Kind.GRAD], s[Kind.EXP_AVG], s[Kind.EXP_AVG_SQ], s.get(Kind.WEIGHTS),
-                               step, lr, clip)
+                self.opt.apply(
+                    unit,
+                    s[Kind.MASTER],
+                    s[Kind.GRAD],
+                    s[Kind.EXP_AVG],
+                    s[Kind.EXP_AVG_SQ],
+                    s.get(Kind.WEIGHTS),
+                    step,
+                    lr,
+                    clip,
+                )
             return s[Kind.MASTER]
         st = self._next_set()
         waits = (st.free, self.grads.ready.get(unit), self.written.get(unit))
-        return self._in_set(unit, st, (*STATE, Kind.GRAD), waits,
-                            (self.s.h2d, self.s.d2h), step, lr, clip, self.host.slabs[unit])[Kind.MASTER]
+        return self._in_set(
+            unit,
+            st,
+            (*STATE, Kind.GRAD),
+            waits,
+            (self.s.h2d, self.s.d2h),
+            step,
+            lr,
+            clip,
+            self.host.slabs[unit],
+        )[Kind.MASTER]
 
     def speculate(self, unit: int, step: int, lr: float, into: dict | None) -> None:
         """The unit's AdamW as if the norm will not clip, from its accumulator (copied into a state set on the
@@ -69,19 +88,38 @@ class GpuUpdates:
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, st.free)
             acc = self.grads.part(unit)  # this rank's part of the gradient summed over the ranks
-            st.t[Kind.GRAD][:acc.numel()].copy_(acc)
+            st.t[Kind.GRAD][: acc.numel()].copy_(acc)
             copied = self.s.record(self.s.d2h)
         self.grads.read_until(unit, copied)
-        self._in_set(unit, st, STATE, (copied, self.written.get(unit)), (self.s.speculative, self.s.back), step, lr, 1.0,
-                     into or self.host.slabs[unit])
+        self._in_set(
+            unit,
+            st,
+            STATE,
+            (copied, self.written.get(unit)),
+            (self.s.speculative, self.s.back),
+            step,
+            lr,
+            1.0,
+            into or self.host.slabs[unit],
+        )
 
     def _next_set(self) -> _StateSet:
         st = self.sets[self._turn]
         self._turn ^= 1
         return st
 
-    def _in_set(self, unit: int, st: _StateSet, kinds: tuple[str, ...], waits, streams, step: int, lr: float,
-                clip: float, dst: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _in_set(
+        self,
+        unit: int,
+        st: _StateSet,
+        kinds: tuple[str, ...],
+        waits,
+        streams,
+        step: int,
+        lr: float,
+        clip: float,
+        dst: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
         """The AdamW of a unit in state set `st`: on the first of `streams`, after `waits`, the unit's
         `kinds` copied in from its host slabs and the kernel run; on the second, master and moments
         written to `dst`. Returns the set's views."""
@@ -93,7 +131,9 @@ class GpuUpdates:
                 self.s.wait(s_in, ev)
             for k in kinds:
                 t[k].copy_(self.host.slab(unit, k), non_blocking=True)
-            self.opt.apply(unit, t[Kind.MASTER], t[Kind.GRAD], t[Kind.EXP_AVG], t[Kind.EXP_AVG_SQ], None, step, lr, clip)
+            self.opt.apply(
+                unit, t[Kind.MASTER], t[Kind.GRAD], t[Kind.EXP_AVG], t[Kind.EXP_AVG_SQ], None, step, lr, clip
+            )
             done = self.s.record(s_in)
         with self.s.on(s_out):
             self.s.wait(s_out, done)
@@ -117,15 +157,25 @@ class Updates:
     """Owns the host worker and the GPU updates, and dispatches each unit's update on its RunPlan entry.
     Main thread only (the worker's shared state is OptimizerThread's)."""
 
-    def __init__(self, run_plan: RunPlan, opt: HostAdamW, grads, streams, device: torch.device, overlap: bool,
-                 staging=None, reader=None):
+    def __init__(
+        self,
+        run_plan: RunPlan,
+        opt: HostAdamW,
+        grads,
+        streams,
+        device: torch.device,
+        overlap: bool,
+        staging=None,
+        reader=None,
+    ):
         """`staging`, `reader`: the NVMe tier's staging of the spilled slabs and reader of the streamed kind
         (tiers.staging.Staging, tiers.reader.StreamReader; None: none spilled)."""
         self.run_plan, self.opt, self.grads, self.staging, self.reader = run_plan, opt, grads, staging, reader
         self.mode = [u.update for u in run_plan.units]
         on_host = run_plan.updated(Update.HOST, Update.HOST_SPECULATED)
-        self.host = OptimizerThread(opt, len(run_plan.units), overlap, on_host,
-                                    run_plan.updated(Update.HOST_SPECULATED))
+        self.host = OptimizerThread(
+            opt, len(run_plan.units), overlap, on_host, run_plan.updated(Update.HOST_SPECULATED)
+        )
         self.gpu = GpuUpdates(opt, run_plan, grads, streams, device)
         self.any_speculated = bool(run_plan.updated(Update.HOST_SPECULATED, Update.GPU_SPECULATED))
         self.timeline = self.host.timeline
@@ -186,7 +236,11 @@ class Updates:
         keep = speculated and clip == 1.0 and self.speculating == (step, lr)
         if speculated and not keep and not self.opt.host.copies:
             raise RuntimeError("an in-place speculative update cannot be undone: it needs clipping off")
-        self.kept, self.redone, self.last_kept = self.kept + keep, self.redone + (speculated and not keep), keep
+        self.kept, self.redone, self.last_kept = (
+            self.kept + keep,
+            self.redone + (speculated and not keep),
+            keep,
+        )
         self.last_clip, self.speculating = clip, None
         for u, mode in enumerate(self.mode):
             if keep and u in on_gpu:

@@ -1,20 +1,23 @@
 """What a capacity report adds to the plan the search chose: single changes with their predicted gain, the largest
 model of its shape that fits the same budgets, and with an NVMe tier the least host budget. Pure Python."""
+
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..modes import Update
 from .hardware import HardwareSpec
 from .memory import PROCESS_GB, least_host_of
 from .planner import evaluate, plan, resident_room, settled, spare_gb
 from .values import Budgets, Choice, Job, Miss, Plan, Report, Short
-from ..modes import Update
 
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
 LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
 
 
-def explain(job: Job, p: Plan | Miss, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()) -> Plan | Miss:
+def explain(
+    job: Job, p: Plan | Miss, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()
+) -> Plan | Miss:
     """The chosen plan `p` of `job` (planner.plan's, with these budgets and `fixed`), with what the report adds:
     advice, the largest model of its shape that fits these budgets, the longest sequence, and with an NVMe tier
     the least host budget of its choice. A miss is returned as it is."""
@@ -27,25 +30,42 @@ def explain(job: Job, p: Plan | Miss, budgets: Budgets, hw: HardwareSpec, fixed:
     seq, bound = longest(job, p, budgets, hw)
     least = 0.0
     if budgets.nvme_gb:  # the least host budget of this choice
-        exact = Choice(rp.micro_batch, rp.stream, rp.activations, fixed.gpu_updates, rp.count(Update.HOST_SPECULATED),
-                       bool(rp.count(Update.GPU_SPECULATED)), keep=0)
+        exact = Choice(
+            rp.micro_batch,
+            rp.stream,
+            rp.activations,
+            fixed.gpu_updates,
+            rp.count(Update.HOST_SPECULATED),
+            bool(rp.count(Update.GPU_SPECULATED)),
+            keep=0,
+        )
         least = least_host_of(job, exact, chosen, hw)
     return replace(p, report=Report(tuple(advice(job, p, chosen, hw)), layers, params, seq, bound, least))
 
 
 def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     """Single changes, each with its predicted gain, best first."""
-    tries, ranks, mem = [], job.ranks_per_host, p.memory  # the plan's bytes are a rank's; budgets, advice the host's
+    # the plan's bytes are a rank's; budgets, advice the host's
+    tries, ranks, mem = ([], job.ranks_per_host, p.memory)
     rate = p.prediction.tokens_per_s
     if mem.nvme:
         need = (mem.host_total / 1e9 + sum(mem.nvme.values()) / 1e9 - mem.ring / 1e9) * ranks
-        tries.append((f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
-                      "(NVMe traffic gone)", replace(budgets, host_gb=need)))
+        tries.append(
+            (
+                f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
+                "(NVMe traffic gone)",
+                replace(budgets, host_gb=need),
+            )
+        )
     spare = spare_gb(mem, budgets, hw)
     if spare > 1.0:  # the GPU's free memory holding whole units' state, updated there
         gb = int(p.run_plan.resident_gb + spare * 0.9)
-        tries.append((f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
-                      replace(budgets, resident_gb=gb)))
+        tries.append(
+            (
+                f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
+                replace(budgets, resident_gb=gb),
+            )
+        )
     tries.append(("twice the batch (tokens per step)", None))
     out = []
     for text, b in tries:  # each variant of the same job, with every choice left to the plan
@@ -64,7 +84,9 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     spec = job.spec
 
     def fits(n: int) -> bool:
-        return _fits(replace(job, spec=replace(spec, num_hidden_layers=n)), p, p.run_plan.micro_batch, budgets, hw)[0]
+        return _fits(
+            replace(job, spec=replace(spec, num_hidden_layers=n)), p, p.run_plan.micro_batch, budgets, hw
+        )[0]
 
     lo = _most(fits, spec.num_hidden_layers, LARGEST_LAYERS)
     return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
@@ -93,9 +115,13 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
 
             def at(b: Budgets) -> Plan | Miss:
                 return evaluate(job, least, b, hw)
+
             # "auto": all the GPU leaves (the most memory resident state can add)
-            resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else \
-                p.run_plan.resident_gb
+            resident = (
+                int(resident_room(at, budgets, hw))
+                if budgets.resident_gb == "auto"
+                else p.run_plan.resident_gb
+            )
             q = at(replace(budgets, resident_gb=resident))
             if q.fits:
                 return True, ""
@@ -107,6 +133,7 @@ def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     """The longest sequence, in multiples of 1024 tokens, that one sequence per step (batch 1) can train with
     under these budgets (binary search up to LONGEST_SEQ), and the budgets the next 1024 tokens miss
     ("GPU": its memory for the working set and activations; "host"; "NVMe"; comma-separated)."""
+
     def fits(n: int) -> tuple[bool, str]:
         return _fits(replace(job, batch=job.gpus, seq_len=n * 1024), p, 1, budgets, hw)  # one row per rank
 

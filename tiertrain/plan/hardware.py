@@ -4,6 +4,7 @@
 uses REFERENCE, measured on the H200 machines of bench/results/2026-11-22-H200-llama3b-pieces-*, and
 says so.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-
 
 # torch's fused kernel into copies: a copy, then the kernel in place; its rate / the rate in place (2.05-2.23
 # / 3.83-4.26 G params/s on the H200 host, bench/results/2026-11-22-H200-host-adam-out-of-place.md) and the
@@ -97,10 +97,23 @@ class HardwareSpec:
         """A CPU as the device: its memory is the host's (no budget of its own: the run checks its working set
         with the state against the RAM). Rough figures, not probed: on a CPU the plan settles the choices, and
         its times are not predictions."""
-        return cls(gpu="cpu", gpu_mem_gb=1e6, host_ram_gb=ram_gb, cpu_count=cores, h2d_gbs=10.0, d2h_gbs=10.0,
-                   bidir_gbs=10.0, bf16_tflops=0.05, fp32_tflops=0.1, host_adam_params_per_s=0.5e9,
-                   host_adam_copy_params_per_s=0.5e9, compute_efficiency=1.0, unified=True, attention_speed={},
-                   source="this CPU (rough figures: on a CPU the plan's times are not predictions)")
+        return cls(
+            gpu="cpu",
+            gpu_mem_gb=1e6,
+            host_ram_gb=ram_gb,
+            cpu_count=cores,
+            h2d_gbs=10.0,
+            d2h_gbs=10.0,
+            bidir_gbs=10.0,
+            bf16_tflops=0.05,
+            fp32_tflops=0.1,
+            host_adam_params_per_s=0.5e9,
+            host_adam_copy_params_per_s=0.5e9,
+            compute_efficiency=1.0,
+            unified=True,
+            attention_speed={},
+            source="this CPU (rough figures: on a CPU the plan's times are not predictions)",
+        )
 
     def per_rank(self, per_host: int) -> "HardwareSpec":
         """What one of `per_host` ranks of a host has of it: a share of its RAM, cores, DRAM bandwidth and disk
@@ -108,11 +121,17 @@ class HardwareSpec:
         if per_host <= 1:
             return self
         n = per_host
-        return replace(self, host_ram_gb=self.host_ram_gb / n, cpu_count=max(1, self.cpu_count // n),
-                       host_adam_params_per_s=self.host_adam_params_per_s / n,
-                       host_adam_copy_params_per_s=self.host_adam_copy_params_per_s / n,
-                       host_dram_gbs=self.host_dram_gbs / n, disk_read_gbs=self.disk_read_gbs / n,
-                       disk_write_gbs=self.disk_write_gbs / n, disk_mixed_gbs=self.disk_mixed_gbs / n)
+        return replace(
+            self,
+            host_ram_gb=self.host_ram_gb / n,
+            cpu_count=max(1, self.cpu_count // n),
+            host_adam_params_per_s=self.host_adam_params_per_s / n,
+            host_adam_copy_params_per_s=self.host_adam_copy_params_per_s / n,
+            host_dram_gbs=self.host_dram_gbs / n,
+            disk_read_gbs=self.disk_read_gbs / n,
+            disk_write_gbs=self.disk_write_gbs / n,
+            disk_mixed_gbs=self.disk_mixed_gbs / n,
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareSpec":
@@ -120,22 +139,37 @@ class HardwareSpec:
         try:
             data = json.loads(p.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"hardware file {p} not found; make one with `tiertrain probe --out {p}`") from None
+            raise ConfigError(
+                f"hardware file {p} not found; make one with `tiertrain probe --out {p}`"
+            ) from None
         except json.JSONDecodeError as e:
-            raise ConfigError(f"hardware file {p} is not valid JSON ({e}); re-run `tiertrain probe`") from None
+            raise ConfigError(
+                f"hardware file {p} is not valid JSON ({e}); re-run `tiertrain probe`"
+            ) from None
         fix = f"write one with `tiertrain probe --out {p}`"
         if not isinstance(data, dict):
-            raise ConfigError(f"hardware file {p} holds a JSON {type(data).__name__}, not a probe's figures; {fix}")
+            raise ConfigError(
+                f"hardware file {p} holds a JSON {type(data).__name__}, not a probe's figures; {fix}"
+            )
         missing = [k for k in MEASURED if k not in data]
         if missing:
-            raise ConfigError(f"hardware file {p} is not a probe file (it has no {', '.join(missing)}); {fix}")
+            raise ConfigError(
+                f"hardware file {p} is not a probe file (it has no {', '.join(missing)}); {fix}"
+            )
         known = {f.name: f for f in fields(cls)}
-        bad = [k for k, v in data.items() if k in known and isinstance(getattr(REFERENCE, k), (int, float))
-               and not isinstance(getattr(REFERENCE, k), bool)
-               and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0)]
+        bad = [
+            k
+            for k, v in data.items()
+            if k in known
+            and isinstance(getattr(REFERENCE, k), (int, float))
+            and not isinstance(getattr(REFERENCE, k), bool)
+            and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0)
+        ]
         if bad:
-            raise ConfigError(f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be a finite "
-                              f"number, 0 or more; {fix}")
+            raise ConfigError(
+                f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be a finite "
+                f"number, 0 or more; {fix}"
+            )
         spec = cls(**{k: v for k, v in data.items() if k in known})
         if "source" not in data:
             spec.source = f"probe file {p}"
@@ -158,8 +192,13 @@ def local_gpu() -> tuple[str, float] | None:
     if smi is None:
         return None
     try:
-        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
+        out = subprocess.run(
+            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
         name, mib = out.splitlines()[0].rsplit(",", 1)
         return name.strip(), float(mib) * 2**20 / 1e9
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # a driver that does not answer
@@ -177,6 +216,12 @@ def this_machine(gpu: tuple[str, float], path: str | Path | None = None) -> Hard
     if path:
         return replace(HardwareSpec.load(path), gpu_mem_gb=gpu[1])
     ram = psutil.virtual_memory().total / 1e9
-    return replace(REFERENCE, gpu=gpu[0], gpu_mem_gb=gpu[1], host_ram_gb=ram, cpu_count=os.cpu_count() or 1,
-                   source=f"reference rates (no probe file: `tiertrain probe` measures this machine), with this "
-                          f"machine's {gpu[0]} ({gpu[1]:.1f} GB) and {ram:.0f} GB of RAM")
+    return replace(
+        REFERENCE,
+        gpu=gpu[0],
+        gpu_mem_gb=gpu[1],
+        host_ram_gb=ram,
+        cpu_count=os.cpu_count() or 1,
+        source=f"reference rates (no probe file: `tiertrain probe` measures this machine), with this "
+        f"machine's {gpu[0]} ({gpu[1]:.1f} GB) and {ram:.0f} GB of RAM",
+    )

@@ -1,6 +1,7 @@
 """A choice's memory on every tier (the planner's first stage): the GPU's parts, where the activation checkpoints
 live, what the host holds and what spills to NVMe, and the blocks that keep their activations. Each stage returns
 its part, or the Miss of the budget it finds short. Pure Python."""
+
 from __future__ import annotations
 
 import functools
@@ -8,8 +9,19 @@ from dataclasses import dataclass, replace
 
 from ..modes import Home, Kind
 from ..sizes import budget, gb
-from ..tiers.placement import (CK_RING_BYTES, ck_disk_bytes, disk_bytes, host_state_bytes, kind_bytes, least_host,
-                               place_within, read_ahead_bytes, resident_units, streamed_kind, update_candidates)
+from ..tiers.placement import (
+    CK_RING_BYTES,
+    ck_disk_bytes,
+    disk_bytes,
+    host_state_bytes,
+    kind_bytes,
+    least_host,
+    place_within,
+    read_ahead_bytes,
+    resident_units,
+    streamed_kind,
+    update_candidates,
+)
 from ..tiers.slab import SlabLayout, host_cost, shard_numel
 from .hardware import HardwareSpec
 from .runplan import WIDTH, RunPlan
@@ -23,6 +35,7 @@ GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fra
 @dataclass(frozen=True)
 class Shape:
     """What one choice of a job settles before its memory is counted: one rank's slabs and budgets, the tile."""
+
     job: Job
     choice: Choice
     hw: HardwareSpec  # one rank's share of the host's
@@ -35,12 +48,12 @@ class Shape:
     host_budget: float  # one rank's host bytes
     run_plan: RunPlan  # the run-wide choices, no units yet
 
-    @property
+    @functools.cached_property
     def numels(self) -> list[int]:
         """What the host and its links carry of each unit (0: resident)."""
         return [0 if u in self.resident else n for u, n in enumerate(self.shards)]
 
-    @property
+    @functools.cached_property
     def whole(self) -> list[int]:
         """Each unit's padded slab: what the device's buffers hold (whole shards)."""
         return [n * self.job.gpus for n in self.shards]
@@ -66,25 +79,52 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
     spec, per_host = job.spec, job.ranks_per_host
     shards = slab_sizes(spec, job.gpus)
     mine = hw.per_rank(per_host)
-    share = replace(budgets, host_gb=None if budgets.host_gb is None else budgets.host_gb / per_host,
-                    nvme_gb=budgets.nvme_gb and budgets.nvme_gb / per_host)
+    share = replace(
+        budgets,
+        host_gb=None if budgets.host_gb is None else budgets.host_gb / per_host,
+        nvme_gb=budgets.nvme_gb and budgets.nvme_gb / per_host,
+    )
     kb = kind_bytes(job.dtype, choice.stream)
     resident = resident_units(shards, kb, share.resident_gb * 1e9)  # a rank's shards of the first units
     tokens = choice.micro * job.seq_len
     gpu_budget = (share.gpu_gb if share.gpu_gb is not None else mine.gpu_mem_gb) * 1e9 * GPU_RESERVE
-    big = tokens > TILE and WORK_FF * spec.intermediate_size * tokens > MLP_SHARE * gpu_budget  # a forward again
+    # a forward again
+    big = tokens > TILE and WORK_FF * spec.intermediate_size * tokens > MLP_SHARE * gpu_budget
     tile = (TILE if big else 0) if choice.tile is None else choice.tile
     host_budget = (share.host_gb if share.host_gb is not None else mine.host_ram_gb - PROCESS_GB) * 1e9
-    rp = RunPlan(choice.micro, choice.stream, choice.activations, share.resident_gb, tile=tile,
-                 activation_dtype=job.activation_dtype, gpus=job.gpus, compute_dtype=job.dtype,
-                 numels=tuple(shards), rows=job.rows, row_numel=job.seq_len * spec.hidden_size)
-    return Shape(job, choice, mine, budgets, share, tuple(shards), tuple(resident), kb, gpu_budget, host_budget, rp,
-                 hw.source)
+    rp = RunPlan(
+        choice.micro,
+        choice.stream,
+        choice.activations,
+        share.resident_gb,
+        tile=tile,
+        activation_dtype=job.activation_dtype,
+        gpus=job.gpus,
+        compute_dtype=job.dtype,
+        numels=tuple(shards),
+        rows=job.rows,
+        row_numel=job.seq_len * spec.hidden_size,
+    )
+    return Shape(
+        job,
+        choice,
+        mine,
+        budgets,
+        share,
+        tuple(shards),
+        tuple(resident),
+        kb,
+        gpu_budget,
+        host_budget,
+        rp,
+        hw.source,
+    )
 
 
 @dataclass(frozen=True)
 class Fit:
     """What a choice's memory fit leaves the update search: one rank's slabs, their placement, the budgets."""
+
     shape: Shape
     where: dict  # (unit, kind) -> home
     in_ram: list[int]  # units with every slab in host RAM (resident ones aside)
@@ -95,7 +135,7 @@ class Fit:
         """The parameters that cross PCIe in the forward pass, and again in the backward pass."""
         numels = self.shape.numels
         reloaded = reloaded_units(len(numels))
-        return sum(numels), sum(numels[reloaded.start:reloaded.stop])
+        return sum(numels), sum(numels[reloaded.start : reloaded.stop])
 
 
 def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Memory, Fit] | Miss:
@@ -124,11 +164,15 @@ def _gpu_parts(s: Shape) -> GpuMemory:
     job, spec, whole = s.job, s.job.spec, s.whole
     wdt = WIDTH[job.dtype]
     blk, own = max(whole[1:-1]), whole[0] + whole[-1]
-    return GpuMemory(resident=sum(s.shards[u] for u in s.resident) * sum(s.kb.values()), slots=2 * blk * wdt,
-                     own=own * wdt, staging=max(whole) * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
-                     grads=(2 * blk + own) * 4, activation_grads=s.tokens * spec.hidden_size * 4,
-                     working=working_set(spec, job.dtype, s.choice.micro * job.seq_len, s.run_plan.tile)
-                     + 3 * (64 << 20))
+    return GpuMemory(
+        resident=sum(s.shards[u] for u in s.resident) * sum(s.kb.values()),
+        slots=2 * blk * wdt,
+        own=own * wdt,
+        staging=max(whole) * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
+        grads=(2 * blk + own) * 4,
+        activation_grads=s.tokens * spec.hidden_size * 4,
+        working=working_set(spec, job.dtype, s.choice.micro * job.seq_len, s.run_plan.tile) + 3 * (64 << 20),
+    )
 
 
 def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
@@ -139,7 +183,9 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
     nl, nvme_on = spec.num_hidden_layers, bool(s.budgets.nvme_gb)
     if acts == "nvme" and not nvme_on:
         return s.miss(Short.NVME, "NVMe: checkpoints on NVMe need an NVMe tier; pass --nvme-dir", mem)
-    n_gpu = {"gpu": nl, "split": min(nl, max(0, int((s.gpu_budget - mem.gpu.total) // ck_unit) - 1))}.get(acts, 0)
+    n_gpu = {"gpu": nl, "split": min(nl, max(0, int((s.gpu_budget - mem.gpu.total) // ck_unit) - 1))}.get(
+        acts, 0
+    )
     n_host = {"host": nl, "split": nl - n_gpu}.get(acts, 0)
     if acts == "split" and nvme_on and n_host:  # RAM after the whole state, the rest on NVMe
         room = s.host_budget - sum(host_cost(n * b) for n in s.numels for b in s.kb.values())
@@ -148,8 +194,10 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
             n_host = max(0, int((room - CK_RING_BYTES) // host_cost(ck_unit)))
     split = {Home.GPU: n_gpu, Home.HOST: n_host, Home.NVME: nl - n_gpu - n_host}
     # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
-    on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit \
-        + (s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0)  # the block's, cast back
+    # the block's, cast back
+    on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit + (
+        s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0
+    )
     host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if split[Home.NVME] else 0)
     return replace(mem, gpu=replace(mem.gpu, checkpoints=on_gpu), checkpoints=frozen(split)), host_ck
 
@@ -161,34 +209,68 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
     numels, kb, per_host, nvme_on = s.numels, s.kb, s.job.ranks_per_host, bool(s.budgets.nvme_gb)
     where, ring, total = place_within(numels, kb, s.host_budget, host_ck, host_cost)
     if total > s.host_budget and not nvme_on:
-        return s.miss(Short.HOST, f"host: the state needs {gb(total * per_host)} and the budget is "
-                      f"{gb(s.host_budget * per_host)}; raise --host-gb or give an NVMe tier (--nvme-gb)", mem)
+        return s.miss(
+            Short.HOST,
+            f"host: the state needs {gb(total * per_host)} and the budget is "
+            f"{gb(s.host_budget * per_host)}; raise --host-gb or give an NVMe tier (--nvme-gb)",
+            mem,
+        )
     if where is None:
         need = least_host(numels, kb, host_ck, host_cost) * per_host
-        return s.miss(Short.RING, f"host: {gb(s.host_budget * per_host)} cannot hold even the buffers of a spilled "
-                      f"run; raise --host-gb to at least {budget(need)}", mem, need)
+        return s.miss(
+            Short.RING,
+            f"host: {gb(s.host_budget * per_host)} cannot hold even the buffers of a spilled "
+            f"run; raise --host-gb to at least {budget(need)}",
+            mem,
+            need,
+        )
+    nvme, placement, bwd_reads = _tally(s, where)
+    ck_disk = mem.checkpoints[Home.NVME] * ck_disk_bytes(
+        s.choice.micro * s.job.seq_len * s.job.spec.hidden_size * WIDTH[s.job.activation_dtype],
+        s.job.rows // s.choice.micro,
+    )
+    mem = replace(
+        mem,
+        host=frozen(host_state_bytes(numels, kb, where, host_cost, skip=set(s.resident))),
+        nvme=frozen(nvme),
+        placement=frozen(placement),
+        ring=ring,
+        host_checkpoints=host_ck,
+        process=PROCESS_GB * 1e9,
+        nvme_checkpoints=ck_disk,
+        nvme_bwd_reads=bwd_reads,
+        nvme_ahead=read_ahead_bytes(numels, kb, where),
+    )
+    disk = disk_bytes(numels, kb, where) + ck_disk
+    if nvme_on and disk > s.budgets.nvme_gb * 1e9:
+        what = (
+            "the spilled state and checkpoints take"
+            if mem.checkpoints[Home.NVME]
+            else "the spilled state takes"
+        )
+        return s.miss(
+            Short.NVME,
+            f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is "
+            f"{s.given.nvme_gb:g}; raise --nvme-gb or --host-gb",
+            mem,
+        )
+    return mem, where
+
+
+def _tally(s: Shape, where: dict) -> tuple[dict, dict, int]:
+    """(bytes on NVMe by kind, {kind: {home: units}}, bytes of streamed weights the backward pass reads from NVMe)
+    of a placement; resident units aside."""
     nvme, placement, bwd_reads = {}, {}, 0
     for (u, k), tier in where.items():
         if u in s.resident:
             continue
-        size = numels[u] * kb[k]
+        size = s.numels[u] * s.kb[k]
         if tier != Home.HOST:
             nvme[k] = nvme.get(k, 0) + size
         placement.setdefault(k, {Home.HOST: 0, Home.NVME: 0})[tier] += 1
-        if tier == Home.NVME and k == streamed_kind(kb) and u in reloaded_units(len(numels)):
+        if tier == Home.NVME and k == streamed_kind(s.kb) and u in reloaded_units(len(s.numels)):
             bwd_reads += size
-    ck_disk = mem.checkpoints[Home.NVME] * ck_disk_bytes(s.choice.micro * s.job.seq_len * s.job.spec.hidden_size
-                                                      * WIDTH[s.job.activation_dtype], s.job.rows // s.choice.micro)
-    mem = replace(mem, host=frozen(host_state_bytes(numels, kb, where, host_cost, skip=set(s.resident))),
-                  nvme=frozen(nvme), placement=frozen(placement), ring=ring, host_checkpoints=host_ck,
-                  process=PROCESS_GB * 1e9, nvme_checkpoints=ck_disk, nvme_bwd_reads=bwd_reads,
-                  nvme_ahead=read_ahead_bytes(numels, kb, where))
-    disk = disk_bytes(numels, kb, where) + ck_disk
-    if nvme_on and disk > s.budgets.nvme_gb * 1e9:
-        what = "the spilled state and checkpoints take" if mem.checkpoints[Home.NVME] else "the spilled state takes"
-        return s.miss(Short.NVME, f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is "
-                      f"{s.given.nvme_gb:g}; raise --nvme-gb or --host-gb", mem)
-    return mem, where
+    return nvme, placement, bwd_reads
 
 
 def least_host_of(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> float:
@@ -208,26 +290,34 @@ def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
     job, spec, choice = s.job, s.job.spec, s.choice
     tiled = bool(s.run_plan.tile) and choice.micro * job.seq_len > s.run_plan.tile
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
-    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens \
-        - (s.ck_unit if choice.activations == "gpu" else 0)
+    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens - (
+        s.ck_unit if choice.activations == "gpu" else 0
+    )
     keep = choice.keep
     if choice.activations == "split" and keep is None:
         keep = 0  # split: memory is short, and a kept block's graph takes several checkpoints' room
     if keep is None and tiled:
         keep = 0  # a kept block runs untiled: its graph and working set grow with the MLP's width times the length
     if keep is None and job.dtype == "float32" and spec.n_kv_heads != spec.num_attention_heads:
-        keep = 0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
+        keep = (
+            0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
+        )
     if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
-        cands = gpu_candidates([u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident],
-                               s.kb)
+        cands = gpu_candidates(
+            [u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident], s.kb
+        )
         sets = 2 * 16 * max((s.numels[u] for u in cands), default=0) if choice.gpu_updates != 0 else 0
         keep = int(max(0.0, s.gpu_budget - mem.gpu.total - sets) // per_kept)
     kept = min(keep, spec.num_hidden_layers)
     if not kept:
         return mem
-    saved = kept * s.ck_unit if choice.activations == "gpu" else 0  # shown gross: the blocks kept have no checkpoint
-    gpu = replace(mem.gpu, kept=kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens,
-                  checkpoints=mem.gpu.checkpoints - saved)
+    # shown gross: the blocks kept have no checkpoint
+    saved = kept * s.ck_unit if choice.activations == "gpu" else 0
+    gpu = replace(
+        mem.gpu,
+        kept=kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens,
+        checkpoints=mem.gpu.checkpoints - saved,
+    )
     return replace(mem, gpu=gpu, kept=kept, kept_checkpoints=saved)
 
 

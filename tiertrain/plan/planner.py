@@ -19,6 +19,7 @@ the norm): the plan takes SPEC_MARGIN times the number that balances the two pha
 whose norm does not clip. `plan` searches the choices; `evaluate` plans one, in three parts: its memory
 (memory_fit), its updates (update_search) and its units (the RunPlan a run obeys: Plan.run_plan).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -42,7 +43,8 @@ from .values import Budgets, Choice, Job, Memory, Miss, Plan, Prediction, Short,
 # came within 1.14-1.29x its floor, against 1.20-1.50x for 12 (...-floor-host-units.md)
 SPEC_MARGIN = 1.5
 GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
-RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)  # of the GPU memory left: the resident budgets "auto" tries
+# of the GPU memory left: the resident budgets "auto" tries
+RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)
 
 
 def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()) -> Plan | Miss:
@@ -54,21 +56,28 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     one rank, holding and updating 1/gpus of the state. A report adds advice.explain's findings."""
     fixed, budgets = settled(fixed, budgets, hw)
     rows = job.rows
-    micros = [fixed.micro] if fixed.micro else [m for m in range(1, rows + 1)
-                                               if rows % m == 0 and m * job.seq_len <= 65536]
+    micros = (
+        [fixed.micro]
+        if fixed.micro
+        else [m for m in range(1, rows + 1) if rows % m == 0 and m * job.seq_len <= 65536]
+    )
     both = ["compute", "master"] if job.dtype == "bfloat16" else ["master"]
     streams = [fixed.stream] if fixed.stream else both
     places = [fixed.activations] if fixed.activations else ["gpu", "host"]
 
     def choice(m: int, s: str, a: str) -> Plan | Miss:
         """One (micro-batch, stream, checkpoint home), with the resident budget "auto" settled for it."""
+
         def at(b: Budgets) -> Plan | Miss:
             return evaluate(job, replace(fixed, micro=m, stream=s, activations=a), b, hw)
+
         if budgets.resident_gb != "auto":
             return at(budgets)
         best = at(replace(budgets, resident_gb=0.0))
         spare = resident_room(at, budgets, hw, best)
-        tries = [at(replace(budgets, resident_gb=int(spare * f))) for f in RESIDENT_SHARES if int(spare * f) >= 1]
+        tries = [
+            at(replace(budgets, resident_gb=int(spare * f))) for f in RESIDENT_SHARES if int(spare * f) >= 1
+        ]
         for q in tries:
             if q.fits and (not best.fits or _expected(q) < _expected(best) * (1 - 1e-9)):
                 best = q
@@ -94,11 +103,14 @@ def settled(fixed: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Choice, 
     """What a device whose memory is the host's (HardwareSpec.unified) leaves to the plan: none of the choices."""
     if not hw.unified:
         return fixed, budgets
-    fixed = replace(fixed, activations=fixed.activations or "gpu",
-                    speculate=0 if fixed.speculate is None else fixed.speculate,
-                    keep=0 if fixed.keep is None else fixed.keep,  # the device's memory is the host's
-                    gpu_updates=0 if fixed.gpu_updates is None else fixed.gpu_updates,
-                    speculate_gpu=bool(fixed.speculate_gpu))
+    fixed = replace(
+        fixed,
+        activations=fixed.activations or "gpu",
+        speculate=0 if fixed.speculate is None else fixed.speculate,
+        keep=0 if fixed.keep is None else fixed.keep,  # the device's memory is the host's
+        gpu_updates=0 if fixed.gpu_updates is None else fixed.gpu_updates,
+        speculate_gpu=bool(fixed.speculate_gpu),
+    )
     return fixed, replace(budgets, resident_gb=0.0 if budgets.resident_gb == "auto" else budgets.resident_gb)
 
 
@@ -121,6 +133,7 @@ def evaluate(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Pl
 class Candidate:
     """One way to run the updates, timed: `gpu_updates` units on the GPU (in the backward pass if
     `gpu_speculated`), `speculated` units speculated by the host."""
+
     gpu_updates: int
     gpu_speculated: bool
     speculated: int
@@ -144,8 +157,11 @@ def update_search(job: Job, choice: Choice, mem: Memory, fit: Fit) -> Candidate 
     counts = _counts(len(cands)) if choice.gpu_updates is None else [min(choice.gpu_updates, len(cands))]
     best, short, sets = None, None, 0
     spec_gpu = choice.speculate_gpu
-    for k, ge in [(k, ge) for k in counts
-                  for ge in ((False, True) if k and spec_gpu is None else (bool(k and spec_gpu),))]:
+    for k, ge in [
+        (k, ge)
+        for k in counts
+        for ge in ((False, True) if k and spec_gpu is None else (bool(k and spec_gpu),))
+    ]:
         gpu = gpu_updated(cands, k, ge)
         sets = 2 * 16 * max((numels[u] for u in gpu), default=0)  # two (master, grad, moments) sets
         if mem.gpu.total + sets > s.gpu_budget:
@@ -158,14 +174,19 @@ def update_search(job: Job, choice: Choice, mem: Memory, fit: Fit) -> Candidate 
     if best is not None:
         return best
     if short is not None:
-        return s.miss(Short.COPIES, f"host: the copies of the speculative update need {gb(short)} more than the "
-                      "budget; raise --host-gb or lower optim.speculate_units", mem,
-                      (s.host_budget + short) * job.ranks_per_host)
+        return s.miss(
+            Short.COPIES,
+            f"host: the copies of the speculative update need {gb(short)} more than the "
+            "budget; raise --host-gb or lower optim.speculate_units",
+            mem,
+            (s.host_budget + short) * job.ranks_per_host,
+        )
     return s.miss(Short.GPU, f"GPU: needs {gb(mem.gpu.total + sets)} of {gb(s.gpu_budget)} usable", mem)
 
 
-def _speculation(job: Job, choice: Choice, mem: Memory, fit: Fit, gpu: list[int], k: int, ge: bool,
-                 sets: int) -> Candidate | float | None:
+def _speculation(
+    job: Job, choice: Choice, mem: Memory, fit: Fit, gpu: list[int], k: int, ge: bool, sets: int
+) -> Candidate | float | None:
     """With these GPU updates, the number of units the host speculates (the choice's, or the best, with
     SPEC_MARGIN): the candidate, or the host bytes its copies lack."""
     s, clipping, speculate = fit.shape, job.clipping, choice.speculate
@@ -191,8 +212,16 @@ def _speculation(job: Job, choice: Choice, mem: Memory, fit: Fit, gpu: list[int]
     best = None
     for _, c in [timed(min(speculate, len(host)))] if speculate is not None else _least(timed, most):
         if speculate is None and c.speculated:  # a margin: the step is the same, and the host may be faster
-            c = timed(next((n for n in range(c.speculated, most + 1)
-                            if params[n] >= SPEC_MARGIN * params[c.speculated]), most))[1]
+            c = timed(
+                next(
+                    (
+                        n
+                        for n in range(c.speculated, most + 1)
+                        if params[n] >= SPEC_MARGIN * params[c.speculated]
+                    ),
+                    most,
+                )
+            )[1]
         if best is None or c.bwd + c.fwd < (best.bwd + best.fwd) * (1 - 1e-9):
             best = c
     return best
@@ -204,29 +233,52 @@ def planned(job: Job, mem: Memory, fit: Fit, best: Candidate) -> Plan:
     s, spec = fit.shape, job.spec
     mem = replace(mem, gpu=replace(mem.gpu, sets=best.sets), copies=best.copies)
     cands = gpu_candidates(fit.in_ram, s.kb)
-    gpu = gpu_updated(cands, best.gpu_updates, best.gpu_speculated)  # each update mode's units, as the runtime takes
+    # each update mode's units, as the runtime takes
+    gpu = gpu_updated(cands, best.gpu_updates, best.gpu_speculated)
     t, step = best.times, best.bwd + best.fwd
     clipped, clipped_step = t, step
     if job.clipping and (best.speculated or best.gpu_speculated):
         ct, cb, cf = step_times(job, mem, fit, sum(s.numels[u] for u in gpu), 0)
         clipped, clipped_step = ct, cb + cf
     F, T = spec.flops_per_token(job.seq_len), job.rows * job.seq_len
-    prediction = Prediction(frozen(t), step, frozen(clipped), clipped_step, _bottleneck(t, best.bwd, best.fwd),
-                            T * job.gpus / step, F * T * job.gpus / step / 1e12)  # the whole batch's, every rank's
+    # the whole batch's, every rank's
+    prediction = Prediction(
+        frozen(t),
+        step,
+        frozen(clipped),
+        clipped_step,
+        _bottleneck(t, best.bwd, best.fwd),
+        T * job.gpus / step,
+        F * T * job.gpus / step / 1e12,
+    )
     host = alternate_from_last([u for u in fit.in_ram if u not in set(gpu)], len(fit.in_ram))
     nl = spec.num_hidden_layers
     homes = checkpoint_homes(nl - mem.kept, mem.checkpoints)
-    units = unit_plans([u.name for u in spec.units()], fit.where, s.resident, gpu, best.gpu_speculated,
-                       host[:best.speculated], range(nl + 1 - mem.kept, nl + 1), homes)
+    units = unit_plans(
+        [u.name for u in spec.units()],
+        fit.where,
+        s.resident,
+        gpu,
+        best.gpu_speculated,
+        host[: best.speculated],
+        range(nl + 1 - mem.kept, nl + 1),
+        homes,
+    )
     return Plan(job, replace(s.run_plan, units=units), mem, prediction, s.source, job.ranks_per_host)
 
 
 def _bottleneck(t: dict, bwd: float, fwd: float) -> str:
     """What limits the step: of the backward pass, then of the forward pass with the update beside it."""
-    limits = {"compute": (t["compute bwd"], t["compute fwd"]), "H2D": (t["H2D bwd"], t["H2D fwd"]),
-              "D2H": (t["D2H"], t["D2H fwd"]), "PCIe both ways": (None, t["PCIe both fwd"]),
-              "host AdamW": (t["host AdamW bwd"], t["host AdamW"]), "host DRAM": (t["host DRAM bwd"], t["host DRAM fwd"]),
-              "NVMe": (t["NVMe bwd"], t["NVMe"]), "GPU links": (t["peer bwd"], t["peer fwd"])}
+    limits = {
+        "compute": (t["compute bwd"], t["compute fwd"]),
+        "H2D": (t["H2D bwd"], t["H2D fwd"]),
+        "D2H": (t["D2H"], t["D2H fwd"]),
+        "PCIe both ways": (None, t["PCIe both fwd"]),
+        "host AdamW": (t["host AdamW bwd"], t["host AdamW"]),
+        "host DRAM": (t["host DRAM bwd"], t["host DRAM fwd"]),
+        "NVMe": (t["NVMe bwd"], t["NVMe"]),
+        "GPU links": (t["peer bwd"], t["peer fwd"]),
+    }
     phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}
     return max(phase, key=phase.get)
 
@@ -247,7 +299,11 @@ def _counts(n: int) -> list[int]:
     """The numbers of GPU-updated units the search tries: each of 0..n up to GPU_UPDATE_COUNTS units, evenly
     spaced counts for deeper models (each try costs O(units): thousands of layers must still plan in seconds)."""
     most = max(16, min(GPU_UPDATE_COUNTS, 50_000 // max(n, 1)))
-    return list(range(n + 1)) if n <= GPU_UPDATE_COUNTS else sorted({round(i * n / most) for i in range(most + 1)})
+    return (
+        list(range(n + 1))
+        if n <= GPU_UPDATE_COUNTS
+        else sorted({round(i * n / most) for i in range(most + 1)})
+    )
 
 
 def _least(f, hi: int) -> list:
@@ -279,8 +335,11 @@ def resident_room(at, budgets: Budgets, hw: HardwareSpec, zero: Plan | Miss | No
     """GPU memory (GB) resident state can take in the choice `at` plans (a function of Budgets): what the
     choice leaves with nothing resident (`zero`, where planned already), or, for a state the host and disk
     cannot hold (which may fit with part of it on the GPU), what it leaves with room on the host."""
-    room = zero if zero is not None and (zero.fits or zero.short == Short.GPU) else \
-        at(replace(budgets, resident_gb=0.0, host_gb=1e6))
+    room = (
+        zero
+        if zero is not None and (zero.fits or zero.short == Short.GPU)
+        else at(replace(budgets, resident_gb=0.0, host_gb=1e6))
+    )
     return spare_gb(room.memory, budgets, hw) if room.fits else 0.0
 
 
@@ -290,4 +349,3 @@ def spare_gb(mem: Memory, budgets: Budgets, hw: HardwareSpec) -> float:
     g = mem.gpu
     used = g.total - (g.kept or 0) - (g.sets or 0) + mem.kept_checkpoints
     return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - used / 1e9
-

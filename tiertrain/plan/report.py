@@ -1,4 +1,5 @@
 """The capacity report: markdown for people, JSON for tools. Pure Python."""
+
 from __future__ import annotations
 
 import json
@@ -20,35 +21,65 @@ def plan_dict(p: Plan | Miss) -> dict:
     rp, mem, fits = p.run_plan, p.memory, p.fits
     pr = p.prediction if fits else None
     rep = p.report if fits else Report()
-    return {"model": p.job.name, "params": p.job.spec.n_params, "batch": p.job.batch, "seq_len": p.job.seq_len,
-            "dtype": rp.compute_dtype, "micro_batch": rp.micro_batch, "stream": rp.stream,
-            "activations": rp.activations, "gpu_updates": rp.count(Update.GPU, Update.GPU_SPECULATED),
-            "resident_gb": rp.resident_gb, "kept": mem.kept, "kept_checkpoints": mem.kept_checkpoints,
-            "checkpoints": {h.value: n for h, n in mem.checkpoints.items()}, "tile": rp.tile,
-            "checkpoint_dtype": rp.activation_dtype,
-            "nvme_ahead": mem.nvme_ahead, "speculated": rp.count(Update.HOST_SPECULATED),
-            "gpu_speculated": bool(rp.count(Update.GPU_SPECULATED)), "clipping": p.job.clipping if fits else True,
-            "fits": fits, "why": p.why, "short_of": "" if fits else p.short.value,
-            "host_bytes": {k.value: b for k, b in mem.host.items()}, "nvme_bytes": {k.value: b for k, b in mem.nvme.items()},
-            "nvme_bwd_reads": mem.nvme_bwd_reads,
-            "nvme_checkpoints": mem.nvme_checkpoints, "least_host": p.least_host,
-            "placement": {k.value: {h.value: n for h, n in v.items()} for k, v in mem.placement.items()},
-            "host_fixed": mem.host_fixed(),
-            "gpu": mem.gpu.table(), "times": dict(pr.times) if pr else {}, "step_s": pr.step_s if pr else math.inf,
-            "clipped_times": dict(pr.clipped_times) if pr else {},
-            "clipped_step_s": pr.clipped_step_s if pr else math.inf, "bottleneck": pr.bottleneck if pr else "",
-            "tokens_per_s": pr.tokens_per_s if pr else 0.0, "model_tflops": pr.model_tflops if pr else 0.0,
-            "advice": list(rep.advice), "largest_layers": rep.largest_layers, "largest_params": rep.largest_params,
-            "longest_seq_len": rep.longest_seq_len, "longest_bound": rep.longest_bound, "hardware": p.hardware,
-            "gpus": rp.gpus, "gpus_per_host": p.per_host, "units": [u.to_dict() for u in rp.units]}
+    return {
+        "model": p.job.name,
+        "params": p.job.spec.n_params,
+        "batch": p.job.batch,
+        "seq_len": p.job.seq_len,
+        "dtype": rp.compute_dtype,
+        "micro_batch": rp.micro_batch,
+        "stream": rp.stream,
+        "activations": rp.activations,
+        "gpu_updates": rp.count(Update.GPU, Update.GPU_SPECULATED),
+        "resident_gb": rp.resident_gb,
+        "kept": mem.kept,
+        "kept_checkpoints": mem.kept_checkpoints,
+        "checkpoints": {h.value: n for h, n in mem.checkpoints.items()},
+        "tile": rp.tile,
+        "checkpoint_dtype": rp.activation_dtype,
+        "nvme_ahead": mem.nvme_ahead,
+        "speculated": rp.count(Update.HOST_SPECULATED),
+        "gpu_speculated": bool(rp.count(Update.GPU_SPECULATED)),
+        "clipping": p.job.clipping if fits else True,
+        "fits": fits,
+        "why": p.why,
+        "short_of": "" if fits else p.short.value,
+        "host_bytes": {k.value: b for k, b in mem.host.items()},
+        "nvme_bytes": {k.value: b for k, b in mem.nvme.items()},
+        "nvme_bwd_reads": mem.nvme_bwd_reads,
+        "nvme_checkpoints": mem.nvme_checkpoints,
+        "least_host": p.least_host,
+        "placement": {k.value: {h.value: n for h, n in v.items()} for k, v in mem.placement.items()},
+        "host_fixed": mem.host_fixed(),
+        "gpu": mem.gpu.table(),
+        "times": dict(pr.times) if pr else {},
+        "step_s": pr.step_s if pr else math.inf,
+        "clipped_times": dict(pr.clipped_times) if pr else {},
+        "clipped_step_s": pr.clipped_step_s if pr else math.inf,
+        "bottleneck": pr.bottleneck if pr else "",
+        "tokens_per_s": pr.tokens_per_s if pr else 0.0,
+        "model_tflops": pr.model_tflops if pr else 0.0,
+        "advice": list(rep.advice),
+        "largest_layers": rep.largest_layers,
+        "largest_params": rep.largest_params,
+        "longest_seq_len": rep.longest_seq_len,
+        "longest_bound": rep.longest_bound,
+        "hardware": p.hardware,
+        "gpus": rp.gpus,
+        "gpus_per_host": p.per_host,
+        "units": [u.to_dict() for u in rp.units],
+    }
 
 
 def to_json(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
     d = plan_dict(p)
     d.update(host_total_bytes=p.memory.host_total, gpu_total_bytes=p.memory.gpu.total)
     if one is not None and p.run_plan.gpus > 1:
-        d["scaling"] = {"one_gpu_tokens_per_s": one.prediction.tokens_per_s if one.fits else 0.0,
-                        "speedup": _speedup(p, one), "bound": _bound(p)}
+        d["scaling"] = {
+            "one_gpu_tokens_per_s": one.prediction.tokens_per_s if one.fits else 0.0,
+            "speedup": _speedup(p, one),
+            "bound": _bound(p),
+        }
     return json.dumps(d, indent=1, default=float)
 
 
@@ -56,9 +87,15 @@ def _checkpoints(p: Plan) -> str:
     """Where the activation checkpoints live, and the MLP's tiles."""
     where = {Home.GPU: "the GPU", Home.HOST: "the host", Home.NVME: "NVMe"}
     homes = [(where[h], n) for h, n in p.memory.checkpoints.items() if n]
-    text = ("activation checkpoints on " + homes[0][0] if len(homes) == 1 else
-            "activation checkpoints split: " + ", ".join(f"{n} on {h}" for h, n in homes)) if homes else \
-        "no activation checkpoints"
+    text = (
+        (
+            "activation checkpoints on " + homes[0][0]
+            if len(homes) == 1
+            else "activation checkpoints split: " + ", ".join(f"{n} on {h}" for h, n in homes)
+        )
+        if homes
+        else "no activation checkpoints"
+    )
     tile = p.run_plan.tile
     return text + (f"; blocks in tiles of {tile:,} tokens" if tile else "")
 
@@ -69,10 +106,12 @@ def _speedup(p: Plan | Miss, one: Plan | Miss) -> float:
 
 def _bound(p: Plan | Miss) -> str:
     """What keeps N GPUs from N times one GPU's rate: the links and the host that every rank shares."""
-    shared = {"host AdamW": "the host AdamW (the host's cores are shared by its ranks)",
-              "host DRAM": "the host's DRAM bandwidth (shared by its ranks)",
-              "NVMe": "the disk (shared by the host's ranks)",
-              "GPU links": "the all-gathers and reduce-scatters between the GPUs"}
+    shared = {
+        "host AdamW": "the host AdamW (the host's cores are shared by its ranks)",
+        "host DRAM": "the host's DRAM bandwidth (shared by its ranks)",
+        "NVMe": "the disk (shared by the host's ranks)",
+        "GPU links": "the all-gathers and reduce-scatters between the GPUs",
+    }
     neck = p.prediction.bottleneck if p.fits else ""
     return shared.get(neck, f"{neck}, each GPU's own")
 
@@ -82,36 +121,57 @@ def _ranks(p: Plan, one: Plan | Miss | None) -> list[str]:
     gpus = p.run_plan.gpus
     if gpus == 1:
         return []
-    head = (f"**{gpus} GPUs**, {p.per_host} per host: each rank takes {p.job.rows} of the batch's {p.job.batch} "
-            f"rows, holds and updates 1/{gpus} of every slab (the tables below are one rank's; --host-gb is the "
-            f"host's); the weights cross each GPU's PCIe link as shards and are all-gathered, the gradients "
-            f"reduce-scattered.")
+    head = (
+        f"**{gpus} GPUs**, {p.per_host} per host: each rank takes {p.job.rows} of the batch's {p.job.batch} "
+        f"rows, holds and updates 1/{gpus} of every slab (the tables below are one rank's; --host-gb is the "
+        f"host's); the weights cross each GPU's PCIe link as shards and are all-gathered, the gradients "
+        f"reduce-scattered."
+    )
     if one is None or not one.fits:
         return [head, ""]
-    return [head + f" Scaling: {_speedup(p, one):.2f}x one GPU ({one.prediction.tokens_per_s:,.0f} tokens/s at this "
-            f"batch), bound by {_bound(p)}.", ""]
+    return [
+        head
+        + f" Scaling: {_speedup(p, one):.2f}x one GPU ({one.prediction.tokens_per_s:,.0f} tokens/s at this "
+        f"batch), bound by {_bound(p)}.",
+        "",
+    ]
 
 
 def to_markdown(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
     """`one`: the plan of one GPU at the same batch, for a plan of several (the scaling)."""
     rp, job = p.run_plan, p.job
-    out = [f"# Plan: {job.name}, {job.spec.n_params / 1e9:.2f} B parameters, batch {job.batch} x {job.seq_len} "
-           f"tokens, {rp.compute_dtype}", "", f"hardware: {p.hardware}", ""]
+    out = [
+        f"# Plan: {job.name}, {job.spec.n_params / 1e9:.2f} B parameters, batch {job.batch} x {job.seq_len} "
+        f"tokens, {rp.compute_dtype}",
+        "",
+        f"hardware: {p.hardware}",
+        "",
+    ]
     if not p.fits:
         return "\n".join(out + [f"**Does not fit.** {p.why}", ""])
     pr, mem = p.prediction, p.memory
     out += _ranks(p, one)
-    out += [f"**Fits.** Predicted step {pr.step_s:.2f} s: {pr.tokens_per_s:,.0f} tokens/s, "
-            f"{pr.model_tflops:.0f} model TFLOP/s; bottleneck: **{pr.bottleneck}**.", "",
-            f"Micro-batch {rp.micro_batch}; "
-            + (f"{rp.resident_gb:g} GB of GPU memory holds the whole state of the first units; " if rp.resident_gb
-               else "")
-            + "weights stream as "
-            f"{'a host bf16 copy' if rp.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
-            + _checkpoints(p)
-            + (f" ({mem.kept} last blocks keep their activations on the GPU instead: no recompute); " if mem.kept
-               else "; ")
-            + _updates(p), ""]
+    out += [
+        f"**Fits.** Predicted step {pr.step_s:.2f} s: {pr.tokens_per_s:,.0f} tokens/s, "
+        f"{pr.model_tflops:.0f} model TFLOP/s; bottleneck: **{pr.bottleneck}**.",
+        "",
+        f"Micro-batch {rp.micro_batch}; "
+        + (
+            f"{rp.resident_gb:g} GB of GPU memory holds the whole state of the first units; "
+            if rp.resident_gb
+            else ""
+        )
+        + "weights stream as "
+        f"{'a host bf16 copy' if rp.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
+        + _checkpoints(p)
+        + (
+            f" ({mem.kept} last blocks keep their activations on the GPU instead: no recompute); "
+            if mem.kept
+            else "; "
+        )
+        + _updates(p),
+        "",
+    ]
     out += _memory(p) + _times(p) + _findings(p)
     return "\n".join(out)
 
@@ -122,32 +182,52 @@ def _memory(p: Plan) -> list[str]:
     out = ["## Memory per tier", "", "| kind | host | NVMe | units on NVMe |", "| --- | --- | --- | --- |"]
     for k in by_value(mem.placement):
         on = mem.placement[k]
-        out.append(f"| {k.value} | {_gb(mem.host.get(k, 0))} | {_gb(mem.nvme.get(k, 0))} | "
-                   f"{on[Home.NVME]} of {on[Home.HOST] + on[Home.NVME]} |")
+        out.append(
+            f"| {k.value} | {_gb(mem.host.get(k, 0))} | {_gb(mem.nvme.get(k, 0))} | "
+            f"{on[Home.NVME]} of {on[Home.HOST] + on[Home.NVME]} |"
+        )
     for k, v in mem.host_fixed().items():
         out.append(f"| {k}{' (not in --host-gb)' if k == 'process' else ''} | {_gb(v)} | | |")
     if mem.nvme_checkpoints:
-        out.append(f"| activation checkpoints on NVMe | | {_gb(mem.nvme_checkpoints)} | {mem.checkpoints[Home.NVME]} of "
-                   f"{sum(mem.checkpoints.values())} |")
-    out += [f"| **total** | **{_gb(mem.host_total)}** | **{_gb(sum(mem.nvme.values()) + mem.nvme_checkpoints)}** "
-            "| |", "",
-            "Spill order when the host budget is short: Adam moments (touched once per step, by the "
-            "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
-            "optimizer's only), then gradients (written during the backward pass), and last the weights "
-            "that stream (read twice a step); a unit whose ring buffers would cost more than its slabs "
-            "stays in RAM. Host slabs take whole pages."
-            + (f" With this NVMe tier the least --host-gb for this choice is {budget(p.least_host)}."
-               if p.least_host else ""), "",
-            "| GPU | bytes |", "| --- | --- |"]
+        out.append(
+            f"| activation checkpoints on NVMe | | {_gb(mem.nvme_checkpoints)} | {mem.checkpoints[Home.NVME]} of "
+            f"{sum(mem.checkpoints.values())} |"
+        )
+    out += [
+        f"| **total** | **{_gb(mem.host_total)}** | **{_gb(sum(mem.nvme.values()) + mem.nvme_checkpoints)}** "
+        "| |",
+        "",
+        "Spill order when the host budget is short: Adam moments (touched once per step, by the "
+        "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
+        "optimizer's only), then gradients (written during the backward pass), and last the weights "
+        "that stream (read twice a step); a unit whose ring buffers would cost more than its slabs "
+        "stays in RAM. Host slabs take whole pages."
+        + (
+            f" With this NVMe tier the least --host-gb for this choice is {budget(p.least_host)}."
+            if p.least_host
+            else ""
+        ),
+        "",
+        "| GPU | bytes |",
+        "| --- | --- |",
+    ]
     gpu = mem.gpu.table()
-    return out + [f"| {k} | {_gb(v)} |" for k, v in gpu.items()] + [f"| **total** | **{_gb(mem.gpu.total)}** |", ""]
+    return (
+        out
+        + [f"| {k} | {_gb(v)} |" for k, v in gpu.items()]
+        + [f"| **total** | **{_gb(mem.gpu.total)}** |", ""]
+    )
 
 
 def _times(p: Plan) -> list[str]:
     out = ["## Time per step (predicted)", "", "| link | seconds |", "| --- | --- |"]
     out += [f"| {k} | {v:.3f} |" for k, v in p.prediction.times.items()]
-    return out + ["", "step = backward + max(forward, update): the update needs the global gradient norm, so it "
-                  "overlaps only the next forward pass (or, speculated, the backward pass).", ""]
+    return out + [
+        "",
+        "step = backward + max(forward, update): the update needs the global gradient norm, so it "
+        "overlaps only the next forward pass (or, speculated, the backward pass).",
+        "",
+    ]
 
 
 def _findings(p: Plan) -> list[str]:
@@ -157,14 +237,23 @@ def _findings(p: Plan) -> list[str]:
         out += ["## What would help most", ""] + [f"- {a}" for a in rep.advice] + [""]
     if rep.largest_layers:
         most = "at least " if rep.largest_layers >= LARGEST_LAYERS else ""  # the search stops there
-        out += [f"Largest model of this shape that fits these budgets: {most}{rep.largest_layers} layers, "
-                f"{rep.largest_params / 1e9:.1f} B parameters.", ""]
+        out += [
+            f"Largest model of this shape that fits these budgets: {most}{rep.largest_layers} layers, "
+            f"{rep.largest_params / 1e9:.1f} B parameters.",
+            "",
+        ]
     if rep.longest_seq_len:
         names = {"GPU": "GPU memory", "host": "host RAM", "NVMe": "the NVMe budget"}
         bound = " and ".join(names[b] for b in rep.longest_bound.split(", ") if b in names)
-        out += [f"Longest sequence ({'batch 1' if p.run_plan.gpus == 1 else 'one per GPU'}) that fits these budgets: "
-                + (f"{rep.longest_seq_len:,} tokens, bound by {bound}." if bound else
-                   f"at least {rep.longest_seq_len:,} tokens."), ""]
+        out += [
+            f"Longest sequence ({'batch 1' if p.run_plan.gpus == 1 else 'one per GPU'}) that fits these budgets: "
+            + (
+                f"{rep.longest_seq_len:,} tokens, bound by {bound}."
+                if bound
+                else f"at least {rep.longest_seq_len:,} tokens."
+            ),
+            "",
+        ]
     return out
 
 
@@ -174,17 +263,30 @@ def _updates(p: Plan) -> str:
     n_gpu, speculated = rp.count(Update.GPU, Update.GPU_SPECULATED), rp.count(Update.HOST_SPECULATED)
     gpu_speculated = bool(rp.count(Update.GPU_SPECULATED))
     s = "s" * (n_gpu != 1)
-    gpu = (f"{n_gpu} streamed unit{s} updated on the GPU "
-           + ("in the backward pass, as their gradients are accumulated (speculated)"
-              if gpu_speculated else f"as {'they load' if s else 'it loads'}") + ", the rest by the host AdamW."
-           if n_gpu else "the host AdamW updates every streamed unit.")
+    gpu = (
+        f"{n_gpu} streamed unit{s} updated on the GPU "
+        + (
+            "in the backward pass, as their gradients are accumulated (speculated)"
+            if gpu_speculated
+            else f"as {'they load' if s else 'it loads'}"
+        )
+        + ", the rest by the host AdamW."
+        if n_gpu
+        else "the host AdamW updates every streamed unit."
+    )
     if not (speculated or gpu_speculated):
         return gpu
-    how = ("kept when the global norm does not clip, redone when it does; the times below are those of a step "
-           f"that does not clip (while the norm clips, as early in training, nothing speculates: "
-           f"{p.prediction.clipped_step_s:.2f} s a step)" if p.job.clipping else
-           "in place: clipping is off, so there is nothing to undo")
-    host = (f" {speculated} of the units the host updates (every other one from the last first) start"
-            f"{'s' * (speculated == 1)} their update in the backward pass, as their gradients land."
-            if speculated else "")
+    how = (
+        "kept when the global norm does not clip, redone when it does; the times below are those of a step "
+        f"that does not clip (while the norm clips, as early in training, nothing speculates: "
+        f"{p.prediction.clipped_step_s:.2f} s a step)"
+        if p.job.clipping
+        else "in place: clipping is off, so there is nothing to undo"
+    )
+    host = (
+        f" {speculated} of the units the host updates (every other one from the last first) start"
+        f"{'s' * (speculated == 1)} their update in the backward pass, as their gradients land."
+        if speculated
+        else ""
+    )
     return f"{gpu}{host} Speculated updates: {how}."

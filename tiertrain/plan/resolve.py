@@ -1,13 +1,22 @@
 """The one translation of a Config into the planner's search, for `tiertrain plan` and `tiertrain run` alike,
 on a GPU or a CPU: what the config fixes stays fixed, what it leaves "auto" is searched. Pure Python."""
+
 from __future__ import annotations
 
-from ..config import AUTO, Config, fixed
+from ..config import Config
 from ..errors import ConfigError
 from ..modes import Home, Kind
+from ..sections import AUTO, fixed
 from ..sizes import budget, gb
-from ..tiers.placement import (CK_RING_BYTES, copy_bytes, host_state_bytes, least_host, resident_units, ring_bytes,
-                               ring_widths)
+from ..tiers.placement import (
+    CK_RING_BYTES,
+    copy_bytes,
+    host_state_bytes,
+    least_host,
+    resident_units,
+    ring_bytes,
+    ring_widths,
+)
 from ..tiers.slab import host_cost
 from .advice import explain
 from .hardware import HardwareSpec
@@ -19,8 +28,17 @@ from .values import Budgets, Choice, Job, Miss, Plan, Short
 def job_of(cfg: Config, name: str, gpus: int = 1, per_host: int | None = None) -> Job:
     """What `cfg` trains, as one of `gpus` ranks (`per_host` of them on each host; None: all on one)."""
     tc = cfg.train
-    return Job(cfg.model, tc.batch_size, tc.seq_len, tc.compute_dtype, cfg.tiers.activation_dtype,
-               cfg.optim.grad_clip > 0, gpus, per_host or 0, name)
+    return Job(
+        cfg.model,
+        tc.batch_size,
+        tc.seq_len,
+        tc.compute_dtype,
+        cfg.tiers.activation_dtype,
+        cfg.optim.grad_clip > 0,
+        gpus,
+        per_host or 0,
+        name,
+    )
 
 
 def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
@@ -30,17 +48,35 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
     stream = fixed(t.stream)
     if t.gpu_update_units not in (AUTO, 0) and tc.compute_dtype == "bfloat16":
         if stream == "compute":
-            raise ConfigError('tiers.gpu_update_units needs tiers.stream="master" (the GPU update makes the '
-                              'weights from the fp32 master); set it, or tiers.gpu_update_units=0')
+            raise ConfigError(
+                'tiers.gpu_update_units needs tiers.stream="master" (the GPU update makes the '
+                "weights from the fp32 master); set it, or tiers.gpu_update_units=0"
+            )
         stream = "master"
-    return Choice(fixed(tc.micro_batch_size) or micro, stream, fixed(t.activations), fixed(t.gpu_update_units),
-                  fixed(o.speculate_units), fixed(o.speculate_gpu_updates), fixed(tc.keep_activations),
-                  fixed(tc.tile_tokens))
+    return Choice(
+        fixed(tc.micro_batch_size) or micro,
+        stream,
+        fixed(t.activations),
+        fixed(t.gpu_update_units),
+        fixed(o.speculate_units),
+        fixed(o.speculate_gpu_updates),
+        fixed(tc.keep_activations),
+        fixed(tc.tile_tokens),
+    )
 
 
-def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float | None, nvme_gb: float | None,
-           name: str, micro: int | None = None, advise: bool = True, gpus: int = 1,
-           per_host: int | None = None) -> Plan | Miss:
+def search(
+    cfg: Config,
+    hw: HardwareSpec,
+    host_gb: float | None,
+    gpu_gb: float | None,
+    nvme_gb: float | None,
+    name: str,
+    micro: int | None = None,
+    advise: bool = True,
+    gpus: int = 1,
+    per_host: int | None = None,
+) -> Plan | Miss:
     """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host), with the
     report's findings where `advise`. `micro`: the micro-batch a resumed run ran with, kept where the config
     leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""
@@ -53,15 +89,28 @@ def search(cfg: Config, hw: HardwareSpec, host_gb: float | None, gpu_gb: float |
 def chosen(cfg: Config) -> tuple[str, ...]:
     """The settings `cfg` leaves to the plan, by name."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
-    named = {"stream": t.stream, "activations": t.activations, "micro-batch": tc.micro_batch_size,
-             "speculation": o.speculate_units, "GPU updates": t.gpu_update_units,
-             "GPU updates' speculation": o.speculate_gpu_updates, "resident GB": t.gpu_resident_gb,
-             "kept activations": tc.keep_activations, "tile": tc.tile_tokens}
+    named = {
+        "stream": t.stream,
+        "activations": t.activations,
+        "micro-batch": tc.micro_batch_size,
+        "speculation": o.speculate_units,
+        "GPU updates": t.gpu_update_units,
+        "GPU updates' speculation": o.speculate_gpu_updates,
+        "resident GB": t.gpu_resident_gb,
+        "kept activations": tc.keep_activations,
+        "tile": tc.tile_tokens,
+    }
     return tuple(k for k, v in named.items() if v == AUTO)
 
 
-def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None, ram_gb: float | None = None, gpus: int = 1,
-            per_host: int = 1) -> tuple[Plan, RunPlan, tuple[str, ...]]:
+def resolve(
+    cfg: Config,
+    hw: HardwareSpec,
+    micro: int | None = None,
+    ram_gb: float | None = None,
+    gpus: int = 1,
+    per_host: int = 1,
+) -> tuple[Plan, RunPlan, tuple[str, ...]]:
     """`tiertrain run`'s (plan of this exact run, the RunPlan it obeys, the settings the plan chose): the
     search on the device's figures `hw` settles what the config leaves "auto", and a run that cannot fit
     stops here, before anything is allocated, naming the setting to change. `micro`: the micro-batch a
@@ -71,7 +120,9 @@ def resolve(cfg: Config, hw: HardwareSpec, micro: int | None = None, ram_gb: flo
     t = cfg.tiers
     nvme = t.nvme_gb or (1e9 if t.nvme_dir else None)
     ranks = {"gpus": gpus, "per_host": per_host}
-    p = search(cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
+    p = search(
+        cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks
+    )
     if not p.fits and not t.host_gb and ram_gb and p.short != Short.GPU:
         # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
@@ -85,39 +136,62 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
     t, tc = cfg.tiers, cfg.train
     if p.short == Short.GPU:
         resident = t.gpu_resident_gb
-        fixes = [*([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
-                 *(["lower train.micro_batch_size"] if fixed(tc.micro_batch_size) or micro else []),
-                 *([f"lower train.keep_activations ({tc.keep_activations})"] if fixed(tc.keep_activations) else []),
-                 *(['set tiers.activations="auto"'] if t.activations == "gpu" else []),
-                 "lower train.seq_len"]
+        fixes = [
+            *([f"lower tiers.gpu_resident_gb ({resident:g})"] if resident != AUTO and resident > 0 else []),
+            *(["lower train.micro_batch_size"] if fixed(tc.micro_batch_size) or micro else []),
+            *(
+                [f"lower train.keep_activations ({tc.keep_activations})"]
+                if fixed(tc.keep_activations)
+                else []
+            ),
+            *(['set tiers.activations="auto"'] if t.activations == "gpu" else []),
+            "lower train.seq_len",
+        ]
         return f"{p.why}: " + ", or ".join(fixes)
     if p.short == Short.HOST:  # no NVMe tier
-        kb, numels = p.run_plan.kind_bytes(), list(p.run_plan.numels)  # a rank's shards; the budget is the host's
+        # a rank's shards; the budget is the host's
+        kb, numels = (p.run_plan.kind_bytes(), list(p.run_plan.numels))
         resident = resident_units(numels, kb, p.run_plan.resident_gb * 1e9)
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
         acts = p.memory.checkpoints.get(Home.HOST, 0) * host_cost(p.run_plan.checkpoint_bytes(p.job.rows))
         total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.per_host
         least = least_host(rest, kb, acts, host_cost) * p.per_host
-        return (f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
-                f"{budget(total)}, or pass --nvme-dir to spill part of it to disk (then --host-gb {budget(least)} "
-                "is the least)")
+        return (
+            f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
+            f"{budget(total)}, or pass --nvme-dir to spill part of it to disk (then --host-gb {budget(least)} "
+            "is the least)"
+        )
     if p.short == Short.RING:
-        return (f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
-                + (" and the host activation checkpoints" if p.memory.checkpoints.get(Home.HOST) else "")
-                + f" with all it can spill on NVMe: raise --host-gb to at least {budget(p.least_host)}")
+        return (
+            f"--host-gb {t.host_gb:g} cannot hold even the staging ring"
+            + (" and the host activation checkpoints" if p.memory.checkpoints.get(Home.HOST) else "")
+            + f" with all it can spill on NVMe: raise --host-gb to at least {budget(p.least_host)}"
+        )
     if p.short == Short.COPIES:
         n, gpu = cfg.optim.speculate_units, cfg.optim.speculate_gpu_updates is True
-        who = [f"optim.speculate_units = {n}"] * (n not in (AUTO, 0)) + ["optim.speculate_gpu_updates = true"] * gpu
-        fix = ['lower optim.speculate_units ("auto": the plan\'s number)'] * (n not in (AUTO, 0)) + \
-            ["set optim.speculate_gpu_updates = false"] * gpu
-        return (f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of the master and moments that need "
-                f"{gb(p.least_host - t.host_gb * 1e9)} more than --host-gb {t.host_gb:g} holds beside the state: "
-                f"raise --host-gb to {budget(p.least_host)}, or {', or '.join(fix)}")
+        who = [f"optim.speculate_units = {n}"] * (n not in (AUTO, 0)) + [
+            "optim.speculate_gpu_updates = true"
+        ] * gpu
+        fix = ['lower optim.speculate_units ("auto": the plan\'s number)'] * (n not in (AUTO, 0)) + [
+            "set optim.speculate_gpu_updates = false"
+        ] * gpu
+        return (
+            f"{' and '.join(who)} keep{'s' * (len(who) == 1)} copies of the master and moments that need "
+            f"{gb(p.least_host - t.host_gb * 1e9)} more than --host-gb {t.host_gb:g} holds beside the state: "
+            f"raise --host-gb to {budget(p.least_host)}, or {', or '.join(fix)}"
+        )
     return p.why.partition(": ")[2]  # NVMe: the spilled state is larger than --nvme-gb
 
 
-def check_ram(rp: RunPlan, copied: frozenset[int], avail: int, host_gb: float, nvme_dir: str, device: float = 0.0,
-              share: int = 1) -> None:
+def check_ram(
+    rp: RunPlan,
+    copied: frozenset[int],
+    avail: int,
+    host_gb: float,
+    nvme_dir: str,
+    device: float = 0.0,
+    share: int = 1,
+) -> None:
     """Refuses, before anything is allocated, a run whose host memory (host_need, and `device` bytes: on a CPU
     the working set, in the same RAM) is more than the `avail` bytes this process may take (one of `share` ranks
     of a host: its share, measured before any of them allocated), naming the --host-gb and --nvme-dir that would
@@ -132,29 +206,38 @@ def check_ram(rp: RunPlan, copied: frozenset[int], avail: int, host_gb: float, n
     need, least, device, avail = need * share, least * share, device * share, avail * share  # the host's
     have = f"this machine has {gb(avail)} of RAM available"
     if least > avail * 0.9:
-        raise ConfigError(f"the run needs {gb(need)} of host memory and {have}; even with every slab it can "
-                          f"spill on disk it needs {gb(least)}"
-                          + (f" ({gb(device)} of it the device's working set)" if device else "")
-                          + ": use a machine with more RAM, or a smaller model or batch")
+        raise ConfigError(
+            f"the run needs {gb(need)} of host memory and {have}; even with every slab it can "
+            f"spill on disk it needs {gb(least)}"
+            + (f" ({gb(device)} of it the device's working set)" if device else "")
+            + ": use a machine with more RAM, or a smaller model or batch"
+        )
     fit = f"{(avail * 0.9 - device) / 1e9:.3g}"  # a tenth left for the process itself
     spill = f"--host-gb {fit}" + ("" if nvme_dir else " --nvme-dir DIR (a directory on a fast disk)")
     if host_gb:
-        raise ConfigError(f"--host-gb {host_gb:g} is more than the RAM here, and the run needs {gb(need)} of it: "
-                          f"{have}; pass {spill} to spill the rest to disk")
-    raise ConfigError(f"the run needs {gb(need)} of host memory and {have}: pass {spill} to spill the rest "
-                      "to disk")
+        raise ConfigError(
+            f"--host-gb {host_gb:g} is more than the RAM here, and the run needs {gb(need)} of it: "
+            f"{have}; pass {spill} to spill the rest to disk"
+        )
+    raise ConfigError(
+        f"the run needs {gb(need)} of host memory and {have}: pass {spill} to spill the rest to disk"
+    )
 
 
 def host_need(rp: RunPlan, copied: frozenset[int]) -> int:
     """Host bytes of a run: the slabs its plan puts in RAM, the staging ring, host checkpoints, and the copies
     of the `copied` units' master and moments (speculation under clipping)."""
     kb, where, numels = rp.kind_bytes(), rp.where(), list(rp.numels)
-    return (sum(host_state_bytes(numels, kb, where, host_cost).values())
-            + ring_bytes(ring_widths(numels, where), kb, host_cost) + host_checkpoints(rp)
-            + sum(copy_bytes(numels[u], host_cost) for u in copied))
+    return (
+        sum(host_state_bytes(numels, kb, where, host_cost).values())
+        + ring_bytes(ring_widths(numels, where), kb, host_cost)
+        + host_checkpoints(rp)
+        + sum(copy_bytes(numels[u], host_cost) for u in copied)
+    )
 
 
 def host_checkpoints(rp: RunPlan) -> int:
     """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
-    return (len(rp.checkpoints(Home.HOST)) * host_cost(rp.checkpoint_bytes(rp.rows))
-            + (CK_RING_BYTES if rp.checkpoints(Home.NVME) else 0))
+    return len(rp.checkpoints(Home.HOST)) * host_cost(rp.checkpoint_bytes(rp.rows)) + (
+        CK_RING_BYTES if rp.checkpoints(Home.NVME) else 0
+    )

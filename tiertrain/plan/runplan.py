@@ -14,6 +14,7 @@ its checkpoint (the block's input); false, kept on the GPU from the forward pass
 Its `checkpoint` says where a recomputed block's checkpoint waits for the backward pass: gpu, host (pinned RAM)
 or nvme (the disk tier, through a ring of pinned buffers); "" for the embedding, the head and kept blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -35,20 +36,32 @@ class UnitPlan:
     checkpoint: Home | str = ""  # where the block's checkpoint lives; "": it has none
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "name": self.name, "update": self.update,
-                "homes": {k.value: h.value for k, h in self.homes}, "recompute": self.recompute,
-                "checkpoint": self.checkpoint.value if self.checkpoint else ""}
+        return {
+            "index": self.index,
+            "name": self.name,
+            "update": self.update,
+            "homes": {k.value: h.value for k, h in self.homes},
+            "recompute": self.recompute,
+            "checkpoint": self.checkpoint.value if self.checkpoint else "",
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitPlan":
         homes = tuple((Kind(k), Home(h)) for k, h in d["homes"].items())
-        return cls(d["index"], d["name"], Update(d["update"]), homes, d.get("recompute", True),
-                   Home(d["checkpoint"]) if d.get("checkpoint") else "")
+        return cls(
+            d["index"],
+            d["name"],
+            Update(d["update"]),
+            homes,
+            d.get("recompute", True),
+            Home(d["checkpoint"]) if d.get("checkpoint") else "",
+        )
 
 
 @dataclass(frozen=True)
 class RunPlan:
     """The run-wide choices and one UnitPlan per unit, in unit order (none in a plan that does not fit)."""
+
     micro_batch: int
     stream: Stream  # "compute": a compute-dtype copy streams; "master": the fp32 master, cast on the GPU
     activations: Activations  # the checkpoints' home, or "split" (each unit's entry says)
@@ -115,23 +128,38 @@ class RunPlan:
             if update in (Update.GPU, Update.GPU_SPECULATED):
                 ok = ok and Kind.WEIGHTS not in dict(u.homes)
             if not ok:
-                raise ValueError(f"unit {i} ({u.name}) cannot take update {update!r} with its state in "
-                                 f"{dict(u.homes)}")
+                raise ValueError(
+                    f"unit {i} ({u.name}) cannot take update {update!r} with its state in {dict(u.homes)}"
+                )
             units[i] = replace(u, update=Update(update))
         if {Update.GPU, Update.GPU_SPECULATED} <= {u.update for u in units}:
             raise ValueError("GPU updates speculate all or none: give every GPU-updated unit the same update")
         return replace(self, units=tuple(units))
 
     def to_dict(self) -> dict:
-        return {"micro_batch": self.micro_batch, "stream": self.stream, "activations": self.activations,
-                "resident_gb": self.resident_gb, "tile": self.tile,
-                "checkpoint_dtype": self.activation_dtype, "gpus": self.gpus, "compute_dtype": self.compute_dtype,
-                "units": [u.to_dict() for u in self.units]}
+        return {
+            "micro_batch": self.micro_batch,
+            "stream": self.stream,
+            "activations": self.activations,
+            "resident_gb": self.resident_gb,
+            "tile": self.tile,
+            "checkpoint_dtype": self.activation_dtype,
+            "gpus": self.gpus,
+            "compute_dtype": self.compute_dtype,
+            "units": [u.to_dict() for u in self.units],
+        }
 
 
-def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: Iterable[int], gpu: Iterable[int],
-               gpu_speculated: bool, host_speculated: Iterable[int], kept: Iterable[int] = (),
-               checkpoints: dict[int, str] | None = None) -> tuple[UnitPlan, ...]:
+def unit_plans(
+    names: list[str],
+    where: dict[tuple[int, str], str],
+    resident: Iterable[int],
+    gpu: Iterable[int],
+    gpu_speculated: bool,
+    host_speculated: Iterable[int],
+    kept: Iterable[int] = (),
+    checkpoints: dict[int, str] | None = None,
+) -> tuple[UnitPlan, ...]:
     """The entries of units `names` from a placement, the sets of units each update mode takes, the blocks
     whose activations are kept and the home of each block's checkpoint."""
     resident, gpu, early, kept = set(resident), set(gpu), set(host_speculated), set(kept)
@@ -143,8 +171,15 @@ def unit_plans(names: list[str], where: dict[tuple[int, str], str], resident: It
     for u, name in enumerate(names):
         kinds = by_value(kinds_of.get(u, ()))
         homes = tuple((Kind(k), Home.GPU if u in resident else Home(where[(u, k)])) for k in kinds)
-        update = (Update.RESIDENT if u in resident else (Update.GPU_SPECULATED if gpu_speculated else Update.GPU)
-                  if u in gpu else Update.HOST_SPECULATED if u in early else Update.HOST)
+        update = (
+            Update.RESIDENT
+            if u in resident
+            else (Update.GPU_SPECULATED if gpu_speculated else Update.GPU)
+            if u in gpu
+            else Update.HOST_SPECULATED
+            if u in early
+            else Update.HOST
+        )
         checkpoint = Home(checkpoints[u]) if u in checkpoints else ""
         out.append(UnitPlan(u, name, update, homes, u not in kept, checkpoint))
     return tuple(out)

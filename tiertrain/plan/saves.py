@@ -7,6 +7,7 @@ checkpoints stand beside the one being written (the oldest is deleted once the n
 tier's stores on the same disk hold their bytes all the while, and a run's last save takes their chunks of
 spilled master and moments by rename instead of writing them again.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ def saves(start: int, steps: int, every: int, final: bool) -> int:
 @dataclass(frozen=True)
 class Saves:
     """A run's checkpoints on their disk."""
+
     each: int  # bytes of one checkpoint
     last: int  # bytes the last save writes anew (less where it takes the NVMe store's chunks by rename)
     count: int  # checkpoints the run writes
@@ -69,12 +71,20 @@ def check_disk(saves: dict[str, Saves], free: int, store: int, where: str, state
     beside = f" beside the NVMe tier's {gb(store)} on the same disk" if store else ""
     fits = []
     if state == "full" and saves["weights"].need + store <= free:
-        fits.append(f'checkpoint.state = "weights" (the fp32 master alone, {gb(saves["weights"].each)} each; a '
-                    "resume from it starts a new run with fresh Adam moments)")
+        fits.append(
+            f'checkpoint.state = "weights" (the fp32 master alone, {gb(saves["weights"].each)} each; a '
+            "resume from it starts a new run with fresh Adam moments)"
+        )
     if s.keep > 1 and Saves(s.each, s.last, s.count, s.existing, 1).need + store <= free:
         fits.append("checkpoint.keep = 1")
     fits.append(f"checkpoint.dir = a directory on a disk with {gb(s.elsewhere)} free")
-    taken = f", the last taking {gb(s.each - s.last)} of it from the NVMe store by rename" if s.last < s.each else ""
-    raise ConfigError(f"the checkpoints need {gb(need)} on {where}: {s.at_once} of {gb(s.each)} at once "
-                      f"({state} state, checkpoint.keep = {s.keep}, one being written{taken}){beside}, and it has "
-                      f"{gb(free)} free; set " + ", or ".join(fits))
+    taken = (
+        f", the last taking {gb(s.each - s.last)} of it from the NVMe store by rename"
+        if s.last < s.each
+        else ""
+    )
+    raise ConfigError(
+        f"the checkpoints need {gb(need)} on {where}: {s.at_once} of {gb(s.each)} at once "
+        f"({state} state, checkpoint.keep = {s.keep}, one being written{taken}){beside}, and it has "
+        f"{gb(free)} free; set " + ", or ".join(fits)
+    )

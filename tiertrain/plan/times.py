@@ -1,5 +1,6 @@
 """The planner's time model: seconds per link of one step, and the step's phases (docs/performance.md).
 Pure Python."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -34,22 +35,22 @@ def disk_time(reads: float, writes: float, hw: HardwareSpec) -> float:
     return max(r, w, (reads + writes) / (hw.disk_mixed_gbs * 1e9))
 
 
-def step_times(job: Job, mem: Memory, fit: Fit, on_gpu: int, speculated: int,
-               gpu_speculated: bool = False) -> tuple[dict[str, float], float, float]:
+def step_times(
+    job: Job, mem: Memory, fit: Fit, on_gpu: int, speculated: int, gpu_speculated: bool = False
+) -> tuple[dict[str, float], float, float]:
     """Seconds per link, and the backward and forward phases (the update beside the forward pass), of the choice
     `fit` holds in memory `mem`, with `on_gpu` parameters updated on the GPU and `speculated` queued for the host
-    during the backward pass (speculated; into copies where the job clips: at hw.out_of_place the rate, with
+    during the backward pass (into copies where the job clips: at hw.out_of_place the rate, with
     hw.out_of_place_dram_bytes more DRAM traffic), as many as that pass has room for (the rest after the norm:
-    "host AdamW" counts them). `gpu_speculated`: the GPU updates are speculated too, in the backward pass, their
-    state's copies with it (the gradient is already there; the kept master streams in the next forward pass like
-    the others). Several GPUs (job.gpus): the sums are this rank's shards; each GPU all-gathers (gpus - 1) / gpus
-    of every unit it loads, in the compute dtype, and reduce-scatters as much of every fp32 gradient, over NVLink
-    (hw.peer_gbs) or, across hosts, the network (hw.network_gbs)."""
+    "host AdamW" counts them). `gpu_speculated`: the GPU updates run in the backward pass too, their state's
+    copies with them. Several GPUs: the sums are this rank's shards (_peers prices the collectives)."""
     s, hw, kb = fit.shape, fit.shape.hw, fit.shape.kb
     sw = 2 if Kind.WEIGHTS in kb else 4  # bytes per parameter that stream
     ck_unit = job.spec.num_hidden_layers * s.ck_unit / job.spec.num_hidden_layers
-    host_ck_io = (mem.checkpoints.get(Home.HOST, 0) + mem.checkpoints.get(Home.NVME, 0)) * ck_unit  # each way, PCIe
-    ck_disk = mem.checkpoints.get(Home.NVME, 0) * ck_unit  # written in the forward pass, read in the backward pass
+    # the checkpoints off the GPU cross PCIe each way; those on NVMe are written in the forward pass, read back in
+    # the backward pass
+    host_ck_io = (mem.checkpoints.get(Home.HOST, 0) + mem.checkpoints.get(Home.NVME, 0)) * ck_unit
+    ck_disk = mem.checkpoints.get(Home.NVME, 0) * ck_unit
     adam_rate = hw.host_adam_copy_params_per_s if Kind.WEIGHTS in kb else hw.host_adam_params_per_s
     fwd_gpu, bwd_gpu = (0, on_gpu) if gpu_speculated else (on_gpu, 0)
     streamed, reloaded = fit.sums
@@ -58,13 +59,16 @@ def step_times(job: Job, mem: Memory, fit: Fit, on_gpu: int, speculated: int,
     d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
     dram = hw.host_dram_gbs * 1e9
-    t = _compute(job, mem, fit) | _peers(job, fit) | {
-        "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9), "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
+    spec = hw.spec_copy_efficiency if bwd_gpu else 1.0
+    pcie = {
+        "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
+        "D2H fwd": d2h_fwd / (hw.d2h_gbs * 1e9),
         "PCIe both fwd": (h2d_fwd + d2h_fwd) / (hw.bidir_gbs * hw.copy_efficiency * 1e9),
-        "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9), "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
-        "PCIe both bwd": (h2d_bwd + d2h_bwd)
-        / (hw.bidir_gbs * hw.copy_efficiency * (hw.spec_copy_efficiency if bwd_gpu else 1.0) * 1e9)} \
-        | _disk(mem, kb, ck_disk, hw)
+        "H2D bwd": h2d_bwd / (hw.h2d_gbs * 1e9),
+        "D2H": d2h_bwd / (hw.d2h_gbs * 1e9),
+        "PCIe both bwd": (h2d_bwd + d2h_bwd) / (hw.bidir_gbs * hw.copy_efficiency * spec * 1e9),
+    }
+    t = _compute(job, mem, fit) | _peers(job, fit) | pcie | _disk(mem, kb, ck_disk, hw)
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"], t["peer bwd"])
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
@@ -75,11 +79,16 @@ def step_times(job: Job, mem: Memory, fit: Fit, on_gpu: int, speculated: int,
     room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
     queued, speculated = speculated, min(speculated, room)
     on_host = streamed - on_gpu - speculated
-    t |= {"host AdamW": on_host / adam_rate * hw.adam_contention, "host AdamW bwd": speculated / spec_rate,
-          # the copies and the host AdamW share the host's DRAM
-          "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
-          "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram}
-    fwd = max(t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"], t["peer fwd"])
+    t |= {
+        "host AdamW": on_host / adam_rate * hw.adam_contention,
+        "host AdamW bwd": speculated / spec_rate,
+        # the copies and the host AdamW share the host's DRAM
+        "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
+        "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram,
+    }
+    fwd = max(
+        t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"], t["peer fwd"]
+    )
     if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
         bwd = max(bwd, t["host DRAM bwd"])
     update = max(t["host AdamW"], t["NVMe"])
@@ -91,14 +100,23 @@ def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
     """The GPU's seconds of compute in the forward and the backward pass (recompute included): FLOPs over the
     matmul rate, causal attention's at its own (hw.attention_rate)."""
     spec, rp, hw = job.spec, fit.shape.run_plan, fit.shape.hw
-    rate = (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    rate = (
+        (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    )
     T, F = job.rows * job.seq_len, spec.flops_per_token(job.seq_len)
-    F -= spec.attention_flops_per_token(job.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))  # at the rest's rate
+    # at the rest's rate
+    F -= spec.attention_flops_per_token(job.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))
     # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
     recompute = F - mem.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
-    if rp.tile and rp.micro_batch * job.seq_len > rp.tile:  # a tiled block's q/k/v projections run twice in its backward
-        recompute += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd \
+    # a tiled block's q/k/v projections run twice in its backward
+    if rp.tile and rp.micro_batch * job.seq_len > rp.tile:
+        recompute += (
+            2
+            * spec.hidden_size
+            * (spec.num_attention_heads + 2 * spec.n_kv_heads)
+            * spec.hd
             * spec.num_hidden_layers
+        )
     return {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate}
 
 
@@ -111,8 +129,10 @@ def _peers(job: Job, fit: Fit) -> dict[str, float]:
     others = (rp.gpus - 1) / rp.gpus  # of each unit, the part the other ranks hold
     link = (hw.peer_gbs if rp.gpus <= job.ranks_per_host else hw.network_gbs) * 1e9
     reloaded_whole = whole * reloaded / streamed if streamed else 0
-    return {"peer fwd": others * rp.compute_width * whole / link,
-            "peer bwd": others * (rp.compute_width * reloaded_whole + 4 * whole) / link}
+    return {
+        "peer fwd": others * rp.compute_width * whole / link,
+        "peer bwd": others * (rp.compute_width * reloaded_whole + 4 * whole) / link,
+    }
 
 
 def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, float]:
@@ -122,6 +142,9 @@ def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, 
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     reads -= mem.nvme_ahead  # read ahead of the optimizer as the backward pass starts (Staging.start)
     writes += ck_disk
-    return {"NVMe read": reads / (hw.disk_read_gbs * 1e9), "NVMe write": writes / (hw.disk_write_gbs * 1e9),
-            "NVMe": disk_time(reads, writes, hw),
-            "NVMe bwd": disk_time(mem.nvme_bwd_reads + ck_disk + mem.nvme_ahead, bwd_writes, hw)}
+    return {
+        "NVMe read": reads / (hw.disk_read_gbs * 1e9),
+        "NVMe write": writes / (hw.disk_write_gbs * 1e9),
+        "NVMe": disk_time(reads, writes, hw),
+        "NVMe bwd": disk_time(mem.nvme_bwd_reads + ck_disk + mem.nvme_ahead, bwd_writes, hw),
+    }

@@ -2,6 +2,7 @@
 (Choice), and its answer, frozen: a Plan (the RunPlan a run obeys, the Memory of every tier, the Prediction of
 every link, and what a report adds: Report), or a Miss (the budget that falls short, and the memory as far as the
 plan got). Pure Python."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,7 @@ def _table():
 @dataclass(frozen=True)
 class Job:
     """What is trained, and on how many ranks: what every choice of a plan shares."""
+
     spec: ModelSpec
     batch: int  # sequences per step, over every rank
     seq_len: int
@@ -54,12 +56,15 @@ class Budgets:
     host_gb: float | None = None  # None: the machine's RAM less the process
     gpu_gb: float | None = None  # None: the GPU's memory
     nvme_gb: float | None = None  # None: no NVMe tier; 0 is also none
-    resident_gb: float | str = 0.0  # GPU memory for the whole state of the first units; "auto": what the plan leaves
+    resident_gb: float | str = (
+        0.0  # GPU memory for the whole state of the first units; "auto": what the plan leaves
+    )
 
 
 @dataclass(frozen=True)
 class Choice:
     """What a plan decides, each fixed (by the config, a test, a report's variant) or None: the search decides."""
+
     micro: int | None = None  # rows of a rank's batch per forward and backward pass
     stream: Stream | None = None
     activations: Activations | None = None  # None: the GPU or the host, or a split where neither holds them
@@ -67,11 +72,14 @@ class Choice:
     speculate: int | None = None  # units the host updates from RAM in the backward pass
     speculate_gpu: bool | None = None  # the GPU updates run in the backward pass too
     keep: int | None = None  # blocks that keep their activations; None: as many as the GPU memory left holds
-    tile: int | None = None  # tokens per tile of a block; None: TILE where the untiled MLP would take too much
+    tile: int | None = (
+        None  # tokens per tile of a block; None: TILE where the untiled MLP would take too much
+    )
 
 
 class Short(Enum):
     """The budget a miss falls short of."""
+
     GPU = "GPU"
     HOST = "host"  # the state in RAM, with no NVMe tier to spill to
     RING = "ring"  # host memory, all it can spill spilled: not even a spilled run's buffers fit
@@ -82,6 +90,7 @@ class Short(Enum):
 @dataclass(frozen=True)
 class GpuMemory:
     """One rank's GPU bytes, part by part (`table`: in a user's words)."""
+
     resident: float  # the whole state of the resident units
     slots: float  # the blocks' two weight slots
     own: float  # the embedding's and the head's weight buffers
@@ -89,14 +98,24 @@ class GpuMemory:
     grads: float  # the fp32 gradient accumulators
     activation_grads: float  # the gradient of a block's output, of every micro-batch
     working: float  # a block's working set in its backward pass
-    checkpoints: float | None = None  # the activation checkpoints the GPU holds at once (None: not placed yet)
+    checkpoints: float | None = (
+        None  # the activation checkpoints the GPU holds at once (None: not placed yet)
+    )
     kept: float | None = None  # the kept blocks' activations (None: none kept)
     sets: float | None = None  # the GPU updates' two state sets (None: not placed yet)
 
-    NAMES = {"resident": "resident units' state", "slots": "weight slots", "own": "embedding + head",
-             "staging": "fp32 staging", "grads": "grad accumulators", "activation_grads": "activation grads",
-             "working": "working set", "checkpoints": "checkpoints", "kept": "kept activations",
-             "sets": "GPU update sets"}
+    NAMES = {
+        "resident": "resident units' state",
+        "slots": "weight slots",
+        "own": "embedding + head",
+        "staging": "fp32 staging",
+        "grads": "grad accumulators",
+        "activation_grads": "activation grads",
+        "working": "working set",
+        "checkpoints": "checkpoints",
+        "kept": "kept activations",
+        "sets": "GPU update sets",
+    }
 
     @property
     def total(self) -> float:
@@ -104,15 +123,21 @@ class GpuMemory:
 
     def table(self) -> dict[str, float]:
         """{part in a user's words: bytes}, in the order of the report (the parts not placed left out)."""
-        return {self.NAMES[f.name]: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {
+            self.NAMES[f.name]: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        }
 
 
 @dataclass(frozen=True)
 class Memory:
     """One rank's bytes on every tier, as far as the plan got (a miss stops part way), and the disk traffic its
     placement implies."""
+
     gpu: GpuMemory
-    checkpoints: Mapping[Home, int] = _table()  # home -> blocks whose checkpoint lives there (kept blocks counted)
+    # home -> blocks whose checkpoint lives there (kept blocks counted)
+    checkpoints: Mapping[Home, int] = _table()
     kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
     kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
     host: Mapping[Kind, int] = _table()  # kind -> bytes of state slabs in RAM (whole pages)
@@ -120,7 +145,9 @@ class Memory:
     placement: Mapping[Kind, Mapping[Home, int]] = _table()  # kind -> {Home.HOST: units, Home.NVME: units}
     ring: int = 0  # the staging ring
     host_checkpoints: int = 0  # activation checkpoints in RAM, and the ring of those on NVMe
-    process: float = 0.0  # the process itself (Python, torch, the CUDA context): not in --host-gb; 0: not placed
+    process: float = (
+        0.0  # the process itself (Python, torch, the CUDA context): not in --host-gb; 0: not placed
+    )
     copies: int = 0  # the speculative updates' copies of master and moments
     nvme_checkpoints: int = 0  # disk bytes of the activation checkpoints on NVMe
     nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
@@ -131,7 +158,11 @@ class Memory:
         host's memory is placed)."""
         if not self.process:
             return {}
-        fixed = {"staging ring": self.ring, "host checkpoints": self.host_checkpoints, "process": self.process}
+        fixed = {
+            "staging ring": self.ring,
+            "host checkpoints": self.host_checkpoints,
+            "process": self.process,
+        }
         return fixed | ({"update copies": self.copies} if self.copies else {})
 
     @property
@@ -142,6 +173,7 @@ class Memory:
 @dataclass(frozen=True)
 class Prediction:
     """The cost model's step: seconds per link, the step, what limits it, its rates."""
+
     times: Mapping[str, float]  # link -> seconds
     step_s: float
     clipped_times: Mapping[str, float]  # the same while the global norm clips: nothing speculates
@@ -154,6 +186,7 @@ class Prediction:
 @dataclass(frozen=True)
 class Report:
     """What a capacity report adds to a plan (advice.explain)."""
+
     advice: tuple[str, ...] = ()
     largest_layers: int = 0
     largest_params: int = 0
@@ -165,6 +198,7 @@ class Report:
 @dataclass(frozen=True)
 class Plan:
     """A choice that fits: the RunPlan a run obeys, one rank's memory, the prediction, and what a report adds."""
+
     job: Job
     run_plan: RunPlan
     memory: Memory
@@ -188,6 +222,7 @@ class Plan:
 class Miss:
     """A choice that does not fit: the budget it falls short of and why, the least host budget that would do
     where that is what is short, and the memory as far as the plan got."""
+
     job: Job
     run_plan: RunPlan  # the choices, no units
     short: Short

@@ -1,5 +1,6 @@
 """What a micro-batch holds on the GPU: the working set of a block's backward pass (tiled or not) and what a
 kept block's autograd graph saves. Pure Python."""
+
 from __future__ import annotations
 
 from ..model.spec import ModelSpec
@@ -12,7 +13,8 @@ from .runplan import WIDTH
 WORK_H, WORK_FF, TILE_SUMS = 34.5, 16.8, 12
 TILED_Q, TILED_KV = 3.5, 4
 TILE = 8192  # tokens per tile when the plan tiles a block
-MLP_SHARE = 1 / 8  # the plan tiles blocks where the untiled MLP's working set would take more of the GPU budget
+# the plan tiles blocks where the untiled MLP's working set would take more of the GPU budget
+MLP_SHARE = 1 / 8
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 
 
@@ -23,8 +25,15 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     saved-tensor hooks on llama.block (tests/test_keep.py checks it)."""
     w = WIDTH[dtype]
     kv = spec.n_kv_heads * spec.hd
-    return (16 * spec.hidden_size + 4 * w * spec.hidden_size + 4 * w * spec.intermediate_size + 2 * w * kv
-            + 4 * spec.num_attention_heads + 8 * spec.hd + 8)
+    return (
+        16 * spec.hidden_size
+        + 4 * w * spec.hidden_size
+        + 4 * w * spec.intermediate_size
+        + 2 * w * kv
+        + 4 * spec.num_attention_heads
+        + 8 * spec.hd
+        + 8
+    )
 
 
 def working_set(spec: ModelSpec, dtype: str, tokens: int, tile: int) -> float:

@@ -1,4 +1,5 @@
 """Host tier: pinned DRAM slabs, one per (unit, kind)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,21 +21,35 @@ class HostStore:
     while the current ones stay as they were; `swap(u)` makes them current.
     """
 
-    def __init__(self, layouts: list[SlabLayout], compute_dtype: torch.dtype, pin: bool, compute_copy: bool = True,
-                 where: dict[tuple[int, str], str] | None = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        layouts: list[SlabLayout],
+        compute_dtype: torch.dtype,
+        pin: bool,
+        compute_copy: bool = True,
+        where: dict[tuple[int, str], str] | None = None,
+        device: torch.device | None = None,
+    ):
         self.layouts = layouts
         self.compute_dtype = compute_dtype
         self.pin = pin
         self.version = [0] * len(layouts)
         copy = compute_copy and compute_dtype != torch.float32
         self.kinds = FP32_KINDS + ((Kind.WEIGHTS,) if copy else ())
-        self.streamed_kind = Kind.WEIGHTS if copy else Kind.MASTER  # the slab that carries the weights to the GPU
+        # the slab that carries the weights to the GPU
+        self.streamed_kind = Kind.WEIGHTS if copy else Kind.MASTER
         self.slabs: list[dict[str, torch.Tensor]] = []
         for u, lay in enumerate(layouts):  # slabs placed on NVMe get no memory here; "gpu" ones live there
             tiers = {k: (where or {}).get((u, k), Home.HOST) for k in self.kinds}
-            self.slabs.append({k: alloc_slab(lay.numel, self.dtype(k), pin) if t == Home.HOST else
-                               torch.zeros(lay.numel, dtype=self.dtype(k), device=device)
-                               for k, t in tiers.items() if t in (Home.HOST, Home.GPU)})
+            self.slabs.append(
+                {
+                    k: alloc_slab(lay.numel, self.dtype(k), pin)
+                    if t == Home.HOST
+                    else torch.zeros(lay.numel, dtype=self.dtype(k), device=device)
+                    for k, t in tiers.items()
+                    if t in (Home.HOST, Home.GPU)
+                }
+            )
         self.copies: dict[int, dict[str, torch.Tensor]] = {}
 
     def add_copies(self, units) -> None:

@@ -7,6 +7,7 @@ or renames a file: it reads and writes the chunk files' bytes in place (`<kind>/
 little-endian), with direct I/O into page-aligned buffers, split into 16 MiB tasks over a thread
 pool. kvikio moves the bytes where it can run (it needs a CUDA driver); elsewhere os.preadv/pwritev.
 """
+
 from __future__ import annotations
 
 import errno
@@ -56,8 +57,10 @@ class PosixIO:
     def _run(self, path: Path, buf: torch.Tensor, write: bool, at: int = 0) -> Future:
         view = memoryview(buf.view(torch.uint8).numpy())
         fd = _open(path, write)
-        parts = [self.pool.submit(self._piece, fd, view[o:o + TASK_BYTES], at + o, write)
-                 for o in range(0, len(view), TASK_BYTES)]
+        parts = [
+            self.pool.submit(self._piece, fd, view[o : o + TASK_BYTES], at + o, write)
+            for o in range(0, len(view), TASK_BYTES)
+        ]
         done: Future = Future()
 
         def finish(_):
@@ -125,7 +128,6 @@ class KvikioIO:
         return self._run(path, buf, write=True)
 
 
-
 def check_backend(backend: str) -> None:
     """tiers.io = "kvikio" needs the package: said before anything is allocated."""
     if backend == "kvikio":
@@ -133,9 +135,11 @@ def check_backend(backend: str) -> None:
             import kvikio  # noqa: F401
         except ImportError:
             cuda = (torch.version.cuda or "12").split(".")[0]  # a CPU build: the common CUDA 12
-            raise StoreError(f'tiers.io = "kvikio" but kvikio is not installed: pip install "tiertrain[cu{cuda}]" '
-                             f'(kvikio for this torch\'s CUDA {cuda}), or set tiers.io = "auto" (POSIX I/O where '
-                             'kvikio is missing)') from None
+            raise StoreError(
+                f'tiers.io = "kvikio" but kvikio is not installed: pip install "tiertrain[cu{cuda}]" '
+                f'(kvikio for this torch\'s CUDA {cuda}), or set tiers.io = "auto" (POSIX I/O where '
+                "kvikio is missing)"
+            ) from None
 
 
 def make_io(backend: str = "auto", threads: int = 16):
@@ -156,8 +160,10 @@ def make_io(backend: str = "auto", threads: int = 16):
             return io
         except Exception as e:  # noqa: BLE001 - kvikio missing, or no CUDA driver (CI)
             if backend == "kvikio":
-                raise StoreError(f"the kvikio I/O backend cannot run here ({type(e).__name__}: {e}); "
-                                 'use --set tiers.io="posix"') from None
+                raise StoreError(
+                    f"the kvikio I/O backend cannot run here ({type(e).__name__}: {e}); "
+                    'use --set tiers.io="posix"'
+                ) from None
     return PosixIO(threads)
 
 
@@ -188,7 +194,9 @@ class ChunkStore:
             self.root.mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(self.root).free
         except OSError as e:
-            raise StoreError(f"cannot use --nvme-dir {self.root}: {e.strerror}; pass a writable directory") from None
+            raise StoreError(
+                f"cannot use --nvme-dir {self.root}: {e.strerror}; pass a writable directory"
+            ) from None
         if need > free:
             raise StoreError(f"--nvme-dir {self.root.parent} has {gb(free)} free, {what} {gb(need)}; {fix}")
 
@@ -197,8 +205,16 @@ class NvmeStore(ChunkStore):
     """The spilled slabs of a run: array `kind`, row `unit`, elements [0, numel(unit)); a kind's rows are
     as wide as its widest spilled unit. Its chunks are keyed (unit, kind)."""
 
-    def __init__(self, root: str | os.PathLike, numels: list[int], kinds: dict[Kind, str], meta: dict, io,
-                 create: bool, units: dict[str, list[int]] | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        numels: list[int],
+        kinds: dict[Kind, str],
+        meta: dict,
+        io,
+        create: bool,
+        units: dict[str, list[int]] | None = None,
+    ):
         """`create`: a new store (a store already there is refused, never reused: its contents belong to
         another run); otherwise open an existing one, checked against `meta` and for whole chunks.
         `units`: the rows of each kind that are spilled (default all); only their chunks exist on disk."""
@@ -209,23 +225,33 @@ class NvmeStore(ChunkStore):
         self.units = {k: sorted(units[k]) if units else list(range(len(numels))) for k in kinds}
         # a kind's rows as wide as its widest spilled unit: a wide unit kept in RAM costs no disk
         self.width = {k: max((numels[u] for u in self.units[k]), default=1) for k in kinds}
-        meta = {"format": FORMAT, "numels": numels, "kinds": {k.value: dt for k, dt in kinds.items()},
-                "units": {k.value: us for k, us in self.units.items()}, **meta}
+        meta = {
+            "format": FORMAT,
+            "numels": numels,
+            "kinds": {k.value: dt for k, dt in kinds.items()},
+            "units": {k.value: us for k, us in self.units.items()},
+            **meta,
+        }
         exists = (self.root / "zarr.json").exists()
         if create and exists:
-            raise StoreError(f"{self.root} already holds a store of another run; use a new --out name or "
-                             "--nvme-dir, or delete it")
+            raise StoreError(
+                f"{self.root} already holds a store of another run; use a new --out name or "
+                "--nvme-dir, or delete it"
+            )
         if not create and not exists:
             raise StoreError(f"{self.root} holds no tiertrain store; check --nvme-dir")
         if exists:
             try:
                 found = dict(zarr.open_group(self.root, mode="r").attrs)
             except Exception as e:  # noqa: BLE001 - any unreadable store
-                raise StoreError(f"{self.root} holds an unreadable Zarr store ({e}); use another "
-                                 "--nvme-dir or delete it") from None
+                raise StoreError(
+                    f"{self.root} holds an unreadable Zarr store ({e}); use another --nvme-dir or delete it"
+                ) from None
             if found != json.loads(json.dumps(meta)):
-                raise StoreError(f"{self.root} holds a store made for a different model or config; use another "
-                                 "--nvme-dir or delete it")
+                raise StoreError(
+                    f"{self.root} holds a store made for a different model or config; use another "
+                    "--nvme-dir or delete it"
+                )
             self._check_chunks()
             return
         self._create(meta)
@@ -239,15 +265,24 @@ class NvmeStore(ChunkStore):
             g = zarr.open_group(self.root, mode="a", attributes=meta)  # never "w": that empties the directory
             for kind, dt in self.kinds.items():
                 w = self.width[kind]
-                arr = g.create_array(kind.value, shape=(len(self.numels), w), chunks=(1, w), dtype=dt,
-                                     fill_value=0, compressors=None, config={"write_empty_chunks": True})
+                arr = g.create_array(
+                    kind.value,
+                    shape=(len(self.numels), w),
+                    chunks=(1, w),
+                    dtype=dt,
+                    fill_value=0,
+                    compressors=None,
+                    config={"write_empty_chunks": True},
+                )
                 zeros = np.zeros((1, w), dtype=dt)
                 for u in self.units[kind]:
-                    arr[u:u + 1] = zeros
+                    arr[u : u + 1] = zeros
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise StoreError(f"the disk of --nvme-dir {self.root} filled up while creating the store; free "
-                                 "space or raise --host-gb") from None
+                raise StoreError(
+                    f"the disk of --nvme-dir {self.root} filled up while creating the store; free "
+                    "space or raise --host-gb"
+                ) from None
             raise StoreError(f"cannot create the store in {self.root}: {e.strerror}") from None
 
     def _check_chunks(self) -> None:
@@ -255,8 +290,10 @@ class NvmeStore(ChunkStore):
             for u in self.units[kind]:
                 p = self.path(kind, u)
                 if not p.is_file() or p.stat().st_size != self.width[kind] * np.dtype(dt).itemsize:
-                    raise StoreError(f"{self.root}: chunk {kind.value}/{u} is missing or truncated; the store is "
-                                     "corrupt: use another --nvme-dir or delete it")
+                    raise StoreError(
+                        f"{self.root}: chunk {kind.value}/{u} is missing or truncated; the store is "
+                        "corrupt: use another --nvme-dir or delete it"
+                    )
 
     def path(self, kind: Kind, unit: int) -> Path:
         return self.root / kind.value / "c" / str(unit) / "0"
@@ -279,11 +316,22 @@ def new_scratch(parent: str | os.PathLike, run: str) -> Path:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix=f"tiertrain-{Path(run).name or 'run'}-", dir=parent))
-        (root / SCRATCH_MARKER).write_text(json.dumps(
-            {"format": FORMAT, "run": run, "host": socket.gethostname(), "pid": os.getpid(),
-             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        (root / SCRATCH_MARKER).write_text(
+            json.dumps(
+                {
+                    "format": FORMAT,
+                    "run": run,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+            )
+            + "\n"
+        )
     except OSError as e:
-        raise StoreError(f"cannot use --nvme-dir {parent}: {e.strerror}; pass a writable directory with room") from None
+        raise StoreError(
+            f"cannot use --nvme-dir {parent}: {e.strerror}; pass a writable directory with room"
+        ) from None
     return root
 
 
@@ -320,8 +368,12 @@ def discard_stale(parent: str | os.PathLike, run: str) -> list[Path]:
         if d.is_symlink() or not d.is_dir():
             continue
         o = _owner(d)
-        if o and o.get("run") == run and o.get("host") == socket.gethostname() and \
-                not psutil.pid_exists(int(o.get("pid", 0) or 0)):
+        if (
+            o
+            and o.get("run") == run
+            and o.get("host") == socket.gethostname()
+            and not psutil.pid_exists(int(o.get("pid", 0) or 0))
+        ):
             shutil.rmtree(d)
             gone.append(d)
     return gone

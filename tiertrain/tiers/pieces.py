@@ -4,6 +4,7 @@ of its own (nvme.new_scratch: discard deletes it). Every chunk file is made and 
 so a full disk is found before the run starts, never mid-step; the hot path reads and writes whole pieces in
 place through the I/O backend (kvikio or POSIX). Knows rows and bytes, nothing about models.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,13 +24,24 @@ class PieceStore(ChunkStore):
 
         super().__init__(root, io)
         self.rows, self.pieces = sorted(rows), pieces
-        self.check_room(len(self.rows) * pieces * CK_PIECE_BYTES, "the activation checkpoints the plan puts on "
-                        "NVMe need", "free space, or lower --nvme-gb to what is free")
+        self.check_room(
+            len(self.rows) * pieces * CK_PIECE_BYTES,
+            "the activation checkpoints the plan puts on NVMe need",
+            "free space, or lower --nvme-gb to what is free",
+        )
         try:
-            g = zarr.open_group(self.root, mode="a", attributes={"format": FORMAT, "contents": "activation checkpoints"})
+            g = zarr.open_group(
+                self.root, mode="a", attributes={"format": FORMAT, "contents": "activation checkpoints"}
+            )
             width = pieces * CK_PIECE_BYTES // 4
-            g.create_array("checkpoints", shape=(max(self.rows) + 1, width), chunks=(1, CK_PIECE_BYTES // 4),
-                           dtype="float32", fill_value=0, compressors=None)
+            g.create_array(
+                "checkpoints",
+                shape=(max(self.rows) + 1, width),
+                chunks=(1, CK_PIECE_BYTES // 4),
+                dtype="float32",
+                fill_value=0,
+                compressors=None,
+            )
             for r in self.rows:
                 for p in range(pieces):
                     path = self.file(r, p)
@@ -41,8 +53,10 @@ class PieceStore(ChunkStore):
                         os.close(fd)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise StoreError(f"the disk of --nvme-dir {self.root} filled up while reserving the activation "
-                                 "checkpoints; free space or lower --nvme-gb") from None
+                raise StoreError(
+                    f"the disk of --nvme-dir {self.root} filled up while reserving the activation "
+                    "checkpoints; free space or lower --nvme-gb"
+                ) from None
             raise StoreError(f"cannot create the checkpoint store in {self.root}: {e.strerror}") from None
 
     def file(self, row: int, piece: int) -> Path:

@@ -10,10 +10,10 @@ them ahead. Every kind can spill, so the least host budget is the staging ring a
 the units too wide to be worth a ring their width (least_host).
 Pure Python: the planner uses it too.
 """
+
 from __future__ import annotations
 
 import functools
-
 from typing import Iterator
 
 from ..modes import STATE, Home, Kind
@@ -39,7 +39,13 @@ def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
     """Bytes per parameter of each kind of slab: fp32 master, moments and gradient, and a compute-dtype
     copy when bf16 weights stream from the host (`stream = "compute"`)."""
     copy = stream == "compute" and dtype == "bfloat16"
-    return {Kind.MASTER: 4, Kind.EXP_AVG: 4, Kind.EXP_AVG_SQ: 4, Kind.GRAD: 4, **({Kind.WEIGHTS: 2} if copy else {})}
+    return {
+        Kind.MASTER: 4,
+        Kind.EXP_AVG: 4,
+        Kind.EXP_AVG_SQ: 4,
+        Kind.GRAD: 4,
+        **({Kind.WEIGHTS: 2} if copy else {}),
+    }
 
 
 def host_state_bytes(numels: list[int], kb: dict[str, int], where, cost, skip=()) -> dict[str, int]:
@@ -139,8 +145,9 @@ def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int) -> list[tup
     return [(u, k) for k in spill_order(kb) for u in reversed(range(len(numels))) if 0 < numels[u] <= cap]
 
 
-def _spills(numels: list[int], kb: dict[str, int], total: float, cost,
-            budget: float = 0.0) -> Iterator[tuple[float, tuple, int, int]]:
+def _spills(
+    numels: list[int], kb: dict[str, int], total: float, cost, budget: float = 0.0
+) -> Iterator[tuple[float, tuple, int, int]]:
     """The placements place_within considers, as (host bytes it needs, its rank, cap, j): the first j
     slabs of the cap's spill sequence on NVMe, the rest and their staging ring in RAM. A rank is lower
     for a placement that stops earlier in the kind order, then for fewer bytes spilled; along one
@@ -157,8 +164,9 @@ def _spills(numels: list[int], kb: dict[str, int], total: float, cost,
                 break
 
 
-def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixed: float,
-                 cost) -> tuple[dict[tuple[int, str], str] | None, int, float]:
+def place_within(
+    numels: list[int], kb: dict[str, int], host_budget: float, fixed: float, cost
+) -> tuple[dict[tuple[int, str], str] | None, int, float]:
     """(placement, staging ring bytes, host bytes of the whole state + `fixed`). Everything stays on the
     host when it fits beside `fixed` (no ring then). Otherwise the fewest slabs spill, in policy order,
     for the state left in RAM and the ring to fit. A ring buffer is as wide as the widest slab of its
@@ -169,8 +177,11 @@ def place_within(numels: list[int], kb: dict[str, int], host_budget: float, fixe
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
     if total <= host_budget:
         return place(numels, kb), 0, total
-    fits = [(rank, cap, j) for need, rank, cap, j in _spills(numels, kb, total, cost, host_budget)
-            if need <= host_budget]
+    fits = [
+        (rank, cap, j)
+        for need, rank, cap, j in _spills(numels, kb, total, cost, host_budget)
+        if need <= host_budget
+    ]
     if not fits:
         return None, 0, total
     _, cap, j = min(fits)
@@ -184,8 +195,11 @@ def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[in
     spilled slabs of the first READ_AHEAD units with any, but their gradients (drained late in that pass) and
     compute-dtype copies (written whole, never read)."""
     units = set(sorted({u for (u, _), t in where.items() if t == Home.NVME and numels[u]})[:READ_AHEAD])
-    return sum(numels[u] * kb[k] for (u, k), t in where.items()
-               if t == Home.NVME and u in units and k not in (Kind.GRAD, Kind.WEIGHTS))
+    return sum(
+        numels[u] * kb[k]
+        for (u, k), t in where.items()
+        if t == Home.NVME and u in units and k not in (Kind.GRAD, Kind.WEIGHTS)
+    )
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
@@ -201,7 +215,9 @@ def place(numels: list[int], kind_bytes: dict[str, int]) -> dict[tuple[int, str]
     return {(u, k): Home.HOST for u in range(len(numels)) for k in kind_bytes}
 
 
-def spilled_bytes(numels: list[int], kind_bytes: dict[str, int], where: dict[tuple[int, str], str]) -> dict[str, int]:
+def spilled_bytes(
+    numels: list[int], kind_bytes: dict[str, int], where: dict[tuple[int, str], str]
+) -> dict[str, int]:
     out: dict[str, int] = {}
     for (u, k), tier in where.items():
         if tier == Home.NVME:

@@ -8,6 +8,7 @@ happened. In the forward pass a unit's new weights are read only once the optimi
 `updating()` marks every unit about to be rewritten, and `written(u, kind, future)` (the staging's on_write) says
 when each unit's write has been issued.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -21,8 +22,17 @@ from .staging import Traffic
 
 
 class StreamReader:
-    def __init__(self, store: NvmeStore, kind: str, units: set[int], dtype: torch.dtype, width: int, pin: bool,
-                 depth: int = 1, traffic: Traffic | None = None):
+    def __init__(
+        self,
+        store: NvmeStore,
+        kind: str,
+        units: set[int],
+        dtype: torch.dtype,
+        width: int,
+        pin: bool,
+        depth: int = 1,
+        traffic: Traffic | None = None,
+    ):
         """`units`: those whose `kind` slab is spilled; `width`: the ring buffers' elements (the widest)."""
         self.store, self.kind, self.units, self.depth = store, kind, units, depth
         self.traffic = traffic or Traffic()
@@ -62,13 +72,13 @@ class StreamReader:
 
     def _read(self, unit: int) -> None:
         buf = self.ring.take()
-        view = buf[:self.store.numels[unit]]
+        view = buf[: self.store.numels[unit]]
         fut = _then(self.rewritten.pop(unit, None), lambda: self.store.read(unit, self.kind, view))
         self.loaded[unit] = (self.traffic.timed(fut), buf)
         self.traffic.read_bytes += view.numel() * view.element_size()
 
     def _read_ahead(self) -> None:
-        for u in list(self.order)[:self.depth]:
+        for u in list(self.order)[: self.depth]:
             if u not in self.loaded and u not in self.stale:
                 self._read(u)
 
@@ -84,7 +94,7 @@ class StreamReader:
         self._read_ahead()
         fut.result()
         self.out[unit] = buf
-        return buf[:self.store.numels[unit]]
+        return buf[: self.store.numels[unit]]
 
     def copied(self, unit: int, event) -> None:
         """The device has enqueued its copy of the unit's buffer (`event`: once it has happened)."""

@@ -1,6 +1,7 @@
 """Ring: a fixed set of pinned host buffers of one size, allocated at once and reused in turn, through which
 slabs and activation checkpoints pass between the disk and the GPU (the staging's and the streamed kind's reader's rings, the NVMe
 checkpoints' pieces). Knows buffers and what they wait for, nothing about models."""
+
 from __future__ import annotations
 
 import threading
@@ -21,7 +22,8 @@ class Ring:
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool):
         self._free = deque(alloc_slab(numel, dtype, pin) for _ in range(count))
-        self._pending: deque[tuple[object, torch.Tensor]] = deque()  # (what it waits for, buffer), oldest first
+        # (what it waits for, buffer), oldest first
+        self._pending: deque[tuple[object, torch.Tensor]] = deque()
         self._cond = threading.Condition()
         self.nbytes = sum(b.numel() * b.element_size() for b in self._free)
 

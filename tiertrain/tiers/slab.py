@@ -5,6 +5,7 @@ table turns any of them into named tensors. Tensors with weight decay come first
 after, so the optimizer updates each group as one contiguous range. Padding stays zero through AdamW
 (zero grad, zero moments, zero weight), so ranges may include it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ class SlabLayout:
         return cls(tuple(entries), max(_round_up(off, SLAB_ALIGN), SLAB_ALIGN), decay_end)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {e.name: flat[e.offset:e.offset + e.numel].view(e.shape) for e in self.entries}
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
 
     def ranges(self) -> list[tuple[int, int, bool]]:
         """(start, end, decay) ranges that cover every entry: the optimizer's groups."""
@@ -86,8 +87,10 @@ def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(raw.data_ptr(), size, 0)
         if int(err) != 0:
-            raise MemoryError(f"cudaHostRegister of {size} bytes failed (CUDA error {int(err)}): host memory "
-                              "cannot be page-locked; lower --host-gb or raise the memlock limit (ulimit -l)")
+            raise MemoryError(
+                f"cudaHostRegister of {size} bytes failed (CUDA error {int(err)}): host memory "
+                "cannot be page-locked; lower --host-gb or raise the memlock limit (ulimit -l)"
+            )
         weakref.finalize(mm, cudart.cudaHostUnregister, raw.data_ptr())
     flat = raw[:nbytes].view(dtype)
     assert flat.data_ptr() % PAGE == 0
@@ -104,6 +107,7 @@ class Shard:
     """Rank `rank`'s part of a unit's slab when `ranks` ranks share it: elements [start, start + numel) of the
     slab padded to `padded` = ranks x numel (whole pages each); one rank's shard is the whole slab. The optimizer
     updates a shard as it would the slab: `ranges` are the slab's groups, cut to the shard."""
+
     layout: SlabLayout
     rank: int = 0
     ranks: int = 1
@@ -127,4 +131,6 @@ class Shard:
 
     def ranges(self) -> list[tuple[int, int, bool]]:
         a, b = self.start, self.start + self.numel
-        return [(max(x, a) - a, min(y, b) - a, d) for x, y, d in self.layout.ranges() if max(x, a) < min(y, b)]
+        return [
+            (max(x, a) - a, min(y, b) - a, d) for x, y, d in self.layout.ranges() if max(x, a) < min(y, b)
+        ]

@@ -12,6 +12,7 @@ backward pass drains unit u's into a ring buffer (`sink`), which is written to t
 the optimizer reads it back after that write, and nothing writes it back after the update (the next backward pass
 overwrites it). `on_write(unit, kind, future)` hears of each write-back (the streamed kind's reader waits for it).
 """
+
 from __future__ import annotations
 
 import time
@@ -58,17 +59,27 @@ class Traffic:
 
 
 class Staging:
-    def __init__(self, store: NvmeStore, spilled: dict[int, list[str]], dtypes: dict[str, torch.dtype],
-                 widths: dict[str, int], pin: bool, depth: int = 1, fresh: frozenset[str] = frozenset(),
-                 drained: frozenset[str] = frozenset(), on_write: Callable[[int, str, Future], None] | None = None,
-                 traffic: Traffic | None = None):
+    def __init__(
+        self,
+        store: NvmeStore,
+        spilled: dict[int, list[str]],
+        dtypes: dict[str, torch.dtype],
+        widths: dict[str, int],
+        pin: bool,
+        depth: int = 1,
+        fresh: frozenset[str] = frozenset(),
+        drained: frozenset[str] = frozenset(),
+        on_write: Callable[[int, str, Future], None] | None = None,
+        traffic: Traffic | None = None,
+    ):
         """`spilled`: {unit: its kinds on NVMe}; `widths`: each kind's ring buffers' elements (its widest spilled
         slab); `fresh`, `drained`, `on_write`: the kinds' parts, see the module's doc."""
         self.store, self.spilled, self.depth = store, spilled, depth
         self.fresh, self.drained, self.on_write = fresh, drained, on_write
         self.traffic = traffic or Traffic()
         kinds = {k for ks in spilled.values() for k in ks}
-        self.rings = {k: Ring(depth + 2, widths[k], dtypes[k], pin) for k in kinds}  # ahead, in use, writing back
+        # ahead, in use, writing back
+        self.rings = {k: Ring(depth + 2, widths[k], dtypes[k], pin) for k in kinds}
         self.loaded: dict[int, dict[str, tuple[Future, torch.Tensor]]] = {}
         self.order: list[int] = []
         # threads: the main thread (the step: start, sink), the optimizer's worker (acquire, release), checkpoint
@@ -102,7 +113,7 @@ class Staging:
         """(buffer, done): a ring buffer for the unit's slab of a drained kind, to be filled on a device stream;
         `done(event)` writes it to the store once the event has happened (None: already)."""
         whole = self.rings[kind].take()
-        view = whole[:self.store.numels[unit]]
+        view = whole[: self.store.numels[unit]]
 
         def done(event) -> None:
             def job() -> None:
@@ -122,7 +133,7 @@ class Staging:
         self.flush()
         self.traffic.new_pass()
         self.order = [u for u in order if self.spilled.get(u)]
-        for u in self.order[:self.depth]:
+        for u in self.order[: self.depth]:
             self._fetch(u)
 
     def acquire(self, unit: int) -> dict[str, torch.Tensor]:
@@ -131,7 +142,7 @@ class Staging:
             return {}
         self._fetch(unit)
         i = self.order.index(unit) if unit in self.order else len(self.order)
-        for u in self.order[i + 1:i + 1 + self.depth]:
+        for u in self.order[i + 1 : i + 1 + self.depth]:
             self._fetch(u)
         n = self.store.numels[unit]
         out = {}
@@ -160,7 +171,7 @@ class Staging:
         stored slab when `read`; written back to the store on exit when not. Call between passes (after flush),
         from at most `depth + 2` threads per kind."""
         whole = self.rings[kind].take()
-        buf = whole[:self.store.numels[unit]]
+        buf = whole[: self.store.numels[unit]]
         try:
             if read:
                 self.store.read(unit, kind, buf).result()

@@ -1,0 +1,229 @@
+"""The fault review's inputs that each get one line saying what to change (exit 2, no traceback), before
+anything is written or allocated: prepare's outputs and inputs, model directories, tokenizers, the planner's budgets
+and files, export's sizes, the validation data's settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import cli, refused, tiny
+from tiertrain import rundir
+
+# about 25 M parameters (a 40k vocabulary, untied): 300 MB of full checkpoint, 100 MB of weights
+WIDE = [
+    "--set",
+    "model.vocab_size=40000",
+    "--set",
+    "model.hidden_size=256",
+    "--set",
+    "model.intermediate_size=512",
+    "--set",
+    "model.num_hidden_layers=4",
+    "--set",
+    "model.num_attention_heads=4",
+    "--set",
+    "model.num_key_value_heads=4",
+]
+
+
+def _steps(run: Path) -> list[str]:
+    return [p.name for p in rundir.checkpoints(run)]
+
+
+# ---- one line, not a traceback ---------------------------------------------------------------------
+def test_prepare_refuses_in_one_line_and_leaves_nothing(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n")
+    a = str(tmp_path / "a.txt")
+    refused(cli("prepare", a, "--out", str(tmp_path / "missing" / "t.bin")), "does not exist")
+    (tmp_path / "d.bin").mkdir()
+    refused(cli("prepare", a, "--out", str(tmp_path / "d.bin")), "is a directory")
+    (tmp_path / "t.bin.tmp").write_text("a user's file")  # the old temporary name: never written
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    refused(cli("prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "t.bin")), "bad.jsonl:2")
+    assert (tmp_path / "t.bin.tmp").read_text() == "a user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bad.jsonl", "d.bin", "t.bin.tmp"]
+
+
+@pytest.mark.parametrize("case", ["int", "binary", "truncated", "not-parquet"])
+def test_a_parquet_file_prepare_cannot_read_is_one_line(tmp_path, case):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    if case in ("int", "binary"):
+        col = [1, 2, 3] if case == "int" else [b"a", b"b", b"c"]
+        pq.write_table(pa.table({"text": col}), path)
+    else:
+        pq.write_table(pa.table({"text": ["hello world"] * 1000}), path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2] if case == "truncated" else b"just some text\n" * 40)
+    words = "not text" if case in ("int", "binary") else "not a readable .parquet"
+    refused(cli("prepare", str(path), "--out", str(tmp_path / "t.bin")), words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet"]
+
+
+def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import AddedToken, Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({}, unk_token=None))
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("hello world\n")
+    refused(
+        cli(
+            "prepare",
+            str(tmp_path / "a.txt"),
+            "--out",
+            str(tmp_path / "t.bin"),
+            "--tokenizer",
+            str(tmp_path / "tokenizer.json"),
+        ),
+        "no vocabulary",
+    )
+
+
+def _hf(tmp_path: Path, config: dict, index=None) -> str:
+    d = tmp_path / "hf"
+    d.mkdir(exist_ok=True)
+    base = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 97,
+    }
+    (d / "config.json").write_text(json.dumps({**base, **config}))
+    if index is not None:
+        (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "config, index, words",
+    [
+        ({}, [{"weight_map": {}}], "no weight_map"),
+        ({"rope_parameters": ["default", 10000]}, None, "rope_parameters holds a JSON list"),
+        ({"model_type": "mistral", "sliding_window": "4096"}, None, "sliding_window = '4096'"),
+        ({"rope_theta": float("inf")}, None, "rope_theta"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": float("inf"),
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            None,
+            "finite",
+        ),
+        (
+            {},
+            {"weight_map": {"model.embed_tokens.weight": "../../etc/passwd"}},
+            "outside the model directory",
+        ),
+    ],
+)
+def test_a_model_directory_it_cannot_read_is_one_line(token_file, tmp_path, config, index, words):
+    refused(
+        cli(
+            "run",
+            *tiny(token_file),
+            "--init-from",
+            _hf(tmp_path, config, index),
+            "--out",
+            str(tmp_path / "run"),
+        ),
+        words,
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_tokenizer_files_that_link_outside_the_model_stay_behind(tmp_path):
+    from tiertrain.model.hf import carry_files
+
+    model, secret = tmp_path / "model", tmp_path / "secret.txt"
+    model.mkdir()
+    secret.write_text("not the model's")
+    (model / "tokenizer.json").symlink_to(secret)
+    (model / "tokenizer_config.json").write_text("{}")
+    copied, left = carry_files(model, tmp_path / "out")
+    assert copied == ["tokenizer_config.json"] and left == ["tokenizer.json"]
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+    hub = tmp_path / "models--org--name"  # the hub cache's snapshots link to its blobs: inside the model
+    (hub / "blobs").mkdir(parents=True)
+    (hub / "snapshots" / "rev").mkdir(parents=True)
+    (hub / "blobs" / "abc").write_text("{}")
+    (hub / "snapshots" / "rev" / "tokenizer.json").symlink_to("../../blobs/abc")
+    assert carry_files(hub / "snapshots" / "rev", tmp_path / "out2") == (["tokenizer.json"], [])
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--host-gb", "nan"], "--host-gb nan"),
+        (["--gpu-gb", "inf"], "--gpu-gb inf"),
+        (["--host-gb", "-1"], "--host-gb -1"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--seq-len", "0"], "--seq-len"),
+        (["--chart", "/nonexistent/dir/c.png"], "does not exist"),
+        (["--hardware", "HW"], "not a probe file"),
+    ],
+)
+def test_plan_refuses_impossible_budgets_and_files(tmp_path, args, words):
+    (tmp_path / "hw.json").write_text(json.dumps({"h2d_gbs": 10}))
+    args = [a.replace("HW", str(tmp_path / "hw.json")) for a in args]
+    r = cli("plan", "--config", "debug", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
+
+
+def test_export_refusals_speak_of_export(token_file, tmp_path):
+    refused(cli("export", str(tmp_path), "--to", str(tmp_path / "hf")), "export", "neither a tiertrain run")
+    assert "--resume" not in cli("export", str(tmp_path), "--to", str(tmp_path / "hf")).stderr
+    a = tmp_path / "a"
+    assert cli("run", *tiny(token_file), "--set", "train.steps=1", "--out", str(a)).returncode == 0
+    refused(
+        cli("export", str(a), "--to", str(tmp_path / "hf"), "--max-shard-size", "1.2.3GB"), "--max-shard-size"
+    )
+
+
+def test_validation_data_messages_name_their_setting(token_file, tmp_path):
+    refused(
+        cli("run", *tiny(token_file), "--set", 'data.val_path="missing.npy"', "--out", str(tmp_path / "a")),
+        "data.val_path 'missing.npy' not found",
+    )
+    refused(
+        cli("run", *tiny(token_file), "--set", "data.val_fraction=0.999999", "--out", str(tmp_path / "b")),
+        "data.val_fraction = 0.999999 holds out",
+    )
+
+
+def test_a_run_that_diverged_before_saving_says_what_to_do(token_file, tmp_path):
+    """A run that diverged after its first step, before any checkpoint: a new run and a resume on its directory are
+    both refused with what to do (a new --out), neither pointing at the other."""
+    out = tmp_path / "run"
+    refused(
+        cli(
+            "run",
+            *tiny(token_file),
+            "--set",
+            "optim.lr=1e30",
+            "--set",
+            "optim.grad_clip=0",
+            "--out",
+            str(out),
+        ),
+        "diverged",
+    )
+    for r in (
+        cli("run", *tiny(token_file), "--out", str(out)),
+        cli("run", "--resume", "latest", "--out", str(out)),
+    ):
+        line = refused(r, "saved no checkpoint", "stopped after step 1", "new")
+        assert "--resume latest" not in line

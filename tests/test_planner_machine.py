@@ -1,0 +1,251 @@
+"""The planner against machines and shapes: hardware files and the probe, resident state, the shipped shapes of released models, the longest sequence, and a GPU machine planning for its own GPU and RAM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from tiertrain.config import load_config
+from tiertrain.plan.advice import explain
+from tiertrain.plan.hardware import REFERENCE, HardwareSpec
+from tiertrain.plan.planner import evaluate, plan
+from tiertrain.plan.values import Budgets, Choice, Job
+from tiertrain.tiers.placement import kind_bytes
+
+
+def test_hardware_file_round_trip_and_errors(tmp_path):
+    from tiertrain.errors import ConfigError
+
+    hw = HardwareSpec(h2d_gbs=20.0, source="test")
+    hw.save(tmp_path / "hw.json")
+    assert HardwareSpec.load(tmp_path / "hw.json") == hw
+    with pytest.raises(ConfigError, match="tiertrain probe"):
+        HardwareSpec.load(tmp_path / "missing.json")
+    slow = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), hw)
+    fast = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), REFERENCE)
+    assert slow.prediction.step_s >= fast.prediction.step_s
+
+
+def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path):
+    out = tmp_path / "hw.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "tiertrain", "probe", "--out", str(out), "--nvme-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    hw = HardwareSpec.load(out)
+    assert (
+        hw.source.startswith("tiertrain probe")
+        and hw.disk_read_gbs > 0
+        and hw.disk_write_gbs > 0
+        and hw.disk_mixed_gbs > 0
+    )
+    assert hw.host_adam_params_per_s > 0 and hw.host_adam_copy_params_per_s > 0
+    assert (
+        "GPU memory, PCIe and matmul rates are the reference" in r.stdout
+        or hw.gpu_mem_gb != REFERENCE.gpu_mem_gb
+    )
+    assert not list(tmp_path.glob(".tiertrain-probe-*"))  # the probe's file is gone
+
+
+def test_resident_units_move_their_update_to_the_gpu():
+    """24 GB of resident state at 16 B/param (fp32 streaming: master, two moments, grad) is the first
+    units of llama-3b up to 1.5 G params: their bytes leave the host's AdamW and the PCIe links and
+    join the GPU's memory, and the runtime's placement picks the same units."""
+    from tiertrain.plan.memory import slab_sizes as _layouts
+    from tiertrain.tiers.placement import resident_units
+
+    spec = load_config("llama-3b").model
+    numels = _layouts(spec)
+    res = resident_units(numels, kind_bytes("bfloat16", "master"), 24e9)
+    r = sum(numels[u] for u in res)
+    assert res == list(range(len(res))) and r * 16 <= 24e9 < (r + numels[len(res)]) * 16
+    fixed = Choice(4, "master", "host", gpu_updates=0, speculate=0, keep=0)
+    a = evaluate(Job(spec, 4, 2048), fixed, Budgets(), REFERENCE)
+    b = evaluate(Job(spec, 4, 2048), fixed, Budgets(resident_gb=24), REFERENCE)
+    assert b.memory.gpu.resident == r * 16 and a.memory.gpu.resident == 0
+    assert b.prediction.times["host AdamW"] == pytest.approx(
+        a.prediction.times["host AdamW"] * (sum(numels) - r) / sum(numels)
+    )
+    assert b.prediction.times["D2H"] < a.prediction.times["D2H"] and b.prediction.step_s < a.prediction.step_s
+    assert sum(b.memory.host.values()) < sum(a.memory.host.values())
+
+
+def test_resident_auto_takes_what_the_gpu_has_left():
+    """tiers.gpu_resident_gb = "auto": the GPU memory the rest of the plan leaves holds resident units, when
+    that is faster. llama-3b's whole state (50 GB) fits a 141 GB GPU; a 24 GB GPU takes a part of it."""
+    spec = load_config("llama-3b").model
+    state = spec.n_params * 16  # fp32 streaming: master, moments, gradient
+
+    def at(batch, gpu_gb, resident):
+        return plan(
+            Job(spec, batch, 2048),
+            Budgets(host_gb=200, gpu_gb=gpu_gb, resident_gb=resident),
+            REFERENCE,
+            Choice(4),
+        )
+
+    big = at(4, 141, "auto")
+    assert big.fits and big.run_plan.resident_gb * 1e9 >= state and big.memory.gpu.resident >= state * 0.99
+    assert big.memory.gpu.total <= 141e9 * 0.95 and big.prediction.step_s < at(4, 141, 0).prediction.step_s
+    small = at(4, 24, "auto")
+    assert (
+        1 <= small.run_plan.resident_gb < 24
+        and small.memory.gpu.total <= 24e9 * 0.95
+        and small.prediction.step_s < at(4, 24, 0).prediction.step_s
+    )
+
+    def expected(p):  # what "auto" is chosen by with clipping on: a step that clips as likely as not
+        return (p.prediction.step_s + p.prediction.clipped_step_s) / 2
+
+    assert expected(at(16, 24, "auto")) <= expected(at(16, 24, 0))  # never slower than none
+    # what "auto" chose, as a number
+    assert at(4, 24, small.run_plan.resident_gb).prediction.step_s == small.prediction.step_s
+
+
+def test_resident_auto_holds_what_host_and_disk_cannot():
+    """A state larger than the host and disk budgets together fits when the GPU holds the rest: llama3.1-8b
+    (145 GB) in 40 GB of RAM, 55 GB of disk and a 141 GB GPU; without the GPU tier it does not fit. The
+    largest model the report names for these budgets plans as fitting, and one more layer does not."""
+    spec = load_config("llama3.1-8b").model
+    b = Budgets(host_gb=40, gpu_gb=141, nvme_gb=55, resident_gb="auto")
+    assert not plan(Job(spec, 2, 4096), replace(b, resident_gb=0), REFERENCE, Choice(2)).fits
+    p = explain(
+        Job(spec, 2, 4096), plan(Job(spec, 2, 4096), b, REFERENCE, Choice(2)), b, REFERENCE, Choice(2)
+    )
+    assert p.fits and p.run_plan.resident_gb >= 1 and p.memory.gpu.total <= 141e9 * 0.95
+    assert p.report.largest_layers > spec.num_hidden_layers
+    big = replace(spec, num_hidden_layers=p.report.largest_layers)
+    assert plan(Job(big, 2, 4096), b, REFERENCE, Choice(2)).fits
+    assert not plan(
+        Job(replace(big, num_hidden_layers=p.report.largest_layers + 1), 2, 4096), b, REFERENCE, Choice(2)
+    ).fits
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [("llama3.1-8b", 8.03e9), ("qwen2.5-7b", 7.62e9), ("qwen3-8b", 8.19e9), ("mistral-7b", 7.25e9)],
+)
+def test_shipped_shapes_of_popular_models(name, params):
+    """The published shapes: their parameter counts, planned under the config's own name."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = load_config(name, [])
+    assert cfg.model.n_params == pytest.approx(params, rel=2e-3)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain",
+            "plan",
+            "--config",
+            name,
+            "--host-gb",
+            "1500",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    p = json.loads(r.stdout)
+    assert r.returncode == 0 and p["fits"] and p["model"] == name
+
+
+def test_longest_sequence_is_the_edge_of_the_budgets():
+    """The report's longest sequence (batch 1) plans as fitting, 1024 tokens more do not, and the bound it
+    names is the budget that longer sequence misses; a smaller GPU shortens it."""
+    spec = load_config("llama-7b").model
+    b = Budgets(host_gb=115, gpu_gb=141, nvme_gb=55, resident_gb="auto")
+    p = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b, REFERENCE), b, REFERENCE)
+    n = p.report.longest_seq_len
+    assert n > 2048 and n % 1024 == 0 and "GPU" in p.report.longest_bound.split(", ")
+
+    def at(seq):
+        return plan(Job(spec, 1, seq), b, REFERENCE, Choice(1))
+
+    miss = at(n + 1024)
+    assert at(n).fits and not miss.fits
+    assert {"ring": "host", "copies": "host"}.get(
+        miss.short.value, miss.short.value
+    ) in p.report.longest_bound.split(", ")
+    b80 = replace(b, gpu_gb=80)
+    small = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b80, REFERENCE), b80, REFERENCE)
+    assert 0 < small.report.longest_seq_len < n
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain",
+            "plan",
+            "--config",
+            "llama-7b",
+            "--host-gb",
+            "115",
+            "--nvme-gb",
+            "55",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] >= 1024
+
+
+def test_plan_on_a_gpu_machine_plans_for_its_gpu_and_ram(tmp_path, monkeypatch):
+    """`plan` without --hardware where nvidia-smi answers (a stand-in for an H100's): that GPU's memory and this
+    host's RAM, as `run` plans, so a plan that fits the reference H200 can miss; with no probe file only. With
+    `--hardware reference`, or where no nvidia-smi answers: the reference H200."""
+    import psutil
+    from click.testing import CliRunner
+
+    from tiertrain.cli import main
+    from tiertrain.plan import hardware
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(hardware, "PROBE_FILE", tmp_path / "no-probe.json")
+    args = [
+        "plan",
+        "--config",
+        "llama3.1-8b",
+        "--seq-len",
+        "262144",
+        "--set",
+        "model.max_position_embeddings=262144",
+        "--batch-size",
+        "1",
+        "--host-gb",
+        "115",
+        "--nvme-gb",
+        "55",
+        "--format",
+        "json",
+    ]
+
+    def planned(*more: str, path: str = str(smi.parent)) -> dict:
+        monkeypatch.setenv("PATH", path)
+        r = CliRunner().invoke(main, args + list(more))
+        return json.loads(r.output)
+
+    ref, h100 = planned("--hardware", "reference"), planned()
+    ram = psutil.virtual_memory().total / 1e9
+    assert ref["hardware"] == REFERENCE.source and ref["longest_seq_len"] > 262144
+    assert f"NVIDIA H100 80GB HBM3 ({81559 * 2**20 / 1e9:.1f} GB) and {ram:.0f} GB of RAM" in h100["hardware"]
+    assert h100["longest_seq_len"] < ref["longest_seq_len"]
+    assert planned(path=str(tmp_path))["hardware"] == REFERENCE.source  # no nvidia-smi: no GPU to plan for
+    probe = tmp_path / "probe.json"
+    dataclasses.replace(REFERENCE, disk_read_gbs=1.0, source="probed here").save(probe)
+    monkeypatch.setattr(hardware, "PROBE_FILE", probe)
+    assert planned()["hardware"] == "probed here"  # probe's default file, as `run` reads it

@@ -1,0 +1,126 @@
+"""What `tiertrain run` does on one rank before and around the training loop: the run directory checked, locked,
+healed and marked (rank 0), the config (the checkpoint's own on a resume), stale scratch stores discarded, the
+trainer built, then loop.fit; every refusal one line, before anything is allocated, every rank stopping together."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from . import checkpoint, rundir
+from .checkpoint import read_meta, whole
+from .config import config_from_dict, load_config
+from .errors import UserError
+from .loop import fit
+from .tiers.nvme import discard_stale
+from .trainer import Trainer
+
+
+def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo) -> None:
+    """`run` on one rank of the job (`overrides`: the --set values, the flags' among them). Rank 0 alone checks the
+    run directory, takes its lock, finishes what a killed process of the run left half done, and marks it; the
+    first rank of each host discards the scratch stores the run's killed processes left there."""
+    ckpt, out_dir, made, lock, cfg = None, None, "", None, None
+    with ranks.together(UserError) as agreed:
+        if hardware and not Path(hardware).is_file():
+            raise UserError(
+                f"--hardware {hardware} is not a file; write one with `tiertrain probe --out FILE`"
+            )
+        if resume and init_from:
+            raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
+        if ranks.first:
+            out_dir, lock, made, ckpt = claim(resume, Path(out) if out else None, config_path, overrides)
+    agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
+    out_dir = Path(ranks.share(str(out_dir)))
+    ckpt = Path(ranks.share(str(ckpt))) if resume else None
+    with ranks.together(UserError) as agreed:
+        cfg = _config(config_path, overrides, ckpt, out_dir, ranks)
+    trainer = None
+    if not agreed.failed:
+        with ranks.together(UserError) as agreed:
+            trainer = Trainer(
+                cfg,
+                run_name=str(out_dir.resolve()),
+                resume=ckpt,
+                out=out_dir,
+                ranks=ranks,
+                hardware=Path(hardware) if hardware else None,
+            )
+    if agreed.failed:
+        if trainer is not None:
+            trainer.close()
+            trainer.discard_scratch()
+        if ranks.first:
+            rundir.release(out_dir, made, lock)
+        agreed.raise_any(ranks.rank)
+    try:
+        fit(trainer, out_dir, echo=echo)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
+    """The run's config: the file given, else a resumed checkpoint's own; its paths checked (rank 0), and the run's
+    stale scratch stores discarded (the first rank of each host; the others wait for it, before they make any)."""
+    if ckpt is not None:
+        meta = checkpoint.read_meta(ckpt)
+        cfg = (
+            load_config(config_path, list(overrides))
+            if config_path
+            else config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
+        )
+        cfg.train.init_from = ""  # the checkpoint holds the weights
+    else:
+        cfg = load_config(config_path, list(overrides))
+    if ranks.first:
+        rundir.check_paths(out_dir, cfg.tiers.nvme_dir, cfg.checkpoint.dir)
+    if cfg.tiers.nvme_dir and ranks.local_rank == 0:
+        discard_stale(cfg.tiers.nvme_dir, str(out_dir.resolve()))
+    return cfg
+
+
+def claim(resume: str | None, out: Path | None, config_path: str | None, overrides) -> tuple:
+    """Rank 0's part of `run` before anything is read or allocated: the run directory it writes (checked, locked and
+    marked: rundir.claim), and the checkpoint it resumes from (after what a killed process of the same run left
+    half done is finished). Returns (run directory, its lock, what claim made, the checkpoint or None)."""
+    if not resume:
+        stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
+        target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        rundir.check_new(target)
+        ckpt_parent = load_config(config_path, list(overrides)).checkpoint.dir  # its refusals come first
+        lock, made = rundir.claim(target, ckpt_parent)
+        return target, lock, made, None
+    given = Path(resume) if resume != "latest" else None
+    if given is None and out is None:
+        raise UserError("--resume latest needs --out DIR, the run to continue")
+    own = out if given is None else rundir.run_of(given) if (given / "zarr.json").is_file() else given
+    target = out or own
+    if target is None:
+        raise UserError(
+            f"{given} is not inside a run's checkpoints/ directory; pass --out, a new directory for the "
+            "resumed run"
+        )
+    mine = own is not None and rundir.same(own, target)
+    if not mine:
+        rundir.check_fork(target, own or given)  # a resume writes into its own run, or into a new empty --out
+    elif not rundir.is_run(target):
+        raise UserError(
+            f"{target} holds no tiertrain run to resume; pass --resume a run directory or one of its "
+            "checkpoints"
+        )
+    lock, made = rundir.claim(target)
+    try:
+        if mine:
+            rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
+        ckpt = (
+            rundir.resolve(resume, target if given is None else None)
+            if given is None or not (given / "zarr.json").is_file()
+            else given
+        )
+        meta = read_meta(ckpt)
+        rundir.check_resume(ckpt, target, new_run=not whole(meta))
+    except BaseException:
+        rundir.release(target, made, lock)
+        raise
+    return target, lock, made, ckpt
