@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_config
-from tiertrain.modes import Kind
+from tiertrain.modes import Home, Kind
 from tiertrain.trainer import Trainer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -154,7 +154,7 @@ def test_what_saves_pcie_is_not_chosen_on_a_cpu(token_file):
 def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     """On CUDA "auto" is the plan's choice: a copy of the weights in bf16 when PCIe is what bounds the
     step, the fp32 master when rounding into the copy is; checkpoints on the host when the GPU is short."""
-    from tiertrain import trainer
+    from tiertrain import assemble
     from tiertrain.plan.hardware import REFERENCE
     from tiertrain.plan.planner import GPU_RESERVE, evaluate
     from tiertrain.plan.values import Budgets, Choice, Job
@@ -178,7 +178,7 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
         "micro-batch": {},
         "resident": {},
     }[case]
-    monkeypatch.setattr(trainer, "run_hardware", lambda *a: dataclasses.replace(REFERENCE, **hw))
+    monkeypatch.setattr(assemble, "run_hardware", lambda *a: dataclasses.replace(REFERENCE, **hw))
     more = {
         "micro-batch": ['train.micro_batch_size="auto"'],
         "resident": ['tiers.gpu_resident_gb="auto"'],
@@ -193,9 +193,8 @@ def test_auto_obeys_the_plan(token_file, monkeypatch, case):
     if case == "small GPU":
         assert tr.run_plan.activations == "host"
     elif case == "resident":  # the tiny model's whole state fits what the plan leaves: every unit resident
-        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1 and set(
-            tr.run_plan.where().values()
-        ) == {"gpu"}
+        assert tr.run_plan.resident_gb == tr.plan.run_plan.resident_gb >= 1
+        assert set(tr.run_plan.where().values()) == {Home.GPU}
     elif case == "micro-batch":
         assert tc.batch_size % tr.run_plan.micro_batch == 0 and "micro-batch" in tr.chosen
     else:
