@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .attention import attention
 from .spec import ModelSpec
-
-_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -44,15 +43,24 @@ class Context:
     cos: torch.Tensor  # (S, head_dim) fp32
     sin: torch.Tensor
     tile: int = 0  # tokens per tile of a block (RunPlan.tile); 0: a block runs on all its tokens at once
+    attention: str = ""  # the attention's kernel (RunPlan.attention; model/attention.py); "": torch's choice
+    deterministic: bool = False  # its backward pass deterministic (RunPlan.deterministic)
 
     @classmethod
     def build(
-        cls, spec: ModelSpec, seq_len: int, dtype: torch.dtype, device: torch.device, tile: int = 0
+        cls,
+        spec: ModelSpec,
+        seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tile: int = 0,
+        attention: str = "",
+        deterministic: bool = False,
     ) -> "Context":
         pos = torch.arange(seq_len, dtype=torch.float32)
         freqs = pos[:, None] * rope_inv_freq(spec)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return cls(spec, dtype, emb.cos().to(device), emb.sin().to(device), tile)
+        return cls(spec, dtype, emb.cos().to(device), emb.sin().to(device), tile, attention, deterministic)
 
     def tiled(self, x: torch.Tensor) -> bool:
         """Whether a block runs over tiles of the sequence on this micro-batch (model.tiled)."""
@@ -72,16 +80,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA)."""
-    if _SDPA_GQA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    rep = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
-    )
 
 
 def embed(w: dict[str, torch.Tensor], tokens: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -140,7 +138,11 @@ def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Te
     """A decoder block on all its tokens at once (model.tiled runs it over tiles of the sequence)."""
     b, t, _ = x.shape
     q, k, v = qkv(w, x, ctx)
-    o = attention(q, k, v).transpose(1, 2).reshape(b, t, q.shape[1] * q.shape[3])
+    o = (
+        attention(q, k, v, ctx.attention, ctx.deterministic)
+        .transpose(1, 2)
+        .reshape(b, t, q.shape[1] * q.shape[3])
+    )
     return block_out(w, x, o, ctx)
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .llama import ATTN_IN, MLP_WEIGHTS, Context, attention, block_out, qkv
+from .attention import attention
+from .llama import ATTN_IN, MLP_WEIGHTS, Context, block_out, qkv
 
 OUT_WEIGHTS = ("self_attn.o_proj.weight",) + MLP_WEIGHTS
 
@@ -65,7 +66,7 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.
     qs, ks, vs = _project(w, x, ctx)
     os = []
     for g in range(len(qs)):
-        os.append(attention(qs[g], ks[g], vs[g]))
+        os.append(attention(qs[g], ks[g], vs[g], ctx.attention, ctx.deterministic))
         qs[g] = ks[g] = vs[g] = None  # each group's inputs go as soon as its output exists
     y = torch.empty_like(x)
     for a, e in _spans(x, ctx):
@@ -84,7 +85,7 @@ def backward(
     for q, k, v in zip(qs, ks, vs):
         leaves = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
         with torch.enable_grad():
-            graphs.append((leaves, attention(*leaves)))
+            graphs.append((leaves, attention(*leaves, ctx.attention, ctx.deterministic)))
     del qs, ks, vs
     os = [o.detach() for _, o in graphs]
     dos = [torch.empty_like(o) for o in os]
