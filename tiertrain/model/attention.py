@@ -40,12 +40,13 @@ def attention(
     (""): torch's choice); `deterministic`: its backward pass deterministic (torch's choice then never cuDNN's)."""
     if kernel == "flash_attn":
         return _flash_attn(q, k, v, deterministic)
-    gqa = q.shape[1] != k.shape[1]
-    if gqa and (kernel not in NATIVE_GQA or not _SDPA_GQA):
+    gqa, det = q.shape[1] != k.shape[1], deterministic and q.is_cuda
+    # torch's own GQA for efficient and math repeats with index_select, whose backward adds atomically
+    if gqa and (kernel not in NATIVE_GQA or not _SDPA_GQA or (det and not kernel)):
         k, v, gqa = _repeat(k, q.shape[1]), _repeat(v, q.shape[1]), False
-    with backends(kernel, deterministic and q.is_cuda):
+    with backends(kernel, det):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if gqa else {}))
-    if deterministic and o.requires_grad and q.is_cuda:
+    if det and o.requires_grad:
         _deterministic_backward(o)
     return o
 
