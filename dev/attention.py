@@ -27,7 +27,12 @@ lines = []
 
 
 def say(**rec):
-    rec = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **rec}
+    rec = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        **rec,
+    }
     print(json.dumps(rec), flush=True)
     lines.append(rec)
 
@@ -79,7 +84,7 @@ for kernel in kernels:
         same = {n: bool(torch.equal(x, y)) for n, x, y in zip(("out", "dq", "dk", "dv"), *runs)}
         say(what="rerun bits", kernel=kernel, deterministic=det, tokens=t, same=same)
 
-names = {int(b.value): b.name for b in torch.nn.attention.SDPBackend}
+names = {int(b.value): name for name, b in torch.nn.attention.SDPBackend.__members__.items()}
 for label, (qh, kh) in {"untiled block": (h, kv), "tiled head group": (h // kv, 1)}.items():
     q, k, v, _ = inputs(a.tokens[0], qh, kh)
     try:
