@@ -20,7 +20,7 @@ from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count, tensorboard_writer
-from .model.hf import HFReader, spec_from_hf
+from .model.hf import HFReader, open_weights, spec_from_hf
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
@@ -68,7 +68,7 @@ def _imported(cfg: Config, resume: Path | None) -> tuple[Config, HFReader | None
     cfg = copy.deepcopy(cfg)
     cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
     cfg.validate()
-    reader = HFReader(cfg.train.init_from)
+    reader = open_weights(cfg.train.init_from, cfg.model)
     reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
     return cfg, reader
 
@@ -397,7 +397,9 @@ class Trainer:
                 if r.size > 1
                 else []
             ),
-            f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
+            f"model: {human_count(spec.n_params)} parameters"
+            + (f" ({human_count(spec.n_active_params)} active)" if spec.is_moe else "")
+            + f", {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
