@@ -129,9 +129,9 @@ GPT_OSS = [
 def test_resume_and_spill_are_bit_identical(token_file, tmp_path):
     """A mixture of experts stopped and resumed, and one with its moments and gradients on NVMe, train the
     bits of the run in RAM without a stop."""
-    from conftest import STEPS, budget_for, same_run
     from test_checkpoint import _fit
 
+    from conftest import STEPS, budget_for, same_run
     from tiertrain import rundir
 
     sets = [*GPT_OSS, *STEPS[1::2], "data.shuffle=true"]
