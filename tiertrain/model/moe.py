@@ -44,7 +44,7 @@ class RouterLog:
         """A block's router on a slice of the micro-batch's tokens: fp32 softmax (T, E) and the chosen experts."""
         m = self.micro
         if self.counting:
-            self.counts[m] += torch.bincount(chosen.reshape(-1), minlength=self.e).float()
+            self.counts[m] += _counts(chosen, self.e).float()
             self.sums[m] += probs.detach().sum(0)
             self.rows[m] += probs.shape[0]
         if probs.requires_grad:
@@ -66,6 +66,12 @@ class RouterLog:
         if not terms or not self.weights:
             return None
         return sum((p * self.weights[m]).sum() for m, p in terms)
+
+
+def _counts(chosen: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of the chosen slots went to each of n experts (int64), without the device sync of bincount."""
+    flat = chosen.reshape(-1)
+    return flat.new_zeros(n).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def grad_pairs(router: RouterLog | None, y: torch.Tensor, g: torch.Tensor):
@@ -111,7 +117,7 @@ def experts(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> torch.Tensor:
     t, k = h.shape[0], s.num_experts_per_tok
     chosen, weights = route(w, h, ctx)
     order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, slot) pairs by expert
-    per = torch.bincount(chosen.reshape(-1), minlength=s.num_experts)
+    per = _counts(chosen, s.num_experts)
     grouped = _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
     ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
     xs = h[order // k]

@@ -430,6 +430,12 @@ class ModelSpec:
         Recomputation is not counted: this is the model's FLOPs, the figure MFU is quoted on."""
         return 6.0 * self.n_matmul_params + self.attention_flops_per_token(seq_len)
 
+    @property
+    def expert_flops_per_token(self) -> float:
+        """Of those, the routed experts' matmuls (forward + backward): k experts' three projections per MoE block."""
+        per = 6 * self.num_experts_per_tok * 3 * self.hidden_size * self.expert_size
+        return float(sum(per for b in range(self.num_hidden_layers) if self.has_experts(b)))
+
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Of those, causal attention's: QK^T and AV, 2 FLOPs per multiply-add, forward + 2x backward, over the
         keys a query sees on average: (S+1)/2, or about the window where a block has a shorter one."""

@@ -64,6 +64,11 @@ class HardwareSpec:
     # llama-7b at 256k and llama-3b at 512k on an H200: 1.22-1.32, the median taken) and 0.90x at 64 (llama-1b
     # at 1M): bench/results/2026-11-25-issue34-long-8b.md
     attention_speed: dict = field(default_factory=lambda: {"64": 0.89, "128": 1.24})
+    # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, gather and weighted scatter) run at these
+    # fractions of the rest's rate, forward and backward: dev/moe_gemm.py on an H100 (torch 2.11), Qwen3-30B-A3B's
+    # experts at 8k tokens against a dense MLP of the same FLOPs: 4.14 against 1.77 ms forward, 6.00 against
+    # 1.31 ms backward (bench/results/2026-11-25-H100-moe-gemm.json)
+    experts_speed: tuple[float, float] = (0.43, 0.22)
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
     # AdamW together; the same refit (not probed: bench.dram measures what the steps reached, 125-148).
     host_dram_gbs: float = 135.0

@@ -106,6 +106,11 @@ def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
     T, F = job.rows * job.seq_len, spec.flops_per_token(job.seq_len)
     # at the rest's rate
     F -= spec.attention_flops_per_token(job.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))
+    ex, (fwd_speed, bwd_speed) = (
+        spec.expert_flops_per_token / 3,
+        hw.experts_speed,
+    )  # routed experts: their own
+    ex_fwd, ex_bwd = ex * (1 / fwd_speed - 1), 2 * ex * (1 / bwd_speed - 1)
     # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
     recompute = F - mem.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
     # a tiled block's q/k/v projections run twice in its backward
@@ -117,7 +122,10 @@ def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
             * spec.hd
             * spec.num_hidden_layers
         )
-    return {"compute fwd": T * F / 3 / rate, "compute bwd": T * recompute / rate}
+    return {
+        "compute fwd": T * (F / 3 + ex_fwd) / rate,
+        "compute bwd": T * (recompute + ex_fwd + ex_bwd) / rate,
+    }
 
 
 def _peers(job: Job, fit: Fit) -> dict[str, float]:
