@@ -114,7 +114,15 @@ def main() -> None:
     r["fwd_bwd_ratio"] = r["experts_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
     r["experts_tflops_fwd_bwd"] = 3 * flops / r["experts_fwd_bwd_s"] / 1e12
     r["dense_tflops_fwd_bwd"] = 3 * flops / r["dense_fwd_bwd_s"] / 1e12
-    print(json.dumps(r, indent=1))
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        experts_fb()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    r["profile"] = table.splitlines()
+    print(table)
+    print(json.dumps({k: v for k, v in r.items() if k != "profile"}, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(r, indent=1) + "\n")
 
