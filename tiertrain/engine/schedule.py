@@ -67,12 +67,16 @@ class Step:
         self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)
         self.max_norm = max_norm
         self.ranks = ranks or Ranks()  # each takes as many rows of the batch
+        self.docs: list = []  # the step's micro-batches' segments (model.docs.Docs; None: a row is one)
 
     def run(
-        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float, docs=None, n_tokens=None
     ) -> tuple[torch.Tensor, float]:
-        """Forward, backward, norm and the start of the update, over the micro-batches; (summed loss, the
-        global gradient norm), over every rank's rows. The update finishes during the next step's forward pass."""
+        """Forward, backward, norm and the start of the update, over the micro-batches; (the loss: the mean over the
+        trained targets, the global gradient norm), over every rank's rows. `docs`: each micro-batch's segments
+        (None: each row is one); `n_tokens`: the trained targets of the whole batch, every rank's (None: every
+        target of every rank's rows, as many as this rank's). The update finishes during the next step's forward
+        pass."""
         L, slots, grads, ck, updates, clock = (
             len(self.units),
             self.slots,
@@ -81,7 +85,8 @@ class Step:
             self.updates,
             self.clock,
         )
-        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
+        n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
+        self.docs = docs or [None] * len(inputs)
         load = self.load
 
         updates.begin(lr)
@@ -162,18 +167,25 @@ class Step:
                 if train and not kept:
                     ck.save(i, xs)
                 with timed("forward"):
-                    xs = self.forward_kept(i, w, xs) if kept else [self.block(w, x) for x in xs]
+                    xs = (
+                        self.forward_kept(i, w, xs)
+                        if kept
+                        else [self.block(w, x, d) for x, d in zip(xs, self.docs)]
+                    )
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
         return xs
 
-    def evaluate(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-        """The mean token loss of a forward pass over the micro-batches, with the weights as they are (the
-        caller lands the pending update first): the training forward pass and loss, nothing saved, no
-        gradient. The slots are left stale: the next step's forward pass copies every unit again. Summed over
-        the ranks' rows."""
+    def evaluate(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], docs=None, n_tokens=None
+    ) -> torch.Tensor:
+        """The mean loss over the trained targets of a forward pass over the micro-batches (`docs`, `n_tokens`: as
+        run's), with the weights as they are (the caller lands the pending update first): the training forward
+        pass and loss, nothing saved, no gradient. The slots are left stale: the next step's forward pass copies
+        every unit again. Summed over the ranks' rows."""
         L = len(self.units)
-        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
+        n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
+        self.docs = docs or [None] * len(inputs)
         xs = self.forward(inputs, train=False)
         with torch.no_grad():
             w = self.bind(L - 1)
@@ -210,9 +222,9 @@ class Step:
         self.slots.release(unit, *(owner for _, owner, _ in self.units[unit].borrows))
 
     # ---- compute ------------------------------------------------------------------------------
-    def block(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def block(self, w: dict[str, torch.Tensor], x: torch.Tensor, docs=None) -> torch.Tensor:
         """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it."""
-        return tiled.forward(w, x, self.ctx) if self.ctx.tiled(x) else llama.block(w, x, self.ctx)
+        return tiled.forward(w, x, self.ctx, docs) if self.ctx.tiled(x) else llama.block(w, x, self.ctx, docs)
 
     def block_backward(
         self, leaves, pairs, saved: list[torch.Tensor], grads: list[torch.Tensor]
@@ -220,15 +232,15 @@ class Step:
         """Each micro-batch's block recomputed from its checkpoint and differentiated; weight gradients added
         into the accumulators. Returns the gradients of the block's inputs (a tiled block's in `grads`' memory)."""
         out_grads = []
-        for x, g in zip(saved, grads):
+        for x, g, d in zip(saved, grads, self.docs):
             if self.ctx.tiled(x):
                 out_grads.append(
-                    tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, self.ctx)
+                    tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, self.ctx, d)
                 )
                 continue
             x = x.requires_grad_()
             with torch.enable_grad():
-                y = llama.block(leaves, x, self.ctx)
+                y = llama.block(leaves, x, self.ctx, d)
             out = torch.autograd.grad(y, [x] + [p for p, _ in pairs], g)
             out_grads.append(out[0])
             for (_, acc), gw in zip(pairs, out[1:]):
@@ -258,7 +270,7 @@ class Step:
         leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
         ins = [x.detach().requires_grad_() for x in xs]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            outs = [llama.block(leaves, x, self.ctx) for x in ins]
+            outs = [llama.block(leaves, x, self.ctx, d) for x, d in zip(ins, self.docs)]
         self.graphs[unit] = (ins, outs, leaves)
         return [y.detach() for y in outs]
 

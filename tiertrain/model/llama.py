@@ -74,8 +74,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA)."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs=None) -> torch.Tensor:
+    """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA). `docs`: the rows'
+    segments (model.docs.Docs), attended to one by one; None: each row is one."""
+    if docs is not None:
+        return docs.attention(q, k, v)
     if _SDPA_GQA:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     rep = q.shape[1] // k.shape[1]
@@ -107,9 +110,9 @@ MLP_WEIGHTS = (
 )
 
 
-def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 0):
+def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 0, docs=None):
     """The attention's inputs for the positions start.. of x (B, t, H): q (B, heads, t, hd), k and v
-    (B, kv heads, t, hd), in the compute dtype, RoPE applied."""
+    (B, kv heads, t, hd), in the compute dtype, RoPE applied (at the positions of `docs` where given)."""
     s, dt = ctx.spec, ctx.dtype
     b, t, _ = x.shape
     h = rms_norm(x, w["input_layernorm.weight"], s.rms_norm_eps).to(dt)
@@ -122,7 +125,9 @@ def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 
     if s.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps).to(dt)
         k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps).to(dt)
-    cos, sin = ctx.cos[start : start + t], ctx.sin[start : start + t]
+    cos, sin = (
+        docs.rope(start, t) if docs is not None else (ctx.cos[start : start + t], ctx.sin[start : start + t])
+    )
     return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
 
 
@@ -136,11 +141,12 @@ def block_out(w: dict[str, torch.Tensor], x: torch.Tensor, o: torch.Tensor, ctx:
     return x + F.linear(m, down).float()
 
 
-def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """A decoder block on all its tokens at once (model.tiled runs it over tiles of the sequence)."""
+def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, docs=None) -> torch.Tensor:
+    """A decoder block on all its tokens at once (model.tiled runs it over tiles of the sequence); `docs`: the
+    rows' segments (model.docs), None: each row is one."""
     b, t, _ = x.shape
-    q, k, v = qkv(w, x, ctx)
-    o = attention(q, k, v).transpose(1, 2).reshape(b, t, q.shape[1] * q.shape[3])
+    q, k, v = qkv(w, x, ctx, docs=docs)
+    o = attention(q, k, v, docs).transpose(1, 2).reshape(b, t, q.shape[1] * q.shape[3])
     return block_out(w, x, o, ctx)
 
 

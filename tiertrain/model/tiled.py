@@ -37,7 +37,7 @@ def _groups(ctx: Context) -> tuple[int, int]:
     return s.n_kv_heads, s.num_attention_heads // s.n_kv_heads
 
 
-def _project(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context):
+def _project(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, docs=None):
     """Phase A: q, k, v of every tile, as one (B, heads per group, T, hd) tensor per head group each."""
     b, t = x.shape[:2]
     n, r = _groups(ctx)
@@ -46,7 +46,7 @@ def _project(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context):
     ks = [torch.empty(b, 1, t, hd, dtype=dt, device=dev) for _ in range(n)]
     vs = [torch.empty(b, 1, t, hd, dtype=dt, device=dev) for _ in range(n)]
     for a, e in _spans(x, ctx):
-        q, k, v = qkv(w, x[:, a:e], ctx, a)
+        q, k, v = qkv(w, x[:, a:e], ctx, a, docs)
         for g in range(n):
             qs[g][:, :, a:e] = q[:, g * r : (g + 1) * r]
             ks[g][:, :, a:e] = k[:, g : g + 1]
@@ -60,12 +60,12 @@ def _tile(os: list[torch.Tensor], a: int, e: int) -> torch.Tensor:
     return o.transpose(1, 2).reshape(o.shape[0], e - a, -1)
 
 
-def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:
+def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, docs=None) -> torch.Tensor:
     """llama.block over tiles, without gradients."""
-    qs, ks, vs = _project(w, x, ctx)
+    qs, ks, vs = _project(w, x, ctx, docs)
     os = []
     for g in range(len(qs)):
-        os.append(attention(qs[g], ks[g], vs[g]))
+        os.append(attention(qs[g], ks[g], vs[g], docs))
         qs[g] = ks[g] = vs[g] = None  # each group's inputs go as soon as its output exists
     y = torch.empty_like(x)
     for a, e in _spans(x, ctx):
@@ -74,17 +74,22 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.
 
 
 def backward(
-    w: dict[str, torch.Tensor], accs: dict[str, torch.Tensor], x: torch.Tensor, g: torch.Tensor, ctx: Context
+    w: dict[str, torch.Tensor],
+    accs: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    g: torch.Tensor,
+    ctx: Context,
+    docs=None,
 ) -> torch.Tensor:
     """The gradient of llama.block at x (its checkpoint) against g, the gradient of its output, which it
     overwrites and returns; each weight's gradient is added into accs[name] (fp32)."""
     x = x.detach()
-    qs, ks, vs = _project(w, x, ctx)  # ---- A
+    qs, ks, vs = _project(w, x, ctx, docs)  # ---- A
     graphs = []  # ---- B: per head group (q, k, v leaves, output), the attention's graph kept
     for q, k, v in zip(qs, ks, vs):
         leaves = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
         with torch.enable_grad():
-            graphs.append((leaves, attention(*leaves)))
+            graphs.append((leaves, attention(*leaves, docs)))
     del qs, ks, vs
     os = [o.detach() for _, o in graphs]
     dos = [torch.empty_like(o) for o in os]
@@ -109,7 +114,7 @@ def backward(
     for a, e in _spans(x, ctx):  # ---- E
         xt = x[:, a:e].detach().requires_grad_()
         with torch.enable_grad():
-            q, k, v = qkv(ins, xt, ctx, a)
+            q, k, v = qkv(ins, xt, ctx, a, docs)
         dq, dk, dv = (torch.cat([d[j][:, :, a:e] for d in dqkv], dim=1) for j in range(3))
         d = torch.autograd.grad((q, k, v), [xt, *ins.values()], (dq, dk, dv))
         g[:, a:e] += d[0]
