@@ -89,7 +89,11 @@ def run_system(a, name: str, data: Path, extra: list[str], work: Path) -> dict:
         a.config,
         *[x for s in sets for x in ("--set", s)],
     ]
-    cmd += [*a.run_args, "--out", str(out)]
+    cmd += [
+        *(["--host-gb", str(a.host_gb)] if a.host_gb else []),
+        *(["--nvme-dir", a.nvme_dir] if a.nvme_dir else []),
+    ]
+    cmd += ["--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     if r.returncode != 0:
         raise SystemExit(f"{name}: `{' '.join(cmd)}` failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
@@ -150,9 +154,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--systems", default="chat,text", help=f"of {', '.join(SYSTEMS)}")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="for every system")
-    p.add_argument(
-        "--run-args", nargs=argparse.REMAINDER, default=[], help="passed to `tiertrain run` (last)"
-    )
+    p.add_argument("--host-gb", type=float, default=None, help="`tiertrain run --host-gb`")
+    p.add_argument("--nvme-dir", default=None, help="`tiertrain run --nvme-dir`")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()

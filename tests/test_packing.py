@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import cli, state_of, tiny, tiny_config
 from tiertrain.data import HEADER, MAGIC, Loader, TokenWriter, open_tokens, read_tokens
 from tiertrain.errors import DataError
+from tiertrain.metrics import read_metrics
 from tiertrain.model.reference import ReferenceLM
 from tiertrain.modes import Kind
 from tiertrain.rows import IGNORE, Packed, pack
@@ -251,3 +252,19 @@ def test_the_variable_length_kernel_is_attention_within_each_segment():
     wq, wk, wv = torch.autograd.grad(want, (q, k, v), torch.ones_like(want))
     for a, b in ((out, want), (dq, wq), (dk, wk), (dv, wv)):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_two_ranks_train_packed_samples_as_one_process(tmp_path):
+    """`run --gpus 2` (two gloo processes) on packed samples whose rows hold different counts of trained targets:
+    the loss divides by the whole batch's count on both ranks, so the losses and weights are the one process's."""
+    _samples(tmp_path / "s.bin", LENGTHS * 5, seed=4)
+    steps = ["--set", "train.steps=4", "--set", "checkpoint.every=4"]
+    for name, gpus in (("one", []), ("two", ["--gpus", "2"])):
+        r = cli("run", *gpus, *tiny(tmp_path / "s.bin"), *steps, "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr
+    a, b = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("one", "two"))
+    assert len(a) == len(b) == 4
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-5)
+    sa, sb = (state_of(tmp_path / n / "checkpoints" / "step_4") for n in ("one", "two"))
+    for k in sa:
+        assert np.abs(sa[k] - sb[k]).max() <= 1e-5 * np.abs(sa[k]).max(), k
