@@ -70,6 +70,7 @@ class Step:
         self.max_norm = max_norm
         self.ranks = ranks or Ranks()  # each takes as many rows of the batch
         self.ctxs = self.contexts(None)
+        self.docs: list = []  # the step's micro-batches' segments (model.docs.Docs; None: a row is one)
 
     def contexts(self, router: RouterLog | None) -> list[Context]:
         """Each unit's context: its attention window, and the step's router log where the loss has one."""
@@ -85,10 +86,13 @@ class Step:
         return RouterLog(n, s.num_experts, s.router_aux_loss_coef, n * self.ranks.size, inputs[0].device)
 
     def run(
-        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float, docs=None, n_tokens=None
     ) -> tuple[torch.Tensor, float]:
-        """Forward, backward, norm and the start of the update, over the micro-batches; (summed loss, the
-        global gradient norm), over every rank's rows. The update finishes during the next step's forward pass."""
+        """Forward, backward, norm and the start of the update, over the micro-batches; (the loss: the mean over the
+        trained targets, the global gradient norm), over every rank's rows. `docs`: each micro-batch's segments
+        (None: each row is one); `n_tokens`: the trained targets of the whole batch, every rank's (None: every
+        target of every rank's rows, as many as this rank's). The update finishes during the next step's forward
+        pass."""
         L, slots, grads, ck, updates, clock = (
             len(self.units),
             self.slots,
@@ -97,7 +101,8 @@ class Step:
             self.updates,
             self.clock,
         )
-        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
+        n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
+        self.docs = docs or [None] * len(inputs)
         load = self.load
 
         updates.begin(lr)
@@ -195,13 +200,16 @@ class Step:
                 load(i + 1)  # the next block, or the head after the last block
         return xs
 
-    def evaluate(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-        """The mean token loss of a forward pass over the micro-batches, with the weights as they are (the
-        caller lands the pending update first): the training forward pass and loss, nothing saved, no
-        gradient. The slots are left stale: the next step's forward pass copies every unit again. Summed over
-        the ranks' rows."""
+    def evaluate(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], docs=None, n_tokens=None
+    ) -> torch.Tensor:
+        """The mean loss over the trained targets of a forward pass over the micro-batches (`docs`, `n_tokens`: as
+        run's), with the weights as they are (the caller lands the pending update first): the training forward
+        pass and loss, nothing saved, no gradient. The slots are left stale: the next step's forward pass copies
+        every unit again. Summed over the ranks' rows."""
         L = len(self.units)
-        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
+        n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
+        self.docs = docs or [None] * len(inputs)
         self.ctxs = self.contexts(None)  # the validation loss is the cross-entropy alone
         xs = self.forward(inputs, train=False)
         with torch.no_grad():
@@ -240,11 +248,12 @@ class Step:
 
     # ---- compute ------------------------------------------------------------------------------
     def at(self, unit: int, micro: int) -> Context:
-        """The unit's context, its router log (if any) set to the micro-batch."""
+        """The unit's context for a micro-batch: its segments where it has them, its router log (if any) set to it."""
         ctx = self.ctxs[unit]
         if ctx.router is not None:
             ctx.router.micro = micro
-        return ctx
+        docs = self.docs[micro] if micro < len(self.docs) else None
+        return ctx if docs is None else dataclasses.replace(ctx, docs=docs)
 
     def block(self, unit: int, micro: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it."""

@@ -81,6 +81,7 @@ class Context:
     tile: int = 0  # tokens per tile of a block (RunPlan.tile); 0: a block runs on all its tokens at once
     window: int | None = None  # the block's attention window (UnitSpec.window); None: the causal prefix
     router: moe.RouterLog | None = None  # the step's load-balancing loss, where the model has one
+    docs: object | None = None  # the micro-batch's segments (model.docs.Docs); None: each row is one
 
     def of(self, window: int | None) -> "Context":
         """The context of a block with this attention window (the tables and the router log shared)."""
@@ -220,7 +221,10 @@ def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 
     if s.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps).to(dt)
         k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps).to(dt)
-    cos, sin = ctx.cos[start : start + t], ctx.sin[start : start + t]
+    if ctx.docs is not None:  # positions restart at each segment
+        cos, sin = ctx.docs.rope(start, t)
+    else:
+        cos, sin = ctx.cos[start : start + t], ctx.sin[start : start + t]
     return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
 
 
@@ -236,16 +240,20 @@ def block_out(w: dict[str, torch.Tensor], x: torch.Tensor, o: torch.Tensor, ctx:
     return x + F.linear(m, w["mlp.down_proj.weight"]).float()
 
 
-def attend(w: dict[str, torch.Tensor], q, k, v, ctx: Context) -> torch.Tensor:
-    """The block's attention over q, k, v of all its tokens: (B, heads, T, hd)."""
-    return attention(q, k, v, ctx.window, w.get(SINKS))
+def attend(q, k, v, ctx: Context, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The block's attention over q, k, v of all its tokens, (B, heads, T, hd) (or a head group's, with its
+    sinks): within each segment of the rows where the micro-batch has them (config.py refuses them beside
+    windows and sinks)."""
+    if ctx.docs is not None:
+        return ctx.docs.attention(q, k, v)
+    return attention(q, k, v, ctx.window, sinks)
 
 
 def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:
     """A decoder block on all its tokens at once (model.tiled runs it over tiles of the sequence)."""
     b, t, _ = x.shape
     q, k, v = qkv(w, x, ctx)
-    o = attend(w, q, k, v, ctx).transpose(1, 2).reshape(b, t, q.shape[1] * q.shape[3])
+    o = attend(q, k, v, ctx, w.get(SINKS)).transpose(1, 2).reshape(b, t, q.shape[1] * q.shape[3])
     return block_out(w, x, o, ctx)
 
 

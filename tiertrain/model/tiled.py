@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .llama import ATTN_IN, SINKS, Context, attention, block_out, qkv
+from .llama import ATTN_IN, SINKS, Context, attend, block_out, qkv
 from .moe import grad_pairs
 
 
@@ -75,7 +75,7 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.
     r = _groups(ctx)[1]
     os = []
     for g in range(len(qs)):
-        os.append(attention(qs[g], ks[g], vs[g], ctx.window, _sinks(w.get(SINKS), g, r)))
+        os.append(attend(qs[g], ks[g], vs[g], ctx, _sinks(w.get(SINKS), g, r)))
         qs[g] = ks[g] = vs[g] = None  # each group's inputs go as soon as its output exists
     y = torch.empty_like(x)
     for a, e in _spans(x, ctx):
@@ -95,7 +95,7 @@ def backward(
     for j, (q, k, v) in enumerate(zip(qs, ks, vs)):
         leaves = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
         with torch.enable_grad():
-            graphs.append((leaves, attention(*leaves, ctx.window, _sinks(sinks.get(SINKS), j, r))))
+            graphs.append((leaves, attend(*leaves, ctx, _sinks(sinks.get(SINKS), j, r))))
     del qs, ks, vs
     os = [o.detach() for _, o in graphs]
     dos = [torch.empty_like(o) for o in os]
