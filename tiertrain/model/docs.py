@@ -74,8 +74,9 @@ class Docs:
             def flat(x):
                 return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
 
-            kw = {}
-            if "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch 2.12 on
+            params = inspect.signature(varlen_attn).parameters
+            kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # causal
+            if "enable_gqa" in params:  # torch 2.12 on
                 kw["enable_gqa"] = h != k.shape[1]
             elif h != k.shape[1]:  # an older torch's kernel takes as many key/value heads as query heads
                 k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))
@@ -87,7 +88,6 @@ class Docs:
                 self.cu,
                 self.longest,
                 self.longest,
-                window_size=(-1, 0),  # causal
                 **kw,
             )
             return o.view(b, s, h, d).transpose(1, 2)
