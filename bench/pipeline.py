@@ -166,13 +166,32 @@ def _timed(a, B: int, S: int, V: int, step) -> tuple[list[float], float]:
     return times[a.warmup :], max(peaks[a.warmup :])
 
 
+def attention_kernel(a, cfg) -> str:
+    """The attention kernel tiertrain's plan takes for this config on this GPU, with the figures it plans with
+    (--hardware): the one the all-in-GPU baseline runs too, so that the ratio compares the rest."""
+    import torch
+
+    from tiertrain.plan.attention import choose
+    from tiertrain.probe import run_hardware
+    from tiertrain.sections import fixed
+
+    tc = cfg.train
+    hw = run_hardware(
+        torch.device("cuda"), a.hardware and Path(a.hardware), "auto", cfg.model, "bfloat16", tc.attention
+    )
+    return choose(fixed(tc.attention), tc.deterministic, "bfloat16", hw)
+
+
 def run_gpu(a, checkpointing: bool = True) -> list[dict]:
     import torch
 
     from tiertrain.config import load_config
+    from tiertrain.model.attention import backends
 
-    spec = load_config(a.config).model
-    S = load_config(a.config).train.seq_len
+    cfg = load_config(a.config)
+    spec, S = cfg.model, cfg.train.seq_len
+    kernel = attention_kernel(a, cfg)
+    kernel = "" if kernel == "flash_attn" else kernel  # SDPA's only: ReferenceLM calls SDPA
     with torch.device("cuda"):
         model = reference_model(spec, checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -180,9 +199,11 @@ def run_gpu(a, checkpointing: bool = True) -> list[dict]:
     def step(inp, tgt):
         opt.zero_grad(set_to_none=True)
         for m in range(0, inp.shape[0], a.micro):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(inp[m : m + a.micro], tgt[m : m + a.micro]) / tgt.numel()
-            loss.backward()
+            # the backward pass recomputes checkpointed layers: the kernel holds there too
+            with backends(kernel):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = model(inp[m : m + a.micro], tgt[m : m + a.micro]) / tgt.numel()
+                loss.backward()
         if a.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
         opt.step()
@@ -191,7 +212,7 @@ def run_gpu(a, checkpointing: bool = True) -> list[dict]:
     for B in a.batches:
         times, peak = _timed(a, B, S, spec.vocab_size, step)
         kind = "gpu" if checkpointing else "gpu-nockpt"
-        rows.append(_row(BASELINES[kind], kind, B, S, times, peak, spec.flops_per_token(S)))
+        rows.append(_row(BASELINES[kind], kind, B, S, times, peak, spec.flops_per_token(S), attention=kernel))
     return rows
 
 
@@ -474,6 +495,12 @@ def main() -> None:
         action="store_true",
         help="tiertrain plans with the probe's figures, not the reference machine's",
     )
+    p.add_argument(
+        "--hardware-file",
+        default=None,
+        metavar="FILE",
+        help="tiertrain (and the all-in-GPU baseline's attention kernel) plan with this `tiertrain probe` file",
+    )
     p.add_argument("--tag", default="", help="appended to the result files' names")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -497,11 +524,14 @@ def main() -> None:
     systems = {**TIERTRAIN, **{d[0]: d[1:] for d in a.define}}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from tiertrain.plan.hardware import REFERENCE
+    from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 
     hardware = out / ".hardware.json"  # what tiertrain plans with: the reference, or this machine's probe
     REFERENCE.save(hardware)
     meta = {**commit(), "hardware": "the reference figures"}
+    if a.hardware_file:
+        HardwareSpec.load(a.hardware_file).save(hardware)
+        meta["hardware"] = f"the probe file {a.hardware_file}"
     base = [
         "--config",
         a.config,

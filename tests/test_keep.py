@@ -11,6 +11,7 @@ from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.model import llama
 from tiertrain.model.spec import ModelSpec
+from tiertrain.plan.attention import rates
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import plan
 from tiertrain.plan.resolve import resolve
@@ -111,13 +112,15 @@ def test_the_plan_keeps_what_the_gpu_holds_and_refuses_more():
     tight = plan(job, Budgets(host_gb=200, gpu_gb=30), REFERENCE)
     assert roomy.memory.kept == spec.num_hidden_layers and 0 < tight.memory.kept < spec.num_hidden_layers
     assert tight.memory.gpu.total <= 30e9 * 0.95 and roomy.prediction.step_s < none.prediction.step_s
-    # kept: the backward pass skips the blocks' forward pass, a third of theirs (attention at its own rate)
-    F = spec.flops_per_token(2048) - spec.attention_flops_per_token(2048) * (
-        1 - 1 / REFERENCE.attention_rate(spec.hd)
-    )
-    blocks = F - 6 * spec.vocab_size * spec.hidden_size
+    # kept: the backward pass skips the blocks' forward pass, a third of their matmuls and their attention's forward
+    # (at its kernel's rate: plan.attention.rates)
+    A = spec.attention_flops_per_token(2048)
+    M, L = spec.flops_per_token(2048) - A, spec.num_hidden_layers
+    rate = REFERENCE.bf16_tflops * 1e12 * REFERENCE.compute_efficiency
+    fa, _ = rates(roomy.run_plan.attention, spec.hd, False, "bfloat16", REFERENCE)
+    skipped = 4 * 2048 * ((M - 6 * spec.vocab_size * spec.hidden_size) / 3 / rate + A / 3 / fa)
     assert roomy.prediction.times["compute bwd"] == pytest.approx(
-        none.prediction.times["compute bwd"] * (1 - blocks / F / 3), rel=1e-9
+        none.prediction.times["compute bwd"] - skipped * roomy.memory.kept / L, rel=1e-9
     )
     flags = [not u.recompute for u in tight.run_plan.units]  # the last blocks, the head not among them
     assert flags == [False] * (spec.num_hidden_layers + 1 - tight.memory.kept) + [

@@ -114,7 +114,7 @@ def plan_run(
     micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
     if micro and (tc.batch_size // ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
         micro = None
-    hw = run_hardware(device, hardware, cfg.optim.host_kernel)
+    hw = run_hardware(device, hardware, cfg.optim.host_kernel, cfg.model, tc.compute_dtype, tc.attention)
     # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
     # what the host cannot hold goes to the GPU's memory when it has room
     avail = available_ram()
@@ -225,7 +225,7 @@ def assemble(
         grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks)
         opt = HostAdamW(host, shards, cfg.optim, staging)
         updates = Updates(rp, opt, grads, streams, device, tc.overlap, staging, reader)
-        context = Context.build(cfg.model, tc.seq_len, dtype, device, rp.tile)
+        context = Context.build(cfg.model, tc.seq_len, dtype, device, rp.tile, rp.attention, rp.deterministic)
         chunk = fixed(tc.loss_chunk_tokens)
         step = Step(
             units,
@@ -322,4 +322,5 @@ def activation_store(
         device.type == "cuda",
         store,
         getattr(torch, rp.activation_dtype),
+        rp.ck_pieces,
     )

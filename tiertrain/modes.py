@@ -6,7 +6,7 @@ Literal types. Pure Python."""
 from __future__ import annotations
 
 from enum import Enum, StrEnum
-from typing import Literal
+from typing import Literal, get_args
 
 
 class Kind(Enum):
@@ -45,6 +45,14 @@ Dtype = Literal["bfloat16", "float32"]
 # what carries the weights to the GPU: a compute-dtype copy, or the master
 Stream = Literal["compute", "master"]
 Activations = Literal["gpu", "host", "nvme", "split"]  # the checkpoints' home; "split": each block's own
+# the causal attention's kernel (model/attention.py): SDPA's cuDNN, flash, memory-efficient or math backend, or the
+# FlashAttention package's; "" in a RunPlan: torch's own choice (a CPU, or fp32 compute)
+Attention = Literal["cudnn", "flash", "efficient", "math", "flash_attn"]
+ATTENTION_KERNELS: tuple[str, ...] = get_args(Attention)
+# those with a deterministic backward pass (flash and efficient under torch's deterministic mode, FlashAttention's
+# deterministic flag; math has no atomics); torch's cuDNN attention has none: torch refuses it in that mode
+DETERMINISTIC_KERNELS = frozenset({"flash", "efficient", "math", "flash_attn"})
+BF16_ONLY_KERNELS = frozenset({"cudnn", "flash", "flash_attn"})  # no fp32 kernel
 
 
 def by_value(members) -> list:

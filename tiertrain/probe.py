@@ -9,14 +9,32 @@ import os
 import time
 from pathlib import Path
 
+from .errors import ConfigError
 from .modes import Kind
-from .plan.hardware import TORCH_COPIES, HardwareSpec, this_machine
+from .plan.hardware import PROBE_FILE, TORCH_COPIES, HardwareSpec, this_machine
+from .tiers.placement import CK_PIECE_BYTES
+
+ATTENTION_SHAPE = (
+    16384,
+    32,
+    8,
+    128,
+)  # the probe's attention: tokens, query heads, key/value heads, head size
 
 
-def run_hardware(device, path: Path | None = None, host_kernel: str = "auto") -> HardwareSpec:
+def run_hardware(
+    device,
+    path: Path | None = None,
+    host_kernel: str = "auto",
+    model=None,
+    dtype: str = "bfloat16",
+    wanted="auto",
+) -> HardwareSpec:
     """The figures a run on `device` (a torch.device) plans with. On a GPU: plan.hardware.this_machine (the probe
-    file `path`, else probe's default file, else the reference's rates with this machine's GPU memory and RAM);
-    on a CPU: HardwareSpec.cpu. With torch's host AdamW (optim.host_kernel), an update into copies copies first."""
+    file `path`, else probe's default file, else the reference's rates with this machine's GPU memory and RAM),
+    its attention kernels those that run `model` (a ModelSpec) in `dtype` here (attention_here; `wanted`: the
+    config's train.attention); on a CPU: HardwareSpec.cpu. With torch's host AdamW (optim.host_kernel), an
+    update into copies copies first."""
     import psutil
 
     from .optim import kernel
@@ -28,7 +46,32 @@ def run_hardware(device, path: Path | None = None, host_kernel: str = "auto") ->
 
         props = torch.cuda.get_device_properties(device)
         hw = this_machine((props.name, props.total_memory / 1e9), path)
+    if model is not None:
+        hw = attention_here(hw, device, model, dtype, wanted, path is not None or PROBE_FILE.is_file())
     return dataclasses.replace(hw, **TORCH_COPIES) if kernel.wanted(host_kernel) is None else hw
+
+
+def attention_here(hw: HardwareSpec, device, model, dtype: str, wanted: str, probed: bool) -> HardwareSpec:
+    """`hw` with the attention figures of the kernels that run `model`'s attention in `dtype` on `device`
+    (model.attention.usable); without a probe (`probed` false) cuDNN's reference figures only on Hopper or later
+    (they are an H100's: elsewhere the plan takes flash). A kernel the config names that cannot run here (a GPU
+    or a CPU) is refused, before anything is allocated."""
+    import torch
+
+    from .model.attention import usable
+
+    if device.type != "cuda" and wanted == "auto":  # a CPU: torch's own kernel, no trial needed
+        return hw
+    here = usable(device, model.hd, model.num_attention_heads, model.n_kv_heads, getattr(torch, dtype))
+    if wanted != "auto" and wanted not in here:
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "a CPU"
+        raise ConfigError(
+            f'train.attention = "{wanted}" cannot run this model here (head size {model.hd}, {dtype}, '
+            f'{where}): set train.attention to "auto" or one of ' + ", ".join(f'"{k}"' for k in here)
+        )
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    rates = {k: r for k, r in hw.attention_tflops.items() if k in here and (probed or hopper or k != "cudnn")}
+    return dataclasses.replace(hw, attention_tflops=rates)
 
 
 def available_ram() -> int:
@@ -108,6 +151,46 @@ def matmul_tflops(dtype_name: str = "bfloat16", n: int = 8192, reps: int = 10) -
     return 2 * n**3 / _timed_cuda(lambda: a @ b, reps) / 1e12
 
 
+def attention_rates(
+    shape: tuple[int, int, int, int] = ATTENTION_SHAPE, reps: int = 5
+) -> dict[str, list[float]]:
+    """{kernel: [forward, backward, deterministic backward]} TFLOP/s of causal attention of `shape` (tokens, query
+    heads, key/value heads, head size) in bf16, through the runtime's model.attention, for every kernel that runs
+    here but math (memory squared in the length: never the plan's). FLOPs as the model counts them
+    (spec.attention_flops_per_token): the forward 2 x heads x hd x T (T + 1), QK^T and AV over the causal half,
+    the backward twice that (the kernels' own backward does 2.5 times the forward: 0.8x these). A backward is
+    timed as forward and backward less the forward; 0: no deterministic backward (cuDNN)."""
+    import torch
+
+    from .model.attention import usable
+
+    t, h, kv, hd = shape
+    kernels = usable(torch.device("cuda"), hd, h, kv, torch.bfloat16)
+    return {k: _attention_rate(k, shape, reps) for k in kernels if k != "math"}
+
+
+def _attention_rate(kernel: str, shape: tuple[int, int, int, int], reps: int) -> list[float]:
+    import torch
+
+    from .model.attention import attention
+    from .modes import DETERMINISTIC_KERNELS
+
+    t, h, kv, hd = shape
+    flops = 2 * h * hd * t * (t + 1)
+    q = torch.randn(1, h, t, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, kv, t, hd, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    do = torch.randn_like(q)
+    with torch.no_grad():
+        fwd = _timed_cuda(lambda: attention(q, k, v, kernel), reps)
+
+    def backward(det: bool) -> float:
+        both = _timed_cuda(lambda: torch.autograd.grad(attention(q, k, v, kernel, det), (q, k, v), do), reps)
+        return 2 * flops / (both - fwd) / 1e12
+
+    det = backward(True) if kernel in DETERMINISTIC_KERNELS else 0.0
+    return [flops / fwd / 1e12, backward(False), det]
+
+
 def host_adam_rate(
     n_params: int = 1 << 27,
     compute_copy: bool = True,
@@ -175,6 +258,8 @@ def probe(gpu: bool = True) -> dict:
         out.update(pcie_rates())
         out["bf16_tflops"] = matmul_tflops("bfloat16")
         out["fp32_tflops"] = matmul_tflops("float32")
+        out["gpu_sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+        out["attention_tflops"] = attention_rates()
     return out
 
 
@@ -226,6 +311,59 @@ def _disk_rates(directory: str, nbytes: int, io) -> tuple[float, float, float]:
     return r, w, both
 
 
+def ck_writer_rate(
+    directory: str, backend: str = "auto", threads: int = 16, counts=(1, 2, 4, 8, 16), total: int = 16
+) -> tuple[int, float]:
+    """(pieces, GB/s) of the NVMe checkpoints' writer's path: pieces of CK_PIECE_BYTES from pinned buffers, each to
+    a preallocated file of its own (tiers.pieces), through the runtime's I/O backend, with 1, 2, 4... pieces in
+    flight (each pass after a first, untimed one, as a step's writes find their files written); the fewest pieces
+    that reach 95% of the best rate, and that rate, with the files' fsync."""
+    import tempfile
+    from collections import deque
+
+    import torch
+
+    from .tiers.nvme import make_io
+    from .tiers.slab import alloc_slab
+
+    io = make_io(backend, threads)
+    try:
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".tiertrain-probe-") as d:
+            files = [Path(d) / str(i) for i in range(total)]
+            for f in files:
+                fd = os.open(f, os.O_RDWR | os.O_CREAT, 0o644)
+                os.posix_fallocate(fd, 0, CK_PIECE_BYTES)
+                os.close(fd)
+            bufs = [
+                alloc_slab(CK_PIECE_BYTES // 4, torch.float32, torch.cuda.is_available())
+                for _ in range(max(counts))
+            ]
+            for b in bufs:
+                b.uniform_()
+
+            def written(n: int) -> float:
+                t0, flight = time.perf_counter(), deque()
+                for i, f in enumerate(files):
+                    if len(flight) >= n:
+                        flight.popleft().result()
+                    flight.append(io.write(f, bufs[i % n]))
+                for w in flight:
+                    w.result()
+                for f in files:
+                    fd = os.open(f, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+                return total * CK_PIECE_BYTES / (time.perf_counter() - t0) / 1e9
+
+            written(max(counts))
+            rates = {n: written(n) for n in counts}
+    finally:
+        io.close()
+    best = max(rates.values())
+    n = min(n for n in counts if rates[n] >= 0.95 * best)
+    return n, rates[n]
+
+
 def _evict(fd: int) -> None:
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -251,6 +389,8 @@ def spec_of(m: dict, host_ram_gb: float, source: str):
         spec.gpu, spec.gpu_mem_gb = m["gpu"], m["gpu_mem_gb"]
         spec.h2d_gbs, spec.d2h_gbs, spec.bidir_gbs = m["h2d_gbs"], m["d2h_gbs"], m["bidir_gbs"]
         spec.bf16_tflops, spec.fp32_tflops = m["bf16_tflops"], m["fp32_tflops"]
+        if "attention_tflops" in m:  # a bench's probe from before the kernels were measured: the reference's
+            spec.attention_tflops, spec.gpu_sms = m["attention_tflops"], m["gpu_sms"]
     else:
         spec.gpu, spec.gpu_mem_gb = REFERENCE.gpu + " (reference: no GPU here)", REFERENCE.gpu_mem_gb
     return spec
@@ -268,7 +408,10 @@ def probe_spec(nvme_dir: str | None = None):
         notes.append("no CUDA GPU: GPU memory, PCIe and matmul rates are the reference H200's")
     if nvme_dir:
         spec.disk_read_gbs, spec.disk_write_gbs, spec.disk_mixed_gbs = disk_rates(nvme_dir)
+        spec.ck_pieces, spec.ck_write_gbs = ck_writer_rate(nvme_dir)
     else:
-        notes.append("no --nvme-dir: disk rates are the reference machine's")
-    notes.append("compute efficiency and AdamW contention are the reference fit (docs/performance.md)")
+        notes.append("no --nvme-dir: disk rates (and the checkpoint writer's) are the reference machine's")
+    notes.append(
+        "compute efficiency, attention efficiency and AdamW contention are the reference fit (docs/performance.md)"
+    )
     return spec, notes

@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .modes import Dtype
+from .modes import ATTENTION_KERNELS, BF16_ONLY_KERNELS, DETERMINISTIC_KERNELS, Attention, Dtype
 
 AUTO = "auto"  # the one spelling of "the plan decides"
 Auto = typing.Literal["auto"]
@@ -20,6 +20,8 @@ StreamSetting = typing.Literal["auto", "compute", "master"]
 Places = typing.Literal["auto", "gpu", "host", "nvme"]
 IoBackend = typing.Literal["auto", "posix", "kvikio"]
 SavedState = typing.Literal["full", "weights"]
+AttentionSetting = Attention | Auto
+ATTENTIONS = (AUTO, *ATTENTION_KERNELS)
 DTYPES, DEVICES, SCHEDULES, HOST_KERNELS, STREAMS, PLACES, IO_BACKENDS, SAVED_STATES = (
     typing.get_args(t)
     for t in (Dtype, Device, Schedule, HostKernel, StreamSetting, Places, IoBackend, SavedState)
@@ -82,6 +84,13 @@ class TrainConfig:
     # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled MLP's working
     # set would take over an eighth of the GPU memory); 0: off
     tile_tokens: int | Auto = "auto"
+    # the causal attention's kernel (model/attention.py): "cudnn", "flash", "efficient", "math" (SDPA's backends) or
+    # "flash_attn" (the FlashAttention package, where it is installed); "auto": the plan's, the fastest the probe
+    # measured of those that run this model here (with no probe file: cuDNN's on Hopper, flash elsewhere)
+    attention: AttentionSetting = "auto"
+    # true: a GPU run gives the same bits run to run: the attention's backward pass runs deterministically (flash
+    # and efficient under torch's deterministic mode; "auto" never takes cuDNN's, whose dQ is not deterministic)
+    deterministic: bool = False
 
     def validate(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_batches"):
@@ -118,6 +127,23 @@ class TrainConfig:
         _need(self.seed >= 0, "train", "seed", self, "must be a non-negative integer")
         _need(self.compute_dtype in DTYPES, "train", "compute_dtype", self, f"must be one of {_q(DTYPES)}")
         _need(self.device in DEVICES, "train", "device", self, f"must be one of {_q(DEVICES)}")
+        _need(self.attention in ATTENTIONS, "train", "attention", self, f"must be one of {_q(ATTENTIONS)}")
+        _need(
+            not self.deterministic or self.attention in (AUTO, *DETERMINISTIC_KERNELS),
+            "train",
+            "attention",
+            self,
+            "has no deterministic backward pass (its dQ is not, and torch refuses it in deterministic mode) and "
+            'train.deterministic is true: set train.attention = "auto" or "flash", or train.deterministic = false',
+        )
+        _need(
+            self.compute_dtype == "bfloat16" or self.attention not in BF16_ONLY_KERNELS,
+            "train",
+            "attention",
+            self,
+            f"runs bfloat16 only and train.compute_dtype is {self.compute_dtype!r}: set train.attention = "
+            '"auto" (or "efficient", "math"), or train.compute_dtype = "bfloat16"',
+        )
         _need(
             self.micro_batch_size == AUTO or self.batch_size % self.micro_batch_size == 0,
             "train",

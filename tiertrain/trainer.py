@@ -340,6 +340,9 @@ class Trainer:
         if acts.store is not None:  # activation checkpoints written to NVMe and read back this step
             rec["ck_disk_gb"] = (acts.disk_bytes - before.ck_disk) / 1e9
             rec["ck_wait_s"] = acts.wait_s - before.ck_wait  # the step's thread waiting on their disk I/O
+            rec["ck_write_gbs"] = (
+                acts.write_rate()
+            )  # the writes' rate while some were on their way (landed ones)
         if self.peak_tflops:
             rec["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":

@@ -4,13 +4,16 @@ on the GPU, in pinned host memory, or on NVMe.
 host: a block's inputs go down on the D2H stream as soon as they are computed and come back on the H2D stream one
 unit ahead of the backward pass that needs them, so the copies overlap compute.
 nvme: the same copies, in pieces through a ring of pinned buffers, and a disk write or read per piece (a
-PieceStore). The writer thread copies a block's inputs down piece by piece and writes each; the forward pass
-waits only when two blocks' inputs are still on their way down (GPU memory stays bounded). The reader thread
-reads a block's pieces, a few at a time, one unit ahead of the backward pass, after that block's writes landed.
+PieceStore). The writer thread copies a block's inputs down piece by piece and starts each piece's disk write as its
+copy lands: as many pieces in flight as the ring has buffers (RunPlan.ck_pieces: the fewest with which the
+probe's writes reached the disk's rate, tiertrain probe's ck_writer_rate). The forward pass waits only when two blocks'
+inputs are still on their way down (GPU memory stays bounded). The reader thread reads a block's pieces, a few at
+a time, one unit ahead of the backward pass, after that block's writes landed.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,8 +26,11 @@ from ..tiers.ring import Ring
 from ..tiers.slab import alloc_slab
 from .streams import StallClock, Streams
 
-READ_WINDOW = 4  # pieces the reader has in flight
+READ_WINDOW = 4  # pieces the reader has in flight (at most the ring's)
 IN_FLIGHT = 2  # blocks whose inputs may be on their way to NVMe at once
+COPIES_AHEAD = (
+    2  # pieces the writer copies down ahead of the one whose copy it waits for (fewer than the ring's)
+)
 
 
 class ActivationStore:
@@ -37,9 +43,11 @@ class ActivationStore:
         pin: bool,
         store=None,
         dtype: torch.dtype = torch.float32,
+        pieces: int = CK_RING_PIECES,
     ):
         """`homes`: {block: "gpu" | "host" | "nvme"}; `store`: a PieceStore holding the nvme ones; `dtype`: the
-        checkpoints' (RunPlan.activation_dtype): a block's fp32 input is cast to it when saved, back when got."""
+        checkpoints' (RunPlan.activation_dtype): a block's fp32 input is cast to it when saved, back when got;
+        `pieces`: the ring's buffers, the pieces in flight (RunPlan.ck_pieces)."""
         self.homes, self.s, self.clock, self.device, self.pin, self.store = (
             homes,
             streams,
@@ -59,10 +67,14 @@ class ActivationStore:
             0.0  # the step's thread waiting on the disk (blocks on their way down, reads not landed)
         )
         self.reads: dict[int, Future] = {}  # block -> its reader job (-> the H2D event of its last piece)
+        # per block written: [its first copy's start, its last write's end, bytes] (the I/O threads end them)
+        self.writes: list[list[float]] = []
+        self._lock = threading.Lock()
         if store is not None:
             # threads: the main thread (save, prefetch, get), one writer and one reader (owned here, shut by
             # close()); the ring is thread-safe; `written` is set by the main thread before the reader reads it
-            self.ring = Ring(CK_RING_PIECES, CK_PIECE_BYTES // 4, torch.float32, pin)
+            self.pieces = max(1, pieces)
+            self.ring = Ring(self.pieces, CK_PIECE_BYTES // 4, torch.float32, pin)
             self._out = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-out")
             self._in = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-in")
             self.written: dict[int, Future] = {}  # block -> its writer job (-> the disk writes of its pieces)
@@ -117,11 +129,18 @@ class ActivationStore:
         return [(m, m * k + p, p * per, min(n, (p + 1) * per)) for m in range(len(xs)) for p in range(k)]
 
     def _write(self, unit: int, xs: list[torch.Tensor], done) -> list[Future]:
-        """Writer thread: each piece down through a ring buffer, then to disk. Returns the pieces' disk writes;
-        `xs` (their GPU memory) is let go when it returns."""
+        """Writer thread: each piece down through a ring buffer, then to disk, its buffer back to the ring once the
+        write has landed: as many writes in flight as the ring has buffers. Returns the pieces' disk writes; `xs`
+        (their GPU memory) is let go when it returns."""
+        log = [time.perf_counter(), 0.0, 0]
+
+        def ended(_):
+            with self._lock:
+                log[1] = max(log[1], time.perf_counter())
+
         writes = []
         for m, i, a, b in self._pieces(xs):
-            buf = self.ring.take()
+            buf = self.ring.take()  # every buffer in flight: the oldest write's lands first
             with self.s.on(self.s.d2h):
                 self.s.wait(self.s.d2h, done)
                 buf.view(self.dtype)[: b - a].copy_(xs[m].view(-1)[a:b], non_blocking=True)
@@ -130,8 +149,24 @@ class ActivationStore:
                 copied.synchronize()
             f = self.store.write(unit, i, buf)
             self.ring.give(buf, after=f)  # free once its write has landed
+            f.add_done_callback(ended)
+            log[2] += (b - a) * xs[m].element_size()
             writes.append(f)
+        with self._lock:
+            self.writes.append(log)
         return writes
+
+    def write_rate(self) -> float:
+        """GB/s of the checkpoints' writes since the last call: their bytes over the time some were on their way
+        (from a block's first copy to its last write's end; the blocks' times overlapping counted once)."""
+        with self._lock:
+            done = [w for w in self.writes if w[1]]
+            self.writes = [w for w in self.writes if not w[1]]
+        busy, end = 0.0, 0.0
+        for start, stop, _ in sorted(done):
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        return sum(w[2] for w in done) / busy / 1e9 if busy else 0.0
 
     # ---- the backward pass -------------------------------------------------------------------
     def prefetch(self, unit: int) -> None:
@@ -165,7 +200,7 @@ class ActivationStore:
         flight: deque = deque()
         last = None
         while todo or flight:
-            while todo and len(flight) < READ_WINDOW:
+            while todo and len(flight) < min(READ_WINDOW, self.pieces):
                 m, i, a, b = todo.popleft()
                 buf = self.ring.take()
                 flight.append((m, a, b, buf, self.store.read(unit, i, buf)))

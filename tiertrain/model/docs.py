@@ -80,16 +80,7 @@ class Docs:
                 kw["enable_gqa"] = h != k.shape[1]
             elif h != k.shape[1]:  # an older torch's kernel takes as many key/value heads as query heads
                 k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))
-            o = varlen_attn(
-                flat(q),
-                flat(k),
-                flat(v),
-                self.cu,
-                self.cu,
-                self.longest,
-                self.longest,
-                **kw,
-            )
+            o = varlen_attn(flat(q), flat(k), flat(v), self.cu, self.cu, self.longest, self.longest, **kw)
             return o.view(b, s, h, d).transpose(1, 2)
         rows = []
         for r, row in enumerate(self.spans):

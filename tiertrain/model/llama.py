@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from . import moe
+from .attention import attention as causal
 from .spec import ModelSpec
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
@@ -79,6 +80,8 @@ class Context:
     cos: torch.Tensor  # (S, head_dim) fp32
     sin: torch.Tensor
     tile: int = 0  # tokens per tile of a block (RunPlan.tile); 0: a block runs on all its tokens at once
+    attention: str = ""  # the attention's kernel (RunPlan.attention; model/attention.py); "": torch's choice
+    deterministic: bool = False  # its backward pass deterministic (RunPlan.deterministic)
     window: int | None = None  # the block's attention window (UnitSpec.window); None: the causal prefix
     router: moe.RouterLog | None = None  # the step's load-balancing loss, where the model has one
     docs: object | None = None  # the micro-batch's segments (model.docs.Docs); None: each row is one
@@ -89,13 +92,21 @@ class Context:
 
     @classmethod
     def build(
-        cls, spec: ModelSpec, seq_len: int, dtype: torch.dtype, device: torch.device, tile: int = 0
+        cls,
+        spec: ModelSpec,
+        seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tile: int = 0,
+        attention: str = "",
+        deterministic: bool = False,
     ) -> "Context":
         pos = torch.arange(seq_len, dtype=torch.float32)
         inv, scale = rope_inv_freq(spec)
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return cls(spec, dtype, (emb.cos() * scale).to(device), (emb.sin() * scale).to(device), tile)
+        cos, sin = (emb.cos() * scale).to(device), (emb.sin() * scale).to(device)
+        return cls(spec, dtype, cos, sin, tile, attention, deterministic)
 
     def tiled(self, x: torch.Tensor) -> bool:
         """Whether a block runs over tiles of the sequence on this micro-batch (model.tiled)."""
@@ -123,15 +134,18 @@ def attention(
     v: torch.Tensor,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    kernel: str = "",
+    deterministic: bool = False,
 ) -> torch.Tensor:
-    """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA). A window limits each
-    query to itself and the window - 1 keys before it; sinks (heads,) add a learned logit per head to the
-    softmax's denominator (gpt-oss)."""
+    """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA): through the plan's
+    kernel (model/attention.py). A window limits each query to itself and the window - 1 keys before it; sinks
+    (heads,) add a learned logit per head to the softmax's denominator (gpt-oss): those take SDPA's masked
+    kernels."""
     t = q.shape[2]
     if sinks is not None:
         return _with_sinks(q, k, v, window, sinks)
     if window is None or window >= t:
-        return _sdpa(q, k, v, is_causal=True)
+        return causal(q, k, v, kernel, deterministic)
     return _windowed(q, k, v, window, lambda q, k, v, mask: _sdpa(q, k, v, attn_mask=mask))
 
 
@@ -246,7 +260,7 @@ def attend(q, k, v, ctx: Context, sinks: torch.Tensor | None = None) -> torch.Te
     windows and sinks)."""
     if ctx.docs is not None:
         return ctx.docs.attention(q, k, v)
-    return attention(q, k, v, ctx.window, sinks)
+    return attention(q, k, v, ctx.window, sinks, ctx.attention, ctx.deterministic)
 
 
 def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:

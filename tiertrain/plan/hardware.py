@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..modes import ATTENTION_KERNELS
 
 # torch's fused kernel into copies: a copy, then the kernel in place; its rate / the rate in place (2.05-2.23
 # / 3.83-4.26 G params/s on the H200 host, bench/results/2026-11-22-H200-host-adam-out-of-place.md) and the
@@ -58,17 +59,36 @@ class HardwareSpec:
     # sharing of DRAM with the PCIe copies.
     compute_efficiency: float = 0.50
     adam_contention: float = 1.0
-    # causal attention's FLOPs (SDPA's flash kernel) run at this many times the rate of the rest, by head size
-    # (the nearest is taken): fitted on the long runs, where attention is 70-97% of the FLOPs and the plan had
-    # the GPU's compute 1.19-1.21x the measured at head size 128 (llama3.1-8b at 128k and 256k on an H100,
-    # llama-7b at 256k and llama-3b at 512k on an H200: 1.22-1.32, the median taken) and 0.90x at 64 (llama-1b
-    # at 1M): bench/results/2026-11-25-issue34-long-8b.md
-    attention_speed: dict = field(default_factory=lambda: {"64": 0.89, "128": 1.24})
     # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, gather and weighted scatter) run at these
     # fractions of the rest's rate, forward and backward: dev/moe_gemm.py on an H100 (torch 2.11), Qwen3-30B-A3B's
     # experts at 8k tokens against a dense MLP of the same FLOPs: 4.14 against 1.77 ms forward, 6.00 against
     # 1.31 ms backward (bench/results/2026-11-25-H100-moe-gemm.json)
     experts_speed: tuple[float, float] = (0.43, 0.22)
+    # causal attention's kernels (model/attention.py), as `tiertrain probe` measures them: {kernel: [forward,
+    # backward, deterministic backward]} TFLOP/s at head size 128 (32 query and 8 key/value heads, 16,384 tokens,
+    # bf16) in the model's FLOPs (spec.attention_flops_per_token: the backward counted as twice the forward); 0: no
+    # such pass (torch's cuDNN backward is never deterministic). Without a probe: issue 42's H100 figures (torch
+    # 2.11, cuDNN 9.19; the H200 has the same SMs), flash's deterministic backward taken at 0.9x its own
+    attention_tflops: dict = field(
+        default_factory=lambda: {"cudnn": [630.0, 540.0, 0.0], "flash": [340.0, 280.0, 252.0]}
+    )
+    # the kernels' rates at other head sizes, relative to 128 (the nearest is taken): 64 from the llama-1b run at 1M
+    # (0.89 / 1.24 of the fit below, bench/results/2026-11-25-issue34-long-8b.md)
+    attention_head_scale: dict = field(default_factory=lambda: {"64": 0.72, "128": 1.0})
+    # a step's attention reaches this fraction of the kernels' rates above (a block calls it a head group at a
+    # time, beside the copies of its q, k, v and output): fitted on the GPU compute of the long runs (llama3.1-8b
+    # at 128k and 256k on an H100, llama-7b at 256k, llama-3b at 512k and llama-1b at 1M on an H200:
+    # bench/results/2026-11-25-issue34-long-8b.md) planned on the cuDNN rates above: 0.82-0.88, the median taken.
+    # On flash's rates they would need 1.4-1.5: those runs ran cuDNN, torch 2.11's own choice on Hopper
+    # (docs/performance.md)
+    attention_efficiency: float = 0.83
+    # the GPU's streaming multiprocessors: flash's deterministic backward keeps a dQ buffer per SM (plan.workset)
+    gpu_sms: int = 132
+    # the NVMe checkpoints' writer (engine/activations.py): its rate with `ck_pieces` pieces (tiers.placement
+    # CK_PIECE_BYTES) in flight, the fewest that reach the disk's rate (`tiertrain probe --nvme-dir`; 0: unknown,
+    # the disk's write rate); the plan sizes the checkpoints' ring by it
+    ck_write_gbs: float = 0.0
+    ck_pieces: int = 8
     # What the host's DRAM serves while the next forward pass runs: the PCIe copies (DMA) and the host
     # AdamW together; the same refit (not probed: bench.dram measures what the steps reached, 125-148).
     host_dram_gbs: float = 135.0
@@ -91,12 +111,6 @@ class HardwareSpec:
     network_gbs: float = 25.0
     source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
 
-    def attention_rate(self, head_dim: int) -> float:
-        """attention_speed at the head size nearest `head_dim` (1 where none is known)."""
-        if not self.attention_speed:
-            return 1.0
-        return self.attention_speed[min(self.attention_speed, key=lambda k: abs(int(k) - head_dim))]
-
     @classmethod
     def cpu(cls, ram_gb: float, cores: int) -> "HardwareSpec":
         """A CPU as the device: its memory is the host's (no budget of its own: the run checks its working set
@@ -116,7 +130,7 @@ class HardwareSpec:
             host_adam_copy_params_per_s=0.5e9,
             compute_efficiency=1.0,
             unified=True,
-            attention_speed={},
+            attention_tflops={},
             source="this CPU (rough figures: on a CPU the plan's times are not predictions)",
         )
 
@@ -175,6 +189,9 @@ class HardwareSpec:
                 f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be a finite "
                 f"number, 0 or more; {fix}"
             )
+        wrong = _bad_tables(data)
+        if wrong:
+            raise ConfigError(f"hardware file {p}: {wrong}; {fix}")
         spec = cls(**{k: v for k, v in data.items() if k in known})
         if "source" not in data:
             spec.source = f"probe file {p}"
@@ -183,6 +200,32 @@ class HardwareSpec:
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def _bad_tables(data: dict) -> str:
+    """What is wrong with a probe file's attention tables and checkpoint writer's figures ("": nothing)."""
+    rates, scale = data.get("attention_tflops", {}), data.get("attention_head_scale", {"128": 1.0})
+    if not isinstance(rates, dict) or not all(
+        k in ATTENTION_KERNELS and isinstance(v, list) and len(v) in (2, 3) and all(map(_number, v))
+        for k, v in rates.items()
+    ):
+        return (
+            f"attention_tflops = {json.dumps(rates)} must map kernels ({', '.join(ATTENTION_KERNELS)}) to "
+            "[forward, backward, deterministic backward] TFLOP/s"
+        )
+    if (
+        not isinstance(scale, dict)
+        or not scale
+        or not all(k.isdigit() and _number(v) for k, v in scale.items())
+    ):
+        return f"attention_head_scale = {json.dumps(scale)} must map head sizes to rates relative to 128"
+    if not (isinstance(data.get("ck_pieces", 1), int) and data.get("ck_pieces", 1) >= 1):
+        return f"ck_pieces = {data['ck_pieces']!r} must be a whole number of pieces, 1 or more"
+    return ""
 
 
 REFERENCE = HardwareSpec()

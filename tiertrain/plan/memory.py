@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import (
-    CK_RING_BYTES,
     ck_disk_bytes,
+    ck_ring_bytes,
     disk_bytes,
     host_state_bytes,
     kind_bytes,
@@ -23,6 +23,7 @@ from ..tiers.placement import (
     update_candidates,
 )
 from ..tiers.slab import SlabLayout, host_cost, shard_numel
+from .attention import choose, deterministic_workspace
 from .hardware import HardwareSpec
 from .runplan import WIDTH, RunPlan
 from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
@@ -104,6 +105,9 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
         numels=tuple(shards),
         rows=job.rows,
         row_numel=job.seq_len * spec.hidden_size,
+        attention=choose(choice.attention, choice.deterministic, job.dtype, hw),
+        deterministic=choice.deterministic,
+        ck_pieces=max(1, hw.ck_pieces),
     )
     return Shape(
         job,
@@ -164,6 +168,9 @@ def _gpu_parts(s: Shape) -> GpuMemory:
     job, spec, whole = s.job, s.job.spec, s.whole
     wdt = WIDTH[job.dtype]
     blk, own = max(whole[1:-1]), whole[0] + whole[-1]
+    rp, tokens = s.run_plan, s.choice.micro * job.seq_len
+    tiled = bool(rp.tile) and tokens > rp.tile
+    flash = deterministic_workspace(rp.attention, rp.deterministic, spec, tokens, tiled, s.hw)
     return GpuMemory(
         resident=sum(s.shards[u] for u in s.resident) * sum(s.kb.values()),
         slots=2 * blk * wdt,
@@ -171,7 +178,8 @@ def _gpu_parts(s: Shape) -> GpuMemory:
         staging=max(whole) * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
         grads=(2 * blk + own) * 4,
         activation_grads=s.tokens * spec.hidden_size * 4,
-        working=working_set(spec, job.dtype, s.choice.micro * job.seq_len, s.run_plan.tile)
+        working=working_set(spec, job.dtype, tokens, rp.tile)
+        + flash
         + 3 * (64 << 20)
         + (blk * wdt if spec.is_moe else 0),  # autograd's gradients of the experts' whole tensors
     )
@@ -193,14 +201,14 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
         room = s.host_budget - sum(host_cost(n * b) for n in s.numels for b in s.kb.values())
         n_host = min(n_host, max(0, int(room // host_cost(ck_unit))))
         if n_host < nl - n_gpu:
-            n_host = max(0, int((room - CK_RING_BYTES) // host_cost(ck_unit)))
+            n_host = max(0, int((room - ck_ring_bytes(s.run_plan.ck_pieces)) // host_cost(ck_unit)))
     split = {Home.GPU: n_gpu, Home.HOST: n_host, Home.NVME: nl - n_gpu - n_host}
     # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
     # the block's, cast back
     on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit + (
         s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0
     )
-    host_ck = n_host * host_cost(ck_unit) + (CK_RING_BYTES if split[Home.NVME] else 0)
+    host_ck = n_host * host_cost(ck_unit) + (ck_ring_bytes(s.run_plan.ck_pieces) if split[Home.NVME] else 0)
     return replace(mem, gpu=replace(mem.gpu, checkpoints=on_gpu), checkpoints=frozen(split)), host_ck
 
 

@@ -276,7 +276,7 @@ def _bottleneck(t: dict, bwd: float, fwd: float) -> str:
         "PCIe both ways": (None, t["PCIe both fwd"]),
         "host AdamW": (t["host AdamW bwd"], t["host AdamW"]),
         "host DRAM": (t["host DRAM bwd"], t["host DRAM fwd"]),
-        "NVMe": (t["NVMe bwd"], t["NVMe"]),
+        "NVMe": (t["NVMe bwd"], max(t["NVMe"], t["NVMe checkpoints fwd"])),
         "GPU links": (t["peer bwd"], t["peer fwd"]),
     }
     phase = {name: (bwd if b == bwd else 0) + (fwd if f == fwd else 0) for name, (b, f) in limits.items()}

@@ -37,6 +37,8 @@ def plan_dict(p: Plan | Miss) -> dict:
         "kept_checkpoints": mem.kept_checkpoints,
         "checkpoints": {h.value: n for h, n in mem.checkpoints.items()},
         "tile": rp.tile,
+        "attention": rp.attention,
+        "deterministic": rp.deterministic,
         "checkpoint_dtype": rp.activation_dtype,
         "nvme_ahead": mem.nvme_ahead,
         "speculated": rp.count(Update.HOST_SPECULATED),
@@ -97,8 +99,10 @@ def _checkpoints(p: Plan) -> str:
         if homes
         else "no activation checkpoints"
     )
-    tile = p.run_plan.tile
-    return text + (f"; blocks in tiles of {tile:,} tokens" if tile else "")
+    rp = p.run_plan
+    kernel = rp.attention or "torch's choice"
+    tiles = f"; blocks in tiles of {rp.tile:,} tokens" if rp.tile else ""
+    return text + tiles + f"; attention: {kernel}" + " (deterministic)" * rp.deterministic
 
 
 def _speedup(p: Plan | Miss, one: Plan | Miss) -> float:

@@ -9,7 +9,7 @@ from ..modes import Home, Kind
 from ..sections import AUTO, fixed
 from ..sizes import budget, gb
 from ..tiers.placement import (
-    CK_RING_BYTES,
+    ck_ring_bytes,
     copy_bytes,
     host_state_bytes,
     least_host,
@@ -18,6 +18,7 @@ from ..tiers.placement import (
     ring_widths,
 )
 from ..tiers.slab import host_cost
+from . import attention
 from .advice import explain
 from .hardware import HardwareSpec
 from .planner import plan
@@ -62,6 +63,8 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
         fixed(o.speculate_gpu_updates),
         fixed(tc.keep_activations),
         fixed(tc.tile_tokens),
+        fixed(tc.attention),
+        tc.deterministic,
     )
 
 
@@ -81,6 +84,7 @@ def search(
     report's findings where `advise`. `micro`: the micro-batch a resumed run ran with, kept where the config
     leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""
     job, choice = job_of(cfg, name, gpus, per_host), fixed_choice(cfg, micro)
+    attention.check(choice.attention, job.dtype, hw)
     budgets = Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb)
     p = plan(job, budgets, hw, choice)
     return explain(job, p, budgets, hw, choice) if advise else p
@@ -99,6 +103,7 @@ def chosen(cfg: Config) -> tuple[str, ...]:
         "resident GB": t.gpu_resident_gb,
         "kept activations": tc.keep_activations,
         "tile": tc.tile_tokens,
+        "attention kernel": tc.attention,
     }
     return tuple(k for k, v in named.items() if v == AUTO)
 
@@ -239,5 +244,5 @@ def host_need(rp: RunPlan, copied: frozenset[int]) -> int:
 def host_checkpoints(rp: RunPlan) -> int:
     """Host bytes of the activation checkpoints the plan puts in RAM, and of the ring of those on NVMe."""
     return len(rp.checkpoints(Home.HOST)) * host_cost(rp.checkpoint_bytes(rp.rows)) + (
-        CK_RING_BYTES if rp.checkpoints(Home.NVME) else 0
+        ck_ring_bytes(rp.ck_pieces) if rp.checkpoints(Home.NVME) else 0
     )

@@ -74,6 +74,12 @@ class RunPlan:
     numels: tuple[int, ...] = ()  # elements of each unit's slabs: this rank's shard (tiers.slab.Shard)
     rows: int = 0  # rows of each batch this rank takes
     row_numel: int = 0  # elements of one row's activation checkpoint of a block (seq_len x hidden)
+    # the causal attention's kernel (modes.Attention, model/attention.py); "": torch's own choice (a CPU, fp32)
+    attention: str = ""
+    deterministic: bool = False  # the attention's backward pass runs deterministically (train.deterministic)
+    ck_pieces: int = (
+        0  # pieces the NVMe checkpoints' writer has in flight: its ring's size, where any are there
+    )
 
     @property
     def activation_width(self) -> int:
@@ -146,6 +152,9 @@ class RunPlan:
             "checkpoint_dtype": self.activation_dtype,
             "gpus": self.gpus,
             "compute_dtype": self.compute_dtype,
+            "attention": self.attention,
+            "deterministic": self.deterministic,
+            "checkpoint_pieces": self.ck_pieces,
             "units": [u.to_dict() for u in self.units],
         }
 

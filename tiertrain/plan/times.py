@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from ..modes import Home, Kind
 from ..tiers.placement import streamed_kind
+from . import attention
 from .hardware import HardwareSpec
 from .values import Job, Memory
 
@@ -87,7 +88,13 @@ def step_times(
         "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram,
     }
     fwd = max(
-        t["compute fwd"], t["H2D fwd"], t["D2H fwd"], t["PCIe both fwd"], t["host DRAM fwd"], t["peer fwd"]
+        t["compute fwd"],
+        t["H2D fwd"],
+        t["D2H fwd"],
+        t["PCIe both fwd"],
+        t["host DRAM fwd"],
+        t["peer fwd"],
+        t["NVMe checkpoints fwd"],
     )
     if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
         bwd = max(bwd, t["host DRAM bwd"])
@@ -97,34 +104,34 @@ def step_times(
 
 
 def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
-    """The GPU's seconds of compute in the forward and the backward pass (recompute included): FLOPs over the
-    matmul rate, causal attention's at its own (hw.attention_rate)."""
+    """The GPU's seconds of compute in the forward and the backward pass (recompute included): the matmuls' FLOPs
+    over their rate, causal attention's over its kernel's (plan.attention.rates: forward and backward apart)."""
     spec, rp, hw = job.spec, fit.shape.run_plan, fit.shape.hw
     rate = (
         (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
     )
-    T, F = job.rows * job.seq_len, spec.flops_per_token(job.seq_len)
-    # at the rest's rate
-    F -= spec.attention_flops_per_token(job.seq_len) * (1 - 1 / hw.attention_rate(spec.hd))
+    T, L = job.rows * job.seq_len, spec.num_hidden_layers
+    A = spec.attention_flops_per_token(job.seq_len)  # its forward a third, its backward two
+    M = spec.flops_per_token(job.seq_len) - A  # the matmuls'
+    fa, ba = attention.rates(rp.attention, spec.hd, rp.deterministic, rp.compute_dtype, hw)
+    fa, ba = fa or rate, ba or rate
+    # a kept block's backward pass skips its forward pass again: a third of its share of the matmuls (the head's
+    # aside), and its attention's forward
+    matmuls = M - mem.kept * (M - 6 * spec.vocab_size * spec.hidden_size) / L / 3
+    # a tiled block's q/k/v projections run twice in its backward
+    if rp.tile and rp.micro_batch * job.seq_len > rp.tile:
+        matmuls += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd * L
     ex, (fwd_speed, bwd_speed) = (
         spec.expert_flops_per_token / 3,
         hw.experts_speed,
     )  # routed experts: their own
     ex_fwd, ex_bwd = ex * (1 / fwd_speed - 1), 2 * ex * (1 / bwd_speed - 1)
-    # a kept block's backward pass skips its forward pass again: a third of its share of F (the head's aside)
-    recompute = F - mem.kept * (F - 6 * spec.vocab_size * spec.hidden_size) / spec.num_hidden_layers / 3
-    # a tiled block's q/k/v projections run twice in its backward
-    if rp.tile and rp.micro_batch * job.seq_len > rp.tile:
-        recompute += (
-            2
-            * spec.hidden_size
-            * (spec.num_attention_heads + 2 * spec.n_kv_heads)
-            * spec.hd
-            * spec.num_hidden_layers
-        )
+    forward = T * A / 3 / fa
     return {
-        "compute fwd": T * (F / 3 + ex_fwd) / rate,
-        "compute bwd": T * (recompute + ex_fwd + ex_bwd) / rate,
+        "compute fwd": T * (M / 3 + ex_fwd) / rate + forward,
+        "compute bwd": T * (matmuls + ex_fwd + ex_bwd) / rate
+        + forward * (L - mem.kept) / L
+        + T * 2 * A / 3 / ba,
     }
 
 
@@ -145,7 +152,8 @@ def _peers(job: Job, fit: Fit) -> dict[str, float]:
 
 def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, float]:
     """The disk's seconds: the update's reads and writes of spilled slabs and the forward pass's checkpoint writes
-    beside the forward pass; the backward pass's reads of spilled weights and checkpoints, writes of gradients."""
+    beside the forward pass, those writes alone at the checkpoints' writer's rate (hw.ck_write_gbs: the forward
+    pass waits for them); the backward pass's reads of spilled weights and checkpoints, writes of gradients."""
     io = {k: (nvme_traffic(k, streamed_kind(kb)), b) for k, b in mem.nvme.items()}
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     reads -= mem.nvme_ahead  # read ahead of the optimizer as the backward pass starts (Staging.start)
@@ -155,4 +163,5 @@ def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, 
         "NVMe write": writes / (hw.disk_write_gbs * 1e9),
         "NVMe": disk_time(reads, writes, hw),
         "NVMe bwd": disk_time(mem.nvme_bwd_reads + ck_disk + mem.nvme_ahead, bwd_writes, hw),
+        "NVMe checkpoints fwd": ck_disk / ((hw.ck_write_gbs or hw.disk_write_gbs) * 1e9),
     }

@@ -75,6 +75,8 @@ class Choice:
     tile: int | None = (
         None  # tokens per tile of a block; None: TILE where the untiled MLP would take too much
     )
+    attention: str | None = None  # the attention's kernel; None: the fastest measured (plan.attention.choose)
+    deterministic: bool = False  # the attention's backward pass deterministic (train.deterministic)
 
 
 class Short(Enum):

@@ -106,8 +106,14 @@ def gpu_updated(ram: list[int], k: int, speculated: bool) -> list[int]:
 
 
 CK_PIECE_BYTES = 64 << 20  # activation checkpoints on NVMe move in pieces of this many bytes (a file each)
-CK_RING_PIECES = 8  # pinned buffers of a piece each, shared by the checkpoints' writes and reads
-CK_RING_BYTES = CK_PIECE_BYTES * CK_RING_PIECES
+CK_RING_PIECES = (
+    8  # pinned buffers of a piece each, shared by the checkpoints' writes and reads (the default)
+)
+
+
+def ck_ring_bytes(pieces: int = CK_RING_PIECES) -> int:
+    """Host bytes of the NVMe checkpoints' ring of `pieces` pinned buffers (RunPlan.ck_pieces)."""
+    return CK_PIECE_BYTES * pieces
 
 
 def ck_disk_bytes(micro_bytes: int, micros: int) -> int:

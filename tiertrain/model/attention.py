@@ -1,0 +1,141 @@
+"""Causal attention through the kernel the RunPlan names (train.attention): SDPA's "cudnn", "flash", "efficient" or
+"math" backend, or "flash_attn" (the FlashAttention package, where it is installed); "" is torch's own choice (a CPU,
+fp32 compute). Over (B, heads, T, head_dim), with fewer key/value heads (GQA): cuDNN, flash and FlashAttention take
+them as they are; efficient and math get each repeated (an expand, whose backward is a plain sum: torch's own
+repeat_interleave adds with index_add, which is not deterministic).
+
+Deterministic backward passes (train.deterministic): a kernel's backward node runs under torch's deterministic mode,
+switched on for that node alone (its hooks), so nothing else of the step is held to it (cuBLAS would need a
+workspace setting). There flash runs FlashAttention 2's deterministic backward (dQ summed in a fixed order, in an
+fp32 buffer per group of SMs: plan.attention.deterministic_workspace), efficient runs one key split. Math's backward
+is matmuls and a softmax, deterministic as it is. torch's cuDNN backward has no deterministic mode (its dQ differs
+run to run at length; torch refuses cuDNN in deterministic mode): the plan never takes it for a deterministic run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ..modes import ATTENTION_KERNELS
+
+_SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+BACKENDS = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+NATIVE_GQA = ("", "cudnn", "flash")  # SDPA's choices that take fewer key/value heads as they are
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "", deterministic: bool = False
+):
+    """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA). `kernel`: the RunPlan's
+    (""): torch's choice); `deterministic`: its backward pass deterministic (torch's choice then never cuDNN's)."""
+    if kernel == "flash_attn":
+        return _flash_attn(q, k, v, deterministic)
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and (kernel not in NATIVE_GQA or not _SDPA_GQA):
+        k, v, gqa = _repeat(k, q.shape[1]), _repeat(v, q.shape[1]), False
+    with backends(kernel, deterministic and q.is_cuda):
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"enable_gqa": True} if gqa else {}))
+    if deterministic and o.requires_grad and q.is_cuda:
+        _deterministic_backward(o)
+    return o
+
+
+def _repeat(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, kv heads, T, hd) -> (B, heads, T, hd), each key/value head repeated for its query heads in turn (the
+    order of repeat_interleave)."""
+    b, h, n, d = t.shape
+    return t[:, :, None].expand(b, h, heads // h, n, d).reshape(b, heads, n, d)
+
+
+def backends(kernel: str, deterministic: bool = False):
+    """A context in which SDPA takes: the backend named (not "flash_attn", which is not SDPA's); torch's choice of
+    all of them, but cuDNN's, for a deterministic GPU run; or torch's as it is (the all-in-GPU baseline runs in
+    the first, bench/pipeline.py)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if kernel:
+        return sdpa_kernel(getattr(SDPBackend, BACKENDS[kernel]))
+    if deterministic:
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return contextlib.nullcontext()
+
+
+def _deterministic_backward(o: torch.Tensor) -> None:
+    """Torch's deterministic mode on while the attention kernel's backward node runs (on the autograd engine's
+    thread), as it was before after it; a kernel with no such node (math) needs none."""
+    node = o.grad_fn
+    for _ in range(4):  # the kernel's node, under any view SDPA adds
+        if node is None:
+            return
+        if "Attention" in node.name():
+            break
+        node = next((f for f, _ in node.next_functions if f is not None), None)
+    else:
+        return
+    before: list = []
+    fill = torch.utils.deterministic
+
+    def on(grad_outputs):
+        was = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        before.append((was, fill.fill_uninitialized_memory))
+        fill.fill_uninitialized_memory = False  # the kernel writes its outputs whole: no NaN fill first
+        _set_deterministic(True, False)
+
+    def off(grad_inputs, grad_outputs):
+        was, filled = before.pop()
+        _set_deterministic(*was)
+        fill.fill_uninitialized_memory = filled
+
+    node.register_prehook(on)
+    node.register_hook(off)
+
+
+def _set_deterministic(mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms without its import of inductor's config (seconds, the first time) and
+    its setting of it (no compiled code here)."""
+    if hasattr(torch._C, "_set_deterministic_algorithms"):
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+    else:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """The FlashAttention package's kernel, which takes (B, T, heads, hd) and GQA as they are."""
+    from flash_attn import flash_attn_func
+
+    o = flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, deterministic=deterministic
+    )
+    return o.transpose(1, 2)
+
+
+def usable(device: torch.device, head_dim: int, heads: int, kv_heads: int, dtype: torch.dtype) -> list[str]:
+    """The kernels that run causal attention of this shape and dtype on `device`, forward and backward (a trial
+    on 256 tokens: each backend has its own limits of head size, dtype and GPU)."""
+    out = []
+    for kernel in ATTENTION_KERNELS:
+        if kernel == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+            continue
+        try:
+            with warnings.catch_warnings():  # SDPA warns why each backend it did not take could not run
+                warnings.simplefilter("ignore")
+                q = torch.randn(1, heads, 256, head_dim, device=device, dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(1, kv_heads, 256, head_dim, device=device, dtype=dtype) for _ in "kv")
+                attention(q, k.requires_grad_(), v.requires_grad_(), kernel).sum().backward()
+        except (RuntimeError, ImportError, ValueError, TypeError):  # no such kernel here
+            continue
+        out.append(kernel)
+    return out
