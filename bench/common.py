@@ -63,3 +63,47 @@ def batch(B: int, S: int, V: int, seed: int):
 
 def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def reference_model(spec, checkpointing: bool):
+    """The all-in-GPU and DeepSpeed baselines' model: forward(inputs, targets) -> the summed token loss. A dense
+    model is tiertrain's ReferenceLM (transformers' math); a mixture of experts is transformers' own class (its
+    grouped-GEMM experts), with its load-balancing loss where the config turns it on, as tiertrain trains it."""
+    if not spec.is_moe:
+        from tiertrain.model.reference import ReferenceLM
+
+        return ReferenceLM(spec, checkpoint_layers=checkpointing)
+    return _hf_loss(spec, checkpointing)
+
+
+def _hf_loss(spec, checkpointing: bool):
+    """A transformers mixture of experts as a module whose forward gives the summed token loss."""
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    from tiertrain.model.hf import hf_config
+
+    conf = hf_config(spec, "bfloat16")
+    conf.pop("torch_dtype")
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**conf),
+        attn_implementation="eager" if spec.model_type == "gpt_oss" else "sdpa",
+        dtype=torch.float32,
+    )
+    if checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.config.use_cache = False
+    coef = spec.router_aux_loss_coef if spec.output_router_logits else 0.0
+
+    class Loss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hf = hf
+
+        def forward(self, inp, tgt):
+            out = self.hf(input_ids=inp, output_router_logits=bool(coef))
+            ce = F.cross_entropy(out.logits.float().flatten(0, 1), tgt.flatten(), reduction="sum")
+            return ce + coef * out.aux_loss * tgt.numel() if coef else ce
+
+    return Loss()

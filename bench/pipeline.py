@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import median
 
 from bench import dram, timeline
-from bench.common import batch, commit, peak_rss_gb, run_worker
+from bench.common import batch, commit, peak_rss_gb, reference_model, run_worker
 
 TIERTRAIN = {
     "tiertrain": [],  # what `tiertrain run` does with the config's defaults: the plan chooses
@@ -187,14 +187,13 @@ def run_gpu(a, checkpointing: bool = True) -> list[dict]:
 
     from tiertrain.config import load_config
     from tiertrain.model.attention import backends
-    from tiertrain.model.reference import ReferenceLM
 
     cfg = load_config(a.config)
     spec, S = cfg.model, cfg.train.seq_len
     kernel = attention_kernel(a, cfg)
     kernel = "" if kernel == "flash_attn" else kernel  # SDPA's only: ReferenceLM calls SDPA
     with torch.device("cuda"):
-        model = ReferenceLM(spec, checkpoint_layers=checkpointing)
+        model = reference_model(spec, checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
     def step(inp, tgt):
@@ -261,7 +260,6 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
     import torch
 
     from tiertrain.config import load_config
-    from tiertrain.model.reference import ReferenceLM
 
     spec = load_config(a.config).model
     S = load_config(a.config).train.seq_len
@@ -272,7 +270,13 @@ def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
     # does not fit the host's RAM from about 5B parameters on a 128 GiB machine
     pin = conf["zero_optimization"]["offload_param"]["pin_memory"]
     with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=pin):
-        model = ReferenceLM(spec, checkpoint_layers=True)
+        model = reference_model(spec, checkpointing=True)
+    if spec.is_moe:  # ZeRO-3 gathers an MoE block's experts whole: its hooks never wait on an idle expert
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(
+            model, [type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
+        )
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
     setup_s = time.perf_counter() - t0
 

@@ -36,6 +36,8 @@ FLOORS = [
             "tiertrain.state",
             "tiertrain.data",
             "tiertrain.prepare",
+            "tiertrain.chat",
+            "tiertrain.rows",
             "tiertrain.checkpoint",
             "tiertrain.checksum",
             "tiertrain.metrics",
@@ -47,7 +49,7 @@ FLOORS = [
         ],
     ),
     ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop", "tiertrain.start"]),
-    ("cli", ["tiertrain.cli", "tiertrain.__main__"]),
+    ("cli", ["tiertrain.cli", "tiertrain.cli_prepare", "tiertrain.__main__"]),
 ]
 
 

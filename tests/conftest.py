@@ -29,6 +29,8 @@ from tiertrain.sizes import budget
 from tiertrain.tiers.placement import RING_SLOTS, least_host
 from tiertrain.tiers.slab import host_cost
 
+ROOT = Path(__file__).resolve().parent.parent
+
 # the reference H200 as measured before the one-pass host AdamW in pieces: a host whose AdamW is slow and
 # half as fast into a speculation's copies; the planner's scenarios that need AdamW to be the bottleneck
 # (GPU updates paying off, clipping costing copies) plan on it
@@ -324,3 +326,22 @@ def hf_dir(case: str, path, shard: str | None = None):
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     return hf
+
+
+# ---- conversations ----------------------------------------------------------------------------------
+def chat_example():
+    """examples/tiny_chat_model.py as a module: the README's tiny chat model, its tokenizer and templates."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_chat_model", ROOT / "examples" / "tiny_chat_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def chat_tokenizer_dir(path: Path, template: str) -> Path:
+    """A model directory holding only a chat tokenizer (the example's byte-level BPE) with `template`."""
+    pytest.importorskip("transformers")
+    ex = chat_example()
+    ex.chat_tokenizer(ex.conversation_texts(), template).save_pretrained(path)
+    return path

@@ -166,3 +166,19 @@ def test_a_bench_system_is_overrides_and_its_rows_record_the_plan(tmp_path):
     assert {u["update"] for u in row["plan"]["units"]} == {"host"} and row["speculated"] == 0
     (line,) = [ln for ln in systems_table([row]) if ln.startswith("| tiertrain-host-adam")]
     assert "| master | host | 0 |" in line and f"{len(row['plan']['units'])} host |" in line
+
+
+def test_chat_bench_data_is_conversations_and_the_same_tokens_as_text(tmp_path):
+    """bench.chat's synthetic conversations: lengths in range, turns of untrained then trained tokens, and the
+    plain text the same tokens as one stream."""
+    import numpy as np
+
+    from bench.chat import conversations
+    from tiertrain.data import open_tokens
+
+    n = conversations(tmp_path / "c.bin", tmp_path / "t.bin", 30, (200, 4000), 128256)
+    c, t = open_tokens(tmp_path / "c.bin"), open_tokens(tmp_path / "t.bin")
+    lengths = np.diff(np.append(c.starts, len(c.tokens)))
+    assert n["conversations"] == 30 and lengths.min() >= 200 and lengths.max() <= 4000
+    assert (c.tokens[:] == t.tokens[:]).all() and t.mask is None and (t.starts == c.starts).all()
+    assert 0.3 < n["trained_tokens"] / n["tokens"] < 0.9 and c.mask[: c.starts[1]][:20].sum() == 0

@@ -65,25 +65,38 @@ def test_a_parquet_file_prepare_cannot_read_is_one_line(tmp_path, case):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.parquet"]
 
 
-def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path):
+@pytest.mark.parametrize("model", ["empty", "only unknown"])
+@pytest.mark.parametrize("given", ["tokenizer.json", "directory"])
+def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path, model, given):
+    """None of its tokens, or only its unknown token (a Unigram's default): every text would come out as
+    end-of-text tokens and nothing else; so with a model directory, and with --chat."""
     pytest.importorskip("tokenizers")
     from tokenizers import AddedToken, Tokenizer, models
 
-    tok = Tokenizer(models.WordLevel({}, unk_token=None))
+    tok = Tokenizer(models.WordLevel({}, unk_token=None) if model == "empty" else models.Unigram())
     tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
     tok.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "a.txt").write_text("hello world\n")
+    spec = str(tmp_path / "tokenizer.json") if given == "tokenizer.json" else str(tmp_path)
     refused(
-        cli(
+        cli("prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "t.bin"), "--tokenizer", spec),
+        "no vocabulary",
+    )
+    if given == "directory" and model == "only unknown":
+        pytest.importorskip("transformers")
+        (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+        (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+        r = cli(
             "prepare",
-            str(tmp_path / "a.txt"),
+            str(tmp_path / "c.jsonl"),
+            "--chat",
             "--out",
             str(tmp_path / "t.bin"),
             "--tokenizer",
-            str(tmp_path / "tokenizer.json"),
-        ),
-        "no vocabulary",
-    )
+            spec,
+        )
+        refused(r, "no vocabulary")
+    assert not (tmp_path / "t.bin").exists()
 
 
 def _hf(tmp_path: Path, config: dict, index=None) -> str:

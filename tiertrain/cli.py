@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from . import __version__
+from .cli_prepare import prepare as prepare_command
 from .errors import UserError
 
 
@@ -36,8 +37,8 @@ def main() -> None:
     "config_path",
     default=None,
     metavar="FILE",
-    help="TOML config file, or a shipped name (debug, llama-3b, ...). Default: the debug model, or with "
-    "--resume the checkpoint's own config.",
+    help="TOML config file, or a shipped name (debug, llama-3b, ...). Default: the debug model; with --init-from "
+    "`finetune` (fine-tuning settings, the model's own sizes); with --resume the checkpoint's own config.",
 )
 @click.option(
     "--set",
@@ -123,6 +124,10 @@ def run(
         "train.init_from": init_from,
     }
     overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
+    if (
+        init_from and not config_path and not resume
+    ):  # the model's own [model], a fine-tune's [train] and [optim]
+        config_path = "finetune"
     try:
         start(config_path, overrides, out, resume, init_from, hardware, ranks, click.echo)
     except UserError as e:
@@ -193,60 +198,7 @@ def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
     click.echo(f"wrote {to}: config.json and {len(files)} safetensors file(s) in {dtype}")
 
 
-@main.command()
-@click.argument("inputs", nargs=-1, required=True, metavar="FILE...")
-@click.option("--out", required=True, metavar="FILE.bin", help="Token file to write.")
-@click.option(
-    "--tokenizer",
-    default=None,
-    metavar="PATH",
-    help="A Hugging Face tokenizer.json or model directory. Default: byte-level (ids 0-255, 256 ends "
-    "a document).",
-)
-@click.option(
-    "--text-field",
-    default="text",
-    show_default=True,
-    help="The field (.jsonl) or column (.parquet) that holds each document's text.",
-)
-@click.option(
-    "--eot",
-    default=None,
-    metavar="TOKEN",
-    help="The token put after each document. Default: the tokenizer's end-of-text token; '' for none.",
-)
-def prepare(
-    inputs: tuple[str, ...], out: str, tokenizer: str | None, text_field: str, eot: str | None
-) -> None:
-    """Tokenize documents (.txt: one per file; .jsonl: one per line; .parquet: one per row) into a token file
-    for data.path."""
-    import os
-
-    from .prepare import prepare as do_prepare
-
-    try:
-        if not out.endswith(".bin"):
-            raise UserError(f"--out {out}: token files written by prepare end in .bin")
-        total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
-        if sys.stderr.isatty():  # a bar on a terminal; a log or a pipe gets only the result line
-            with click.progressbar(length=total, label="tokenizing", file=sys.stderr) as bar:
-                count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, bar.update)
-        else:
-            count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot)
-    except UserError as e:
-        _fail(e)
-    except OSError as e:  # the disk: full, read-only, not ours
-        from .errors import why
-
-        _fail(
-            UserError(
-                f"--out {out}: writing the token file failed ({why(e)}); pass a file on a writable disk "
-                "with room"
-            )
-        )
-    click.echo(
-        f'wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with --set data.path="{out}"'
-    )
+main.add_command(prepare_command)
 
 
 @main.command()

@@ -61,13 +61,15 @@ class Config:
             f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
             "lower train.seq_len or raise model.max_position_embeddings",
         )
-        _need(
-            not self.model.sliding_window or self.train.seq_len <= self.model.sliding_window,
+        _need(  # qwen2 and qwen3 place their windows by max_window_layers, which tiertrain does not implement
+            self.model.model_type not in ("qwen2", "qwen3")
+            or not self.model.sliding_window
+            or self.train.seq_len <= self.model.sliding_window,
             "train",
             "seq_len",
             self.train,
             f"exceeds model.sliding_window ({self.model.sliding_window}), which tiertrain does not "
-            "implement (it attends to the whole sequence); lower train.seq_len",
+            f"implement for {self.model.model_type} (it attends to the whole sequence); lower train.seq_len",
         )
         _need(
             not self.train.eval_every or self.data.val_path or self.data.val_fraction,
@@ -144,6 +146,10 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
         value = float(value) if ok else value
     elif base is str or base is typing.Literal:  # a Literal's values: validate() names them
         ok = isinstance(value, str)
+    elif base is list and typing.get_args(hint) in ((int,), (str,)):  # block numbers, layer types
+        kind = typing.get_args(hint)[0]
+        ok = isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+        base = list[kind]
     elif base is list:
         ok = isinstance(value, list) and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value
@@ -159,6 +165,8 @@ def _coerce(section: str, key: str, value: object, hint: object) -> object:
             str: "a quoted string",
             typing.Literal: "a quoted string",
             list: "a list of finite numbers",
+            list[int]: "a list of integers",
+            list[str]: "a list of quoted strings",
             dict: "a table like {key = value}",
         }[base]
         if auto_ok:

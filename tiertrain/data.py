@@ -1,13 +1,25 @@
-"""Token files and the deterministic resumable loader (`tiertrain prepare` writes them: prepare.py).
+"""Token files and the deterministic resumable loader (`tiertrain prepare` writes them: prepare.py; the rows of a
+batch are cut, document-masked or packed by rows.py).
 
-Token files are 1-D integer arrays: NumPy `.npy`, or tiertrain's `.bin`:
+Token files are 1-D integer arrays: NumPy `.npy`, or tiertrain's `.bin`, in one of two versions (both read):
     bytes 0-7    magic b"TTOKENS\\0"
-    bytes 8-11   version, uint32 little-endian (1)
+    bytes 8-11   version, uint32 little-endian (1 or 2)
     bytes 12-15  bytes per token, uint32 (2: uint16 tokens, 4: uint32 tokens)
-    bytes 16-23  token count, uint64
+    bytes 16-23  token count N, uint64
     bytes 24-31  the vocabulary size of the tokenizer that wrote it, uint64 (0: not recorded)
-    bytes 32-    the tokens, little-endian
-Row r of a file is tokens[r*S : r*S+S+1] (S = train.seq_len): inputs are its first S, targets its last S.
+  version 1: bytes 32- the tokens, little-endian.
+  version 2 (a 64-byte header):
+    bytes 32-39  sample count M, uint64 (0: none recorded, the file is one stream as in version 1)
+    bytes 40-47  flags, uint64: bit 0 set: a loss mask follows the sample starts
+    bytes 48-63  zero
+    bytes 64-    the tokens, little-endian; then zero bytes up to a multiple of 8
+    then         the sample starts: M uint64, the first 0, increasing, each below N (sample i is
+                 tokens[start i : start i+1], the last ending at N): prepare's documents or conversations
+    then         with flag bit 0, the loss mask: N uint8, 1 where the token is trained as a target (predicted
+                 from the tokens before it in its sample), 0 where it is not (a prompt's tokens)
+A file with a loss mask holds samples that train whole and alone (rows.Packed); without one, a stream (its
+sample starts, where recorded, are the documents data.document_mask keeps apart: rows.Documents).
+Row r of a stream is tokens[r*S : r*S+S+1] (S = train.seq_len): inputs are its first S, targets its last S.
 Sample j of optimizer step k is global sample s = k*B + j (B = train.batch_size); the file is read in
 epochs of R rows, sample s is row s mod R of epoch s // R, through a permutation seeded by
 (train.seed, epoch) when data.shuffle is on. A batch is a pure function of the step: resumable.
@@ -16,22 +28,48 @@ epochs of R rows, sample s is row s mod R of epoch s // R, through a permutation
 from __future__ import annotations
 
 import os
+import shutil
 import struct
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from .errors import DataError
+from .rows import Documents, Packed, Plain
 from .sections import DataConfig, TrainConfig
 
 MAGIC = b"TTOKENS\0"
-HEADER = struct.Struct("<8sIIQQ")
+HEADER = struct.Struct("<8sIIQQ")  # version 1
+HEADER2 = struct.Struct("<8sIIQQQQ16x")  # version 2
+MASKED = 1  # version 2's flag: a loss mask follows the sample starts
 BYTE_EOS = 256  # the byte-level tokenizer: ids 0-255 are bytes, 256 ends a document
 BYTE_VOCAB = 257
 
 
+@dataclass(frozen=True)
+class TokenFile:
+    """A token file's arrays: the tokens, the sample starts (None: not recorded) and the loss mask (None: every
+    target trains)."""
+
+    tokens: np.ndarray
+    starts: np.ndarray | None = None
+    mask: np.ndarray | None = None
+
+
+def _align(n: int) -> int:
+    return -(-n // 8) * 8
+
+
 def read_tokens(path: str | os.PathLike, key: str = "data.path") -> np.ndarray:
     """The file's tokens as a read-only memory map; `key`: the setting that named it, for the messages."""
+    return open_tokens(path, key).tokens
+
+
+def open_tokens(path: str | os.PathLike, key: str = "data.path") -> TokenFile:
+    """The file's tokens (a read-only memory map), sample starts and loss mask; `key`: the setting that named it."""
     p = Path(path)
     if not p.is_file():
         empty = ", or leave it empty for the built-in corpus" if key == "data.path" else ", or leave it empty"
@@ -48,26 +86,40 @@ def read_tokens(path: str | os.PathLike, key: str = "data.path") -> np.ndarray:
             ) from None
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise DataError(f"{p} holds a {arr.ndim}-D {arr.dtype} array; it must be 1-D integer token ids")
-        return arr
+        return TokenFile(arr)
     if p.suffix != ".bin":
         raise DataError(
             f"{p}: unknown token file type {p.suffix!r}; use .npy or .bin (see `tiertrain prepare`)"
         )
     with open(p, "rb") as f:
-        head = f.read(HEADER.size)
+        head = f.read(HEADER2.size)
     if len(head) < HEADER.size or head[:8] != MAGIC:
         raise DataError(f"{p} is not a tiertrain token file (bad magic); make one with `tiertrain prepare`")
-    _, version, itemsize, count, _ = HEADER.unpack(head)
-    if version != 1 or itemsize not in (2, 4):
+    _, version, itemsize, count, _ = HEADER.unpack(head[: HEADER.size])
+    if version not in (1, 2) or itemsize not in (2, 4) or version == 2 and len(head) < HEADER2.size:
         raise DataError(
             f"{p}: unsupported token file version {version} / token size {itemsize}; re-run prepare"
         )
-    if p.stat().st_size != HEADER.size + count * itemsize:
+    samples, flags = HEADER2.unpack(head)[5:7] if version == 2 else (0, 0)
+    at = HEADER.size if version == 1 else HEADER2.size
+    tail = _align(at + count * itemsize) + samples * 8 + (count if flags & MASKED else 0)
+    size = p.stat().st_size
+    if size != (at + count * itemsize if version == 1 else tail):
         raise DataError(
-            f"{p} is truncated or padded: header says {count} tokens, file has "
-            f"{(p.stat().st_size - HEADER.size) // itemsize}; re-run `tiertrain prepare`"
+            f"{p} is truncated or padded: header says {count} tokens"
+            + (f" and {samples} samples" if samples else "")
+            + f", file has {size:,} bytes; re-run `tiertrain prepare`"
         )
-    return np.memmap(p, dtype="<u2" if itemsize == 2 else "<u4", mode="r", offset=HEADER.size, shape=(count,))
+    dtype = "<u2" if itemsize == 2 else "<u4"
+    tokens = np.memmap(p, dtype=dtype, mode="r", offset=at, shape=(count,))
+    if version == 1:
+        return TokenFile(tokens)
+    at = _align(at + count * itemsize)
+    starts = np.array(np.memmap(p, "<u8", "r", at, (samples,)), dtype=np.int64) if samples else None
+    mask = np.memmap(p, np.uint8, "r", at + samples * 8, (count,)) if flags & MASKED else None
+    if starts is not None and (starts[0] != 0 or starts[-1] >= max(count, 1) or (np.diff(starts) <= 0).any()):
+        raise DataError(f"{p}: its sample starts are not increasing from 0 within its tokens; re-run prepare")
+    return TokenFile(tokens, starts, mask)
 
 
 def token_vocab(path: str | os.PathLike) -> int:
@@ -78,36 +130,89 @@ def token_vocab(path: str | os.PathLike) -> int:
         return HEADER.unpack(f.read(HEADER.size))[4]
 
 
-def write_bin(path: str | os.PathLike, chunks, vocab_size: int) -> int:
-    """Writes token chunks (iterables of ints or arrays) as a .bin file, atomically, recording the vocabulary
-    size. Returns the count."""
-    import tempfile
+class TokenWriter:
+    """Writes a .bin token file, atomically: through a new file of a name nothing else has, next to the target
+    (never a user's file, and gone on any failure), renamed over it by close(). Version 1 (tokens only) unless
+    `samples` (sample starts recorded: add(..., start=True) begins one) or `masked` (a loss mask per token)."""
 
-    itemsize = 2 if vocab_size <= 1 << 16 else 4
-    dtype = "<u2" if itemsize == 2 else "<u4"
-    path = Path(path)
-    # a new file of a name nothing else has, next to the target: never a user's file, and gone on any failure
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the token file from other users
-    count = 0
+    def __init__(self, path: str | os.PathLike, vocab_size: int, samples: bool = False, masked: bool = False):
+        self.path, self.vocab, self.masked = Path(path), vocab_size, masked
+        self.version = 2 if samples or masked else 1
+        self.itemsize = 2 if vocab_size <= 1 << 16 else 4
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the token file from other users
+        self.f = os.fdopen(fd, "wb")
+        # the starts and the mask follow the tokens: they wait in unnamed files, gone with their handles
+        self.starts = tempfile.TemporaryFile(dir=self.path.parent) if self.version == 2 else None
+        self.mask = tempfile.TemporaryFile(dir=self.path.parent) if masked else None
+        self.count = self.samples = 0
+        self.pending = False
+        self.f.write(self._header())
+
+    def _header(self) -> bytes:
+        if self.version == 1:
+            return HEADER.pack(MAGIC, 1, self.itemsize, self.count, self.vocab)
+        flags = MASKED if self.masked else 0
+        return HEADER2.pack(MAGIC, 2, self.itemsize, self.count, self.vocab, self.samples, flags)
+
+    def add(self, ids, mask=None, start: bool = False) -> None:
+        """Appends tokens (and, in a masked file, their mask: 1 trained); `start`: they begin a sample."""
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab):
+            raise DataError(f"token id {int(arr.max())} does not fit the vocabulary of {self.vocab}")
+        self.pending = self.pending or start  # an empty sample begins none: the next tokens begin it
+        if self.pending and arr.size and self.starts is not None:
+            self.starts.write(np.uint64(self.count).tobytes())
+            self.samples += 1
+            self.pending = False
+        self.f.write(arr.astype("<u2" if self.itemsize == 2 else "<u4").tobytes())
+        if self.mask is not None:
+            self.mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+        self.count += arr.size
+
+    def close(self) -> int:
+        """The file whole under its name; returns the token count."""
+        try:
+            if self.version == 2:
+                self.f.write(bytes(_align(self.f.tell()) - self.f.tell()))
+                for side in (self.starts, self.mask):
+                    if side is not None:
+                        side.seek(0)
+                        shutil.copyfileobj(side, self.f)
+            self.f.seek(0)
+            self.f.write(self._header())
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._sides_close()
+        return self.count
+
+    def abort(self) -> None:
+        self.f.close()
+        self._sides_close()
+        Path(self.tmp).unlink(missing_ok=True)
+
+    def _sides_close(self) -> None:
+        for side in (self.starts, self.mask):
+            if side is not None:
+                side.close()
+
+
+def write_bin(path: str | os.PathLike, chunks, vocab_size: int) -> int:
+    """Writes token chunks (iterables of ints or arrays) as a version-1 .bin file, atomically, recording the
+    vocabulary size. Returns the count."""
+    w = TokenWriter(path, vocab_size)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(HEADER.pack(MAGIC, 1, itemsize, 0, vocab_size))
-            for chunk in chunks:
-                arr = np.asarray(chunk, dtype=np.int64)
-                if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-                    raise DataError(f"token id {int(arr.max())} does not fit the vocabulary of {vocab_size}")
-                f.write(arr.astype(dtype).tobytes())
-                count += arr.size
-            f.seek(0)
-            f.write(HEADER.pack(MAGIC, 1, itemsize, count, vocab_size))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for chunk in chunks:
+            w.add(chunk)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        w.abort()
         raise
-    return count
+    return w.close()
 
 
 def byte_encode(text: str) -> np.ndarray:
@@ -121,6 +226,13 @@ def builtin_tokens() -> np.ndarray:
     return np.concatenate([byte_encode(topics[k]) for k in sorted(topics)])
 
 
+def builtin() -> TokenFile:
+    """The built-in corpus with its documents' starts (each ends with BYTE_EOS)."""
+    tokens = builtin_tokens()
+    ends = np.flatnonzero(tokens == BYTE_EOS) + 1
+    return TokenFile(tokens, np.concatenate([[0], ends[ends < len(tokens)]]).astype(np.int64))
+
+
 def held_out(tokens: np.ndarray, seq_len: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(training tokens, validation tokens): the last `fraction` of the rows (at least one) held out. Views,
     not copies: a memory-mapped file stays on disk."""
@@ -129,8 +241,36 @@ def held_out(tokens: np.ndarray, seq_len: int, fraction: float) -> tuple[np.ndar
     return tokens[: keep * seq_len + 1], tokens[keep * seq_len :]
 
 
+def _held_out(tf: TokenFile, seq_len: int, fraction: float) -> tuple[TokenFile, TokenFile]:
+    """held_out of a file: a stream's last rows (its sample starts with them), or a file of samples' last
+    `fraction` of its samples (at least one), whole."""
+    st = tf.starts
+    if tf.mask is not None:
+        k = len(st) - max(1, int(np.ceil(len(st) * fraction)))
+        cut = int(st[k])
+        return (
+            TokenFile(tf.tokens[:cut], st[:k], tf.mask[:cut]),
+            TokenFile(tf.tokens[cut:], st[k:] - cut, tf.mask[cut:]),
+        )
+    tokens, val = held_out(tf.tokens, seq_len, fraction)
+    if st is None:
+        return TokenFile(tokens), TokenFile(val)
+    cut = len(tokens) - 1
+    return TokenFile(tokens, st[st < len(tokens)]), TokenFile(val, np.union1d([0], st[st >= cut] - cut))
+
+
+class Batch(NamedTuple):
+    """A batch's rows: inputs and targets (-100 where nothing trains), (B, S) int64; positions: each token's place
+    in its sample or document, (B, S) int64, where they restart inside rows (None: 0..S-1 in every row)."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    positions: np.ndarray | None
+
+
 class Loader:
-    """Batches of (inputs, targets) as int64 arrays of shape (B, S), a pure function of the step."""
+    """Batches of rows, a pure function of the step: cut from the stream, kept apart by document (`starts` with
+    `document_mask`), or samples packed whole (a file with a loss `mask`): rows.py."""
 
     def __init__(
         self,
@@ -141,18 +281,51 @@ class Loader:
         shuffle: bool,
         seed: int,
         name: str = "the built-in corpus",
+        starts: np.ndarray | None = None,
+        mask: np.ndarray | None = None,
+        document_mask: bool = False,
     ):
         self.tokens, self.S, self.B, self.V = tokens, seq_len, batch_size, vocab_size
         self.shuffle, self.seed, self.name = shuffle, seed, name
-        self.rows = (len(tokens) - 1) // seq_len if len(tokens) > 0 else 0
+        self.segmented = mask is not None or document_mask  # rows of several segments, attended to apart
+        if mask is not None:
+            if starts is None:
+                raise DataError(f"{name} has a loss mask but no sample starts; re-run `tiertrain prepare`")
+            self.made = Packed(tokens, starts, mask, seq_len, name)
+        elif document_mask:
+            if starts is None:
+                raise DataError(
+                    f"data.document_mask = true needs the documents' boundaries, and {name} records none (a .npy "
+                    "file, or a .bin of an older prepare); prepare it again, or set data.document_mask = false"
+                )
+            self.made = Documents(tokens, starts, seq_len)
+        else:
+            self.made = Plain(tokens, seq_len)
+        self.rows = self.made.rows
+        self.packed = mask is not None
         if self.rows < batch_size:
-            raise DataError(
-                f"{name} holds {len(tokens)} tokens, {self.rows} rows of train.seq_len+1 = "
-                f"{seq_len + 1}, fewer than one batch of train.batch_size = {batch_size} rows "
-                f"({batch_size * seq_len + 1} tokens); use a longer file or lower those settings"
-            )
+            raise DataError(self.made.few(name, batch_size))
         self._perm: tuple[int, np.ndarray] | None = None
         self._check_ids()
+
+    @classmethod
+    def of(cls, tf: TokenFile, train: TrainConfig, shuffle: bool, vocab_size: int, name: str, docs: bool):
+        seed = train.seed if shuffle else 0
+        return cls(
+            tf.tokens,
+            train.seq_len,
+            train.batch_size,
+            vocab_size,
+            shuffle,
+            seed,
+            name,
+            tf.starts,
+            tf.mask,
+            docs,
+        )
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.made.summary()})"
 
     def _check_ids(self, block: int = 1 << 26) -> None:
         """Every id of the file in [0, vocab): checked once, a block at a time (a pass over a memory map),
@@ -192,22 +365,23 @@ class Loader:
             crc = google_crc32c.extend(crc, raw[at : at + (1 << 20 if at == 0 else 1 << 16)].tobytes())
         return {"size": int(len(raw)), "crc32c": int(crc)}
 
+    def get(self, step: int) -> Batch:
+        return Batch(*self.made.batch([self._row(step * self.B + j) for j in range(self.B)]))
+
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        S = self.S
-        rows = [self._row(step * self.B + j) for j in range(self.B)]
-        block = np.stack([np.asarray(self.tokens[r * S : r * S + S + 1], dtype=np.int64) for r in rows])
-        return block[:, :-1], block[:, 1:]
+        """(inputs, targets) of the step's batch."""
+        return self.get(step)[:2]
 
 
 def loaders(data: DataConfig, train: TrainConfig, vocab_size: int) -> tuple[Loader, Loader | None]:
     """The training batches (the token file at `path`, else the built-in corpus) and the validation batches (the
-    file at `val_path`, or the last `val_fraction` of the training rows; None: neither), the validation ones the
-    first batches, unshuffled: every evaluation reads the same ones. A file tokenized with a larger vocabulary
-    than the model's is refused (a smaller one is fine: models pad their vocabulary)."""
+    file at `val_path`, or the last `val_fraction` of the training rows, or of its samples; None: neither), the
+    validation ones the first batches, unshuffled: every evaluation reads the same ones. A file tokenized with a
+    larger vocabulary than the model's is refused (a smaller one is fine: models pad their vocabulary)."""
     path, val_path, val_fraction, shuffle = data.path, data.val_path, data.val_fraction, data.shuffle
-    seq_len, batch_size, seed = train.seq_len, train.batch_size, train.seed
+    seq_len, batch_size = train.seq_len, train.batch_size
     if path:
-        tokens, name = read_tokens(path), path
+        tf, name = open_tokens(path), path
         if token_vocab(name) > vocab_size:
             raise DataError(
                 f"{name} was tokenized with a vocabulary of {token_vocab(name):,} and "
@@ -215,22 +389,27 @@ def loaders(data: DataConfig, train: TrainConfig, vocab_size: int) -> tuple[Load
                 "or raise model.vocab_size"
             )
     else:
-        tokens, name = builtin_tokens(), "the built-in corpus"
+        tf, name = builtin(), "the built-in corpus"
+    val = None
     if val_fraction:
-        rows = (len(tokens) - 1) // seq_len
-        tokens, val = held_out(tokens, seq_len, val_fraction)
-        left = (len(tokens) - 1) // seq_len
-        if left < batch_size:
+        tf, val = _held_out(tf, seq_len, val_fraction)
+        left = (len(tf.tokens) - 1) // seq_len
+        if tf.mask is not None and not len(tf.starts):
             raise DataError(
-                f"data.val_fraction = {val_fraction:g} holds out {rows - left} of the {rows} rows of "
-                f"{name}, leaving {left} to train on, fewer than one batch of train.batch_size = "
-                f"{batch_size}; lower data.val_fraction"
+                f"data.val_fraction = {val_fraction:g} holds out every one of the {len(val.starts)} samples of "
+                f"{name}; lower data.val_fraction"
             )
-    else:
-        val = None
-    train = Loader(tokens, seq_len, batch_size, vocab_size, shuffle, seed, name)
+        if tf.mask is None and left < batch_size:
+            held = (len(val.tokens) - 1) // seq_len
+            raise DataError(
+                f"data.val_fraction = {val_fraction:g} holds out {held} of the {left + held} rows of {name}, "
+                f"leaving {left} to train on, fewer than one batch of train.batch_size = {batch_size}; lower "
+                "data.val_fraction"
+            )
+    docs = data.document_mask
+    loader = Loader.of(tf, train, shuffle, vocab_size, name, docs)
     if val_path:
-        val, name = read_tokens(val_path, "data.val_path"), val_path
+        val, name = open_tokens(val_path, "data.val_path"), val_path
     elif val is not None:
         name = f"the last {val_fraction:g} of {name} (data.val_fraction)"
-    return train, Loader(val, seq_len, batch_size, vocab_size, False, 0, name) if val is not None else None
+    return loader, Loader.of(val, train, False, vocab_size, name, docs) if val is not None else None

@@ -6,6 +6,29 @@ import json
 import os
 from pathlib import Path
 
+# dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
+BF16_PEAK = {
+    "H200": 989.4,
+    "H100 SXM": 989.4,
+    "H100 80GB HBM3": 989.4,
+    "H100 NVL": 835.0,
+    "H100 PCIe": 756.0,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "GH200": 989.4,
+    "B200": 2250.0,
+}
+
+
+def bf16_peak_tflops(device) -> float | None:
+    """The GPU's dense bf16 peak (None: a CPU, or a GPU not listed)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in BF16_PEAK.items() if k in name), None)
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -14,9 +14,7 @@ import json
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
-
-from .data import BYTE_EOS, BYTE_VOCAB, write_bin
+from .data import BYTE_EOS, BYTE_VOCAB, TokenWriter
 from .errors import DataError
 
 KINDS = (".txt", ".jsonl", ".parquet")
@@ -34,56 +32,67 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
             while block := f.read(BLOCK_CHARS):
                 pieces.append(block + f.readline())
             yield pieces, path.stat().st_size
-    elif path.suffix == ".jsonl":
+        return
+    for text, nbytes, where in records(path, text_field, "text", "--text-field"):
+        if not isinstance(text, str) and not (text is None and path.suffix == ".parquet"):
+            raise DataError(f"{where}: {text_field!r} holds a {type(text).__name__}, not text")
+        yield [text or ""], nbytes
+
+
+def records(path: Path, field: str, what: str, flag: str) -> Iterator[tuple[object, int, str]]:
+    """(the value of `field`, the input bytes it covers, where it is: file:line or file:row) of each record of a
+    .jsonl file (a JSON object a line) or a .parquet file (a row; a column of `what`: "text" or "messages")."""
+    if path.suffix == ".jsonl":
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    text = json.loads(line)[text_field]
+                    value = json.loads(line)[field]
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise DataError(
                         f"{path}:{n} is not a JSON object ({e}); fix the line or the file"
                     ) from None
                 except (KeyError, TypeError):
                     raise DataError(
-                        f"{path}:{n} has no {text_field!r} field; pass the field that holds the text "
-                        "with --text-field"
+                        f"{path}:{n} has no {field!r} field; pass the field that holds the {what} with {flag}"
                     ) from None
-                if not isinstance(text, str):
-                    raise DataError(f"{path}:{n}: {text_field!r} holds a {type(text).__name__}, not text")
-                yield [text], len(line)
-    else:
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DataError(
-                f"{path}: reading .parquet needs pyarrow: pip install 'tiertrain[data]'"
-            ) from None
-        import pyarrow as pa
+                yield value, len(line), f"{path}:{n}"
+        return
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet needs pyarrow: pip install 'tiertrain[data]'") from None
+    import pyarrow as pa
 
-        try:
-            pf = pq.ParquetFile(path)
-            if text_field not in pf.schema_arrow.names:
-                raise DataError(
-                    f"{path} has no column {text_field!r} (it has {', '.join(pf.schema_arrow.names)}); "
-                    "pass the column that holds the text with --text-field"
-                )
-            kind = pf.schema_arrow.field(text_field).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-                raise DataError(
-                    f"{path}: column {text_field!r} holds {kind}, not text; pass the column that holds "
-                    "the text with --text-field"
-                )
-            rows, size = max(pf.metadata.num_rows, 1), path.stat().st_size
-            for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-                for text in batch.column(0).to_pylist():
-                    yield [text or ""], size // rows
-        except (pa.ArrowException, OSError) as e:  # not parquet, or cut short
+    try:
+        pf = pq.ParquetFile(path)
+        if field not in pf.schema_arrow.names:
             raise DataError(
-                f"{path} is not a readable .parquet file ({str(e).splitlines()[0][:160]}); rewrite it, "
-                "or pass .jsonl or .txt"
-            ) from None
+                f"{path} has no column {field!r} (it has {', '.join(pf.schema_arrow.names)}); "
+                f"pass the column that holds the {what} with {flag}"
+            )
+        kind = pf.schema_arrow.field(field).type
+        ok = (
+            pa.types.is_string(kind) or pa.types.is_large_string(kind)
+            if what == "text"
+            else pa.types.is_list(kind) or pa.types.is_large_list(kind)
+        )
+        if not ok:
+            raise DataError(
+                f"{path}: column {field!r} holds {kind}, not {what}; pass the column that holds the {what} "
+                f"with {flag}"
+            )
+        rows, size, n = max(pf.metadata.num_rows, 1), path.stat().st_size, 0
+        for batch in pf.iter_batches(columns=[field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                n += 1
+                yield value, size // rows, f"{path}:row {n}"
+    except (pa.ArrowException, OSError) as e:  # not parquet, or cut short
+        raise DataError(
+            f"{path} is not a readable .parquet file ({str(e).splitlines()[0][:160]}); rewrite it, "
+            "or pass .jsonl or .txt"
+        ) from None
 
 
 class Encoder:
@@ -130,10 +139,10 @@ class Encoder:
                 f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0][:120]}); "
                 "pass the tokenizer.json of a tokenizers / transformers model"
             ) from None
-        if not tok.get_vocab_size(with_added_tokens=False):
+        if tok.get_vocab_size(with_added_tokens=False) < 2:
             raise DataError(
-                f"{path} has no vocabulary (its model lists no tokens); pass the tokenizer.json of a "
-                "trained tokenizer"
+                f"{path} has no vocabulary (its model lists {tok.get_vocab_size(with_added_tokens=False)} "
+                "tokens); pass the tokenizer.json of a trained tokenizer"
             )
         self.vocab = tok.get_vocab_size(with_added_tokens=True)
         self.token_id = tok.token_to_id
@@ -152,13 +161,20 @@ class Encoder:
             raise DataError(
                 f"{path}: no tokenizer could be loaded ({str(e).splitlines()[0][:160]})"
             ) from None
-        if not tok.vocab_size:
-            raise DataError(
-                f"{path}: its tokenizer has no vocabulary; pass the directory of a trained tokenizer"
-            )
+        check_vocabulary(tok, path)
         self.vocab = len(tok)
         self.token_id = lambda t: tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
         self.encode_batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def check_vocabulary(tok, path) -> None:
+    """A transformers tokenizer whose model lists fewer than two tokens (none, or only its unknown token) is
+    refused: every text would come out as nothing or as that token."""
+    if (tok.vocab_size or 0) < 2:
+        raise DataError(
+            f"{path}: its tokenizer has no vocabulary ({tok.vocab_size or 0} tokens); pass the directory of a "
+            "trained tokenizer"
+        )
 
 
 def _config_eot(model_dir: Path) -> str | None:
@@ -170,17 +186,8 @@ def _config_eot(model_dir: Path) -> str | None:
     return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def prepare(
-    inputs: list[str],
-    out: str,
-    tokenizer: str | None = None,
-    text_field: str = "text",
-    eot: str | None = None,
-    progress: Callable[[int], None] = lambda n: None,
-) -> tuple[int, int]:
-    """Tokenizes the documents of `inputs` into the .bin file `out`, the end-of-text token after each;
-    (tokens, vocabulary size). `eot`: that token's name (None: the tokenizer's; "": none); `progress` is
-    called with the input bytes each batch covered."""
+def check_paths(inputs: list[str], out: str) -> list[Path]:
+    """The input files, each of a kind prepare reads, and --out a file in an existing directory."""
     paths, target = [Path(p) for p in inputs], Path(out)
     if target.is_dir():
         raise DataError(
@@ -196,30 +203,49 @@ def prepare(
             raise DataError(f"input file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
         if p.suffix not in KINDS:
             raise DataError(f"{p}: unknown input type {p.suffix!r}; prepare reads {', '.join(KINDS)}")
+    return paths
+
+
+def prepare(
+    inputs: list[str],
+    out: str,
+    tokenizer: str | None = None,
+    text_field: str = "text",
+    eot: str | None = None,
+    progress: Callable[[int], None] = lambda n: None,
+) -> tuple[int, int]:
+    """Tokenizes the documents of `inputs` into the .bin file `out`, the end-of-text token after each, recording
+    where each document starts (data.document_mask keeps them apart); (tokens, vocabulary size). `eot`: that
+    token's name (None: the tokenizer's; "": none); `progress` is called with the input bytes each batch covered."""
+    paths = check_paths(inputs, out)
     enc = Encoder(tokenizer, eot)
+    writer = TokenWriter(out, enc.vocab, samples=True)
 
-    def flush(batch: list[tuple[list[str], bool]]):  # (piece, ends a document)
-        ids = enc.encode_batch([t for t, _ in batch])
-        for (_, last), part in zip(batch, ids):
-            yield np.asarray(part, dtype=np.int64)
+    def flush(batch: list[tuple[str, bool, bool]]):  # (piece, begins a document, ends it)
+        ids = enc.encode_batch([t for t, _, _ in batch])
+        for (_, first, last), part in zip(batch, ids):
+            writer.add(part, start=first)
             if last and enc.eot is not None:
-                yield np.asarray([enc.eot], dtype=np.int64)
+                writer.add([enc.eot])
 
-    def chunks():
+    try:
         batch, chars, done = [], 0, 0
         for p in paths:
             for pieces, nbytes in documents(p, text_field):
-                for i, piece in enumerate(pieces or [""]):
-                    batch.append((piece, i == len(pieces or [""]) - 1))
+                pieces = pieces or [""]
+                for i, piece in enumerate(pieces):
+                    batch.append((piece, i == 0, i == len(pieces) - 1))
                     chars += len(piece)
                     if chars >= BATCH_CHARS:
-                        yield from flush(batch)
+                        flush(batch)
                         batch, chars = [], 0
                 done += nbytes
                 if not batch:
                     progress(done)
                     done = 0
-        yield from flush(batch)
+        flush(batch)
         progress(done)
-
-    return write_bin(out, chunks(), enc.vocab), enc.vocab
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close(), enc.vocab

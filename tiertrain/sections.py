@@ -36,6 +36,9 @@ class DataConfig:
     val_fraction: float = (
         0.0  # or this fraction of the training file's rows (its last), held out from training
     )
+    # positions restart at each document of a stream (prepare's end-of-text boundaries) and attention stays within
+    # it; a file of samples (prepare --chat) always keeps them apart
+    document_mask: bool = False
 
     def validate(self) -> None:  # the files themselves are checked when they are opened
         _need(

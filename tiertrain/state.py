@@ -110,7 +110,9 @@ class State:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     v = views[t.name]
-                    if len(t.shape) >= 2:
+                    if len(t.shape) >= 2 or t.name.endswith(
+                        "sinks"
+                    ):  # gpt-oss's sinks: normal, as transformers
                         v.normal_(
                             0.0,
                             std,
@@ -118,7 +120,7 @@ class State:
                                 seed * 1_000_003 + zlib.crc32(t.hf_name.encode())
                             ),
                         )
-                    elif t.name.endswith(".bias"):
+                    elif t.name.endswith("bias"):  # the experts' too (gate_up_proj_bias)
                         v.zero_()
                     else:
                         v.fill_(1.0)

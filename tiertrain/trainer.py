@@ -19,34 +19,21 @@ from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, DataError
-from .metrics import human_bytes, human_count, tensorboard_writer
-from .model.hf import HFReader, spec_from_hf
+from .metrics import bf16_peak_tflops, human_bytes, human_count, tensorboard_writer
+from .model.docs import Docs
+from .model.hf import HFReader, open_weights, spec_from_hf
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
+from .rows import IGNORE
 from .sections import fixed
 from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
-# dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
-BF16_PEAK = {
-    "H200": 989.4,
-    "H100 SXM": 989.4,
-    "H100 80GB HBM3": 989.4,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "A100": 312.0,
-    "L40S": 362.1,
-    "GH200": 989.4,
-    "B200": 2250.0,
-}
 
-
-def bf16_peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in BF16_PEAK.items() if k in name), None)
+def trained(targets) -> int:
+    """How many targets of a batch train (at least one: a batch's loss divides by it)."""
+    return max(1, int((targets != IGNORE).sum()))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,7 +55,7 @@ def _imported(cfg: Config, resume: Path | None) -> tuple[Config, HFReader | None
     cfg = copy.deepcopy(cfg)
     cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
     cfg.validate()
-    reader = HFReader(cfg.train.init_from)
+    reader = open_weights(cfg.train.init_from, cfg.model)
     reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
     return cfg, reader
 
@@ -99,6 +86,15 @@ class Trainer:
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
         self.loader, self.val = loaders(d, tc, cfg.model.vocab_size)
+        spec = cfg.model
+        if self.loader.segmented and (
+            spec.attention_sinks or any(map(spec.window, range(spec.num_hidden_layers)))
+        ):
+            raise ConfigError(  # model/docs.py attends within segments with neither
+                f"{self.loader.name} packs samples (or data.document_mask keeps documents apart), which tiertrain does "
+                f"not implement beside {spec.model_type}'s sliding windows or attention sinks; use a plain token file "
+                "and data.document_mask = false"
+            )
         self.units = cfg.model.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         # this rank's part
@@ -261,40 +257,53 @@ class Trainer:
 
     # ---- training -----------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """The next step on this rank's rows of its batch (parallel.Ranks.rows)."""
-        inp, tgt = self.loader.batch(self.step)
-        rows = self.ranks.rows(len(inp))
-        return self.train_on(torch.from_numpy(inp[rows]), torch.from_numpy(tgt[rows]))
+        """The next step on this rank's rows of its batch (parallel.Ranks.rows); its loss the mean over the
+        trained targets of the whole batch."""
+        b = self.loader.get(self.step)
+        rows = self.ranks.rows(len(b.inputs))
+        pos = None if b.positions is None else b.positions[rows]
+        n = trained(b.targets)
+        return self.train_on(torch.from_numpy(b.inputs[rows]), torch.from_numpy(b.targets[rows]), pos, n)
 
     def evaluate(self) -> float:
-        """The validation loss of the weights after the last step: the mean token loss over the first
-        train.eval_batches batches of the validation data (as many as it holds). The pending update lands
+        """The validation loss of the weights after the last step: the mean loss over the trained targets of the
+        first train.eval_batches batches of the validation data (as many as it holds). The pending update lands
         first (the same bits as when the next forward pass runs it); nothing is saved or updated."""
         self._quiesce()
         n = min(self.cfg.train.eval_batches, self.val.rows // self.val.B)
-        total = torch.zeros((), dtype=torch.float64)
+        total, count, mb = torch.zeros((), dtype=torch.float64), 0, self.run_plan.micro_batch
         for k in range(n):
-            inp, tgt = (
-                torch.from_numpy(a[self.ranks.rows(len(a))]).to(self.device).split(self.run_plan.micro_batch)
-                for a in self.val.batch(k)
-            )
-            total += self.run.step.evaluate(list(inp), list(tgt)).double().cpu()
-        return float(total / n)
+            b = self.val.get(k)
+            rows = self.ranks.rows(len(b.inputs))
+            inp, tgt = (torch.from_numpy(a[rows]).to(self.device).split(mb) for a in b[:2])
+            m = trained(b.targets)
+            docs = self._docs(None if b.positions is None else b.positions[rows])
+            total += self.run.step.evaluate(list(inp), list(tgt), docs, m).double().cpu() * m
+            count += m
+        return float(total / count)
 
-    def train_on(self, inp: torch.Tensor, tgt: torch.Tensor) -> dict:
-        """One optimizer step on this rank's (B / N, S) rows of a batch; the update itself finishes during the
-        next step. The record's loss, norm, tokens and rates are the whole batch's; bytes and times this rank's."""
+    def train_on(self, inp: torch.Tensor, tgt: torch.Tensor, pos=None, n_tokens: int | None = None) -> dict:
+        """One optimizer step on this rank's (B / N, S) rows of a batch (`pos`: their positions, None: 0..S-1 in
+        each; `n_tokens`: the trained targets of the whole batch, None: all of them); the update itself finishes
+        during the next step. The record's loss, norm, tokens and rates are the whole batch's; bytes and times
+        this rank's."""
         before = self._counters()  # ---- the counters before
         t0 = time.perf_counter()  # ---- the step
         mb = self.run_plan.micro_batch
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
-        loss, grad_norm = self.run.step.run(
-            list(inp.to(self.device).split(mb)), list(tgt.to(self.device).split(mb)), lr
-        )
+        inputs, targets = list(inp.to(self.device).split(mb)), list(tgt.to(self.device).split(mb))
+        loss, grad_norm = self.run.step.run(inputs, targets, lr, self._docs(pos), n_tokens)
         loss = float(loss)
         dt = time.perf_counter() - t0
         self.step += 1
         return self._record(before, loss, grad_norm, lr, dt, tgt.shape)  # ---- the counters after
+
+    def _docs(self, pos) -> list | None:
+        """Each micro-batch's segments (model.docs), from its rows' positions (None: a row is one segment)."""
+        if pos is None:
+            return None
+        mb = self.run_plan.micro_batch
+        return [Docs.build(pos[a : a + mb], self.run.step.ctx) for a in range(0, len(pos), mb)]
 
     def _counters(self) -> "Counters":
         """What a step's record measures the step against: the counts so far, the last update's speculation."""
@@ -400,10 +409,12 @@ class Trainer:
                 if r.size > 1
                 else []
             ),
-            f"model: {human_count(spec.n_params)} parameters, {len(self.units)} units "
+            f"model: {human_count(spec.n_params)} parameters"
+            + (f" ({human_count(spec.n_active_params)} active)" if spec.is_moe else "")
+            + f", {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
-            f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.name} ({self.loader.rows} rows)",
+            f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.describe()}",
             f"host tier: {human_bytes(sum(host.values()))} ("
             + ", ".join(f"{getattr(k, 'value', k)} {human_bytes(v)}" for k, v in host.items())
             + ")",

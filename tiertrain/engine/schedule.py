@@ -18,12 +18,14 @@ Where and when each unit's AdamW runs is its RunPlan entry's, carried out by opt
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from ..model import llama, tiled
 from ..model.llama import Context
+from ..model.moe import RouterLog, grad_pairs
 from ..model.spec import UnitSpec
 from ..optim.adamw import clip_coefficient
 from ..optim.updates import Updates
@@ -67,12 +69,30 @@ class Step:
         self.chunk = loss_chunk_tokens or max(256, (16 << 20) // ctx.spec.vocab_size)
         self.max_norm = max_norm
         self.ranks = ranks or Ranks()  # each takes as many rows of the batch
+        self.ctxs = self.contexts(None)
+        self.docs: list = []  # the step's micro-batches' segments (model.docs.Docs; None: a row is one)
+
+    def contexts(self, router: RouterLog | None) -> list[Context]:
+        """Each unit's context: its attention window, and the step's router log where the loss has one."""
+        base = dataclasses.replace(self.ctx, router=router)
+        return [base.of(u.window) for u in self.units]
+
+    def router_log(self, inputs: list[torch.Tensor]) -> RouterLog | None:
+        """A new log of the routers' choices for a step, where the loss has transformers' load-balancing term."""
+        s = self.ctx.spec
+        if not (s.is_moe and s.output_router_logits):
+            return None
+        n = len(inputs)
+        return RouterLog(n, s.num_experts, s.router_aux_loss_coef, n * self.ranks.size, inputs[0].device)
 
     def run(
-        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], lr: float, docs=None, n_tokens=None
     ) -> tuple[torch.Tensor, float]:
-        """Forward, backward, norm and the start of the update, over the micro-batches; (summed loss, the
-        global gradient norm), over every rank's rows. The update finishes during the next step's forward pass."""
+        """Forward, backward, norm and the start of the update, over the micro-batches; (the loss: the mean over the
+        trained targets, the global gradient norm), over every rank's rows. `docs`: each micro-batch's segments
+        (None: each row is one); `n_tokens`: the trained targets of the whole batch, every rank's (None: every
+        target of every rank's rows, as many as this rank's). The update finishes during the next step's forward
+        pass."""
         L, slots, grads, ck, updates, clock = (
             len(self.units),
             self.slots,
@@ -81,12 +101,16 @@ class Step:
             self.updates,
             self.clock,
         )
-        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
+        n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
+        self.docs = docs or [None] * len(inputs)
         load = self.load
 
         updates.begin(lr)
         grads.zero_own()
+        router = self.router_log(inputs)
+        self.ctxs = self.contexts(router)
         xs = self.forward(inputs)  # ---- forward: the last block's outputs
+        aux = router.finish() if router else None  # the counts of the whole forward pass weigh each router
 
         updates.before_backward()  # ---- head and backward
         slots.expect(range(L - 2, -1, -1))  # the head's load of the last block, then the loop's
@@ -96,6 +120,8 @@ class Step:
         if L > 2 and L - 2 not in self.kept:
             ck.prefetch(L - 2)
         loss, gx = self.head(leaves, pairs, xs, targets, n_tokens)
+        if aux is not None:
+            loss += aux
         del xs
         self.release(L - 1)
         norms[L - 1] = grads.drain(L - 1)
@@ -112,7 +138,7 @@ class Step:
             else:
                 saved = ck.get(i)  # waits for its H2D outside the timed compute
                 with clock.computing("backward"):
-                    gx = self.block_backward(leaves, pairs, saved, gx)
+                    gx = self.block_backward(i, leaves, pairs, saved, gx)
             self.release(i)
             ck.drop(i)
             norms[i] = grads.drain(i)
@@ -152,6 +178,9 @@ class Step:
             slots.expect(range(L), new=train)  # in training every unit's weights change as the update lands
             load(0)
             w = self.bind(0)
+            router = self.ctxs[0].router
+            if router is not None:
+                router.counting = train
             with timed("forward"):
                 xs = [llama.embed(w, tok, self.ctx) for tok in inputs]
             self.release(0)
@@ -162,18 +191,26 @@ class Step:
                 if train and not kept:
                     ck.save(i, xs)
                 with timed("forward"):
-                    xs = self.forward_kept(i, w, xs) if kept else [self.block(w, x) for x in xs]
+                    xs = (
+                        self.forward_kept(i, w, xs)
+                        if kept
+                        else [self.block(i, m, w, x) for m, x in enumerate(xs)]
+                    )
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
         return xs
 
-    def evaluate(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> torch.Tensor:
-        """The mean token loss of a forward pass over the micro-batches, with the weights as they are (the
-        caller lands the pending update first): the training forward pass and loss, nothing saved, no
-        gradient. The slots are left stale: the next step's forward pass copies every unit again. Summed over
-        the ranks' rows."""
+    def evaluate(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], docs=None, n_tokens=None
+    ) -> torch.Tensor:
+        """The mean loss over the trained targets of a forward pass over the micro-batches (`docs`, `n_tokens`: as
+        run's), with the weights as they are (the caller lands the pending update first): the training forward
+        pass and loss, nothing saved, no gradient. The slots are left stale: the next step's forward pass copies
+        every unit again. Summed over the ranks' rows."""
         L = len(self.units)
-        n_tokens = sum(t.numel() for t in targets) * self.ranks.size
+        n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
+        self.docs = docs or [None] * len(inputs)
+        self.ctxs = self.contexts(None)  # the validation loss is the cross-entropy alone
         xs = self.forward(inputs, train=False)
         with torch.no_grad():
             w = self.bind(L - 1)
@@ -210,26 +247,36 @@ class Step:
         self.slots.release(unit, *(owner for _, owner, _ in self.units[unit].borrows))
 
     # ---- compute ------------------------------------------------------------------------------
-    def block(self, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def at(self, unit: int, micro: int) -> Context:
+        """The unit's context for a micro-batch: its segments where it has them, its router log (if any) set to it."""
+        ctx = self.ctxs[unit]
+        if ctx.router is not None:
+            ctx.router.micro = micro
+        docs = self.docs[micro] if micro < len(self.docs) else None
+        return ctx if docs is None else dataclasses.replace(ctx, docs=docs)
+
+    def block(self, unit: int, micro: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it."""
-        return tiled.forward(w, x, self.ctx) if self.ctx.tiled(x) else llama.block(w, x, self.ctx)
+        ctx = self.at(unit, micro)
+        return tiled.forward(w, x, ctx) if ctx.tiled(x) else llama.block(w, x, ctx)
 
     def block_backward(
-        self, leaves, pairs, saved: list[torch.Tensor], grads: list[torch.Tensor]
+        self, unit: int, leaves, pairs, saved: list[torch.Tensor], grads: list[torch.Tensor]
     ) -> list[torch.Tensor]:
-        """Each micro-batch's block recomputed from its checkpoint and differentiated; weight gradients added
-        into the accumulators. Returns the gradients of the block's inputs (a tiled block's in `grads`' memory)."""
+        """Each micro-batch's block recomputed from its checkpoint and differentiated, the load-balancing loss's
+        term of its router included; weight gradients added into the accumulators. Returns the gradients of
+        the block's inputs (a tiled block's in `grads`' memory)."""
         out_grads = []
-        for x, g in zip(saved, grads):
-            if self.ctx.tiled(x):
-                out_grads.append(
-                    tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, self.ctx)
-                )
+        for m, (x, g) in enumerate(zip(saved, grads)):
+            ctx = self.at(unit, m)
+            if ctx.tiled(x):
+                out_grads.append(tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, ctx))
                 continue
             x = x.requires_grad_()
             with torch.enable_grad():
-                y = llama.block(leaves, x, self.ctx)
-            out = torch.autograd.grad(y, [x] + [p for p, _ in pairs], g)
+                y = llama.block(leaves, x, ctx)
+            ys, gs = grad_pairs(ctx.router, y, g)
+            out = torch.autograd.grad(ys, [x] + [p for p, _ in pairs], gs)
             out_grads.append(out[0])
             for (_, acc), gw in zip(pairs, out[1:]):
                 acc.add_(gw)
@@ -257,22 +304,32 @@ class Step:
 
         leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
         ins = [x.detach().requires_grad_() for x in xs]
+        outs, terms = [], []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            outs = [llama.block(leaves, x, self.ctx) for x in ins]
-        self.graphs[unit] = (ins, outs, leaves)
+            for m, x in enumerate(ins):
+                ctx = self.at(unit, m)
+                outs.append(llama.block(leaves, x, ctx))
+                terms.append(ctx.router.terms if ctx.router else [])  # its router's sums, weighed later
+                if ctx.router:
+                    ctx.router.terms = []
+        self.graphs[unit] = (ins, outs, leaves, terms)
         return [y.detach() for y in outs]
 
     def kept_backward(self, unit: int, leaves, pairs, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """block_backward through the graph the forward pass kept: the gradients reach its own leaves, and
         its saved weights are read from the unit's weights as loaded for this pass."""
-        ins, outs, kept_leaves = self.graphs.pop(unit)
+        ins, outs, kept_leaves, terms = self.graphs.pop(unit)
         self.weights_now[unit] = self.slots.use(unit)
         by_id = {id(v): n for n, v in leaves.items()}
         pairs = [(kept_leaves[by_id[id(p)]], acc) for p, acc in pairs]
         out_grads = []
         for m, g in enumerate(grads):
-            out = torch.autograd.grad(outs[m], [ins[m]] + [p for p, _ in pairs], g)
-            outs[m] = ins[m] = None  # the micro-batch's graph goes with its last reference
+            router = self.at(unit, m).router
+            if router is not None:
+                router.terms = terms[m]
+            ys, gs = grad_pairs(router, outs[m], g)
+            out = torch.autograd.grad(ys, [ins[m]] + [p for p, _ in pairs], gs)
+            outs[m] = ins[m] = terms[m] = None  # the micro-batch's graph goes with its last reference
             out_grads.append(out[0])
             for (_, acc), gw in zip(pairs, out[1:]):
                 acc.add_(gw)

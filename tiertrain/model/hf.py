@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ..errors import UserError
-from .spec import MODEL_TYPES, ModelSpec
+from . import hf_moe
+from .spec import MODEL_TYPES, MOE_TYPES, ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -25,6 +26,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **hf_moe.ARCHITECTURES,
 }
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -62,6 +64,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     wrong = f"{d}/config.json has a field of the wrong type ({{}}); fix it or re-download the model"
     try:
         heads = c["num_attention_heads"]
+        fields = dict(attention_bias=mt == "qwen2", qk_norm=mt == "qwen3")
+        fields.update(hf_moe.spec_fields(c, mt) if mt in MOE_TYPES else {})
         spec = ModelSpec(
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
@@ -74,15 +78,14 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
             rope_scaling=scaling,
             rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=mt == "qwen2",
-            qk_norm=mt == "qwen3",
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             initializer_range=float(c.get("initializer_range", 0.02)),
             model_type=mt,
-            sliding_window=window,
+            sliding_window=fields.pop("sliding_window", window),
             bos_token_id=c.get("bos_token_id"),
             eos_token_id=c.get("eos_token_id"),
             pad_token_id=c.get("pad_token_id"),
+            **fields,
         )
         spec.validate()
     except UserError as e:
@@ -122,14 +125,29 @@ def _implemented(c: dict, d: Path, mt: str, seq_len: int | None) -> int | None:
     refuse(not c.get("mlp_bias", False), "mlp_bias")
     refuse(not c.get("attention_dropout", 0.0), f"attention_dropout {c.get('attention_dropout')} (only 0)")
     refuse(not c.get("hidden_dropout", 0.0), f"hidden_dropout {c.get('hidden_dropout')} (only 0)")
-    if mt != "qwen2":
-        refuse(not c.get("attention_bias", False), "attention_bias outside Qwen2")
+    if mt not in ("qwen2", "qwen3_moe", "gpt_oss"):
+        refuse(not c.get("attention_bias", False), f"attention_bias in {mt}")
+    refuse(not c.get("router_jitter_noise", 0.0), "router_jitter_noise (only 0)")
+    q = c.get("quantization_config")
+    refuse(q is None or mt == "gpt_oss" and q.get("quant_method") == "mxfp4", f"quantization_config {q}")
     window = c.get("sliding_window") if (mt == "mistral" or c.get("use_sliding_window")) else None
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
         raise HFError(f"{d}/config.json: sliding_window = {window!r}; it must be a positive integer or null")
-    if window is not None and seq_len is not None:
+    if (
+        window is not None and seq_len is not None and mt in ("qwen2", "qwen3")
+    ):  # windows by max_window_layers
         refuse(seq_len <= window, f"sliding_window {window} shorter than train.seq_len {seq_len}")
     return window
+
+
+def open_weights(model_dir: str | os.PathLike, spec: ModelSpec) -> "HFReader | hf_moe.MoEReader":
+    """The reader of a model directory's weights under tiertrain's names (a mixture of experts' released
+    layouts mapped onto its fused tensors)."""
+    reader = HFReader(model_dir)
+    if not spec.is_moe:
+        return reader
+    q = _read_json(Path(model_dir) / "config.json", "").get("quantization_config") or {}
+    return hf_moe.MoEReader(reader, spec, q.get("quant_method") == "mxfp4")
 
 
 def _rope(c: dict, d: Path) -> tuple[object, dict | None]:
@@ -175,6 +193,8 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
         c.update(use_sliding_window=spec.sliding_window is not None, sliding_window=spec.sliding_window)
     if spec.model_type in ("mistral",):
         c.update(sliding_window=spec.sliding_window)
+    if spec.is_moe:
+        c.update(hf_moe.config_fields(spec))
     c.update(
         {
             k: getattr(spec, k)
@@ -318,7 +338,7 @@ def write_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        files = _shards(tmp, tensors, dtype, shard_bytes)
+        files = _shards(tmp, hf_moe.released(spec, tensors) if spec.is_moe else tensors, dtype, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
         if carried is not None:
             carry_files(carried, tmp)

@@ -108,7 +108,7 @@ class ReferenceLM(nn.Module):
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         if s.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv = rope_inv_freq(s)
+        inv, _ = rope_inv_freq(s)  # the dense families' scalings leave cos and sin unscaled
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention
-from .llama import ATTN_IN, MLP_WEIGHTS, Context, block_out, qkv
+from .llama import ATTN_IN, SINKS, Context, attend, block_out, qkv
+from .moe import grad_pairs
 
-OUT_WEIGHTS = ("self_attn.o_proj.weight",) + MLP_WEIGHTS
+
+def _out_names(w: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The weights of phase C: o_proj and the MLP (dense or experts), all but the attention's."""
+    return tuple(n for n in w if n not in ATTN_IN and n != SINKS)
+
+
+def _sinks(sinks: torch.Tensor | None, g: int, r: int) -> torch.Tensor | None:
+    """Head group g's sink logits."""
+    return None if sinks is None else sinks[g * r : (g + 1) * r]
 
 
 def _spans(x: torch.Tensor, ctx: Context):
@@ -64,9 +72,10 @@ def _tile(os: list[torch.Tensor], a: int, e: int) -> torch.Tensor:
 def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:
     """llama.block over tiles, without gradients."""
     qs, ks, vs = _project(w, x, ctx)
+    r = _groups(ctx)[1]
     os = []
     for g in range(len(qs)):
-        os.append(attention(qs[g], ks[g], vs[g], ctx.attention, ctx.deterministic))
+        os.append(attend(qs[g], ks[g], vs[g], ctx, _sinks(w.get(SINKS), g, r)))
         qs[g] = ks[g] = vs[g] = None  # each group's inputs go as soon as its output exists
     y = torch.empty_like(x)
     for a, e in _spans(x, ctx):
@@ -82,20 +91,22 @@ def backward(
     x = x.detach()
     qs, ks, vs = _project(w, x, ctx)  # ---- A
     graphs = []  # ---- B: per head group (q, k, v leaves, output), the attention's graph kept
-    for q, k, v in zip(qs, ks, vs):
+    sinks, r = _leaves(w, (SINKS,)), _groups(ctx)[1]
+    for j, (q, k, v) in enumerate(zip(qs, ks, vs)):
         leaves = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_())
         with torch.enable_grad():
-            graphs.append((leaves, attention(*leaves, ctx.attention, ctx.deterministic)))
+            graphs.append((leaves, attend(*leaves, ctx, _sinks(sinks.get(SINKS), j, r))))
     del qs, ks, vs
     os = [o.detach() for _, o in graphs]
     dos = [torch.empty_like(o) for o in os]
     n_q = dos[0].shape[1]
-    outs = _leaves(w, OUT_WEIGHTS)
+    outs = _leaves(w, _out_names(w))
     for a, e in _spans(x, ctx):  # ---- C
         xt, ot = x[:, a:e].detach().requires_grad_(), _tile(os, a, e).requires_grad_()
         with torch.enable_grad():
             y = block_out(outs, xt, ot, ctx)
-        d = torch.autograd.grad(y, [xt, ot, *outs.values()], g[:, a:e])
+        ys, gs = grad_pairs(ctx.router, y, g[:, a:e])  # and the router's load-balancing term
+        d = torch.autograd.grad(ys, [xt, ot, *outs.values()], gs)
         g[:, a:e] = d[0]  # the gradient at x1 (the residual after attention)
         do = d[1].view(x.shape[0], e - a, -1, ctx.spec.hd).transpose(1, 2)
         for i, dg in enumerate(dos):
@@ -104,7 +115,9 @@ def backward(
     del os, outs
     dqkv = []  # ---- D
     for i, ((q, k, v), o) in enumerate(graphs):
-        dqkv.append(torch.autograd.grad(o, (q, k, v), dos[i]))
+        d = torch.autograd.grad(o, (q, k, v, *sinks.values()), dos[i])
+        dqkv.append(d[:3])
+        _add(accs, sinks, d[3:])
         graphs[i] = dos[i] = None  # the group's graph, output and its gradient go
     ins = _leaves(w, ATTN_IN)
     for a, e in _spans(x, ctx):  # ---- E

@@ -84,12 +84,10 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     spec = job.spec
 
     def fits(n: int) -> bool:
-        return _fits(
-            replace(job, spec=replace(spec, num_hidden_layers=n)), p, p.run_plan.micro_batch, budgets, hw
-        )[0]
+        return _fits(replace(job, spec=spec.with_layers(n)), p, p.run_plan.micro_batch, budgets, hw)[0]
 
     lo = _most(fits, spec.num_hidden_layers, LARGEST_LAYERS)
-    return lo, replace(spec, num_hidden_layers=max(lo, 1)).n_params if lo else 0
+    return lo, spec.with_layers(max(lo, 1)).n_params if lo else 0
 
 
 def _most(fits, start: int, cap: int) -> int:

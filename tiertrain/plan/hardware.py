@@ -59,6 +59,11 @@ class HardwareSpec:
     # sharing of DRAM with the PCIe copies.
     compute_efficiency: float = 0.50
     adam_contention: float = 1.0
+    # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, gather and weighted scatter) run at these
+    # fractions of the rest's rate, forward and backward: dev/moe_gemm.py on an H100 (torch 2.11), Qwen3-30B-A3B's
+    # experts at 8k tokens against a dense MLP of the same FLOPs: 4.14 against 1.77 ms forward, 6.00 against
+    # 1.31 ms backward (bench/results/2026-11-25-H100-moe-gemm.json)
+    experts_speed: tuple[float, float] = (0.43, 0.22)
     # causal attention's kernels (model/attention.py), as `tiertrain probe` measures them: {kernel: [forward,
     # backward, deterministic backward]} TFLOP/s at head size 128 (32 query and 8 key/value heads, 16,384 tokens,
     # bf16) in the model's FLOPs (spec.attention_flops_per_token: the backward counted as twice the forward); 0: no

@@ -90,7 +90,7 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
     tokens = choice.micro * job.seq_len
     gpu_budget = (share.gpu_gb if share.gpu_gb is not None else mine.gpu_mem_gb) * 1e9 * GPU_RESERVE
     # a forward again
-    big = tokens > TILE and WORK_FF * spec.intermediate_size * tokens > MLP_SHARE * gpu_budget
+    big = tokens > TILE and WORK_FF * spec.mlp_width * tokens > MLP_SHARE * gpu_budget
     tile = (TILE if big else 0) if choice.tile is None else choice.tile
     host_budget = (share.host_gb if share.host_gb is not None else mine.host_ram_gb - PROCESS_GB) * 1e9
     rp = RunPlan(
@@ -178,7 +178,10 @@ def _gpu_parts(s: Shape) -> GpuMemory:
         staging=max(whole) * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
         grads=(2 * blk + own) * 4,
         activation_grads=s.tokens * spec.hidden_size * 4,
-        working=working_set(spec, job.dtype, tokens, rp.tile) + flash + 3 * (64 << 20),
+        working=working_set(spec, job.dtype, tokens, rp.tile)
+        + flash
+        + 3 * (64 << 20)
+        + (blk * wdt if spec.is_moe else 0),  # autograd's gradients of the experts' whole tensors
     )
 
 

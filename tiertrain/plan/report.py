@@ -24,6 +24,7 @@ def plan_dict(p: Plan | Miss) -> dict:
     return {
         "model": p.job.name,
         "params": p.job.spec.n_params,
+        "active_params": p.job.spec.n_active_params,  # of a mixture of experts: those a token uses
         "batch": p.job.batch,
         "seq_len": p.job.seq_len,
         "dtype": rp.compute_dtype,
@@ -141,11 +142,17 @@ def _ranks(p: Plan, one: Plan | Miss | None) -> list[str]:
     ]
 
 
+def _active(spec) -> str:
+    """A mixture of experts' active parameters, on which its FLOPs and model TFLOP/s are counted."""
+    return f" ({spec.n_active_params / 1e9:.2f} B active)" if spec.is_moe else ""
+
+
 def to_markdown(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
     """`one`: the plan of one GPU at the same batch, for a plan of several (the scaling)."""
     rp, job = p.run_plan, p.job
     out = [
-        f"# Plan: {job.name}, {job.spec.n_params / 1e9:.2f} B parameters, batch {job.batch} x {job.seq_len} "
+        f"# Plan: {job.name}, {job.spec.n_params / 1e9:.2f} B parameters{_active(job.spec)}, "
+        f"batch {job.batch} x {job.seq_len} "
         f"tokens, {rp.compute_dtype}",
         "",
         f"hardware: {p.hardware}",

@@ -121,10 +121,17 @@ def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
     # a tiled block's q/k/v projections run twice in its backward
     if rp.tile and rp.micro_batch * job.seq_len > rp.tile:
         matmuls += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd * L
+    ex, (fwd_speed, bwd_speed) = (
+        spec.expert_flops_per_token / 3,
+        hw.experts_speed,
+    )  # routed experts: their own
+    ex_fwd, ex_bwd = ex * (1 / fwd_speed - 1), 2 * ex * (1 / bwd_speed - 1)
     forward = T * A / 3 / fa
     return {
-        "compute fwd": T * M / 3 / rate + forward,
-        "compute bwd": T * matmuls / rate + forward * (L - mem.kept) / L + T * 2 * A / 3 / ba,
+        "compute fwd": T * (M / 3 + ex_fwd) / rate + forward,
+        "compute bwd": T * (matmuls + ex_fwd + ex_bwd) / rate
+        + forward * (L - mem.kept) / L
+        + T * 2 * A / 3 / ba,
     }
 
 

@@ -28,7 +28,7 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     return (
         16 * spec.hidden_size
         + 4 * w * spec.hidden_size
-        + 4 * w * spec.intermediate_size
+        + 4 * w * spec.mlp_width
         + 2 * w * kv
         + 4 * spec.num_attention_heads
         + 8 * spec.hd
@@ -39,7 +39,7 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
 def working_set(spec: ModelSpec, dtype: str, tokens: int, tile: int) -> float:
     """GPU bytes a micro-batch of `tokens` needs beyond its checkpoints and its gradient, in a block's backward
     pass: untiled, or over tiles of `tile` tokens (0: untiled)."""
-    H, FF = spec.hidden_size, spec.intermediate_size
+    H, FF = spec.hidden_size, spec.mlp_width
     if not tile or tokens <= tile:
         return WORK_H * H * tokens + WORK_FF * FF * tokens
     w = WIDTH[dtype]

@@ -1,0 +1,131 @@
+"""The experts' GPU time against a dense MLP of the same active FLOPs (issue 40): model/moe.experts (routing, the
+sort, the grouped GEMMs, the weighted scatter back) forward and backward, in bf16, beside a SwiGLU MLP of
+intermediate size k x I on the same tokens, with the parts timed alone. Qwen3-30B-A3B's shape by default.
+
+    python dev/moe_gemm.py [--tokens 8192] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tiertrain.model import llama, moe  # noqa: E402
+from tiertrain.model.spec import ModelSpec  # noqa: E402
+
+
+def timed(fn, reps: int = 10) -> float:
+    """Median seconds of fn() on the GPU."""
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--expert-size", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    H, I, E, k, T = a.hidden, a.expert_size, a.experts, a.k, a.tokens
+    spec = ModelSpec(
+        hidden_size=H,
+        intermediate_size=I,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        vocab_size=8,
+        model_type="qwen3_moe",
+        num_experts=E,
+        num_experts_per_tok=k,
+        moe_intermediate_size=I,
+        norm_topk_prob=True,
+    )
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    ctx = llama.Context.build(spec, 8, dt, dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = {
+        "mlp.gate.weight": torch.randn(E, H, device=dev, dtype=dt, generator=g) * 0.02,
+        "mlp.experts.gate_up_proj": torch.randn(E, 2 * I, H, device=dev, dtype=dt, generator=g) * 0.02,
+        "mlp.experts.down_proj": torch.randn(E, H, I, device=dev, dtype=dt, generator=g) * 0.02,
+    }
+    dense = {
+        "gate": torch.randn(k * I, H, device=dev, dtype=dt) * 0.02,
+        "up": torch.randn(k * I, H, device=dev, dtype=dt) * 0.02,
+        "down": torch.randn(H, k * I, device=dev, dtype=dt) * 0.02,
+    }
+    h = torch.randn(T, H, device=dev, dtype=dt)
+    gy = torch.randn(T, H, device=dev)
+    leaves = {n: v.requires_grad_() for n, v in w.items()}
+    dl = {n: v.requires_grad_() for n, v in dense.items()}
+    hx = h.clone().requires_grad_()
+
+    def experts_fwd():
+        with torch.no_grad():
+            moe.experts(w, h, ctx)
+
+    def experts_fb():
+        y = moe.experts(leaves, hx, ctx)
+        torch.autograd.grad(y, [hx, *leaves.values()], gy)
+
+    def mlp(x, d):
+        return F.linear(F.silu(F.linear(x, d["gate"])) * F.linear(x, d["up"]), d["down"]).float()
+
+    def dense_fwd():
+        with torch.no_grad():
+            mlp(h, dense)
+
+    def dense_fb():
+        torch.autograd.grad(mlp(hx, dl), [hx, *dl.values()], gy)
+
+    def route_only():
+        with torch.no_grad():
+            moe.route(w, h, ctx)
+
+    flops = 2 * 3 * T * k * H * I  # forward matmul FLOPs of the active experts (= the dense MLP's)
+    r = {
+        "shape": dict(tokens=T, hidden=H, expert_size=I, experts=E, k=k),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "grouped": moe._GROUPED is not None,
+        "experts_fwd_s": timed(experts_fwd),
+        "experts_fwd_bwd_s": timed(experts_fb),
+        "dense_fwd_s": timed(dense_fwd),
+        "dense_fwd_bwd_s": timed(dense_fb),
+        "route_s": timed(route_only),
+    }
+    r["fwd_ratio"] = r["experts_fwd_s"] / r["dense_fwd_s"]
+    r["fwd_bwd_ratio"] = r["experts_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
+    r["experts_tflops_fwd_bwd"] = 3 * flops / r["experts_fwd_bwd_s"] / 1e12
+    r["dense_tflops_fwd_bwd"] = 3 * flops / r["dense_fwd_bwd_s"] / 1e12
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        experts_fb()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    r["profile"] = table.splitlines()
+    print(table)
+    print(json.dumps({k: v for k, v in r.items() if k != "profile"}, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(r, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

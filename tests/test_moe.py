@@ -1,0 +1,231 @@
+"""Mixtures of experts (qwen3_moe, qwen2_moe, mixtral, gpt_oss): the templates, the training and the export
+against transformers' own classes and torch.optim.AdamW, the load-balancing loss on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from moe_cases import MOE, moe_model
+
+from conftest import reference_train, tiny_config
+from tiertrain.export import export_hf
+from tiertrain.trainer import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _load(path):
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.config._attn_implementation = "eager"
+    return m.eval()
+
+
+class MoELoss(torch.nn.Module):
+    """forward(inputs, targets): the micro-batch's summed token loss plus its load-balancing loss, scaled so
+    that the reference loop's division by the batch's tokens gives transformers' loss per micro-batch."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, inp, tgt):
+        out = self.hf(input_ids=inp, output_router_logits=True)
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), tgt.flatten(), reduction="sum")
+        return ce + self.hf.config.router_aux_loss_coef * out.aux_loss * tgt.numel()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_training_matches_transformers_and_adamw(case, token_file, tmp_path):
+    """Several steps with micro-batches, clipping and the aux loss: losses within 1e-5, weights within 1e-4."""
+    moe_model(case).save_pretrained(tmp_path / "hf")
+    cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=4")
+    tr = Trainer(cfg)
+    got = [tr.train_step() for _ in range(cfg.train.steps)]
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    ours = _load(tmp_path / "out")
+
+    ref = _load(tmp_path / "hf").train()
+    losses, norms, _ = reference_train(cfg, None, "cpu", autocast=False, model=MoELoss(ref))
+    for a, b in zip([r["loss"] for r in got], losses):
+        assert a == pytest.approx(b, rel=1e-5)
+    for a, b in zip([r["grad_norm"] for r in got], norms):
+        assert a == pytest.approx(b, rel=1e-5)
+    want = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert _rel(p.detach(), want[name].detach()) < 1e-4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_grouped_gemm_equals_the_expert_loop(case, tmp_path, monkeypatch):
+    """On the GPU in bf16 the experts run as torch's grouped matmul: the same outputs and gradients as the loop
+    over experts (to bf16's rounding), an idle expert's gradient exactly zero."""
+    from tiertrain.model import llama, moe
+    from tiertrain.model.hf import open_weights, spec_from_hf
+
+    assert moe._GROUPED is not None, "this torch has no grouped matmul"
+    moe_model(case).save_pretrained(tmp_path / "hf")
+    spec = spec_from_hf(tmp_path / "hf", 64)
+    r = open_weights(tmp_path / "hf", spec)
+    u = spec.units()[1]
+    w = {t.name: r.get(t.hf_name, t.shape).cuda().bfloat16().requires_grad_() for t in u.tensors}
+    router = "mlp.router" if case == "gpt_oss" else "mlp.gate"
+    with torch.no_grad():  # expert 3 idle: positive tokens against a router row of -1s
+        w[f"{router}.weight"][3] = -1
+    ctx = llama.Context.build(spec, 64, torch.bfloat16, torch.device("cuda")).of(u.window)
+    h = torch.randn(96, spec.hidden_size, device="cuda", dtype=torch.bfloat16).abs()
+    g = torch.randn(96, spec.hidden_size, device="cuda")
+    outs = {}
+    for grouped in (True, False):
+        monkeypatch.setattr(moe, "_GROUPED", moe._GROUPED if grouped else None)
+        y = moe.experts(w, h, ctx)
+        grads = torch.autograd.grad(y, list(w.values()), g, allow_unused=True)
+        outs[grouped] = (y, dict(zip(w, grads)))
+    (y1, g1), (y0, g0) = outs[True], outs[False]
+    torch.testing.assert_close(y1, y0, rtol=2e-2, atol=2e-2)
+    for n in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        torch.testing.assert_close(g1[n].float(), g0[n].float(), rtol=5e-2, atol=5e-2)
+        assert g1[n][3].abs().max() == 0 and g0[n][3].abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_the_gpu_trains_as_the_cpu(case, token_file, tmp_path):
+    """fp32 on the GPU (the loop over experts, SDPA's kernels with sinks and windows): the CPU run's losses."""
+    moe_model(case).save_pretrained(tmp_path / "hf")
+    runs = []
+    for device in ("cpu", "cuda"):
+        cfg = tiny_config(
+            token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=3", f'train.device="{device}"'
+        )
+        tr = Trainer(cfg)
+        runs.append([tr.train_step()["loss"] for _ in range(3)])
+        tr.close()
+    assert runs[1] == pytest.approx(runs[0], rel=1e-4)
+
+
+# gpt-oss's shape in TOML keys: sinks, windows, biases, the aux loss (a model of tiertrain's own init)
+GPT_OSS = [
+    'model.model_type="gpt_oss"',
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.attention_bias=true",
+    "model.attention_out_bias=true",
+    "model.attention_sinks=true",
+    "model.sliding_window=8",
+    'model.layer_types=["sliding_attention", "full_attention", "sliding_attention"]',
+    "model.output_router_logits=true",
+    "model.router_aux_loss_coef=0.1",
+]
+
+
+def test_resume_and_spill_are_bit_identical(token_file, tmp_path):
+    """A mixture of experts stopped and resumed, and one with its moments and gradients on NVMe, train the
+    bits of the run in RAM without a stop."""
+    from test_checkpoint import _fit
+
+    from conftest import STEPS, budget_for, same_run
+    from tiertrain import rundir
+
+    sets = [*GPT_OSS, *STEPS[1::2], "data.shuffle=true"]
+    _fit(tiny_config(token_file, *sets), tmp_path / "whole")
+    _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)
+    _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=rundir.resolve("latest", tmp_path / "cut"))
+    same_run(tmp_path / "whole", tmp_path / "cut")
+    gb = budget_for(tiny_config(token_file, *sets))
+    spill = [f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
+    _fit(tiny_config(token_file, *sets, *spill), tmp_path / "spilled")
+    same_run(tmp_path / "whole", tmp_path / "spilled")
+
+
+def test_an_idle_expert_takes_adamw_decay_and_no_gradient(token_file, tmp_path):
+    """An expert no token reaches (its router bias far below): a zero gradient, and the update torch's AdamW
+    gives such a slice (decay; moments that stay zero), while the run matches transformers + AdamW."""
+    hf = moe_model("gpt_oss")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.router.bias[3] = -1e4
+    hf.save_pretrained(tmp_path / "hf")
+    before = hf.model.layers[0].mlp.experts.down_proj[3].detach().clone()
+    cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=2")
+    tr = Trainer(cfg)
+    for _ in range(2):
+        tr.train_step()
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    after = _load(tmp_path / "out").model.layers[0].mlp.experts.down_proj[3].detach()
+    from tiertrain.optim.adamw import lr_at
+
+    decay = 1.0
+    for k in range(2):
+        decay *= 1 - lr_at(k, cfg.optim, cfg.train.steps) * cfg.optim.weight_decay
+    torch.testing.assert_close(after, before * decay, rtol=1e-6, atol=0)
+
+
+def test_mxfp4_experts_are_dequantized_on_import(tmp_path):
+    """A tiny gpt-oss checkpoint in the released layout (MXFP4 expert blocks and scales): tiertrain's weights
+    are transformers' own dequantization of it (Mxfp4Config(dequantize=True))."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tiertrain.model.hf import open_weights, spec_from_hf
+
+    hf = moe_model("gpt_oss")
+    hf.save_pretrained(tmp_path / "plain")
+    sd = load_file(tmp_path / "plain" / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, n_in, rows = sd.pop(name).shape  # x @ W: rows are the outputs
+        sd[name + "_blocks"] = torch.randint(
+            0, 256, (e, rows, n_in // 32, 16), dtype=torch.uint8, generator=g
+        )
+        sd[name + "_scales"] = torch.randint(124, 130, (e, rows, n_in // 32), dtype=torch.uint8, generator=g)
+    (tmp_path / "q").mkdir()
+    save_file(sd, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    conf = json.loads((tmp_path / "plain" / "config.json").read_text())
+    conf["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
+    (tmp_path / "q" / "config.json").write_text(json.dumps(conf))
+    want = transformers.GptOssForCausalLM.from_pretrained(
+        tmp_path / "q", quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32
+    ).state_dict()
+    spec = spec_from_hf(tmp_path / "q", 32)
+    r = open_weights(tmp_path / "q", spec)
+    for u in spec.units():
+        for t in u.tensors:
+            assert torch.equal(r.get(t.hf_name, t.shape).float(), want[t.hf_name].float()), t.hf_name
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral"])
+def test_export_writes_the_released_layout(case, token_file, tmp_path):
+    """Per-expert tensors under the released names (mixtral's block_sparse_moe.experts.{e}.w1), read back by
+    transformers to the logits of the model imported."""
+    from safetensors import safe_open
+
+    hf = moe_model(case).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    tr = Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"'))
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        assert names == set(f.keys())  # what transformers itself writes
+    assert any(".experts.3." in n for n in names)
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _load(tmp_path / "out")(input_ids=tokens).logits, hf(input_ids=tokens).logits
+        )

@@ -1,0 +1,90 @@
+"""Attention kept within each segment of a row (a packed sample, a document, the padding): a micro-batch's
+segments, taken from where its positions restart at 0 (rows.py), with RoPE at those positions.
+
+On a GPU in bf16 or fp16, torch's variable-length flash attention (torch.nn.attention.varlen, in torch 2.13) runs over
+every row's segments at once, never an S x S mask; elsewhere (a CPU, fp32) the segments run one after another through
+the dense causal kernel, each exactly as its sample alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import llama
+
+
+@functools.cache
+def _varlen():
+    """torch's variable-length flash attention (imported on first use on a GPU; None in a torch without it)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@dataclass(frozen=True)
+class Docs:
+    """A micro-batch's segments: each row's (start, end) spans, and the same as the cumulative offsets over the
+    flattened rows that the varlen kernel takes; the RoPE tables gathered at each token's position."""
+
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+    cu: torch.Tensor  # int32 (segments + 1,) on the device
+    longest: int
+    cos: torch.Tensor  # (B, 1, S, head_dim) fp32
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, positions: np.ndarray, ctx: llama.Context) -> "Docs":
+        """From a micro-batch's positions (B, S): a segment begins where they are 0."""
+        b, s = positions.shape
+        spans, cu = [], [0]
+        for r in range(b):
+            cuts = np.append(np.flatnonzero(positions[r] == 0), s)
+            row = tuple((int(a), int(e)) for a, e in zip(cuts[:-1], cuts[1:]))
+            spans.append(row)
+            cu += [r * s + e for _, e in row]
+        dev = ctx.cos.device
+        pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
+        return cls(
+            tuple(spans),
+            torch.tensor(cu, dtype=torch.int32).to(dev),
+            max(e - a for row in spans for a, e in row),
+            ctx.cos[pos].unsqueeze(1),
+            ctx.sin[pos].unsqueeze(1),
+        )
+
+    def rope(self, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables of positions start..start+t of every row, (B, 1, t, head_dim)."""
+        return self.cos[:, :, start : start + t], self.sin[:, :, start : start + t]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention within each segment, over (B, heads, S, head_dim); k and v may have fewer heads."""
+        b, h, s, d = q.shape
+        varlen_attn = (
+            _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d <= 256 else None
+        )
+        if varlen_attn is not None:
+
+            def flat(x):
+                return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
+
+            params = inspect.signature(varlen_attn).parameters
+            kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # causal
+            if "enable_gqa" in params:  # torch 2.12 on
+                kw["enable_gqa"] = h != k.shape[1]
+            elif h != k.shape[1]:  # an older torch's kernel takes as many key/value heads as query heads
+                k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))
+            o = varlen_attn(flat(q), flat(k), flat(v), self.cu, self.cu, self.longest, self.longest, **kw)
+            return o.view(b, s, h, d).transpose(1, 2)
+        rows = []
+        for r, row in enumerate(self.spans):
+            one = slice(r, r + 1)
+            parts = [llama.attention(q[one, :, a:e], k[one, :, a:e], v[one, :, a:e]) for a, e in row]
+            rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+        return torch.cat(rows) if len(rows) > 1 else rows[0]

@@ -1,0 +1,208 @@
+"""Hugging Face's mixtures of experts (qwen3_moe, qwen2_moe, mixtral, gpt_oss): their config.json fields, and
+their released checkpoints' expert layouts mapped onto the fused tensors tiertrain trains (transformers' in-memory
+layout, model/spec.py):
+    qwen3_moe, qwen2_moe  mlp.experts.{e}.{gate,up,down}_proj.weight      per expert, F.linear's layout
+    mixtral               block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.w{1,3,2}.weight
+    gpt_oss               fused as in memory, or MXFP4 (*_blocks, *_scales) in its released checkpoints
+Import reads either the released or the fused layout; export writes the released one (MXFP4 excepted: gpt-oss is
+written fused, in the dtype asked for, as transformers' own save_pretrained writes a dequantized model)."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Iterator
+
+from .spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+_FUSED = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+# FP4 (E2M1) values of a nibble
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def spec_fields(c: dict, mt: str) -> dict:
+    """ModelSpec's fields of an MoE config.json beyond the dense ones (transformers' defaults where absent)."""
+    n = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    qwen = mt in ("qwen3_moe", "qwen2_moe")
+    f = dict(
+        num_experts=n,
+        num_experts_per_tok=c.get("num_experts_per_tok", 2),
+        moe_intermediate_size=c.get("moe_intermediate_size") if qwen else None,
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        decoder_sparse_step=c.get("decoder_sparse_step", 1) if qwen else 1,
+        mlp_only_layers=list(c.get("mlp_only_layers") or []) if qwen else [],
+        output_router_logits=bool(c.get("output_router_logits", False)),
+        router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+        shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0)
+        if mt == "qwen2_moe"
+        else 0,
+    )
+    bias = bool(c.get("attention_bias", False))
+    if mt == "qwen2_moe":  # q, k and v only, always
+        f.update(attention_bias=bool(c.get("qkv_bias", True)))
+    elif mt in ("qwen3_moe", "gpt_oss"):
+        f.update(attention_bias=bias, attention_out_bias=bias)
+    f.update(qk_norm=mt == "qwen3_moe")
+    if mt == "gpt_oss":
+        f.update(attention_sinks=True, swiglu_limit=float(c.get("swiglu_limit", 7.0)))
+    n_layers = c.get("num_hidden_layers", 0)
+    if mt == "gpt_oss":
+        f.update(layer_types=list(c.get("layer_types") or _alternating(n_layers)))
+        f.update(sliding_window=c.get("sliding_window", 128))
+    elif mt == "qwen2_moe" and c.get("use_sliding_window"):
+        lim = c.get("max_window_layers", 28)
+        f.update(sliding_window=c.get("sliding_window", 4096))
+        f.update(layer_types=c.get("layer_types") or _alternating(n_layers, lim))
+    elif qwen:
+        f.update(sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
+    else:
+        f.update(sliding_window=c.get("sliding_window"))
+    return f
+
+
+def _alternating(n: int, limit: int | None = None) -> list[str]:
+    """transformers' default layer_types: even blocks sliding, odd ones full (qwen2_moe: below max_window_layers)."""
+    return [
+        "sliding_attention" if (i + 1) % 2 and (limit is None or i < limit) else "full_attention"
+        for i in range(n)
+    ]
+
+
+def config_fields(spec: ModelSpec) -> dict:
+    """config.json's MoE fields of `spec`, as transformers 5 writes them."""
+    mt = spec.model_type
+    c = dict(
+        num_experts_per_tok=spec.num_experts_per_tok,
+        output_router_logits=spec.output_router_logits,
+        router_aux_loss_coef=spec.router_aux_loss_coef,
+    )
+    c["num_experts" if mt.startswith("qwen") else "num_local_experts"] = spec.num_experts
+    if mt.startswith("qwen"):
+        c.update(
+            moe_intermediate_size=spec.expert_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            decoder_sparse_step=spec.decoder_sparse_step,
+            mlp_only_layers=spec.mlp_only_layers,
+        )
+    if mt == "qwen2_moe":
+        c.update(
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+            qkv_bias=spec.attention_bias,
+            use_sliding_window=spec.sliding_window is not None,
+        )
+    else:
+        c.update(attention_bias=spec.attention_bias)
+    if mt == "gpt_oss":
+        c.update(swiglu_limit=spec.swiglu_limit, layer_types=spec.layer_types)
+    if mt == "qwen3_moe":
+        c.update(use_sliding_window=spec.sliding_window is not None)
+    if spec.sliding_window is not None:
+        c.update(sliding_window=spec.sliding_window)
+    if spec.layer_types is not None:
+        c.update(layer_types=spec.layer_types)
+    return c
+
+
+class MoEReader:
+    """A model directory's tensors by tiertrain's (fused) names, whichever layout the directory holds."""
+
+    def __init__(self, reader, spec: ModelSpec, mxfp4: bool):
+        self.reader, self.spec, self.mxfp4 = reader, spec, mxfp4
+
+    def sources(self, name: str) -> list[str]:
+        """The checkpoint's names that make tensor `name`."""
+        m = _FUSED.match(name)
+        if m is None or name in self.reader.where:
+            return [name]
+        p, what, mt = m.group(1), m.group(2), self.spec.model_type
+        if mt == "gpt_oss":
+            return [name + "_blocks", name + "_scales"]
+        if what == "gate.weight":
+            return [p + "block_sparse_moe.gate.weight" if mt == "mixtral" else name]
+        return [f"{p}{e}" for e in self._experts(p, what)]
+
+    def _experts(self, p: str, what: str) -> list[str]:
+        parts = {
+            ("mixtral", "experts.gate_up_proj"): ("w1", "w3"),
+            ("mixtral", "experts.down_proj"): ("w2",),
+        }.get((self.spec.model_type, what))
+        if parts is not None:
+            return [
+                f"block_sparse_moe.experts.{e}.{w}.weight"
+                for w in parts
+                for e in range(self.spec.num_experts)
+            ]
+        parts = ("gate_proj", "up_proj") if what == "experts.gate_up_proj" else ("down_proj",)
+        return [f"mlp.experts.{e}.{w}.weight" for w in parts for e in range(self.spec.num_experts)]
+
+    def check(self, names) -> None:
+        self.reader.check(s for n in names for s in self.sources(n))
+
+    def get(self, name: str, shape: tuple[int, ...]) -> "torch.Tensor":
+        import torch
+
+        src = self.sources(name)
+        if src == [name]:
+            return self.reader.get(name, shape)
+        if name.endswith("gate.weight"):
+            return self.reader.get(src[0], shape)
+        e = self.spec.num_experts
+        if self.spec.model_type == "gpt_oss":
+            return _mxfp4(self.reader, src, shape)
+        # per expert, each projection's experts in turn: [gate; up] stacked along the rows of each expert
+        per = len(src) // e
+        rows = shape[1] // per
+        parts = [self.reader.get(s, (rows, shape[2])) for s in src]
+        return torch.stack([torch.cat([parts[j * e + x] for j in range(per)]) for x in range(e)])
+
+
+def _mxfp4(reader, src: list[str], shape: tuple[int, ...]) -> "torch.Tensor":
+    """transformers' Mxfp4Dequantize: blocks [E, R, G, 16] of two E2M1 values a byte (the low nibble first) and
+    one E8M0 scale [E, R, G] per 32 values along the input; the result [E, in, R] (x @ W)."""
+    import torch
+
+    e, n_in, r = shape
+    g = n_in // 32
+    blocks = reader.get(src[0], (e, r, g, 16)).to(torch.uint8).reshape(-1, 16)
+    scales = reader.get(src[1], (e, r, g)).to(torch.int32).reshape(-1, 1) - 127
+    lut = torch.tensor(FP4, dtype=torch.float32)
+    out = torch.empty(blocks.shape[0], 32, dtype=torch.float32)
+    out[:, 0::2] = lut[(blocks & 0x0F).int()]
+    out[:, 1::2] = lut[(blocks >> 4).int()]
+    out = torch.ldexp(out, scales)
+    return out.reshape(e, r, n_in).transpose(1, 2).contiguous()
+
+
+def released(spec: ModelSpec, tensors: Iterator[tuple[str, "torch.Tensor"]]):
+    """The (name, tensor) stream of the fused layout in the released checkpoints' names and layouts."""
+    mt = spec.model_type
+    for name, t in tensors:
+        m = _FUSED.match(name)
+        if m is None or mt == "gpt_oss":
+            yield name, t
+            continue
+        p, what = m.group(1), m.group(2)
+        if mt == "mixtral":
+            p_out = p + "block_sparse_moe."
+            if what == "gate.weight":
+                yield p_out + "gate.weight", t
+                continue
+            names = ("w1", "w3") if what == "experts.gate_up_proj" else ("w2",)
+            fmt = p_out + "experts.{e}.{w}.weight"
+        elif what == "gate.weight":
+            yield name, t
+            continue
+        else:
+            names = ("gate_proj", "up_proj") if what == "experts.gate_up_proj" else ("down_proj",)
+            fmt = p + "mlp.experts.{e}.{w}.weight"
+        for e in range(t.shape[0]):
+            for w, part in zip(names, t[e].chunk(len(names), dim=0)):
+                yield fmt.format(e=e, w=w), part

@@ -1,0 +1,140 @@
+"""The mixture-of-experts MLP of qwen3_moe, qwen2_moe, mixtral and gpt_oss, and its load-balancing loss.
+
+Routing follows each family's transformers class: qwen and mixtral take the top k of the router's softmax (fp32),
+mixtral and qwen with norm_topk_prob rescale them to sum to one; gpt_oss takes the top k router logits (with the
+router's bias) and a softmax over those. The experts' compute grows with the routed tokens: the (token, expert)
+pairs are sorted by expert, each projection is one grouped GEMM over the sorted rows (torch's grouped matmul on a
+Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), and the rows go back to their tokens
+weighted by their routing weights, summed in fp32. An expert that received no token takes no part in the graph,
+so its gradient is exactly zero.
+
+The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
+    aux = E * sum_e (c_e / N) * (P_e / N)
+over every MoE block of its forward pass: N the (block, token) rows, c_e how many of the rows' top k chose expert
+e, P_e the rows' summed softmax of the router logits. c is a constant of the forward pass, so block l's share of
+the gradient is that of sum_e P_e,l * coef * E * c_e / N^2 (per micro-batch of the step's mean): the training
+forward pass counts c (RouterLog.observe), and each block's recompute adds that term to its backward pass
+(RouterLog.term), with the counts of the whole forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
+_GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class RouterLog:
+    """The routers' choices over one step's micro-batches, for the load-balancing loss: the training forward pass
+    counts, the backward pass's recomputes collect each block's softmax sums with their graphs."""
+
+    def __init__(self, n_micro: int, n_experts: int, coef: float, share: int, device: torch.device):
+        self.coef, self.e, self.share = coef, n_experts, share  # share: micro-batches of the step, all ranks
+        self.counts = [torch.zeros(n_experts, device=device) for _ in range(n_micro)]
+        self.sums = [torch.zeros(n_experts, device=device) for _ in range(n_micro)]
+        self.rows = [0] * n_micro
+        self.weights: list[torch.Tensor] = []
+        self.micro = 0  # the micro-batch being computed (Step sets it)
+        self.counting = False  # the training forward pass
+        self.terms: list[torch.Tensor] = []
+
+    def observe(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
+        """A block's router on a slice of the micro-batch's tokens: fp32 softmax (T, E) and the chosen experts."""
+        m = self.micro
+        if self.counting:
+            self.counts[m] += _counts(chosen, self.e).float()
+            self.sums[m] += probs.detach().sum(0)
+            self.rows[m] += probs.shape[0]
+        if probs.requires_grad:
+            self.terms.append((m, probs.sum(0)))
+
+    def finish(self) -> torch.Tensor:
+        """After the forward pass: the weights of the backward terms, and the step's share of the aux loss."""
+        self.counting = False
+        total = torch.zeros((), device=self.counts[0].device)
+        for c, p, n in zip(self.counts, self.sums, self.rows):
+            n = max(n, 1)
+            self.weights.append(self.coef * self.e * c / (n * n * self.share))
+            total += self.coef * self.e * (c / n * p / n).sum() / self.share
+        return total
+
+    def term(self) -> torch.Tensor | None:
+        """The aux loss's term of what ran since the last call, for autograd.grad beside the block's output."""
+        terms, self.terms = self.terms, []
+        if not terms or not self.weights:
+            return None
+        return sum((p * self.weights[m]).sum() for m, p in terms)
+
+
+def _counts(chosen: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of the chosen slots went to each of n experts (int64), without the device sync of bincount."""
+    flat = chosen.reshape(-1)
+    return flat.new_zeros(n).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def grad_pairs(router: RouterLog | None, y: torch.Tensor, g: torch.Tensor):
+    """(outputs, their gradients) for autograd.grad: y against g, and the aux loss's term of the block's router."""
+    t = router.term() if router is not None else None
+    return ([y], [g]) if t is None else ([y, t], [g, torch.ones_like(t)])
+
+
+def route(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the chosen experts (T, k), their routing weights (T, k) fp32) of tokens h (T, H)."""
+    s = ctx.spec
+    k = s.num_experts_per_tok
+    if s.model_type == "gpt_oss":
+        logits = F.linear(h, w["mlp.router.weight"], w["mlp.router.bias"]).float()
+        top, chosen = torch.topk(logits, k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        logits = F.linear(h, w["mlp.gate.weight"]).float()
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if s.norm_topk_prob or s.model_type == "mixtral":
+            weights = weights / weights.sum(-1, keepdim=True)
+    if ctx.router is not None:
+        ctx.router.observe(torch.softmax(logits, dim=-1), chosen)
+    return chosen, weights
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
+    """Rows x (sorted by expert, expert e's ending at ends[e]) times their experts' w[e] (in, out)."""
+    if counts is None:
+        return _GROUPED(x, w, offs=ends)
+    out = x.new_empty(x.shape[0], w.shape[-1])
+    a = 0
+    for e, n in enumerate(counts):
+        if n:
+            out[a : a + n] = x[a : a + n] @ w[e]
+        a += n
+    return out
+
+
+def experts(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> torch.Tensor:
+    """The MoE MLP of tokens h (T, H) in the compute dtype: fp32 (T, H), the shared expert included."""
+    s = ctx.spec
+    t, k = h.shape[0], s.num_experts_per_tok
+    chosen, weights = route(w, h, ctx)
+    order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, slot) pairs by expert
+    per = _counts(chosen, s.num_experts)
+    grouped = _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
+    ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
+    xs = h[order // k]
+    gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+    if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved; clamped SwiGLU
+        ex = chosen.reshape(-1)[order]
+        y = _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][ex]
+        g, u = y[:, ::2].clamp(max=s.swiglu_limit), y[:, 1::2].clamp(-s.swiglu_limit, s.swiglu_limit)
+        y = _mm((u + 1) * (g * torch.sigmoid(g * s.swiglu_alpha)), down, ends, counts)
+        y = y + w["mlp.experts.down_proj_bias"][ex]
+    else:  # F.linear's layout, [gate; up] in the rows
+        g, u = _mm(xs, gu.transpose(1, 2), ends, counts).chunk(2, dim=-1)
+        y = _mm(F.silu(g) * u, down.transpose(1, 2), ends, counts)
+    y = y.float() * weights.reshape(-1)[order, None]
+    out = torch.empty_like(y).index_copy(0, order, y).view(t, k, -1).sum(1)
+    if s.shared_expert_intermediate_size:
+        sg, su, sd = (w[f"mlp.shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        shared = F.linear(F.silu(F.linear(h, sg)) * F.linear(h, su), sd).float()
+        out = out + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"]).float()) * shared
+    return out
