@@ -47,7 +47,7 @@ FLOORS = [
         ],
     ),
     ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop", "tiertrain.start"]),
-    ("cli", ["tiertrain.cli", "tiertrain.__main__"]),
+    ("cli", ["tiertrain.cli", "tiertrain.plancmd", "tiertrain.__main__"]),
 ]
 
 

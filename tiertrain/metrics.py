@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from .sizes import num
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -35,8 +37,8 @@ def progress_line(rec: dict, total_steps: int, eta_s: float | None) -> str:
         f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  "
         + (f"val {rec['val_loss']:.4f}  " if "val_loss" in rec else "")
         + f"lr {rec['lr']:.2e}  "
-        f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
-        f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}"
+        f"|g| {rec['grad_norm']:.3f}  {num(rec['tokens_per_s'])} tok/s  "
+        f"{num(rec['model_tflops'])} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}"
     )
 
 
@@ -139,7 +141,7 @@ def run_summary(records: list[dict]) -> list[str]:
     out = [
         f"{len(records)} steps (up to step {records[-1]['step']}), {records[-1]['tokens']:,} tokens; loss "
         f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
-        f"median step {med('step_s'):.3f} s: {med('tokens_per_s'):,.0f} tokens/s, {med('model_tflops'):.1f} "
+        f"median step {med('step_s'):.3f} s: {num(med('tokens_per_s'))} tokens/s, {num(med('model_tflops'))} "
         "model TFLOP/s" + (f", MFU {med('mfu'):.1%}" if any("mfu" in r for r in steady) else ""),
     ]
     split = [

@@ -24,29 +24,19 @@ from .model.hf import HFReader, spec_from_hf
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
+from .plan.gpus import from_smi
 from .sections import fixed
+from .sizes import num
 from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
-# dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
-BF16_PEAK = {
-    "H200": 989.4,
-    "H100 SXM": 989.4,
-    "H100 80GB HBM3": 989.4,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "A100": 312.0,
-    "L40S": 362.1,
-    "GH200": 989.4,
-    "B200": 2250.0,
-}
-
 
 def bf16_peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 tensor-core peak of the datasheet (plan.gpus), for MFU; None for a GPU the table lacks."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in BF16_PEAK.items() if k in name), None)
+    got = from_smi(torch.cuda.get_device_name(device))
+    return got.bf16_peak if got else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -416,13 +406,13 @@ class Trainer:
             ),
             *(
                 [
-                    f"plan: step {pr.step_s:.2f} s"
+                    f"plan: step {num(pr.step_s)} s"
                     + (
-                        f" ({pr.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
+                        f" ({num(pr.clipped_step_s)} s while the global norm clips: then nothing speculates)"
                         if pr.clipped_step_s > pr.step_s * 1.005
                         else ""
                     )
-                    + f", {pr.tokens_per_s:,.0f} tok/s, bottleneck "
+                    + f", {num(pr.tokens_per_s)} tok/s, bottleneck "
                     f"{pr.bottleneck}, GPU {self.plan.memory.gpu.total / 1e9:.1f} GB ({self.plan.hardware})"
                 ]
                 if self.predicts
