@@ -155,11 +155,12 @@ def run_checkpoint(a) -> dict:
     import torch
 
     from tiertrain.config import load_config
+    from tiertrain.plan.hardware import REFERENCE
     from tiertrain.tiers.nvme import discard
     from tiertrain.trainer import Trainer
 
     state_gb = load_config(a.config).model.n_params * 16 / 1e9  # fp32 streaming: no bf16 copy
-    host_gb = state_gb - a.ckpt_spill_gb
+    host_gb = state_gb - a.ckpt_spill_gb + REFERENCE.process_gb  # --host-gb holds the process too
     cfg = _cfg(a.config, 4, a.micro, host_gb, str(Path(a.nvme_dir) / "ck"), "master")
     run_dir = Path(a.nvme_dir) / "ckpt-run"
     tr = Trainer(cfg, run_name="ck", hardware=Path(a.hardware))
@@ -230,6 +231,7 @@ def run_least(a) -> list[dict]:
     """The least host budget of a --least-layers model with the bf16 copy streaming: every slab on NVMe,
     but those that cost less in RAM than their ring (a vocabulary much wider than a block)."""
     from tiertrain.config import load_config
+    from tiertrain.plan.hardware import REFERENCE
     from tiertrain.plan.memory import slab_sizes as _layouts
     from tiertrain.tiers.placement import kind_bytes, least_host
     from tiertrain.tiers.slab import host_cost
@@ -237,6 +239,7 @@ def run_least(a) -> list[dict]:
     layers = f"model.num_hidden_layers={a.least_layers}"
     numels = _layouts(load_config(a.config, [layers]).model)
     gb = least_host(numels, kind_bytes("bfloat16", "compute"), 0, host_cost) / 1e9 + 0.001
+    gb += REFERENCE.process_gb  # --host-gb holds the process too
     cfg = _cfg(a.config, 4, a.micro, gb, str(Path(a.nvme_dir) / "least"), "compute", layers)
     return _three_steps(a, cfg, "least", host_gb=gb)
 

@@ -49,7 +49,7 @@ FLOORS = [
         ],
     ),
     ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop", "tiertrain.start"]),
-    ("cli", ["tiertrain.cli", "tiertrain.cli_prepare", "tiertrain.__main__"]),
+    ("cli", ["tiertrain.cli", "tiertrain.cli_prepare", "tiertrain.plancmd", "tiertrain.__main__"]),
 ]
 
 

@@ -211,7 +211,20 @@ def least_gb(token_file) -> str:
     tr = Trainer(cfg)
     least = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost)
     tr.close()
-    return budget(least)
+    return budget(least + beside_gb(cfg) * 1e9)
+
+
+def beside_gb(cfg, ranks: int = 1) -> float:
+    """GB that --host-gb holds beside the plan's host bytes: each rank's process, and on a CPU the device's buffers
+    and activations (a CPU computes in host memory)."""
+    from tiertrain.plan.hardware import HardwareSpec
+    from tiertrain.plan.resolve import search
+
+    if cfg.train.device == "cuda":  # the GPU's memory is its own
+        return REFERENCE.process_gb * ranks
+    hw = HardwareSpec.cpu(1e6, 2)
+    p = search(cfg, hw, 1e6, None, None, "tests", advise=False, gpus=ranks)
+    return (hw.process_gb + p.memory.gpu.total / 1e9) * ranks
 
 
 # ---- budgets that spill -----------------------------------------------------------------------------
@@ -220,9 +233,10 @@ def least_gb(token_file) -> str:
 DEEP = ["model.num_hidden_layers=12"]
 
 
-def budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD)) -> float:
+def budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD), run=None) -> float:
     """Host GB that holds exactly the kinds in `keep` and the staging ring, costed as the runtime does
-    (whole pages)."""
+    (whole pages), beside the process and the device's working set (beside_gb) of the config that runs (`run`,
+    default `cfg`)."""
     from tiertrain.trainer import Trainer
 
     tr = Trainer(cfg)
@@ -232,17 +246,17 @@ def budget_for(cfg, keep=(Kind.MASTER, Kind.GRAD)) -> float:
         sum(cost(lay.numel * 4) for lay in tr.layouts for _ in keep) + RING_SLOTS * 2 * cost(width * 4)
     ) / 1e9
     tr.close()
-    return gb
+    return gb + beside_gb(run or cfg)
 
 
 def least_budget(cfg) -> float:
-    """Host GB with every slab on NVMe: the staging ring, and a kilobyte."""
+    """Host GB with every slab on NVMe: the staging ring, and a kilobyte, beside the process (beside_gb)."""
     from tiertrain.trainer import Trainer
 
     tr = Trainer(cfg)
     gb = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost) / 1e9 + 1e-6
     tr.close()
-    return gb
+    return gb + beside_gb(cfg)
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------

@@ -94,7 +94,10 @@ def test_resume_is_bit_identical(token_file, tmp_path, spill):
         sets.append('train.device="cuda"')
     # Adam moments on NVMe: the checkpoint copies them from the store, the resume writes them back
     if spill not in ("none", "posix-set"):
-        gb = budget_for(tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []))
+        gb = budget_for(
+            tiny_config(token_file, *DEEP, *sets[-1:] if spill == "kvikio" else []),
+            run=tiny_config(token_file, *sets, *DEEP),  # its working set (and resident state) beside
+        )
         sets += [*DEEP, f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', f'tiers.io="{spill}"']
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")
     lines = _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)

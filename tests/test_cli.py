@@ -67,6 +67,8 @@ def test_prepare_then_train_on_it(tmp_path):
         (["--set", 'data.path="SHORT"'], "fewer than one batch"),
         (["--set", 'train.device="cuda"'], "no CUDA GPU"),
         (["--hardware", "missing.json"], "tiertrain probe --out"),
+        (["--gpu", "v100"], "unknown GPU 'v100'; known GPUs: h100"),
+        (["--set", "hardware.gpu=x"], "unknown GPU 'x'"),
     ],
 )
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):

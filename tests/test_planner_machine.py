@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
 
+import psutil
 import pytest
 
 from tiertrain.config import load_config
+from tiertrain.plan import hardware
 from tiertrain.plan.advice import explain
+from tiertrain.plan.gpus import BY_KEY, this_machine
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 from tiertrain.plan.planner import evaluate, plan
 from tiertrain.plan.values import Budgets, Choice, Job
@@ -162,8 +167,9 @@ def test_shipped_shapes_of_popular_models(name, params):
 
 def test_longest_sequence_is_the_edge_of_the_budgets():
     """The report's longest sequence (batch 1) plans as fitting, 1024 tokens more do not, and the bound it
-    names is the budget that longer sequence misses; a smaller GPU shortens it."""
-    spec = load_config("llama-7b").model
+    names is the budget that longer sequence misses; a smaller GPU shortens it. (The model's positions lifted: they
+    would bound it first, test_longest_sequence_within_the_positions.)"""
+    spec = replace(load_config("llama-7b").model, max_position_embeddings=1 << 24)
     b = Budgets(host_gb=115, gpu_gb=141, nvme_gb=55, resident_gb="auto")
     p = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b, REFERENCE), b, REFERENCE)
     n = p.report.longest_seq_len
@@ -198,54 +204,100 @@ def test_longest_sequence_is_the_edge_of_the_budgets():
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] >= 1024
+    assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] == 4096  # its positions
 
 
-def test_plan_on_a_gpu_machine_plans_for_its_gpu_and_ram(tmp_path, monkeypatch):
-    """`plan` without --hardware where nvidia-smi answers (a stand-in for an H100's): that GPU's memory and this
-    host's RAM, as `run` plans, so a plan that fits the reference H200 can miss; with no probe file only. With
-    `--hardware reference`, or where no nvidia-smi answers: the reference H200."""
-    import psutil
+def test_longest_sequence_within_the_positions():
+    """llama3.1-8b under 256 GB on the H200 holds 400k+ tokens, but its positions end at 131,072: the report says
+    131,072, bound by its positions, and names the budgets' longest and the rope scaling that lifts the limit;
+    those settings, as printed, make a config whose longest is the budgets', and whose refusal of a longer
+    --seq-len says the same."""
     from click.testing import CliRunner
 
     from tiertrain.cli import main
-    from tiertrain.plan import hardware
 
-    smi = tmp_path / "bin" / "nvidia-smi"
-    smi.parent.mkdir()
-    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559'\n")
-    smi.chmod(0o755)
-    monkeypatch.setattr(hardware, "PROBE_FILE", tmp_path / "no-probe.json")
+    def planned(*more: str) -> tuple[dict, str]:
+        args = ["plan", "--config", "llama3.1-8b", "--host-gb", "256", "--hardware", "reference", *more]
+        js, md = (CliRunner().invoke(main, [*args, *f]) for f in (["--format", "json"], []))
+        return json.loads(js.output), md.output
+
+    p, md = planned()
+    budgets = p["longest_budgets_seq_len"]
+    assert (p["longest_seq_len"], p["longest_bound"]) == (131072, "positions") and budgets > 3 * 131072
+    lift = re.search(r"`(--set model.max_position_embeddings=.*?)`", md).group(1)
+    sets = [a.strip("'") for a in shlex.split(lift) if a != "--set"]
+    assert sets[0] == f"model.max_position_embeddings={budgets}" and '"llama3"' in sets[1]
+    q, _ = planned(*[x for s in sets for x in ("--set", s)])
+    assert q["longest_seq_len"] == budgets and q["longest_bound"] != "positions"
+    cfg = load_config("llama3.1-8b", sets)
+    assert (
+        cfg.model.rope_scaling["factor"] * 8192 >= budgets
+        and cfg.model.rope_scaling["low_freq_factor"] == 1.0
+    )
+    r = CliRunner().invoke(main, ["plan", "--config", "llama3.1-8b", "--seq-len", "524288"])
+    assert r.exit_code == 2 and "max_position_embeddings (131072)" in r.output and "rope_scaling" in r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+def test_plan_on_a_gpu_machine_plans_for_its_gpu_and_ram(tmp_path, monkeypatch):
+    """`plan` without --hardware where nvidia-smi answers (a stand-in for an H100's): that GPU's entry (its measured
+    figures, within the memory nvidia-smi gives) and this host's RAM, as `run` plans, so a plan that fits the
+    reference H200 can miss; with no probe file only. With `--hardware reference`, or where no nvidia-smi answers:
+    the reference H200."""
     args = [
-        "plan",
-        "--config",
-        "llama3.1-8b",
-        "--seq-len",
-        "262144",
-        "--set",
-        "model.max_position_embeddings=262144",
-        "--batch-size",
-        "1",
-        "--host-gb",
-        "115",
-        "--nvme-gb",
-        "55",
-        "--format",
-        "json",
+        *["plan", "--config", "llama3.1-8b", "--seq-len", "262144", "--batch-size", "1"],
+        *["--set", "model.max_position_embeddings=1048576", "--host-gb", "115", "--nvme-gb", "55"],
     ]
-
-    def planned(*more: str, path: str = str(smi.parent)) -> dict:
-        monkeypatch.setenv("PATH", path)
-        r = CliRunner().invoke(main, args + list(more))
-        return json.loads(r.output)
-
+    planned = _gpu_machine(tmp_path, monkeypatch, args)
     ref, h100 = planned("--hardware", "reference"), planned()
     ram = psutil.virtual_memory().total / 1e9
     assert ref["hardware"] == REFERENCE.source and ref["longest_seq_len"] > 262144
-    assert f"NVIDIA H100 80GB HBM3 ({81559 * 2**20 / 1e9:.1f} GB) and {ram:.0f} GB of RAM" in h100["hardware"]
+    assert h100["hardware"].startswith("H100 SXM 80GB (the GPU here): measured on the project's H100")
+    assert (
+        f"NVIDIA H100 80GB HBM3 ({BY_KEY['h100'].memory_gb:.1f} GB) and {ram:.0f} GB of RAM"
+        in h100["hardware"]
+    )
     assert h100["longest_seq_len"] < ref["longest_seq_len"]
     assert planned(path=str(tmp_path))["hardware"] == REFERENCE.source  # no nvidia-smi: no GPU to plan for
     probe = tmp_path / "probe.json"
     dataclasses.replace(REFERENCE, disk_read_gbs=1.0, source="probed here").save(probe)
     monkeypatch.setattr(hardware, "PROBE_FILE", probe)
     assert planned()["hardware"] == "probed here"  # probe's default file, as `run` reads it
+
+
+def test_a_named_gpu_plans_alike_on_every_machine(tmp_path, monkeypatch):
+    """`plan --gpu h100 --config llama3.1-8b --host-gb 256` on a machine without a GPU and on one whose nvidia-smi
+    names an H100 (a stand-in) gives the same plan, and the same as that H100 machine plans for itself with no
+    probe file (run's figures): the name fully sets the GPU's figures; only the hardware line says how."""
+    args = ["plan", "--config", "llama3.1-8b", "--host-gb", "256"]
+    planned = _gpu_machine(tmp_path, monkeypatch, args)
+    cpu, gpu, own = planned("--gpu", "h100", path=str(tmp_path)), planned("--gpu", "h100"), planned()
+    assert cpu == gpu and cpu["fits"] and cpu["hardware"].startswith("H100 SXM 80GB (--gpu h100)")
+    assert {k: v for k, v in own.items() if k != "hardware"} == {
+        k: v for k, v in cpu.items() if k != "hardware"
+    }
+    assert own["hardware"].startswith("H100 SXM 80GB (the GPU here)")
+    # a run's figures: torch's name and memory for this GPU, no probe file
+    run = this_machine(("NVIDIA H100 80GB HBM3", 85.017493504))
+    assert (run.bf16_tflops, run.bidir_gbs, run.gpu_mem_gb) == (770.95, 88.71, 85.017493504)
+
+
+def _gpu_machine(tmp_path, monkeypatch, args: list[str]):
+    """planned(*more, path=...): `args` + `more` planned as JSON with an nvidia-smi on the PATH that names an H100
+    80GB (`path`: another PATH), and no probe file."""
+    from click.testing import CliRunner
+
+    from tiertrain.cli import main
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 81559'\n")
+    smi.chmod(0o755)
+    monkeypatch.setattr(hardware, "PROBE_FILE", tmp_path / "no-probe.json")
+
+    def planned(*more: str, path: str = str(smi.parent)) -> dict:
+        monkeypatch.setenv("PATH", path)
+        r = CliRunner().invoke(main, [*args, *more, "--format", "json"])
+        return json.loads(r.output)
+
+    return planned

@@ -95,6 +95,10 @@ MORE = [  # the choices a config fixes, the long-context plans of issue 34, seve
     ["--config", "llama-3b", "--host-gb", "1000", "--gpu-gb", "2"],
     ["--config", "llama-3b", "--host-gb", "200", "--hardware", "SLOW_HOST"],
     ["--config", "llama-1b", "--hardware", "CPU", "--set", "train.tile_tokens=512"],
+    # named GPUs (issue 43): the H100 of the llama-5b run at 8k the plan is checked against, and the issue's 8B
+    ["--config", "llama-5b", "--gpu", "h100", "--batch-size", "4", "--host-gb", "100"],
+    ["--config", "llama3.1-8b", "--gpu", "h100", "--host-gb", "256"],
+    ["--config", "llama-3b", "--gpu", "a100-40gb", "--host-gb", "60", "--nvme-gb", "200"],
 ]
 
 
@@ -103,18 +107,22 @@ def cases() -> list[list[str]]:
 
 
 def answer(args: list[str], tmp: Path) -> str:
-    """The JSON `tiertrain plan` prints for `args` (hardware SLOW_HOST and CPU: tests' stand-ins, as files)."""
+    """The JSON `tiertrain plan` prints for `args` (hardware SLOW_HOST and CPU: tests' stand-ins, as files; without
+    --hardware or --gpu, the reference)."""
     from click.testing import CliRunner
 
     from conftest import SLOW_HOST
     from tiertrain.cli import main
     from tiertrain.plan.hardware import HardwareSpec
 
-    files = {"SLOW_HOST": SLOW_HOST, "CPU": HardwareSpec.cpu(24.0, 2)}
+    files = {
+        "SLOW_HOST": SLOW_HOST,
+        "CPU": HardwareSpec.cpu(32.0, 2),
+    }  # 32 GB: the state and the CPU's working set
     args = [str(tmp / a) if a in files else a for a in args]
     for name, hw in files.items():
         (tmp / name).write_text(json.dumps(dataclasses.asdict(hw)))
-    hw = [] if "--hardware" in args else ["--hardware", "reference"]
+    hw = [] if "--hardware" in args or "--gpu" in args else ["--hardware", "reference"]
     r = CliRunner().invoke(main, ["plan", *args, *hw, "--format", "json"])
     assert r.exception is None or isinstance(r.exception, SystemExit), r.output
     return r.output
@@ -160,6 +168,8 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     sys.path.insert(0, str(Path(__file__).parent))
     with tempfile.TemporaryDirectory() as d:
         out = {" ".join(a): answer(a, Path(d)) for a in cases()}
+    bad = [k for k, v in out.items() if not v.startswith("{")]
+    assert not bad, (bad, [out[k][:300] for k in bad])
     assert all(_output(_line(v)) == v for v in out.values())  # the line keeps every byte of the output
     RECORD.write_text("".join(f"{k}\t{_line(v)}\n" for k, v in sorted(out.items())))
     print(f"{len(out)} plans recorded in {RECORD} ({RECORD.stat().st_size:,} bytes)")

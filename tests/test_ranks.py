@@ -10,7 +10,7 @@ import pytest
 import torch
 import zarr
 
-from conftest import cli, hf_dir, refused, stale_store, tiny, tiny_config
+from conftest import beside_gb, cli, hf_dir, refused, stale_store, tiny, tiny_config
 from tiertrain.checkpoint import KINDS
 from tiertrain.plan.memory import slab_sizes as _layouts
 from tiertrain.sizes import budget
@@ -135,6 +135,7 @@ def test_two_ranks_spilling_to_nvme_give_the_plain_bits(token_file, tmp_path):
     cfg = tiny_config(token_file, "model.num_hidden_layers=8")
     # the host's
     least = least_host(_layouts(cfg.model, 2), kind_bytes("float32", "master"), 0, host_cost) * 2
+    least += beside_gb(cfg, ranks=2) * 1e9  # each rank's process and working set, in --host-gb
     plain, spilled, disk = tmp_path / "plain", tmp_path / "spilled", tmp_path / "nvme"
     for i in range(4):
         stale_store(disk, spilled, f"tiertrain-spilled-{i}")

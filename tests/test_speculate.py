@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import DEEP, SLOW_HOST, VARIANTS, tiny_config
+from conftest import DEEP, SLOW_HOST, VARIANTS, beside_gb, tiny_config
 from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.modes import Home, Update
@@ -214,6 +214,7 @@ def test_units_in_ram_speculate_every_other_from_the_last_and_spilled_ones_never
     tr.close()
     # a block's slab short of the whole state: the last units' exp_avg spill, enough to pay for their ring
     gb = (sum(host_cost(n * 4) * 4 for n in sizes) - host_cost(sizes[-2] * 4)) / 1e9
+    gb += beside_gb(tiny_config(token_file, *DEEP))  # the process and the CPU's working set, in --host-gb
     sets = [*DEEP, 'tiers.io="posix"', "optim.grad_clip=0", f"tiers.host_gb={gb}"]
     got = _run(
         tiny_config(token_file, *sets, f'tiers.nvme_dir="{tmp_path / "a"}"', "optim.speculate_units=3"),
@@ -239,6 +240,7 @@ def test_copies_must_fit_the_host_budget(token_file):
     tr = Trainer(cfg)
     state = sum(host_cost(lay.numel * 4) * 4 for lay in tr.layouts) / 1e9
     tr.close()
+    state += beside_gb(cfg) / 1.01  # the process and the CPU's working set, in --host-gb
     with pytest.raises(ConfigError, match="optim.speculate_units = 2 keeps copies of .* raise --host-gb"):
         Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}", "optim.speculate_units=2"))
     tr = Trainer(tiny_config(token_file, f"tiers.host_gb={state * 1.01}"))  # "auto" on a CPU: none
@@ -320,7 +322,10 @@ def test_planner_balances_the_speculated_units():
     assert at8k.prediction.clipped_times["host AdamW"] > at8k.prediction.times["host AdamW"]
     # a budget that holds the state but not the copies: the fixed number misses, -1 takes fewer
     tight = Budgets(
-        host_gb=sum(off.memory.host.values()) / 1e9 + off.memory.host_fixed()["host checkpoints"] / 1e9 + 2
+        host_gb=sum(off.memory.host.values()) / 1e9
+        + off.memory.host_fixed()["host checkpoints"] / 1e9
+        + 2
+        + REFERENCE.process_gb  # --host-gb holds the process too
     )
     miss = plan(
         Job(spec, 16, 2048),

@@ -114,7 +114,9 @@ def plan_run(
     micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
     if micro and (tc.batch_size // ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
         micro = None
-    hw = run_hardware(device, hardware, cfg.optim.host_kernel, cfg.model, tc.compute_dtype, tc.attention)
+    hw = run_hardware(
+        device, hardware, cfg.optim.host_kernel, cfg.model, tc.compute_dtype, tc.attention, cfg.hardware.gpu
+    )
     # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
     # what the host cannot hold goes to the GPU's memory when it has room
     avail = available_ram()

@@ -25,22 +25,24 @@ def _pyplot():
 
 
 def plan_chart(p, path: str | Path) -> None:
-    """Left: predicted seconds per link, the step and its bottleneck. Right: GB per tier, by kind."""
+    """A plan that fits: left, predicted seconds per link, the step and its bottleneck; right, GB per tier, by
+    kind. A plan that does not: each budget's demand against it (miss_chart)."""
+    from .plan.report import links, tier_bars
+    from .sizes import num
+
+    if not p.fits:
+        return miss_chart(p, path)
     plt = _pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    pr, mem = p.prediction, p.memory
-    names = list(pr.times)
-    a.barh(names, [pr.times[k] for k in names], color="tab:blue")
-    a.axvline(pr.step_s, color="tab:red", linestyle="--", label=f"step {pr.step_s:.2f} s")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.8))
+    pr = p.prediction
+    times = links(p)
+    a.barh(list(times), list(times.values()), color="tab:blue")
+    a.axvline(pr.step_s, color="tab:red", linestyle="--", label=f"step {num(pr.step_s)} s")
     a.invert_yaxis()
     a.set_xlabel("seconds per step")
-    a.set_title(f"{p.job.name}: predicted time per link (bottleneck: {pr.bottleneck})")
+    a.set_title(f"{p.job.name}: predicted time (bottleneck: {pr.bottleneck})")
     a.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12))  # below the axes: never over a bar
-    tiers = {
-        "host": {**{k.value: b for k, b in mem.host.items()}, **mem.host_fixed()},
-        "NVMe": {k.value: b for k, b in mem.nvme.items()},
-        "GPU": mem.gpu.table(),
-    }
+    tiers = tier_bars(p)
     kinds = sorted({k for parts in tiers.values() for k in parts})
     cmap = plt.get_cmap("tab20")
     left = [0.0] * len(tiers)
@@ -54,6 +56,34 @@ def plan_chart(p, path: str | Path) -> None:
     b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: never over a bar
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
+    plt.close(fig)
+
+
+def miss_chart(p, path: str | Path) -> None:
+    """A plan that does not fit: each budget's demand (as far as the plan got) against the budget, the short one
+    in red, with the shortfall written beside it."""
+    from .plan.report import BUDGETS
+    from .sizes import gb
+
+    plt = _pyplot()
+    names = [k for k in BUDGETS if k in p.demand]
+    need = [p.demand[k][0] / 1e9 for k in names]
+    have = [p.demand[k][1] / 1e9 for k in names]
+    fig, a = plt.subplots(figsize=(9, 1.2 + 0.8 * len(names)))
+    labels = [BUDGETS[k] for k in names]
+    colors = ["tab:red" if n > h else "tab:green" for n, h in zip(need, have)]
+    a.barh(labels, need, color=colors, label="needed (as far as the plan got)")
+    a.scatter(have, labels, marker="|", s=900, color="black", zorder=3, label="budget")
+    for y, (n, h) in enumerate(zip(need, have)):
+        if n > h:
+            a.annotate(f"  {gb((n - h) * 1e9)} short", (max(n, h), y), va="center", color="tab:red")
+    a.invert_yaxis()
+    a.set_xlabel("GB")
+    a.set_xlim(0, max(need + have) * 1.3)
+    a.set_title(f"{p.job.name}: does not fit ({p.why.split(':')[0]})")
+    a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3 - 0.1 / max(len(names), 1)), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

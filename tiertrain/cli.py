@@ -48,7 +48,19 @@ def main() -> None:
     help="Override one config value (a TOML literal); repeatable.",
 )
 @click.option("--out", default=None, metavar="DIR", help="Run directory. Default: runs/<config>-<time>.")
-@click.option("--host-gb", type=float, default=None, help="Hard budget of host memory (tiers.host_gb).")
+@click.option(
+    "--host-gb",
+    type=float,
+    default=None,
+    help="Hard budget of the process's whole host memory, its own included (tiers.host_gb).",
+)
+@click.option(
+    "--gpu",
+    default=None,
+    metavar="NAME",
+    help="Plan with a named GPU's published figures when no probe file measured this machine (hardware.gpu; "
+    "`tiertrain plan --help` lists them). Default: the figures of the GPU the run finds.",
+)
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
 @click.option("--nvme-gb", type=float, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
 @click.option(
@@ -93,6 +105,7 @@ def run(
     init_from: str | None,
     hardware: str | None,
     gpus: int | None,
+    gpu: str | None,
 ) -> None:
     """Train a model."""
     import os
@@ -122,6 +135,7 @@ def run(
         "tiers.nvme_gb": nvme_gb,
         "checkpoint.every": save_every,
         "train.init_from": init_from,
+        "hardware.gpu": gpu,
     }
     overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
     if (
@@ -210,7 +224,8 @@ main.add_command(prepare_command)
     "--host-gb",
     type=float,
     default=None,
-    help="Host memory budget. Default: the RAM of the machine planned for (see --hardware).",
+    help="The process's whole host memory, its own (Python, torch, the CUDA context: about 3 GB) included. "
+    "Default: the RAM of the machine planned for.",
 )
 @click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
 @click.option("--nvme-gb", type=float, default=None, help="NVMe tier size. Default: none.")
@@ -218,12 +233,20 @@ main.add_command(prepare_command)
     "--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget."
 )
 @click.option(
+    "--gpu",
+    default=None,
+    metavar="NAME",
+    help="Plan for a named GPU (h100, h100-pcie, h200, gh200, a100-80gb, a100-40gb, l40s, rtx4090, rtx5090, "
+    "b200, mi300x, ...: docs/gpus.md) on the reference machine's host: its published figures, scaled as the "
+    "reference's measured rates. Default: [hardware] gpu, else this machine (see --hardware).",
+)
+@click.option(
     "--hardware",
     default=None,
     metavar="FILE",
     help="JSON from `tiertrain probe`, or `reference` (the H200 machine). Default: on a machine with a GPU, "
-    "what `run` plans with (probe's file if there is one, else the reference's rates with this GPU and "
-    "RAM); without a GPU, the reference.",
+    "what `run` plans with (probe's file if there is one, else the figures of the GPU nvidia-smi names, with "
+    "this machine's RAM); without a GPU, the reference.",
 )
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size)."
@@ -233,7 +256,10 @@ main.add_command(prepare_command)
 )
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
 @click.option(
-    "--chart", default=None, metavar="FILE.png", help="Also draw the time split and memory per tier."
+    "--chart",
+    default=None,
+    metavar="FILE.png",
+    help="Also draw the time split and memory per tier; of a plan that does not fit, each budget's demand.",
 )
 @click.option(
     "--gpus",
@@ -255,6 +281,7 @@ def plan(
     gpu_gb,
     nvme_gb,
     nvme_dir,
+    gpu,
     hardware,
     batch_size,
     seq_len,
@@ -263,87 +290,39 @@ def plan(
     gpus,
     gpus_per_host,
 ) -> None:
-    """Capacity plan: what fits, where every slab lives, how fast, what limits it. Needs no torch."""
+    """Capacity plan: what fits, where every slab lives, how fast, what limits it; where it does not fit, by how
+    much and the nearest plans that do. Needs no torch."""
     from .plan.report import to_json, to_markdown
-    from .plan.resolve import search
+    from .plancmd import PlanCommand, plan_command
 
+    cmd = PlanCommand(
+        config_path,
+        overrides,
+        host_gb,
+        gpu_gb,
+        nvme_gb,
+        nvme_dir,
+        hardware,
+        gpu,
+        batch_size,
+        seq_len,
+        gpus,
+        gpus_per_host,
+    )
     try:
-        cfg, hw, nvme_gb = _plan_inputs(
-            config_path,
-            overrides,
-            host_gb,
-            gpu_gb,
-            nvme_gb,
-            nvme_dir,
-            hardware,
-            batch_size,
-            seq_len,
-            chart,
-            gpus,
-        )
-        name = Path(config_path).name.removesuffix(".toml")
-        # as `run` plans
-        p = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, gpus=gpus, per_host=gpus_per_host)
-        one = search(cfg, hw, host_gb, gpu_gb, nvme_gb, name, advise=False) if gpus > 1 else None
+        p, one = plan_command(cmd, chart)
+        if chart:
+            from .charts import plan_chart
+
+            plan_chart(p, chart)
     except UserError as e:
         _fail(e)
-    click.echo(to_json(p, one) if fmt == "json" else to_markdown(p, one))
-    if chart and p.fits:
-        from .charts import plan_chart
-
-        try:
-            plan_chart(p, chart)
-        except UserError as e:
-            _fail(e)
+    if fmt == "json":  # the chart's path in the JSON: stdout stays one JSON document
+        click.echo(to_json(p, one, chart))
+    else:
+        click.echo(to_markdown(p, one) + (f"\nchart: {chart}" if chart else ""))
     if not p.fits:
         sys.exit(1)
-
-
-def _plan_inputs(
-    config_path, overrides, host_gb, gpu_gb, nvme_gb, nvme_dir, hardware, batch_size, seq_len, chart, gpus
-):
-    """`plan`'s (config, hardware figures, NVMe budget), every flag checked: one line for what cannot be planned."""
-    import math
-    import shutil
-
-    from .config import load_config
-    from .plan.hardware import REFERENCE, HardwareSpec, local_gpu, this_machine
-
-    for flag, v in (("--host-gb", host_gb), ("--gpu-gb", gpu_gb), ("--nvme-gb", nvme_gb)):
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise UserError(f"{flag} {v:g}: pass a finite number of GB, 0 or more")
-    if chart and not Path(chart).absolute().parent.is_dir():
-        raise UserError(
-            f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "
-            "or pass a file in an existing directory"
-        )
-    sets = [
-        *overrides,
-        *[f"train.batch_size={batch_size}"] * bool(batch_size),
-        *[f"train.seq_len={seq_len}"] * bool(seq_len),
-    ]
-    if batch_size:  # the config's micro-batch may not divide it: the planner chooses
-        sets.append('train.micro_batch_size="auto"')
-    cfg = load_config(config_path, sets)
-    gpu = None if hardware else local_gpu()  # by default, plan for this machine as `run` will
-    hw = (
-        HardwareSpec.load(hardware)
-        if hardware not in (None, "reference")
-        else this_machine(gpu)
-        if gpu
-        else REFERENCE
-    )
-    if nvme_dir and nvme_gb is None:
-        try:
-            nvme_gb = shutil.disk_usage(nvme_dir).free / 1e9
-        except OSError as e:
-            raise UserError(f"--nvme-dir {nvme_dir}: {e.strerror}") from None
-    if cfg.train.batch_size % gpus:
-        raise UserError(
-            f"train.batch_size {cfg.train.batch_size} does not split over {gpus} GPUs: pass a "
-            f"--batch-size that is a multiple of {gpus}"
-        )
-    return cfg, hw, nvme_gb
 
 
 @main.command()

@@ -21,6 +21,7 @@ from .sections import (
     Auto,
     CheckpointConfig,
     DataConfig,
+    HardwareConfig,
     OptimConfig,
     TiersConfig,
     TrainConfig,
@@ -38,6 +39,7 @@ SECTIONS = {
     "optim": OptimConfig,
     "tiers": TiersConfig,
     "checkpoint": CheckpointConfig,
+    "hardware": HardwareConfig,
 }
 
 
@@ -49,6 +51,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
 
     def validate(self) -> "Config":
         for name in SECTIONS:
@@ -58,8 +61,9 @@ class Config:
             "train",
             "seq_len",
             self.train,
-            f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); "
-            "lower train.seq_len or raise model.max_position_embeddings",
+            f"exceeds model.max_position_embeddings ({self.model.max_position_embeddings}); lower "
+            f"train.seq_len, or lift the limit with a rope scaling that stretches the positions to it: "
+            + position_lift(self.model, self.train.seq_len),
         )
         _need(  # qwen2 and qwen3 place their windows by max_window_layers, which tiertrain does not implement
             self.model.model_type not in ("qwen2", "qwen3")
@@ -93,6 +97,30 @@ class Config:
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+
+def position_lift(spec: ModelSpec, n: int) -> str:
+    """The `--set` values that let `spec` train sequences of `n` tokens: max_position_embeddings raised to `n`, and
+    llama3's rope scaling (the one tiertrain implements) stretching the positions the model was trained with (its
+    original context, or its whole one without a scaling) by the factor that reaches `n`."""
+    rs = dict(spec.rope_scaling or {})
+    if rs.get("rope_type", rs.get("type", "default")) != "llama3":
+        rs = {
+            "factor": 1.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": spec.max_position_embeddings,
+        }
+    old = rs["original_max_position_embeddings"]
+    table = {
+        "rope_type": "llama3",
+        "factor": float(max(rs["factor"], math.ceil(n / old))),
+        "low_freq_factor": float(rs["low_freq_factor"]),
+        "high_freq_factor": float(rs["high_freq_factor"]),
+        "original_max_position_embeddings": old,
+    }
+    inline = ", ".join(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in table.items())
+    return f"--set model.max_position_embeddings={n} --set 'model.rope_scaling={{{inline}}}'"
 
 
 PATHS = (

@@ -6,28 +6,7 @@ import json
 import os
 from pathlib import Path
 
-# dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, for MFU
-BF16_PEAK = {
-    "H200": 989.4,
-    "H100 SXM": 989.4,
-    "H100 80GB HBM3": 989.4,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "A100": 312.0,
-    "L40S": 362.1,
-    "GH200": 989.4,
-    "B200": 2250.0,
-}
-
-
-def bf16_peak_tflops(device) -> float | None:
-    """The GPU's dense bf16 peak (None: a CPU, or a GPU not listed)."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in BF16_PEAK.items() if k in name), None)
+from .sizes import num
 
 
 def human_bytes(n: float) -> str:
@@ -58,8 +37,8 @@ def progress_line(rec: dict, total_steps: int, eta_s: float | None) -> str:
         f"step {rec['step']}/{total_steps}  loss {rec['loss']:.4f}  "
         + (f"val {rec['val_loss']:.4f}  " if "val_loss" in rec else "")
         + f"lr {rec['lr']:.2e}  "
-        f"|g| {rec['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s  "
-        f"{rec['model_tflops']:.2f} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}"
+        f"|g| {rec['grad_norm']:.3f}  {num(rec['tokens_per_s'])} tok/s  "
+        f"{num(rec['model_tflops'])} TFLOP/s  ETA {format_duration(eta_s) if eta_s is not None else 'after the next step'}"
     )
 
 
@@ -162,7 +141,7 @@ def run_summary(records: list[dict]) -> list[str]:
     out = [
         f"{len(records)} steps (up to step {records[-1]['step']}), {records[-1]['tokens']:,} tokens; loss "
         f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
-        f"median step {med('step_s'):.3f} s: {med('tokens_per_s'):,.0f} tokens/s, {med('model_tflops'):.1f} "
+        f"median step {med('step_s'):.3f} s: {num(med('tokens_per_s'))} tokens/s, {num(med('model_tflops'))} "
         "model TFLOP/s" + (f", MFU {med('mfu'):.1%}" if any("mfu" in r for r in steady) else ""),
     ]
     split = [

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .modes import Kind
-from .plan.hardware import PROBE_FILE, TORCH_COPIES, HardwareSpec, this_machine
+from .plan.gpus import named, this_machine
+from .plan.hardware import PROBE_FILE, TORCH_COPIES, HardwareSpec
 from .tiers.placement import CK_PIECE_BYTES
 
 ATTENTION_SHAPE = (
@@ -29,23 +30,27 @@ def run_hardware(
     model=None,
     dtype: str = "bfloat16",
     wanted="auto",
+    gpu: str = "",
 ) -> HardwareSpec:
-    """The figures a run on `device` (a torch.device) plans with. On a GPU: plan.hardware.this_machine (the probe
-    file `path`, else probe's default file, else the reference's rates with this machine's GPU memory and RAM),
-    its attention kernels those that run `model` (a ModelSpec) in `dtype` here (attention_here; `wanted`: the
-    config's train.attention); on a CPU: HardwareSpec.cpu. With torch's host AdamW (optim.host_kernel), an
-    update into copies copies first."""
+    """The figures a run on `device` (a torch.device) plans with. On a GPU: plan.gpus.this_machine (the probe
+    file `path`, else probe's default file, else the figures of the GPU `gpu` names ([hardware] gpu) or of this
+    GPU's own name, else the reference's rates; with this machine's GPU memory and RAM), its attention kernels
+    those that run `model` (a ModelSpec) in `dtype` here (attention_here; `wanted`: the config's
+    train.attention); on a CPU: HardwareSpec.cpu (`gpu` checked, unused). With torch's host AdamW
+    (optim.host_kernel), an update into copies copies first."""
     import psutil
 
     from .optim import kernel
 
+    if gpu:
+        named(gpu)  # an unknown name: one line listing the known ones, before anything is allocated
     if device.type != "cuda":
         hw = HardwareSpec.cpu(psutil.virtual_memory().total / 1e9, os.cpu_count() or 1)
     else:
         import torch
 
         props = torch.cuda.get_device_properties(device)
-        hw = this_machine((props.name, props.total_memory / 1e9), path)
+        hw = this_machine((props.name, props.total_memory / 1e9), path, gpu)
     if model is not None:
         hw = attention_here(hw, device, model, dtype, wanted, path is not None or PROBE_FILE.is_file())
     return dataclasses.replace(hw, **TORCH_COPIES) if kernel.wanted(host_kernel) is None else hw

@@ -297,6 +297,18 @@ class CheckpointConfig:
         _need(self.state in SAVED_STATES, "checkpoint", "state", self, f"must be one of {_q(SAVED_STATES)}")
 
 
+@dataclass
+class HardwareConfig:
+    # a named GPU (`tiertrain plan --gpu` lists them: h100, a100-80gb, ...) whose published figures a run plans with
+    # when no probe file measured the machine; "": the figures of the GPU the run finds (its name's entry)
+    gpu: str = ""
+
+    def validate(
+        self,
+    ) -> None:  # the name is checked against the planner's table where the figures are chosen
+        pass
+
+
 def _auto_or(v: object, least: float) -> bool:
     """`v` is "auto" or a number of at least `least`."""
     return v == AUTO or v >= least

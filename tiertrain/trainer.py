@@ -19,14 +19,16 @@ from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, DataError
-from .metrics import bf16_peak_tflops, human_bytes, human_count, tensorboard_writer
+from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.docs import Docs
 from .model.hf import HFReader, open_weights, spec_from_hf
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
+from .plan.gpus import from_smi
 from .rows import IGNORE
 from .sections import fixed
+from .sizes import num
 from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
@@ -34,6 +36,14 @@ from .tiers.slab import Shard, SlabLayout
 def trained(targets) -> int:
     """How many targets of a batch train (at least one: a batch's loss divides by it)."""
     return max(1, int((targets != IGNORE).sum()))
+
+
+def bf16_peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 tensor-core peak of the datasheet (plan.gpus), for MFU; None for a GPU the table lacks."""
+    if device.type != "cuda":
+        return None
+    got = from_smi(torch.cuda.get_device_name(device))
+    return got.bf16_peak if got else None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -430,13 +440,13 @@ class Trainer:
             ),
             *(
                 [
-                    f"plan: step {pr.step_s:.2f} s"
+                    f"plan: step {num(pr.step_s)} s"
                     + (
-                        f" ({pr.clipped_step_s:.2f} s while the global norm clips: then nothing speculates)"
+                        f" ({num(pr.clipped_step_s)} s while the global norm clips: then nothing speculates)"
                         if pr.clipped_step_s > pr.step_s * 1.005
                         else ""
                     )
-                    + f", {pr.tokens_per_s:,.0f} tok/s, bottleneck "
+                    + f", {num(pr.tokens_per_s)} tok/s, bottleneck "
                     f"{pr.bottleneck}, GPU {self.plan.memory.gpu.total / 1e9:.1f} GB ({self.plan.hardware})"
                 ]
                 if self.predicts

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..modes import Update
+from ..sizes import budget
 from .hardware import HardwareSpec
-from .memory import PROCESS_GB, least_host_of
+from .memory import least_host_of
 from .planner import evaluate, plan, resident_room, settled, spare_gb
 from .values import Budgets, Choice, Job, Miss, Plan, Report, Short
 
@@ -27,7 +28,7 @@ def explain(
     rp = p.run_plan
     chosen = replace(budgets, resident_gb=rp.resident_gb)  # "auto" settled
     layers, params = largest(job, p, budgets, hw)
-    seq, bound = longest(job, p, budgets, hw)
+    seq, bound, budgets_seq = longest(job, p, budgets, hw)
     least = 0.0
     if budgets.nvme_gb:  # the least host budget of this choice
         exact = Choice(
@@ -40,7 +41,8 @@ def explain(
             keep=0,
         )
         least = least_host_of(job, exact, chosen, hw)
-    return replace(p, report=Report(tuple(advice(job, p, chosen, hw)), layers, params, seq, bound, least))
+    found = Report(tuple(advice(job, p, chosen, hw)), layers, params, seq, bound, least, budgets_seq)
+    return replace(p, report=found)
 
 
 def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
@@ -52,8 +54,8 @@ def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
         need = (mem.host_total / 1e9 + sum(mem.nvme.values()) / 1e9 - mem.ring / 1e9) * ranks
         tries.append(
             (
-                f"+{need - (budgets.host_gb or hw.host_ram_gb - PROCESS_GB):.0f} GB host RAM "
-                "(NVMe traffic gone)",
+                f"--host-gb {budget(need * 1e9)}, {need - (budgets.host_gb or hw.host_ram_gb):,.0f} GB more host "
+                "RAM (NVMe traffic gone)",
                 replace(budgets, host_gb=need),
             )
         )
@@ -127,13 +129,17 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
     return False, ", ".join(sorted(set(short), key=("GPU", "host", "NVMe").index))
 
 
-def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, str]:
-    """The longest sequence, in multiples of 1024 tokens, that one sequence per step (batch 1) can train with
-    under these budgets (binary search up to LONGEST_SEQ), and the budgets the next 1024 tokens miss
-    ("GPU": its memory for the working set and activations; "host"; "NVMe"; comma-separated)."""
+def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, str, int]:
+    """The longest sequence that one sequence per step (batch 1) can train with: the budgets' longest, in multiples
+    of 1024 tokens (binary search up to LONGEST_SEQ), within the model's positions (max_position_embeddings);
+    what bounds it (the budgets the next 1024 tokens miss, comma-separated: "GPU": its memory for the working set
+    and activations; "host"; "NVMe"; or "positions"); and the budgets' longest."""
 
     def fits(n: int) -> tuple[bool, str]:
         return _fits(replace(job, batch=job.gpus, seq_len=n * 1024), p, 1, budgets, hw)  # one row per rank
 
     n, cap = _most(lambda n: fits(n)[0], 1, LONGEST_SEQ // 1024), LONGEST_SEQ // 1024
-    return n * 1024, "" if n == cap else fits(n + 1)[1]
+    positions = job.spec.max_position_embeddings
+    if positions < n * 1024:
+        return positions, "positions", n * 1024
+    return n * 1024, "" if n == cap else fits(n + 1)[1], n * 1024

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -18,6 +17,11 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..modes import ATTENTION_KERNELS
 
+# the process on a CPU: Python, torch, the host AdamW kernel and the NVMe tier's libraries loaded, beside the
+# plan's bytes (the device's buffers and activations counted with them): the debug model's run peaks at 0.43 GB
+# of RSS with 17 MiB of state and buffers, so about 0.4 GB, with a margin (test_nvme.py's
+# test_peak_rss_stays_under_the_budget bounds a run by it)
+CPU_PROCESS_GB = 0.5
 # torch's fused kernel into copies: a copy, then the kernel in place; its rate / the rate in place (2.05-2.23
 # / 3.83-4.26 G params/s on the H200 host, bench/results/2026-11-22-H200-host-adam-out-of-place.md) and the
 # copy's 12 B per parameter of DRAM traffic
@@ -109,6 +113,10 @@ class HardwareSpec:
     # figures for H100/H200 NVLink 4 (450 GB/s a direction, NCCL reaches about two thirds) and 200 Gb/s links
     peer_gbs: float = 300.0
     network_gbs: float = 25.0
+    # host memory of the process itself, beside what the plan places (Python, torch, the CUDA context, allocator
+    # slack): part of --host-gb. On a GPU, runs under --host-gb 100 and 110 peaked at 101 and 113 GB of RSS with
+    # the budget all the state's (bench/results/2026-11-24-issue24-beyond-gpu.md); HardwareSpec.cpu: a CPU's
+    process_gb: float = 3.0
     source: str = "reference: H200 machines, 2026-11-22 (bench/results/2026-11-22-H200-llama3b-pieces-*.json)"
 
     @classmethod
@@ -131,6 +139,7 @@ class HardwareSpec:
             compute_efficiency=1.0,
             unified=True,
             attention_tflops={},
+            process_gb=CPU_PROCESS_GB,
             source="this CPU (rough figures: on a CPU the plan's times are not predictions)",
         )
 
@@ -251,25 +260,3 @@ def local_gpu() -> tuple[str, float] | None:
         return name.strip(), float(mib) * 2**20 / 1e9
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):  # a driver that does not answer
         return None
-
-
-def this_machine(gpu: tuple[str, float], path: str | Path | None = None) -> HardwareSpec:
-    """The figures a machine with this GPU (name, GB) plans with: the probe file `path`, else the one `tiertrain
-    probe` saves by default if there is one, else the reference's rates with this machine's RAM and cores; with
-    this GPU's memory either way (a probe file may come from another machine)."""
-    import psutil
-
-    if path is None and PROBE_FILE.is_file():
-        path = PROBE_FILE
-    if path:
-        return replace(HardwareSpec.load(path), gpu_mem_gb=gpu[1])
-    ram = psutil.virtual_memory().total / 1e9
-    return replace(
-        REFERENCE,
-        gpu=gpu[0],
-        gpu_mem_gb=gpu[1],
-        host_ram_gb=ram,
-        cpu_count=os.cpu_count() or 1,
-        source=f"reference rates (no probe file: `tiertrain probe` measures this machine), with this "
-        f"machine's {gpu[0]} ({gpu[1]:.1f} GB) and {ram:.0f} GB of RAM",
-    )

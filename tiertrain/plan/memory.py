@@ -29,8 +29,11 @@ from .runplan import WIDTH, RunPlan
 from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
 from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
 
-PROCESS_GB = 3.0  # host memory of the process itself (Python, torch, the CUDA context): not in budgets
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
+
+
+# the budget a miss is short of, by name
+TIER = {Short.GPU: "GPU", Short.HOST: "host", Short.RING: "host", Short.COPIES: "host", Short.NVME: "NVMe"}
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,38 @@ class Shape:
 
     source: str  # the figures the plan is made with (HardwareSpec.source)
 
-    def miss(self, short: Short, why: str, memory: Memory, least: float = 0.0) -> Miss:
-        return Miss(self.job, self.run_plan, short, why, memory, self.source, self.job.ranks_per_host, least)
+    @property
+    def host_given(self) -> float:
+        """The host budget in --host-gb's terms: the host's, as given (else its RAM)."""
+        given = self.given.host_gb
+        return (given if given is not None else self.hw.host_ram_gb * self.job.ranks_per_host) * 1e9
+
+    @property
+    def beside(self) -> float:
+        """Host bytes --host-gb holds beside what the plan places there: the processes' own (one per rank), and on a
+        device that computes in the host's memory its buffers and activations."""
+        return self.host_given - self.host_budget * self.job.ranks_per_host
+
+    def miss(
+        self, short: Short, why: str, memory: Memory, least: float = 0.0, need: float = 0.0, have: float = 0.0
+    ) -> Miss:
+        """The Miss of this choice; `need` and `have`: the short budget's bytes needed and held (see Miss)."""
+        demand = self.demand(memory) | ({TIER[short]: (need, have)} if need else {})
+        n = self.job.ranks_per_host
+        return Miss(
+            self.job, self.run_plan, short, why, memory, self.source, n, least, need, have, frozen(demand)
+        )
+
+    def demand(self, memory: Memory) -> dict[str, tuple[float, float]]:
+        """Each budget's (bytes needed as far as `memory` got, bytes it holds): the GPU's (one rank's, its usable
+        part), the host's once placed, the disk's where there is an NVMe tier."""
+        n, nvme = self.job.ranks_per_host, self.given.nvme_gb
+        out = {"GPU": (memory.gpu.total, self.gpu_budget)}
+        if memory.process:
+            out["host"] = ((memory.host_total - memory.process) * n + self.beside, self.host_given)
+        if nvme:
+            out["NVMe"] = ((sum(memory.nvme.values()) + memory.nvme_checkpoints) * n, nvme * 1e9)
+        return out
 
 
 def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape:
@@ -92,7 +125,8 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
     # a forward again
     big = tokens > TILE and WORK_FF * spec.mlp_width * tokens > MLP_SHARE * gpu_budget
     tile = (TILE if big else 0) if choice.tile is None else choice.tile
-    host_budget = (share.host_gb if share.host_gb is not None else mine.host_ram_gb - PROCESS_GB) * 1e9
+    # --host-gb is the whole process's: its own memory (Python, torch, the CUDA context) comes out of it
+    host_budget = ((share.host_gb if share.host_gb is not None else mine.host_ram_gb) - mine.process_gb) * 1e9
     rp = RunPlan(
         choice.micro,
         choice.stream,
@@ -151,13 +185,23 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> 
     if isinstance(got, Miss):
         return got
     mem, host_ck = got
+    if (
+        s.hw.unified
+    ):  # the device computes in the host's memory: its buffers and activations come out of --host-gb
+        s = replace(s, host_budget=s.host_budget - mem.gpu.total)
     got = _host_and_disk(s, mem, host_ck)
     if isinstance(got, Miss):
         return got
     mem, where = got
     mem = _kept(s, mem, where)
     if mem.gpu.total > s.gpu_budget:
-        return s.miss(Short.GPU, f"GPU: needs {gb(mem.gpu.total)} of {gb(s.gpu_budget)} usable", mem)
+        return s.miss(
+            Short.GPU,
+            f"GPU: needs {gb(mem.gpu.total)} of {gb(s.gpu_budget)} usable",
+            mem,
+            need=mem.gpu.total,
+            have=s.gpu_budget,
+        )
     room = s.host_budget - sum(mem.host.values()) - mem.ring - host_ck
     in_ram = [u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident]
     return mem, Fit(s, where, in_ram, room)
@@ -218,22 +262,9 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
     host's, for its ranks)."""
     numels, kb, per_host, nvme_on = s.numels, s.kb, s.job.ranks_per_host, bool(s.budgets.nvme_gb)
     where, ring, total = place_within(numels, kb, s.host_budget, host_ck, host_cost)
-    if total > s.host_budget and not nvme_on:
-        return s.miss(
-            Short.HOST,
-            f"host: the state needs {gb(total * per_host)} and the budget is "
-            f"{gb(s.host_budget * per_host)}; raise --host-gb or give an NVMe tier (--nvme-gb)",
-            mem,
-        )
-    if where is None:
-        need = least_host(numels, kb, host_ck, host_cost) * per_host
-        return s.miss(
-            Short.RING,
-            f"host: {gb(s.host_budget * per_host)} cannot hold even the buffers of a spilled "
-            f"run; raise --host-gb to at least {budget(need)}",
-            mem,
-            need,
-        )
+    short = _host_short(s, mem, total, where is None, host_ck)
+    if short is not None:
+        return short
     nvme, placement, bwd_reads = _tally(s, where)
     ck_disk = mem.checkpoints[Home.NVME] * ck_disk_bytes(
         s.choice.micro * s.job.seq_len * s.job.spec.hidden_size * WIDTH[s.job.activation_dtype],
@@ -246,7 +277,7 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
         placement=frozen(placement),
         ring=ring,
         host_checkpoints=host_ck,
-        process=PROCESS_GB * 1e9,
+        process=s.hw.process_gb * 1e9,
         nvme_checkpoints=ck_disk,
         nvme_bwd_reads=bwd_reads,
         nvme_ahead=read_ahead_bytes(numels, kb, where),
@@ -260,11 +291,40 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
         )
         return s.miss(
             Short.NVME,
-            f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is "
-            f"{s.given.nvme_gb:g}; raise --nvme-gb or --host-gb",
+            f"NVMe: {what} {gb(disk * per_host)} on disk and --nvme-gb is {s.given.nvme_gb:g}; raise "
+            f"--nvme-gb to {budget(disk * per_host)}",
             mem,
+            need=disk * per_host,
+            have=s.given.nvme_gb * 1e9,
         )
     return mem, where
+
+
+def _host_short(s: Shape, mem: Memory, total: float, unplaced: bool, host_ck: float) -> Miss | None:
+    """The miss of a host that cannot hold the state (`total` bytes, a rank's) with no NVMe tier, or even a spilled
+    run's buffers (`unplaced`); in --host-gb's terms: the processes' own memory in it."""
+    per_host = s.job.ranks_per_host
+    proc = (
+        f"the process and the device's working set ({gb(s.beside)}: the device computes in host memory)"
+        if s.hw.unified
+        else f"the process's own {s.hw.process_gb:g} GB"
+        + (f" on each of {per_host} ranks" if per_host > 1 else "")
+    )
+    if total > s.host_budget and not s.budgets.nvme_gb:
+        need = total * per_host + s.beside
+        why = (
+            f"host: the state needs {gb(need)} with {proc}, and --host-gb is {gb(s.host_given)}; raise "
+            f"--host-gb to {budget(need)} or give an NVMe tier (--nvme-gb)"
+        )
+        return s.miss(Short.HOST, why, mem, need=need, have=s.host_given)
+    if unplaced:
+        need = least_host(s.numels, s.kb, host_ck, host_cost) * per_host + s.beside
+        why = (
+            f"host: {gb(s.host_given)} cannot hold even the buffers of a spilled run beside {proc}; raise "
+            f"--host-gb to at least {budget(need)}"
+        )
+        return s.miss(Short.RING, why, mem, need, need=need, have=s.host_given)
+    return None
 
 
 def _tally(s: Shape, where: dict) -> tuple[dict, dict, int]:
@@ -291,7 +351,7 @@ def least_host_of(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) 
         return got.least_host
     mem, fit = got
     s = fit.shape
-    return least_host(s.numels, s.kb, mem.host_checkpoints, host_cost) * job.ranks_per_host
+    return least_host(s.numels, s.kb, mem.host_checkpoints, host_cost) * job.ranks_per_host + s.beside
 
 
 def _kept(s: Shape, mem: Memory, where: dict) -> Memory:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from ..modes import Home
-from ..sizes import gb
+from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, gpu_updated
 from ..tiers.slab import host_cost
 from .hardware import HardwareSpec
@@ -91,12 +91,20 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     if not fixed.activations and (budgets.nvme_gb or not any(c.fits for c in cands)):
         cands += [choice(m, s, "split") for m in micros or [rows] for s in streams]
     ok = [c for c in cands if c.fits]
-    if not ok:  # the miss to report: one the GPU holds, if any, so its reason names the budget to raise;
-        # of those short of host memory with an NVMe tier, the one that needs the least
-        return min(cands, key=lambda c: (c.why.startswith("GPU"), c.least_host))
+    if (
+        not ok
+    ):  # the miss to report: one short of the fewest budgets (as far as it got), and of those one the GPU
+        # holds, if any, so its reason names the budget to raise; of those short of host memory with an NVMe tier,
+        # the one that needs the least; then the one least short
+        return min(cands, key=lambda c: (_shorts(c), c.short == Short.GPU, c.least_host, c.need - c.have))
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.memory.gpu.total))
+
+
+def _shorts(m: Miss) -> int:
+    """How many budgets a miss needs more of, as far as it got."""
+    return sum(need > have for need, have in m.demand.values())
 
 
 def settled(fixed: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Choice, Budgets]:
@@ -174,14 +182,20 @@ def update_search(job: Job, choice: Choice, mem: Memory, fit: Fit) -> Candidate 
     if best is not None:
         return best
     if short is not None:
+        need = (s.host_budget + short) * job.ranks_per_host + s.beside
         return s.miss(
             Short.COPIES,
-            f"host: the copies of the speculative update need {gb(short)} more than the "
-            "budget; raise --host-gb or lower optim.speculate_units",
+            f"host: the copies of the speculative update need {gb(short * job.ranks_per_host)} more than "
+            f"--host-gb holds; raise --host-gb to {budget(need)} or lower optim.speculate_units",
             mem,
-            (s.host_budget + short) * job.ranks_per_host,
+            need,
+            need=need,
+            have=s.host_given,
         )
-    return s.miss(Short.GPU, f"GPU: needs {gb(mem.gpu.total + sets)} of {gb(s.gpu_budget)} usable", mem)
+    need = mem.gpu.total + sets
+    return s.miss(
+        Short.GPU, f"GPU: needs {gb(need)} of {gb(s.gpu_budget)} usable", mem, need=need, have=s.gpu_budget
+    )
 
 
 def _speculation(

@@ -5,14 +5,69 @@ from __future__ import annotations
 import json
 import math
 
+from ..config import position_lift
 from ..modes import Home, Update, by_value
-from ..sizes import budget
+from ..sizes import budget, gb, num
 from .advice import LARGEST_LAYERS
 from .values import Miss, Plan, Report
+
+# the prediction's links (Prediction.times' keys, kept in the JSON) in a user's words
+LINKS = {
+    "compute fwd": "GPU compute, forward pass",
+    "compute bwd": "GPU compute, backward pass (recompute included)",
+    "H2D fwd": "copies to the GPU, forward pass",
+    "D2H fwd": "copies from the GPU, forward pass",
+    "PCIe both fwd": "copies both ways at once, forward pass",
+    "H2D bwd": "copies to the GPU, backward pass",
+    "D2H": "gradients from the GPU, backward pass",
+    "PCIe both bwd": "copies both ways at once, backward pass",
+    "peer fwd": "GPU-to-GPU all-gathers, forward pass",
+    "peer bwd": "GPU-to-GPU all-gathers and reduce-scatters, backward pass",
+    "NVMe read": "NVMe reads beside the forward pass",
+    "NVMe write": "NVMe writes beside the forward pass",
+    "NVMe": "NVMe reads and writes beside the forward pass",
+    "NVMe bwd": "NVMe reads and writes, backward pass",
+    "NVMe checkpoints fwd": "activation checkpoints written to NVMe, forward pass",
+    "host AdamW": "host AdamW after the gradient norm",
+    "host AdamW bwd": "host AdamW speculated in the backward pass",
+    "host DRAM fwd": "host memory bandwidth, forward pass and update",
+    "host DRAM bwd": "host memory bandwidth, backward pass",
+    "exposed update": "update not hidden by the forward pass",
+}
+# the state's kinds (their JSON names) in a user's words
+KINDS = {
+    "weights": "bf16 weights (the copy that streams)",
+    "master": "fp32 master weights",
+    "exp_avg": "Adam first moment",
+    "exp_avg_sq": "Adam second moment",
+    "grad": "fp32 gradients",
+}
+BUDGETS = {"GPU": "GPU memory (usable part)", "host": "host memory (--host-gb)", "NVMe": "NVMe (--nvme-gb)"}
 
 
 def _gb(n: float) -> str:
     return f"{n / 1e9:,.1f} GB"
+
+
+def tier_bars(p: Plan) -> dict[str, dict[str, float]]:
+    """Each tier's bytes by part, in a user's words (the chart's bars): the state's kinds, the host's other bytes,
+    the activation checkpoints on NVMe beside the state there, the GPU's parts."""
+    mem = p.memory
+    fixed = {"the process itself" if k == "process" else k: v for k, v in mem.host_fixed().items()}
+    return {
+        "host": {**{KINDS.get(k.value, k.value): b for k, b in mem.host.items()}, **fixed},
+        "NVMe": {
+            **{KINDS.get(k.value, k.value): b for k, b in mem.nvme.items()},
+            **({"activation checkpoints": mem.nvme_checkpoints} if mem.nvme_checkpoints else {}),
+        },
+        "GPU": mem.gpu.table(),
+    }
+
+
+def links(p: Plan) -> dict[str, float]:
+    """The predicted seconds per link in a user's words, those of GPU-to-GPU links only with several GPUs."""
+    several = p.run_plan.gpus > 1
+    return {LINKS.get(k, k): v for k, v in p.prediction.times.items() if several or not k.startswith("peer")}
 
 
 def plan_dict(p: Plan | Miss) -> dict:
@@ -67,16 +122,35 @@ def plan_dict(p: Plan | Miss) -> dict:
         "largest_params": rep.largest_params,
         "longest_seq_len": rep.longest_seq_len,
         "longest_bound": rep.longest_bound,
+        "longest_budgets_seq_len": rep.longest_budgets,
         "hardware": p.hardware,
         "gpus": rp.gpus,
         "gpus_per_host": p.per_host,
         "units": [u.to_dict() for u in rp.units],
+        **({} if fits else _missed(p)),
     }
 
 
-def to_json(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
+def _missed(p: Miss) -> dict:
+    """A miss's keys: the short budget's bytes needed and held, every budget's, and the nearest plans that fit."""
+    return {
+        "need_bytes": p.need,
+        "budget_bytes": p.have,
+        "demand": {k: {"need_bytes": n, "budget_bytes": h} for k, (n, h) in p.demand.items()},
+        "nearest": [
+            {"args": list(n.args), "what": n.what, "step_s": n.step_s, "tokens_per_s": n.tokens_per_s}
+            for n in p.nearest
+        ],
+    }
+
+
+def to_json(p: Plan | Miss, one: Plan | Miss | None = None, chart: str | None = None) -> str:
+    """`tiertrain plan --format json`: plan_dict, the totals, with several GPUs the scaling against `one`, and the
+    path of the chart drawn (`chart`)."""
     d = plan_dict(p)
     d.update(host_total_bytes=p.memory.host_total, gpu_total_bytes=p.memory.gpu.total)
+    if chart:
+        d["chart"] = str(chart)
     if one is not None and p.run_plan.gpus > 1:
         d["scaling"] = {
             "one_gpu_tokens_per_s": one.prediction.tokens_per_s if one.fits else 0.0,
@@ -159,12 +233,12 @@ def to_markdown(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
         "",
     ]
     if not p.fits:
-        return "\n".join(out + [f"**Does not fit.** {p.why}", ""])
+        return "\n".join(out + miss_markdown(p))
     pr, mem = p.prediction, p.memory
     out += _ranks(p, one)
     out += [
-        f"**Fits.** Predicted step {pr.step_s:.2f} s: {pr.tokens_per_s:,.0f} tokens/s, "
-        f"{pr.model_tflops:.0f} model TFLOP/s; bottleneck: **{pr.bottleneck}**.",
+        f"**Fits.** Predicted step {num(pr.step_s)} s: {num(pr.tokens_per_s)} tokens/s, "
+        f"{num(pr.model_tflops)} model TFLOP/s; bottleneck: **{pr.bottleneck}**.",
         "",
         f"Micro-batch {rp.micro_batch}; "
         + (
@@ -194,11 +268,13 @@ def _memory(p: Plan) -> list[str]:
     for k in by_value(mem.placement):
         on = mem.placement[k]
         out.append(
-            f"| {k.value} | {_gb(mem.host.get(k, 0))} | {_gb(mem.nvme.get(k, 0))} | "
+            f"| {KINDS.get(k.value, k.value)} | {_gb(mem.host.get(k, 0))} | {_gb(mem.nvme.get(k, 0))} | "
             f"{on[Home.NVME]} of {on[Home.HOST] + on[Home.NVME]} |"
         )
     for k, v in mem.host_fixed().items():
-        out.append(f"| {k}{' (not in --host-gb)' if k == 'process' else ''} | {_gb(v)} | | |")
+        out.append(
+            f"| {'the process itself (Python, torch, the CUDA context)' if k == 'process' else k} | {_gb(v)} | | |"
+        )
     if mem.nvme_checkpoints:
         out.append(
             f"| activation checkpoints on NVMe | | {_gb(mem.nvme_checkpoints)} | {mem.checkpoints[Home.NVME]} of "
@@ -212,7 +288,8 @@ def _memory(p: Plan) -> list[str]:
         "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
         "optimizer's only), then gradients (written during the backward pass), and last the weights "
         "that stream (read twice a step); a unit whose ring buffers would cost more than its slabs "
-        "stays in RAM. Host slabs take whole pages."
+        "stays in RAM. Host slabs take whole pages. --host-gb is the process's whole host memory: the process's "
+        f"own {_gb(mem.process)} counts in it."
         + (
             f" With this NVMe tier the least --host-gb for this choice is {budget(p.least_host)}."
             if p.least_host
@@ -231,8 +308,8 @@ def _memory(p: Plan) -> list[str]:
 
 
 def _times(p: Plan) -> list[str]:
-    out = ["## Time per step (predicted)", "", "| link | seconds |", "| --- | --- |"]
-    out += [f"| {k} | {v:.3f} |" for k, v in p.prediction.times.items()]
+    out = ["## Time per step (predicted)", "", "| what | seconds |", "| --- | --- |"]
+    out += [f"| {k} | {num(v)} |" for k, v in links(p).items()]
     return out + [
         "",
         "step = backward + max(forward, update): the update needs the global gradient norm, so it "
@@ -254,18 +331,69 @@ def _findings(p: Plan) -> list[str]:
             "",
         ]
     if rep.longest_seq_len:
-        names = {"GPU": "GPU memory", "host": "host RAM", "NVMe": "the NVMe budget"}
-        bound = " and ".join(names[b] for b in rep.longest_bound.split(", ") if b in names)
+        out += [_longest(p), ""]
+    return out
+
+
+def _longest(p: Plan) -> str:
+    """The longest sequence, what bounds it, and past the model's positions what lifts them."""
+    rep = p.report
+    head = (
+        f"Longest sequence ({'batch 1' if p.run_plan.gpus == 1 else 'one per GPU'}) that fits these budgets: "
+    )
+    if rep.longest_bound == "positions":
+        return (
+            head
+            + f"{rep.longest_seq_len:,} tokens, bound by the model's positions (model.max_position_embeddings; "
+            f"the budgets hold {rep.longest_budgets:,}). A rope scaling lifts it: "
+            f"`{position_lift(p.job.spec, rep.longest_budgets)}`."
+        )
+    names = {"GPU": "GPU memory", "host": "host RAM", "NVMe": "the NVMe budget"}
+    bound = " and ".join(names[b] for b in rep.longest_bound.split(", ") if b in names)
+    return head + (
+        f"{rep.longest_seq_len:,} tokens, bound by {bound}."
+        if bound
+        else f"at least {rep.longest_seq_len:,} tokens."
+    )
+
+
+def miss_markdown(p: Miss) -> list[str]:
+    """A miss as a consultant answers it: the budget that falls short and by how much, each budget's demand, and
+    the nearest plans that fit on the same machine, each with its predicted step."""
+    out = [f"**Does not fit.** {p.why}", ""]
+    if p.need > p.have:
+        short = next((k for k, (n, h) in p.demand.items() if (n, h) == (p.need, p.have)), "")
         out += [
-            f"Longest sequence ({'batch 1' if p.run_plan.gpus == 1 else 'one per GPU'}) that fits these budgets: "
-            + (
-                f"{rep.longest_seq_len:,} tokens, bound by {bound}."
-                if bound
-                else f"at least {rep.longest_seq_len:,} tokens."
-            ),
+            f"Short of {BUDGETS.get(short, short)} by **{gb(p.need - p.have)}**: the plan needs {gb(p.need)}, "
+            f"the budget holds {gb(p.have)}.",
             "",
         ]
-    return out
+    if p.demand:
+        out += ["| budget | needed (as far as the plan got) | held |", "| --- | --- | --- |"]
+        out += [
+            f"| {v} | {_gb(p.demand[k][0])} | {_gb(p.demand[k][1])} |"
+            for k, v in BUDGETS.items()
+            if k in p.demand
+        ]
+        out += [""]
+    if not p.nearest:
+        return out + [
+            "No plan near this one fits these budgets (a smaller batch, sequence or micro-batch, checkpoints or "
+            "state on NVMe, bf16 checkpoints): raise the budget that falls short.",
+            "",
+        ]
+    out += [
+        "## Nearest plans that fit on this machine",
+        "",
+        "Each row's arguments, added to the same `tiertrain plan` command, make a plan that fits.",
+        "",
+        "| arguments | what changes | predicted step | tokens/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    out += [
+        f"| `{' '.join(n.args)}` | {n.what} | {num(n.step_s)} s | {num(n.tokens_per_s)} |" for n in p.nearest
+    ]
+    return out + [""]
 
 
 def _updates(p: Plan) -> str:
@@ -290,7 +418,7 @@ def _updates(p: Plan) -> str:
     how = (
         "kept when the global norm does not clip, redone when it does; the times below are those of a step "
         f"that does not clip (while the norm clips, as early in training, nothing speculates: "
-        f"{p.prediction.clipped_step_s:.2f} s a step)"
+        f"{num(p.prediction.clipped_step_s)} s a step)"
         if p.job.clipping
         else "in place: clipping is off, so there is nothing to undo"
     )

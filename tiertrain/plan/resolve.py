@@ -160,11 +160,12 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
         rest = [0 if u in resident else n for u, n in enumerate(numels)]
         acts = p.memory.checkpoints.get(Home.HOST, 0) * host_cost(p.run_plan.checkpoint_bytes(p.job.rows))
         total = (sum(host_cost(n * b) for n in rest for b in kb.values()) + acts) * p.per_host
-        least = least_host(rest, kb, acts, host_cost) * p.per_host
+        beside = p.need - total  # the processes' own memory (and a CPU's working set): --host-gb holds it too
+        least = least_host(rest, kb, acts, host_cost) * p.per_host + beside
         return (
-            f"the state needs {gb(total)} of host memory and --host-gb is {t.host_gb:g}: raise --host-gb to "
-            f"{budget(total)}, or pass --nvme-dir to spill part of it to disk (then --host-gb {budget(least)} "
-            "is the least)"
+            f"the state needs {gb(total)} of host memory and the process {gb(beside)} more, and --host-gb is "
+            f"{t.host_gb:g}: raise --host-gb to {budget(p.need)}, or pass --nvme-dir to spill part of it to "
+            f"disk (then --host-gb {budget(least)} is the least)"
         )
     if p.short == Short.RING:
         return (
@@ -217,7 +218,7 @@ def check_ram(
             + (f" ({gb(device)} of it the device's working set)" if device else "")
             + ": use a machine with more RAM, or a smaller model or batch"
         )
-    fit = f"{(avail * 0.9 - device) / 1e9:.3g}"  # a tenth left for the process itself
+    fit = f"{avail * 0.9 / 1e9:.3g}"  # --host-gb holds the process and the device's working set too
     spill = f"--host-gb {fit}" + ("" if nvme_dir else " --nvme-dir DIR (a directory on a fast disk)")
     if host_gb:
         raise ConfigError(

@@ -53,7 +53,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Budgets:
-    host_gb: float | None = None  # None: the machine's RAM less the process
+    host_gb: float | None = None  # the process's whole host memory, its own included; None: the machine's RAM
     gpu_gb: float | None = None  # None: the GPU's memory
     nvme_gb: float | None = None  # None: no NVMe tier; 0 is also none
     resident_gb: float | str = (
@@ -148,7 +148,7 @@ class Memory:
     ring: int = 0  # the staging ring
     host_checkpoints: int = 0  # activation checkpoints in RAM, and the ring of those on NVMe
     process: float = (
-        0.0  # the process itself (Python, torch, the CUDA context): not in --host-gb; 0: not placed
+        0.0  # the process itself (Python, torch, the CUDA context): part of --host-gb; 0: not placed
     )
     copies: int = 0  # the speculative updates' copies of master and moments
     nvme_checkpoints: int = 0  # disk bytes of the activation checkpoints on NVMe
@@ -193,8 +193,13 @@ class Report:
     largest_layers: int = 0
     largest_params: int = 0
     longest_seq_len: int = 0  # the longest sequence (batch 1) that fits these budgets
-    longest_bound: str = ""  # the budgets the next longer one misses: "GPU", "host", "NVMe", comma-separated
+    # the budgets the next longer one misses: "GPU", "host", "NVMe", comma-separated; or "positions": the model's
+    # max_position_embeddings, shorter than what the budgets hold
+    longest_bound: str = ""
     least_host: float = 0.0  # with an NVMe tier: the least host budget this choice could run in (bytes)
+    longest_budgets: int = (
+        0  # the longest sequence (batch 1) the budgets hold, whatever the model's positions
+    )
 
 
 @dataclass(frozen=True)
@@ -221,9 +226,21 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class Near:
+    """A plan that fits where one did not: the `tiertrain plan` arguments to add to the same command, in words, and
+    its prediction."""
+
+    args: tuple[str, ...]
+    what: str
+    step_s: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
 class Miss:
-    """A choice that does not fit: the budget it falls short of and why, the least host budget that would do
-    where that is what is short, and the memory as far as the plan got."""
+    """A choice that does not fit: the budget it falls short of and why, by how much (`need` against `have`), the
+    least host budget that would do where that is what is short, and the memory as far as the plan got. Host bytes
+    are in --host-gb's terms: the process's own included."""
 
     job: Job
     run_plan: RunPlan  # the choices, no units
@@ -233,5 +250,12 @@ class Miss:
     hardware: str
     per_host: int = 1
     least_host: float = 0.0
+    need: float = (
+        0.0  # bytes the short budget would have to hold (the host's for host memory); 0: not counted
+    )
+    have: float = 0.0  # bytes it holds (GPU: its usable part)
+    # budget -> (bytes needed as far as the plan got, bytes it holds): "GPU", "host", "NVMe" (where one is given)
+    demand: Mapping[str, tuple[float, float]] = _table()
+    nearest: tuple[Near, ...] = ()  # the nearest plans that fit (nearest.nearest; the report's)
 
     fits = False

@@ -1,0 +1,148 @@
+"""What `tiertrain plan` does: its flags checked and turned into the config, budgets and machine figures a plan is
+made with (as `run` plans), the plan, and for a miss the nearest plans that fit, each planned as the same command
+with its arguments added. Imports no torch."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class PlanCommand:
+    """The flags of one `tiertrain plan` command (None: not given)."""
+
+    config_path: str
+    overrides: tuple[str, ...] = ()
+    host_gb: float | None = None
+    gpu_gb: float | None = None
+    nvme_gb: float | None = None
+    nvme_dir: str | None = None
+    hardware: str | None = None
+    gpu: str | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    gpus: int = 1
+    per_host: int | None = None
+
+    @property
+    def name(self) -> str:
+        return Path(self.config_path).name.removesuffix(".toml")
+
+    def added(self, args: list[str]) -> PlanCommand:
+        """The same command with `args` added after its own, as click reads them: a flag given again takes the
+        last value, `--set` adds to the others (a later one wins)."""
+        changes, sets = {}, list(self.overrides)
+        flags = {
+            "--batch-size": ("batch_size", int),
+            "--seq-len": ("seq_len", int),
+            "--nvme-gb": ("nvme_gb", float),
+        }
+        for flag, value in zip(args[::2], args[1::2]):
+            if flag == "--set":
+                sets.append(value)
+            else:
+                key, kind = flags[flag]
+                changes[key] = kind(value)
+        return replace(self, overrides=tuple(sets), **changes)
+
+    def config(self):
+        """The config of the command: its file, its --set values, then --batch-size and --seq-len (which win over a
+        --set of the same key); --batch-size leaves the micro-batch to the plan unless a --set fixes it."""
+        from .config import load_config
+
+        b, s = self.batch_size, self.seq_len
+        sets = [
+            *['train.micro_batch_size="auto"'] * bool(b),  # the config's may not divide the batch
+            *self.overrides,
+            *[f"train.batch_size={b}"] * bool(b),
+            *[f"train.seq_len={s}"] * bool(s),
+        ]
+        cfg = load_config(self.config_path, sets)
+        if cfg.train.batch_size % self.gpus:
+            raise UserError(
+                f"train.batch_size {cfg.train.batch_size} does not split over {self.gpus} GPUs: pass a "
+                f"--batch-size that is a multiple of {self.gpus}"
+            )
+        return cfg
+
+    def nvme(self) -> float | None:
+        """The NVMe budget: --nvme-gb, else the free space of --nvme-dir, else none."""
+        if self.nvme_dir and self.nvme_gb is None:
+            try:
+                return shutil.disk_usage(self.nvme_dir).free / 1e9
+            except OSError as e:
+                raise UserError(f"--nvme-dir {self.nvme_dir}: {e.strerror}") from None
+        return self.nvme_gb
+
+    def figures(self, cfg):
+        """The machine's figures: a probe file (--hardware FILE), the reference (--hardware reference), a named GPU
+        (--gpu, else the config's [hardware] gpu) on the reference machine's host, or by default this machine as
+        `run` plans for it (the probe's default file, else the entry of the GPU nvidia-smi names, else the
+        reference). A named GPU's plan reads nothing of this machine: the same on every machine."""
+        from .plan.gpus import gpu_spec, this_machine
+        from .plan.hardware import REFERENCE, HardwareSpec, local_gpu
+
+        if self.hardware and self.gpu:
+            raise UserError(
+                f"--gpu {self.gpu} and --hardware {self.hardware}: pass one (--hardware: a probe's measured "
+                "figures or the reference machine; --gpu: a named GPU's published ones)"
+            )
+        if self.hardware:
+            return REFERENCE if self.hardware == "reference" else HardwareSpec.load(self.hardware)
+        if self.gpu or cfg.hardware.gpu:
+            how = f"--gpu {self.gpu}" if self.gpu else f"hardware.gpu = {cfg.hardware.gpu}"
+            return gpu_spec(self.gpu or cfg.hardware.gpu, how)
+        here = local_gpu()
+        return this_machine(here) if here else REFERENCE
+
+    def check(self, chart: str | None) -> None:
+        for flag, v in (("--host-gb", self.host_gb), ("--gpu-gb", self.gpu_gb), ("--nvme-gb", self.nvme_gb)):
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise UserError(f"{flag} {v:g}: pass a finite number of GB, 0 or more")
+        if chart and not Path(chart).absolute().parent.is_dir():
+            raise UserError(
+                f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "
+                "or pass a file in an existing directory"
+            )
+
+
+def plan_command(cmd: PlanCommand, chart: str | None = None):
+    """(the plan of `cmd` with its report, with the nearest plans that fit where it misses; the plan of one GPU at
+    the same batch, for several), every flag checked first: one line for what cannot be planned."""
+    from .plan.nearest import nearest
+    from .plan.resolve import search
+
+    cmd.check(chart)
+    cfg = cmd.config()
+    hw = cmd.figures(cfg)
+
+    def planned(c: PlanCommand, advise: bool = True, gpus: int | None = None):
+        per_host = c.per_host if gpus is None else None
+        return search(
+            c.config(),
+            hw,
+            c.host_gb,
+            c.gpu_gb,
+            c.nvme(),
+            c.name,
+            advise=advise,
+            gpus=gpus or c.gpus,
+            per_host=per_host,
+        )
+
+    def near(args: list[str]):
+        try:
+            return planned(cmd.added(args), False)
+        except UserError:  # arguments this config refuses: not a plan that fits
+            return None
+
+    p = planned(cmd)
+    one = planned(cmd, advise=False, gpus=1) if cmd.gpus > 1 else None
+    if not p.fits:
+        p = replace(p, nearest=nearest(cfg, bool(cmd.nvme()), near, cmd.gpus))
+    return p, one
