@@ -25,7 +25,6 @@ from tiertrain.model.reference import ReferenceLM
 from tiertrain.modes import Kind
 from tiertrain.optim.adamw import lr_at
 from tiertrain.plan.hardware import REFERENCE, TORCH_COPIES
-from tiertrain.sizes import budget
 from tiertrain.tiers.placement import RING_SLOTS, least_host
 from tiertrain.tiers.slab import host_cost
 
@@ -211,7 +210,9 @@ def least_gb(token_file) -> str:
     tr = Trainer(cfg)
     least = least_host([lay.numel for lay in tr.layouts], tr.kind_bytes(), 0, host_cost)
     tr.close()
-    return budget(least + beside_gb(cfg) * 1e9)
+    # unrounded: the process's memory makes it a GB or so, where rounding up to three digits would leave the tiny
+    # state room in RAM
+    return f"{least / 1e9 + beside_gb(cfg) + 1e-9:.9f}"
 
 
 def beside_gb(cfg, ranks: int = 1) -> float:

@@ -13,7 +13,6 @@ import zarr
 from conftest import beside_gb, cli, hf_dir, refused, stale_store, tiny, tiny_config
 from tiertrain.checkpoint import KINDS
 from tiertrain.plan.memory import slab_sizes as _layouts
-from tiertrain.sizes import budget
 from tiertrain.tiers.placement import kind_bytes, least_host
 from tiertrain.tiers.slab import Shard, SlabLayout, host_cost
 
@@ -140,7 +139,9 @@ def test_two_ranks_spilling_to_nvme_give_the_plain_bits(token_file, tmp_path):
     for i in range(4):
         stale_store(disk, spilled, f"tiertrain-spilled-{i}")
     train(token_file, plain, *deep, gpus=2)
-    r = train(token_file, spilled, *deep, "--host-gb", budget(least), "--nvme-dir", str(disk), gpus=2)
+    r = train(
+        token_file, spilled, *deep, "--host-gb", f"{least / 1e9 + 1e-9:.9f}", "--nvme-dir", str(disk), gpus=2
+    )
     assert "NVMe tier" in r.stdout
     assert losses(spilled) == losses(plain)
     assert all(np.array_equal(x, y) for x, y in zip(state(spilled, 6).values(), state(plain, 6).values()))
