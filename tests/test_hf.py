@@ -64,15 +64,22 @@ def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path)
 def test_imported_training_matches_transformers_and_adamw(case, token_file, tmp_path):
     hf_dir(case, tmp_path / "hf")
     cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=5")
+    trains_as_transformers(cfg, tmp_path, _load, Loss)
+
+
+def trains_as_transformers(cfg, tmp_path, load, loss) -> None:
+    """cfg's run of the model imported from tmp_path/hf, exported, against the reference loop (plain PyTorch, torch
+    AdamW) on the transformers model `load` gives, as `loss` wraps it: losses and norms within 1e-5 relative,
+    every weight within 1e-4."""
     tr = Trainer(cfg)
     got = [tr.train_step() for _ in range(cfg.train.steps)]
     tr.save_checkpoint(tmp_path / "run")
     tr.close()
     export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
-    ours = _load(tmp_path / "out")
+    ours = load(tmp_path / "out")
 
-    ref = _load(tmp_path / "hf").train()
-    losses, norms, _ = reference_train(cfg, None, "cpu", autocast=False, model=Loss(ref))
+    ref = load(tmp_path / "hf").train()
+    losses, norms, _ = reference_train(cfg, None, "cpu", autocast=False, model=loss(ref))
     for a, b in zip([r["loss"] for r in got], losses):
         assert a == pytest.approx(b, rel=1e-5)
     for a, b in zip([r["grad_norm"] for r in got], norms):

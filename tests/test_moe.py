@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from moe_cases import MOE, moe_model
+from test_hf import trains_as_transformers
 
-from conftest import reference_train, tiny_config
+from conftest import tiny_config
 from tiertrain.export import export_hf
 from tiertrain.trainer import Trainer
 
@@ -35,31 +36,12 @@ class MoELoss(torch.nn.Module):
         return ce + self.hf.config.router_aux_loss_coef * out.aux_loss * tgt.numel()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("case", sorted(MOE))
 def test_training_matches_transformers_and_adamw(case, token_file, tmp_path):
     """Several steps with micro-batches, clipping and the aux loss: losses within 1e-5, weights within 1e-4."""
     moe_model(case).save_pretrained(tmp_path / "hf")
     cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=4")
-    tr = Trainer(cfg)
-    got = [tr.train_step() for _ in range(cfg.train.steps)]
-    tr.save_checkpoint(tmp_path / "run")
-    tr.close()
-    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
-    ours = _load(tmp_path / "out")
-
-    ref = _load(tmp_path / "hf").train()
-    losses, norms, _ = reference_train(cfg, None, "cpu", autocast=False, model=MoELoss(ref))
-    for a, b in zip([r["loss"] for r in got], losses):
-        assert a == pytest.approx(b, rel=1e-5)
-    for a, b in zip([r["grad_norm"] for r in got], norms):
-        assert a == pytest.approx(b, rel=1e-5)
-    want = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        assert _rel(p.detach(), want[name].detach()) < 1e-4, name
+    trains_as_transformers(cfg, tmp_path, _load, MoELoss)
 
 
 @pytest.mark.gpu

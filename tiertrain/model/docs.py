@@ -20,12 +20,15 @@ from . import llama
 
 @functools.cache
 def _varlen():
-    """torch's variable-length flash attention (imported on first use on a GPU; None in a torch without it)."""
+    """torch's variable-length flash attention and what its signature takes (imported and read once, on first
+    use on a GPU; None in a torch without it): (the function, its causal switch, whether it takes GQA)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params  # enable_gqa: torch 2.12 on
 
 
 @dataclass(frozen=True)
@@ -66,17 +69,15 @@ class Docs:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention within each segment, over (B, heads, S, head_dim); k and v may have fewer heads."""
         b, h, s, d = q.shape
-        varlen_attn = (
-            _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d <= 256 else None
-        )
-        if varlen_attn is not None:
+        kernel = _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d <= 256 else None
+        if kernel is not None:
+            varlen_attn, causal, gqa = kernel
 
             def flat(x):
                 return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
 
-            params = inspect.signature(varlen_attn).parameters
-            kw = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}  # causal
-            if "enable_gqa" in params:  # torch 2.12 on
+            kw = dict(causal)
+            if gqa:
                 kw["enable_gqa"] = h != k.shape[1]
             elif h != k.shape[1]:  # an older torch's kernel takes as many key/value heads as query heads
                 k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))

@@ -111,6 +111,19 @@ def config_fields(spec: ModelSpec) -> dict:
     return c
 
 
+def _released_names(mt: str, p: str, what: str) -> tuple[str, tuple[str, ...]]:
+    """Block `p`'s fused tensor `what` (qwen's or mixtral's) in the released checkpoints: the name pattern of its
+    pieces ({e}: the expert, {w}: the part) and its parts in the fused tensor's row order; the router has one
+    piece and no parts."""
+    moe = p + ("block_sparse_moe." if mt == "mixtral" else "mlp.")
+    if what == "gate.weight":
+        return moe + "gate.weight", ()
+    gate_up = what == "experts.gate_up_proj"
+    if mt == "mixtral":
+        return moe + "experts.{e}.{w}.weight", ("w1", "w3") if gate_up else ("w2",)
+    return moe + "experts.{e}.{w}.weight", ("gate_proj", "up_proj") if gate_up else ("down_proj",)
+
+
 class MoEReader:
     """A model directory's tensors by tiertrain's (fused) names, whichever layout the directory holds."""
 
@@ -125,23 +138,8 @@ class MoEReader:
         p, what, mt = m.group(1), m.group(2), self.spec.model_type
         if mt == "gpt_oss":
             return [name + "_blocks", name + "_scales"]
-        if what == "gate.weight":
-            return [p + "block_sparse_moe.gate.weight" if mt == "mixtral" else name]
-        return [f"{p}{e}" for e in self._experts(p, what)]
-
-    def _experts(self, p: str, what: str) -> list[str]:
-        parts = {
-            ("mixtral", "experts.gate_up_proj"): ("w1", "w3"),
-            ("mixtral", "experts.down_proj"): ("w2",),
-        }.get((self.spec.model_type, what))
-        if parts is not None:
-            return [
-                f"block_sparse_moe.experts.{e}.{w}.weight"
-                for w in parts
-                for e in range(self.spec.num_experts)
-            ]
-        parts = ("gate_proj", "up_proj") if what == "experts.gate_up_proj" else ("down_proj",)
-        return [f"mlp.experts.{e}.{w}.weight" for w in parts for e in range(self.spec.num_experts)]
+        fmt, parts = _released_names(mt, p, what)  # each part's experts in turn
+        return [fmt.format(e=e, w=w) for w in parts for e in range(self.spec.num_experts)] if parts else [fmt]
 
     def check(self, names) -> None:
         self.reader.check(s for n in names for s in self.sources(n))
@@ -189,20 +187,10 @@ def released(spec: ModelSpec, tensors: Iterator[tuple[str, "torch.Tensor"]]):
         if m is None or mt == "gpt_oss":
             yield name, t
             continue
-        p, what = m.group(1), m.group(2)
-        if mt == "mixtral":
-            p_out = p + "block_sparse_moe."
-            if what == "gate.weight":
-                yield p_out + "gate.weight", t
-                continue
-            names = ("w1", "w3") if what == "experts.gate_up_proj" else ("w2",)
-            fmt = p_out + "experts.{e}.{w}.weight"
-        elif what == "gate.weight":
-            yield name, t
+        fmt, parts = _released_names(mt, m.group(1), m.group(2))
+        if not parts:
+            yield fmt, t
             continue
-        else:
-            names = ("gate_proj", "up_proj") if what == "experts.gate_up_proj" else ("down_proj",)
-            fmt = p + "mlp.experts.{e}.{w}.weight"
         for e in range(t.shape[0]):
-            for w, part in zip(names, t[e].chunk(len(names), dim=0)):
+            for w, part in zip(parts, t[e].chunk(len(parts), dim=0)):
                 yield fmt.format(e=e, w=w), part

@@ -84,17 +84,18 @@ def route(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> tuple[torch.Tenso
     """(the chosen experts (T, k), their routing weights (T, k) fp32) of tokens h (T, H)."""
     s = ctx.spec
     k = s.num_experts_per_tok
+    probs = None  # the softmax over every expert: qwen's and mixtral's routing, and the aux loss's statistics
     if s.model_type == "gpt_oss":
         logits = F.linear(h, w["mlp.router.weight"], w["mlp.router.bias"]).float()
         top, chosen = torch.topk(logits, k, dim=-1)
         weights = torch.softmax(top, dim=-1)
     else:
-        logits = F.linear(h, w["mlp.gate.weight"]).float()
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        probs = torch.softmax(F.linear(h, w["mlp.gate.weight"]).float(), dim=-1)
+        weights, chosen = torch.topk(probs, k, dim=-1)
         if s.norm_topk_prob or s.model_type == "mixtral":
             weights = weights / weights.sum(-1, keepdim=True)
     if ctx.router is not None:
-        ctx.router.observe(torch.softmax(logits, dim=-1), chosen)
+        ctx.router.observe(torch.softmax(logits, dim=-1) if probs is None else probs, chosen)
     return chosen, weights
 
 
