@@ -62,7 +62,13 @@ def batch(B: int, S: int, V: int, seed: int):
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    """This process's peak RSS. Linux's VmHWM, not ru_maxrss: exec carries the parent's peak into ru_maxrss, so a
+    worker started from a large process would report its parent's memory."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) * 1024 / 1e9
+    except (OSError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 def reference_model(spec, checkpointing: bool):

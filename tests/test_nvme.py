@@ -350,7 +350,9 @@ def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
 
 
 RSS_SCRIPT = r"""
-import resource, sys, tempfile
+import sys, tempfile
+def hwm():  # the peak RSS of this process's memory: ru_maxrss would carry pytest's own peak across exec
+    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 sys.path.insert(0, "tests")
 from conftest import beside_gb
 from tiertrain.config import load_config
@@ -367,13 +369,13 @@ if sys.argv[1] == "least":  # every slab on NVMe: the ring alone
     state_gb = least_host(numels, kind_bytes("float32", "master"), 0, host_cost) / 1e9 + 1e-6
 else:
     state_gb = float(sys.argv[1])
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = hwm()
 budget = state_gb + beside_gb(load_config(None, sets))  # --host-gb: the process and the CPU's working set too
 tr = Trainer(load_config(None, sets + [f"tiers.host_gb={budget}", f'tiers.nvme_dir="{tempfile.mkdtemp(dir=sys.argv[2])}"']))
 for _ in range(3):
     tr.train_step()
 tr.close()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = hwm()
 state = sum(lay.numel for lay in tr.layouts) * 16
 assert (state_gb > 0.3) == ({h.value for h in tr.run_plan.where().values()} != {"nvme"})
 print(budget, state_gb, tr.hw.process_gb, base, peak, state)

@@ -31,6 +31,10 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
     assert HardwareSpec.load(tmp_path / "hw.json") == hw
     with pytest.raises(ConfigError, match="tiertrain probe"):
         HardwareSpec.load(tmp_path / "missing.json")
+    data = json.loads((tmp_path / "hw.json").read_text())
+    (tmp_path / "odd.json").write_text(json.dumps({**data, "experts_speed": [0.4]}))
+    with pytest.raises(ConfigError, match="experts_speed = \\[0.4\\] must be two finite numbers"):
+        HardwareSpec.load(tmp_path / "odd.json")
     slow = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), hw)
     fast = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), REFERENCE)
     assert slow.prediction.step_s >= fast.prediction.step_s

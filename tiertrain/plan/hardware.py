@@ -201,7 +201,19 @@ class HardwareSpec:
         wrong = _bad_tables(data)
         if wrong:
             raise ConfigError(f"hardware file {p}: {wrong}; {fix}")
-        spec = cls(**{k: v for k, v in data.items() if k in known})
+        pairs = [k for k in data if k in known and isinstance(getattr(REFERENCE, k), tuple)]
+        bad = [
+            k
+            for k in pairs
+            if not (isinstance(data[k], list) and len(data[k]) == 2 and all(map(_number, data[k])))
+        ]
+        if bad:
+            raise ConfigError(
+                f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be two "
+                f"finite numbers, 0 or more; {fix}"
+            )
+        # JSON has no tuples: a pair comes back as the tuple the dataclass holds, so a saved spec loads equal
+        spec = cls(**{k: tuple(v) if k in pairs else v for k, v in data.items() if k in known})
         if "source" not in data:
             spec.source = f"probe file {p}"
         return spec
