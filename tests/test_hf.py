@@ -140,7 +140,8 @@ def test_export_refuses_to_overwrite(token_file, tmp_path):
 
 def test_export_keeps_what_came_in(token_file, tmp_path):
     """An imported Mistral trained by `tiertrain run` and exported: its sliding_window, token ids,
-    generation config and tokenizer files come out as they went in, in shards of --max-shard-size."""
+    generation config and tokenizer files come out as they went in, in shards of --max-shard-size; and so do the
+    files of a run resumed from its checkpoint into a new --out."""
     hf_dir("mistral", tmp_path / "hf")
     src = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "generation_config.json").write_text(
@@ -178,6 +179,20 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
         assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
     assert _load(tmp_path / "out").generation_config.temperature == 0.7
+    # a run resumed from that run's checkpoint into another directory exports the same files
+    r = _cli(
+        "run",
+        "--resume",
+        str(tmp_path / "run" / "checkpoints" / "step_2"),
+        "--set",
+        "train.steps=3",
+        "--out",
+        str(tmp_path / "fork"),
+    )
+    assert r.returncode == 0, r.stderr
+    assert _cli("export", str(tmp_path / "fork"), "--to", str(tmp_path / "out2")).returncode == 0
+    for name in ("generation_config.json", "tokenizer.json"):
+        assert (tmp_path / "out2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
 
 
 def test_what_tiertrain_does_not_implement_is_refused_at_import(token_file, tmp_path):

@@ -15,11 +15,14 @@ from .model.hf import carry_files
 from .trainer import Trainer
 
 
-def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dict]:
+def fit(
+    tr: Trainer, out: Path, echo: Callable[[str], None] = print, hf_from: Path | None = None
+) -> list[dict]:
     """Trains to train.steps, checkpointing every checkpoint.every steps and always at the end.
     SIGINT / SIGTERM finish the current step, save a checkpoint and return. A resumed trainer
     (step > 0) continues metrics.jsonl from its step. Of several ranks, rank 0 writes the run's files and logs;
-    the others train beside it."""
+    the others train beside it. `hf_from`: the tokenizer and generation config a run started from another run's
+    checkpoint takes from that run (its <run>/hf), for the export."""
     shown = echo
     if not tr.ranks.first:
         return _train(tr, out, lambda line: None, None)
@@ -27,11 +30,15 @@ def fit(tr: Trainer, out: Path, echo: Callable[[str], None] = print) -> list[dic
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(tr.cfg.to_toml())
         (out / "plan.json").write_text(tr.plan_json())
-        if tr.cfg.train.init_from and not tr.step:  # its tokenizer and generation config, for the export
-            _, left = carry_files(tr.cfg.train.init_from, out / "hf")
+        source = tr.cfg.train.init_from if not tr.step else ""
+        source = source or (
+            str(hf_from) if hf_from and hf_from.is_dir() and not (out / "hf").exists() else ""
+        )
+        if source:  # its tokenizer and generation config, for the export
+            _, left = carry_files(source, out / "hf")
             if left:
                 shown(
-                    f"warning: {', '.join(left)} of {tr.cfg.train.init_from} link outside it: not copied for the "
+                    f"warning: {', '.join(left)} of {source} link outside it: not copied for the "
                     "export; copy them into the exported directory yourself"
                 )
         cut = rundir.cut_timeline(out, tr.step) if tr.step else None  # one timeline: latest is this one's

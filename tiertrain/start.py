@@ -53,8 +53,10 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
         if ranks.first:
             rundir.release(out_dir, made, lock)
         agreed.raise_any(ranks.rank)
+    source = rundir.run_of(ckpt) if ckpt is not None else None  # a run started from another run's checkpoint
+    hf_from = source / "hf" if source is not None and not rundir.same(source, out_dir) else None
     try:
-        fit(trainer, out_dir, echo=echo)
+        fit(trainer, out_dir, echo=echo, hf_from=hf_from)
     finally:
         if lock is not None:
             lock.release()
