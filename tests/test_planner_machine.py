@@ -305,3 +305,15 @@ def _gpu_machine(tmp_path, monkeypatch, args: list[str]):
         return json.loads(r.output)
 
     return planned
+
+
+def test_a_yarn_model_is_lifted_by_its_own_yarn():
+    """gpt-oss's positions come from yarn (factor 32 over 4,096): the lift past its 131,072 keeps yarn and every key
+    of its table (truncate false among them), with the factor that reaches the length, as settings that load."""
+    from tiertrain.config import position_lift
+
+    spec = load_config("gpt-oss-20b").model
+    sets = [a for a in shlex.split(position_lift(spec, 300_000)) if a != "--set"]
+    rs = load_config("gpt-oss-20b", sets).model.rope_scaling
+    assert rs == {**spec.rope_scaling, "factor": 74.0}  # ceil(300,000 / 4,096)
+    assert load_config("gpt-oss-20b", sets).model.max_position_embeddings == 300_000

@@ -101,26 +101,30 @@ class Config:
 
 def position_lift(spec: ModelSpec, n: int) -> str:
     """The `--set` values that let `spec` train sequences of `n` tokens: max_position_embeddings raised to `n`, and
-    llama3's rope scaling (the one tiertrain implements) stretching the positions the model was trained with (its
-    original context, or its whole one without a scaling) by the factor that reaches `n`."""
+    a rope scaling stretching the positions the model was trained with (its original context, or its whole one
+    without a scaling) by the factor that reaches `n`: a yarn model's own yarn with that factor, else llama3's."""
     rs = dict(spec.rope_scaling or {})
-    if rs.get("rope_type", rs.get("type", "default")) != "llama3":
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in ("llama3", "yarn"):
         rs = {
+            "rope_type": "llama3",
             "factor": 1.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": spec.max_position_embeddings,
         }
     old = rs["original_max_position_embeddings"]
-    table = {
-        "rope_type": "llama3",
-        "factor": float(max(rs["factor"], math.ceil(n / old))),
-        "low_freq_factor": float(rs["low_freq_factor"]),
-        "high_freq_factor": float(rs["high_freq_factor"]),
-        "original_max_position_embeddings": old,
-    }
-    inline = ", ".join(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in table.items())
+    table = {**rs, "factor": float(max(rs["factor"], math.ceil(n / old)))}
+    if kind == "llama3":
+        table = {"rope_type": "llama3", **{k: v for k, v in table.items() if k not in ("type", "rope_type")}}
+    inline = ", ".join(f"{k} = {_toml_value(v)}" for k, v in table.items())
     return f"--set model.max_position_embeddings={n} --set 'model.rope_scaling={{{inline}}}'"
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return f'"{v}"' if isinstance(v, str) else str(v)
 
 
 PATHS = (
