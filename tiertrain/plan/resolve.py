@@ -131,8 +131,11 @@ def resolve(
     if not p.fits and not t.host_gb and ram_gb and p.short != Short.GPU:
         # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
-    if not p.fits:
-        raise ConfigError(_refusal(cfg, p, micro))
+    if not p.fits:  # the plan command takes the same flags, and answers a miss with the plans that fit
+        raise ConfigError(
+            f"{_refusal(cfg, p, micro)} (`tiertrain plan` with the same --config, --set and budget flags "
+            "lists the nearest plans that fit)"
+        )
     return p, p.run_plan, chosen(cfg)
 
 
