@@ -86,11 +86,7 @@ class HostAdamW:
     def apply(
         self,
         unit: int,
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        m: torch.Tensor,
-        v: torch.Tensor,
-        w: torch.Tensor | None,
+        s: dict[Kind, torch.Tensor],
         step: int,
         lr: float,
         clip: float,
@@ -99,7 +95,15 @@ class HostAdamW:
         """The update of one unit's flat slabs wherever they are, enqueued on the current stream: on a GPU or by the
         one-pass kernel whole ranges, by torch's kernel a chunk at a time (still in cache for the rounding into the
         copy `w`). Scalars are made by fill kernels: a copy from host memory would block this thread until the
-        stream's earlier work is done. `out` (host only): the master and moments to write ({kind: slab}) instead."""
+        stream's earlier work is done. `s`: the unit's master, gradient and moments, and the bf16 copy of the master
+        where one streams ({kind: slab}); `out` (host only): the master and moments to write instead."""
+        master, grad, m, v, w = (
+            s[Kind.MASTER],
+            s[Kind.GRAD],
+            s[Kind.EXP_AVG],
+            s[Kind.EXP_AVG_SQ],
+            s.get(Kind.WEIGHTS),
+        )
         dev, on_gpu = master.device, master.is_cuda
         b1, b2 = self.cfg.betas
         st = torch.full((), float(step), device=dev)
@@ -152,18 +156,7 @@ class HostAdamW:
         if self.staging is not None:  # slabs on NVMe, read ahead into the staging ring
             s.update(self.staging.acquire(unit))
         out = self.host.copies[unit] if into_copies else None
-        self.apply(
-            unit,
-            s[Kind.MASTER],
-            s[Kind.GRAD],
-            s[Kind.EXP_AVG],
-            s[Kind.EXP_AVG_SQ],
-            s.get(Kind.WEIGHTS),
-            step,
-            lr,
-            clip,
-            out,
-        )
+        self.apply(unit, s, step, lr, clip, out)
         if self.staging is not None:
             self.staging.release(unit)
         if not into_copies:

@@ -55,17 +55,7 @@ class GpuUpdates:
             s = self.host.slabs[unit]
             with self.s.on(self.s.h2d):
                 self.s.wait(self.s.h2d, self.grads.ready.get(unit))
-                self.opt.apply(
-                    unit,
-                    s[Kind.MASTER],
-                    s[Kind.GRAD],
-                    s[Kind.EXP_AVG],
-                    s[Kind.EXP_AVG_SQ],
-                    s.get(Kind.WEIGHTS),
-                    step,
-                    lr,
-                    clip,
-                )
+                self.opt.apply(unit, s, step, lr, clip)
             return s[Kind.MASTER]
         st = self._next_set()
         waits = (st.free, self.grads.ready.get(unit), self.written.get(unit))
@@ -131,9 +121,7 @@ class GpuUpdates:
                 self.s.wait(s_in, ev)
             for k in kinds:
                 t[k].copy_(self.host.slab(unit, k), non_blocking=True)
-            self.opt.apply(
-                unit, t[Kind.MASTER], t[Kind.GRAD], t[Kind.EXP_AVG], t[Kind.EXP_AVG_SQ], None, step, lr, clip
-            )
+            self.opt.apply(unit, t, step, lr, clip)
             done = self.s.record(s_in)
         with self.s.on(s_out):
             self.s.wait(s_out, done)
