@@ -10,27 +10,6 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, refused, tiny
-from tiertrain import rundir
-
-# about 25 M parameters (a 40k vocabulary, untied): 300 MB of full checkpoint, 100 MB of weights
-WIDE = [
-    "--set",
-    "model.vocab_size=40000",
-    "--set",
-    "model.hidden_size=256",
-    "--set",
-    "model.intermediate_size=512",
-    "--set",
-    "model.num_hidden_layers=4",
-    "--set",
-    "model.num_attention_heads=4",
-    "--set",
-    "model.num_key_value_heads=4",
-]
-
-
-def _steps(run: Path) -> list[str]:
-    return [p.name for p in rundir.checkpoints(run)]
 
 
 # ---- one line, not a traceback ---------------------------------------------------------------------

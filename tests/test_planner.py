@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from conftest import SLOW_HOST
+from conftest import SLOW_HOST, cli
 from tiertrain.config import load_config
 from tiertrain.modes import Kind, Update
 from tiertrain.plan.advice import explain
@@ -229,23 +229,8 @@ def test_a_plan_that_does_not_fit_says_which_budget():
     reported = reported.least_host / 1e9
     assert need - 0.1 < reported <= need
     assert not plan(Job(one_b, 16, 2048), Budgets(host_gb=need - 0.1, nvme_gb=100), REFERENCE).fits
-    r = subprocess.run(
-        # a 141 GB GPU holds what the host does not
-        [
-            sys.executable,
-            "-m",
-            "tiertrain",
-            "plan",
-            "--config",
-            "llama-7b",
-            "--host-gb",
-            "40",
-            "--gpu-gb",
-            "24",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    # a 141 GB GPU holds what the host does not
+    r = cli("plan", "--config", "llama-7b", "--host-gb", "40", "--gpu-gb", "24")
     assert r.returncode == 1 and "Does not fit" in r.stdout
 
 

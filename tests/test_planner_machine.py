@@ -13,6 +13,7 @@ from dataclasses import replace
 import psutil
 import pytest
 
+from conftest import cli
 from tiertrain.config import load_config
 from tiertrain.plan import hardware
 from tiertrain.plan.advice import explain
@@ -143,28 +144,9 @@ def test_resident_auto_holds_what_host_and_disk_cannot():
 )
 def test_shipped_shapes_of_popular_models(name, params):
     """The published shapes: their parameter counts, planned under the config's own name."""
-    import json
-    import subprocess
-    import sys
-
     cfg = load_config(name, [])
     assert cfg.model.n_params == pytest.approx(params, rel=2e-3)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tiertrain",
-            "plan",
-            "--config",
-            name,
-            "--host-gb",
-            "1500",
-            "--format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = cli("plan", "--config", name, "--host-gb", "1500", "--format", "json")
     p = json.loads(r.stdout)
     assert r.returncode == 0 and p["fits"] and p["model"] == name
 
@@ -190,24 +172,7 @@ def test_longest_sequence_is_the_edge_of_the_budgets():
     b80 = replace(b, gpu_gb=80)
     small = explain(Job(spec, 4, 2048), plan(Job(spec, 4, 2048), b80, REFERENCE), b80, REFERENCE)
     assert 0 < small.report.longest_seq_len < n
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tiertrain",
-            "plan",
-            "--config",
-            "llama-7b",
-            "--host-gb",
-            "115",
-            "--nvme-gb",
-            "55",
-            "--format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = cli("plan", "--config", "llama-7b", "--host-gb", "115", "--nvme-gb", "55", "--format", "json")
     assert r.returncode == 0 and json.loads(r.stdout)["longest_seq_len"] == 4096  # its positions
 
 

@@ -4,13 +4,11 @@ plan.json, and the runtime obeys it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from conftest import DEEP, budget_for, tiny_config
+from conftest import DEEP, budget_for, cli, tiny_config
 from tiertrain.loop import fit
 from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.runplan import RunPlan, unit_plans
@@ -41,25 +39,18 @@ def test_unit_plans_take_each_update_mode_from_its_set():
 
 
 def test_plan_json_lists_every_unit():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tiertrain",
-            "plan",
-            "--config",
-            "llama-3b",
-            "--host-gb",
-            "40",
-            "--nvme-gb",
-            "200",
-            "--set",
-            "tiers.gpu_resident_gb=6",
-            "--format",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
+    r = cli(
+        "plan",
+        "--config",
+        "llama-3b",
+        "--host-gb",
+        "40",
+        "--nvme-gb",
+        "200",
+        "--set",
+        "tiers.gpu_resident_gb=6",
+        "--format",
+        "json",
     )
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
