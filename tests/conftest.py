@@ -80,6 +80,10 @@ VARIANTS = {
 
 @pytest.fixture
 def token_file(tmp_path):
+    return write_tokens(tmp_path / "tokens.npy")
+
+
+def write_tokens(path: Path) -> Path:
     """A learnable sequence: each token follows from the last by a fixed rule, a quarter of them noise."""
     rng = np.random.default_rng(0)
     toks = np.empty(40_000, dtype=np.int64)
@@ -88,7 +92,6 @@ def token_file(tmp_path):
     keep = rng.random(toks.size) < 0.75
     for i in range(1, toks.size):
         toks[i] = (toks[i - 1] * 7 + 3) % 97 if keep[i] else noise[i]
-    path = tmp_path / "tokens.npy"
     np.save(path, toks)
     return path
 

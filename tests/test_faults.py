@@ -26,6 +26,7 @@ from conftest import (
     tiny,
     tree_hash,
     user_files,
+    write_tokens,
 )
 from tiertrain.metrics import read_metrics
 from tiertrain.sizes import budget, gb
@@ -270,6 +271,15 @@ main()
 """
 
 
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(the token file, the run of 8 steps that never stopped): one for every kill below."""
+    d = tmp_path_factory.mktemp("whole")
+    tokens = write_tokens(d / "tokens.npy")
+    assert cli("run", *tiny(tokens), *STEPS, "--out", str(d / "whole")).returncode == 0
+    return tokens, d / "whole"
+
+
 @pytest.mark.parametrize(
     "resave, what, nth",
     [
@@ -285,13 +295,12 @@ main()
         (True, "after", 3),
     ],
 )
-def test_a_save_killed_at_any_moment_resumes_bit_identically(token_file, tmp_path, resave, what, nth):
+def test_a_save_killed_at_any_moment_resumes_bit_identically(whole_run, tmp_path, resave, what, nth):
     """SIGKILL inside the save of step 6: while its chunks are written, before or after each rename. A resume
     from step 3 of a run that had saved step 6 first moves that step_6 aside (the cut of the timeline: the first
     rename), then saves its own. --resume latest then finishes as the run that never stopped: the same losses,
     master weights and moments, and the abandoned step_6 kept aside."""
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert cli("run", *tiny(token_file), *STEPS, "--out", str(whole)).returncode == 0
+    (token_file, whole), cut = whole_run, tmp_path / "cut"
     if resave:  # step 6 saved already: the resumed run from step 3 saves it again
         shutil.copytree(whole, cut)
         shutil.rmtree(cut / "checkpoints" / "step_8")

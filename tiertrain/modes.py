@@ -18,6 +18,10 @@ class Kind(Enum):
     EXP_AVG_SQ = "exp_avg_sq"  # Adam's second moment
     GRAD = "grad"  # the fp32 gradient
 
+    # members are singletons that equal only themselves: identity's hash, in C (Enum's hashes the name in
+    # Python, and the planner looks slabs up by kind millions of times a plan)
+    __hash__ = object.__hash__
+
 
 # the optimizer's state: what a checkpoint keeps, a speculative update copies and a GPU update writes back
 STATE = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
@@ -29,6 +33,8 @@ class Home(Enum):
     GPU = "gpu"
     HOST = "host"  # pinned RAM
     NVME = "nvme"  # the disk tier
+
+    __hash__ = object.__hash__  # as Kind's
 
 
 class Update(StrEnum):

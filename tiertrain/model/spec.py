@@ -99,6 +99,10 @@ class ModelSpec:
     _units: tuple[UnitSpec, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # with _units
     _counts: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    # with _units: each block's (attention window, whether it has experts), which the planner reads per candidate
+    _blocks: tuple[tuple[int | None, bool], ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     # ---- derived shape ------------------------------------------------------------------------
     @property
@@ -434,14 +438,18 @@ class ModelSpec:
     def expert_flops_per_token(self) -> float:
         """Of those, the routed experts' matmuls (forward + backward): k experts' three projections per MoE block."""
         per = 6 * self.num_experts_per_tok * 3 * self.hidden_size * self.expert_size
-        return float(sum(per for b in range(self.num_hidden_layers) if self.has_experts(b)))
+        return float(sum(per for _, moe in self._per_block() if moe))
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Of those, causal attention's: QK^T and AV, 2 FLOPs per multiply-add, forward + 2x backward, over the
         keys a query sees on average: (S+1)/2, or about the window where a block has a shorter one."""
         s, per = seq_len, 3 * 2 * 2 * self.num_attention_heads * self.hd
-        seen = [
-            w - w * (w - 1) / 2 / s if w and w < s else (s + 1) / 2
-            for w in map(self.window, range(self.num_hidden_layers))
-        ]
+        seen = [w - w * (w - 1) / 2 / s if w and w < s else (s + 1) / 2 for w, _ in self._per_block()]
         return per * sum(seen)
+
+    def _per_block(self) -> tuple[tuple[int | None, bool], ...]:
+        if self._blocks is None or self._units is None:
+            self.units()
+            n = self.num_hidden_layers
+            self._blocks = tuple((self.window(b), self.has_experts(b)) for b in range(n))
+        return self._blocks

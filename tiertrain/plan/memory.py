@@ -331,6 +331,7 @@ def _tally(s: Shape, where: dict) -> tuple[dict, dict, int]:
     """(bytes on NVMe by kind, {kind: {home: units}}, bytes of streamed weights the backward pass reads from NVMe)
     of a placement; resident units aside."""
     nvme, placement, bwd_reads = {}, {}, 0
+    streamed, reloaded = streamed_kind(s.kb), reloaded_units(len(s.numels))
     for (u, k), tier in where.items():
         if u in s.resident:
             continue
@@ -338,7 +339,7 @@ def _tally(s: Shape, where: dict) -> tuple[dict, dict, int]:
         if tier != Home.HOST:
             nvme[k] = nvme.get(k, 0) + size
         placement.setdefault(k, {Home.HOST: 0, Home.NVME: 0})[tier] += 1
-        if tier == Home.NVME and k == streamed_kind(s.kb) and u in reloaded_units(len(s.numels)):
+        if tier == Home.NVME and k == streamed and u in reloaded:
             bwd_reads += size
     return nvme, placement, bwd_reads
 

@@ -14,7 +14,6 @@ Pure Python: the planner uses it too.
 from __future__ import annotations
 
 import functools
-from typing import Iterator
 
 from ..modes import STATE, Home, Kind
 
@@ -151,23 +150,35 @@ def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int) -> list[tup
     return [(u, k) for k in spill_order(kb) for u in reversed(range(len(numels))) if 0 < numels[u] <= cap]
 
 
-def _spills(
+def _walk(
     numels: list[int], kb: dict[str, int], total: float, cost, budget: float = 0.0
-) -> Iterator[tuple[float, tuple, int, int]]:
-    """The placements place_within considers, as (host bytes it needs, its rank, cap, j): the first j
-    slabs of the cap's spill sequence on NVMe, the rest and their staging ring in RAM. A rank is lower
-    for a placement that stops earlier in the kind order, then for fewer bytes spilled; along one
-    sequence it only grows, so each cap's sequence stops at the first placement within `budget`."""
+) -> tuple[list[tuple[tuple, int, int]], float]:
+    """(the placements place_within considers that fit `budget`, as (rank, cap, j): the first j slabs of the cap's
+    spill sequence on NVMe, the rest and their staging ring in RAM; the least host bytes any of them needs). A rank
+    is lower for a placement that stops earlier in the kind order, then for fewer bytes spilled; along one sequence
+    it only grows, so each cap's sequence stops at the first placement within `budget`."""
     order = spill_order(kb)
+    costs = {k: [cost(n * kb[k]) for n in numels] for k in order}  # each slab's host bytes, once
+    fits, least = [], total
     for cap in sorted({n for n in numels if n}, reverse=True):
-        host, widths = total, {}
-        for j, (u, k) in enumerate(_spill_sequence(numels, kb, cap), 1):
-            host -= cost(numels[u] * kb[k])
-            widths[k] = max(widths.get(k, 0), numels[u])
-            need = host + ring_bytes(widths, kb, cost)
-            yield need, (order.index(k), total - host), cap, j
-            if need <= budget:
-                break
+        units = [u for u in reversed(range(len(numels))) if 0 < numels[u] <= cap]
+        host, widths, ring, j = total, {}, 0, 0
+        for rank, k in enumerate(order):  # _spill_sequence's order: kind by kind, each from the last unit
+            paid, widest = costs[k], 0
+            for u in units:
+                j += 1
+                host -= paid[u]
+                if numels[u] > widest:  # the ring grows only with a wider slab of a kind
+                    widest = widths[k] = numels[u]
+                    ring = ring_bytes(widths, kb, cost)
+                least = min(least, host + ring)
+                if host + ring <= budget:
+                    fits.append(((rank, total - host), cap, j))
+                    break
+            else:
+                continue
+            break
+    return fits, least
 
 
 def place_within(
@@ -183,11 +194,7 @@ def place_within(
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
     if total <= host_budget:
         return place(numels, kb), 0, total
-    fits = [
-        (rank, cap, j)
-        for need, rank, cap, j in _spills(numels, kb, total, cost, host_budget)
-        if need <= host_budget
-    ]
+    fits, _ = _walk(numels, kb, total, cost, host_budget)
     if not fits:
         return None, 0, total
     _, cap, j = min(fits)
@@ -213,7 +220,7 @@ def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> flo
     and the ring in RAM; but a kind's ring can cost more than the slabs it saves (a unit too wide,
     or too few units spilled of a kind that streams, whose ring is twice as deep)."""
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
-    return min([total, *(need for need, *_ in _spills(numels, kb, total, cost))])
+    return _walk(numels, kb, total, cost)[1]
 
 
 def place(numels: list[int], kind_bytes: dict[str, int]) -> dict[tuple[int, str], str]:
