@@ -268,3 +268,41 @@ def test_two_ranks_train_packed_samples_as_one_process(tmp_path):
     sa, sb = (state_of(tmp_path / n / "checkpoints" / "step_4") for n in ("one", "two"))
     for k in sa:
         assert np.abs(sa[k] - sb[k]).max() <= 1e-5 * np.abs(sa[k]).max(), k
+
+
+@pytest.mark.parametrize("variant", ["micro-batches of 2", "tiled"])
+def test_gpt_oss_packed_keeps_its_windows_and_sinks_per_sample(tmp_path, variant):
+    """gpt-oss (attention sinks, a sliding window of 8 in every other block, experts) on samples of 2 to 33 tokens
+    packed into rows of 32: each sample's window and sinks as if it were alone, the loss and every gradient those of
+    transformers' GptOssForCausalLM run on each sample alone, to 1e-5 in fp32."""
+    from moe_cases import moe_model
+
+    hf = moe_model("gpt_oss")
+    hf.config.output_router_logits = (
+        False  # the load-balancing loss is over a micro-batch's tokens, packed or not
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    samples = _samples(tmp_path / "s.bin")
+    sets = [
+        f"train.batch_size={_rows(tmp_path / 's.bin', 32)}",
+        "train.micro_batch_size=2",
+        "optim.grad_clip=0",
+    ]
+    sets += ["data.shuffle=false", f'train.init_from="{tmp_path / "hf"}"', *VARIANTS[variant]]
+    tr = Trainer(tiny_config(tmp_path / "s.bin", *sets))
+    loss = tr.train_step()["loss"]
+    got = _grads(tr)
+    tr.close()
+    hf.config._attn_implementation = "eager"
+    pieces = [(t[:-1], np.where(m[1:] != 0, t[1:], IGNORE)) for t, m in samples]
+    n, want = sum(int((t != IGNORE).sum()) for _, t in pieces), 0.0
+    for inp, tgt in pieces:
+        logits = hf(input_ids=torch.as_tensor(inp)[None]).logits[0].float()
+        part = torch.nn.functional.cross_entropy(
+            logits, torch.as_tensor(tgt), ignore_index=IGNORE, reduction="sum"
+        )
+        (part / n).backward()
+        want += part.item() / n
+    assert loss == pytest.approx(want, rel=1e-5)
+    for name, p in hf.named_parameters():
+        assert _rel(got[name], p.grad) < 1e-5, name

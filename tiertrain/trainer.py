@@ -96,15 +96,6 @@ class Trainer:
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
         self.loader, self.val = loaders(d, tc, cfg.model.vocab_size)
-        spec = cfg.model
-        if self.loader.segmented and (
-            spec.attention_sinks or any(map(spec.window, range(spec.num_hidden_layers)))
-        ):
-            raise ConfigError(  # model/docs.py attends within segments with neither
-                f"{self.loader.name} packs samples (or data.document_mask keeps documents apart), which tiertrain does "
-                f"not implement beside {spec.model_type}'s sliding windows or attention sinks; use a plain token file "
-                "and data.document_mask = false"
-            )
         self.units = cfg.model.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         # this rank's part

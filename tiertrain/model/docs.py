@@ -2,8 +2,9 @@
 segments, taken from where its positions restart at 0 (rows.py), with RoPE at those positions.
 
 On a GPU in bf16 or fp16, torch's variable-length flash attention (torch.nn.attention.varlen, in torch 2.13) runs over
-every row's segments at once, never an S x S mask; elsewhere (a CPU, fp32) the segments run one after another through
-the dense causal kernel, each exactly as its sample alone.
+every row's segments at once, never an S x S mask; elsewhere (a CPU, fp32), and for a block whose sliding window is
+shorter than a segment or whose attention has sinks (gpt-oss), the segments run one after another through the block's
+own attention, each exactly as its sample alone.
 """
 
 from __future__ import annotations
@@ -66,12 +67,17 @@ class Docs:
         """The RoPE tables of positions start..start+t of every row, (B, 1, t, head_dim)."""
         return self.cos[:, :, start : start + t], self.sin[:, :, start : start + t]
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention within each segment, over (B, heads, S, head_dim); k and v may have fewer heads."""
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, sinks=None, kernel="", det=False
+    ) -> torch.Tensor:
+        """Causal attention within each segment, over (B, heads, S, head_dim); k and v may have fewer heads. `window`,
+        `sinks`, `kernel`, `det`: the block's, as llama.attention takes them (a window no segment exceeds is none)."""
         b, h, s, d = q.shape
-        kernel = _varlen() if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d <= 256 else None
-        if kernel is not None:
-            varlen_attn, causal, gqa = kernel
+        plain = sinks is None and (window is None or window >= self.longest)
+        fast = plain and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d <= 256
+        kernel_fn = _varlen() if fast else None
+        if kernel_fn is not None:
+            varlen_attn, causal, gqa = kernel_fn
 
             def flat(x):
                 return x.transpose(1, 2).reshape(b * s, x.shape[1], d)
@@ -86,6 +92,9 @@ class Docs:
         rows = []
         for r, row in enumerate(self.spans):
             one = slice(r, r + 1)
-            parts = [llama.attention(q[one, :, a:e], k[one, :, a:e], v[one, :, a:e]) for a, e in row]
+            parts = [
+                llama.attention(q[one, :, a:e], k[one, :, a:e], v[one, :, a:e], window, sinks, kernel, det)
+                for a, e in row
+            ]
             rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
         return torch.cat(rows) if len(rows) > 1 else rows[0]

@@ -256,10 +256,9 @@ def block_out(w: dict[str, torch.Tensor], x: torch.Tensor, o: torch.Tensor, ctx:
 
 def attend(q, k, v, ctx: Context, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The block's attention over q, k, v of all its tokens, (B, heads, T, hd) (or a head group's, with its
-    sinks): within each segment of the rows where the micro-batch has them (config.py refuses them beside
-    windows and sinks)."""
+    sinks): within each segment of the rows where the micro-batch has them, with the block's window and sinks."""
     if ctx.docs is not None:
-        return ctx.docs.attention(q, k, v)
+        return ctx.docs.attention(q, k, v, ctx.window, sinks, ctx.attention, ctx.deterministic)
     return attention(q, k, v, ctx.window, sinks, ctx.attention, ctx.deterministic)
 
 
