@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from . import moe
 from .attention import attention as causal
@@ -187,6 +186,8 @@ def _with_sinks(q, k, v, window: int | None, sinks: torch.Tensor) -> torch.Tenso
     if window is not None and window < t:
         o = _windowed(q, k[:, :, 1:], v[:, :, 1:], window, _sinked(sink_k, scale))
     else:
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: a second, so here
+
         o = _sdpa(q, k, v, attn_mask=causal_lower_right(t, t + 1), scale=scale)
     return o[..., :d]
 
