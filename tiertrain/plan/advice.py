@@ -88,16 +88,29 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     def fits(n: int) -> bool:
         return _fits(replace(job, spec=spec.with_layers(n)), p, p.run_plan.micro_batch, budgets, hw)[0]
 
-    lo = _most(fits, spec.num_hidden_layers, LARGEST_LAYERS)
+    # where the state's bytes would fill the host and the disk: where the search starts (any start gives the same)
+    state = sum(p.memory.host.values()) + sum(p.memory.nvme.values())
+    room = ((budgets.host_gb or 0) + (budgets.nvme_gb or 0)) * 1e9
+    guess = int(spec.num_hidden_layers * room / state) if state and room else spec.num_hidden_layers
+    lo = _most(fits, guess, LARGEST_LAYERS)
     return lo, spec.with_layers(max(lo, 1)).n_params if lo else 0
 
 
 def _most(fits, start: int, cap: int) -> int:
-    """The largest n <= cap with fits(n), 0 if none, fits being monotone: doubling from `start`, then halving."""
-    lo, hi = (start, 2 * start) if fits(start) else (0, start)
-    while hi <= cap and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
+    """The largest n <= cap with fits(n), 0 if none, fits being monotone: steps doubling from `start` (clamped to
+    1..cap) up while n fits, or down while it does not, then halving the bracket."""
+    g = min(max(start, 1), cap)
+    step = 1
+    if fits(g):
+        lo = g
+        while lo + step <= cap and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, cap + 1)
+    else:
+        hi = g
+        while hi - step >= 1 and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(hi - step, 0)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
