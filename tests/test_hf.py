@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import COMMON, hf_dir, reference_train, tiny_config
-from tiertrain.errors import UserError
+from tiertrain.errors import ConfigError, UserError
 from tiertrain.export import export_hf
 from tiertrain.trainer import Trainer
 
@@ -201,3 +203,38 @@ def test_what_tiertrain_does_not_implement_is_refused_at_import(token_file, tmp_
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**c, "attention_dropout": 0.1}))
     with pytest.raises(UserError, match="attention_dropout 0.1"):
         Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"'))
+
+
+def test_a_fine_tune_lifts_the_positions_of_the_model_it_imports(token_file, tmp_path):
+    """--init-from a model of 64 positions: a 4096-position model takes train.seq_len 100 with no more (the
+    placeholder [model]'s 2,048 positions do not count); the 64-position one refuses it naming the rope scaling
+    that lifts it, and those --set values, laid over its config.json, train. The routers' loss is a --set away
+    too; the model's shape stays config.json's."""
+    from moe_cases import moe_model
+
+    hf = moe_model("gpt_oss")
+    hf.save_pretrained(tmp_path / "hf")
+    init = f'train.init_from="{tmp_path / "hf"}"'
+    with pytest.raises(ConfigError, match=r"exceeds model.max_position_embeddings \(64\)") as e:
+        Trainer(tiny_config(token_file, init, "train.seq_len=100"))
+    sets = [a.strip("'") for a in shlex.split(re.search(r"(--set model\..*?');", str(e.value)).group(1))]
+    sets = [a for a in sets if a != "--set"]
+    tr = Trainer(
+        tiny_config(token_file, init, "train.seq_len=100", *sets, "model.output_router_logits=false")
+    )
+    m = tr.cfg.model
+    assert (m.max_position_embeddings, m.rope_scaling["rope_type"], m.rope_scaling["factor"]) == (
+        100,
+        "yarn",
+        7.0,
+    )
+    assert (
+        m.hidden_size == hf.config.hidden_size and not m.output_router_logits
+    )  # config.json's True, --set's off
+    assert tr.train_step()["loss"] > 0
+    tr.close()
+    hf.config.max_position_embeddings = 4096
+    hf.save_pretrained(tmp_path / "long")
+    tr = Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "long"}"', "train.seq_len=2560"))
+    assert tr.cfg.model.max_position_embeddings == 4096
+    tr.close()

@@ -30,6 +30,15 @@ from .sections import (
 )
 
 SHIPPED = Path(__file__).parent / "configs"
+# a released model's settings a fine-tune may change with --set (its positions, and whether its routers' balance is
+# trained), as transformers' from_pretrained takes config overrides; its shape comes from its config.json
+LIFTED = (
+    "max_position_embeddings",
+    "rope_scaling",
+    "rope_theta",
+    "output_router_logits",
+    "router_aux_loss_coef",
+)
 
 
 SECTIONS = {
@@ -52,10 +61,25 @@ class Config:
     tiers: TiersConfig = field(default_factory=TiersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    # the `model.*` values --set gave, by key: with train.init_from the LIFTED ones are laid over the imported model
+    model_sets: dict = field(default_factory=dict, repr=False, compare=False)
 
     def validate(self) -> "Config":
         for name in SECTIONS:
             getattr(self, name).validate()
+        if not self.train.init_from:  # else [model] stands in for config.json's: checked once it is read
+            self.check_model()
+        _need(
+            not self.train.eval_every or self.data.val_path or self.data.val_fraction,
+            "train",
+            "eval_every",
+            self.train,
+            "needs validation data: set data.val_path or data.val_fraction",
+        )
+        return self
+
+    def check_model(self) -> None:
+        """What the model allows of the training: its positions, and qwen's windows."""
         _need(
             self.train.seq_len <= self.model.max_position_embeddings,
             "train",
@@ -75,14 +99,15 @@ class Config:
             f"exceeds model.sliding_window ({self.model.sliding_window}), which tiertrain does not "
             f"implement for {self.model.model_type} (it attends to the whole sequence); lower train.seq_len",
         )
-        _need(
-            not self.train.eval_every or self.data.val_path or self.data.val_fraction,
-            "train",
-            "eval_every",
-            self.train,
-            "needs validation data: set data.val_path or data.val_fraction",
-        )
-        return self
+
+    def imported(self, spec: ModelSpec) -> "Config":
+        """A copy whose [model] is `spec`, an imported model's (its config.json replaces [model]), with the LIFTED
+        values --set gave laid over it, checked."""
+        lifted = {k: v for k, v in self.model_sets.items() if k in LIFTED}
+        cfg = dataclasses.replace(self, model=dataclasses.replace(spec, **lifted))
+        cfg.model.validate()
+        cfg.check_model()
+        return cfg
 
     def to_dict(self) -> dict:
         out = {}
@@ -311,5 +336,7 @@ def config_from_dict(
         }
     _apply(cfg, data, origin)
     for o in overrides:
-        _apply(cfg, parse_override(o), "--set")
+        given = parse_override(o)
+        _apply(cfg, given, "--set")
+        cfg.model_sets.update(given.get("model", {}))
     return cfg.validate()

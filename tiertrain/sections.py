@@ -68,7 +68,8 @@ class TrainConfig:
     )
     overlap: bool = True  # host optimizer overlaps the next forward pass; false: each step waits for it
     init_from: str = (
-        ""  # a local Hugging Face model directory: its config.json replaces [model], its weights the init
+        ""  # a local Hugging Face model directory: its config.json replaces [model] (but config.LIFTED's --set
+        # values: positions, rope, the routers' loss), its weights the init
     )
     eval_every: int = (
         0  # steps between validation losses (with data.val_path or val_fraction); 0: at the end only

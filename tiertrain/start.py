@@ -73,6 +73,7 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
             else config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
         )
         cfg.train.init_from = ""  # the checkpoint holds the weights
+        cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions
     else:
         cfg = load_config(config_path, list(overrides))
     if ranks.first:

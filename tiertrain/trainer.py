@@ -62,9 +62,7 @@ def _imported(cfg: Config, resume: Path | None) -> tuple[Config, HFReader | None
     the reader of its weights."""
     if not cfg.train.init_from or resume is not None:
         return cfg, None
-    cfg = copy.deepcopy(cfg)
-    cfg.model = spec_from_hf(cfg.train.init_from, cfg.train.seq_len)
-    cfg.validate()
+    cfg = copy.deepcopy(cfg).imported(spec_from_hf(cfg.train.init_from, cfg.train.seq_len))
     reader = open_weights(cfg.train.init_from, cfg.model)
     reader.check(t.hf_name for u in cfg.model.units() for t in u.tensors)
     return cfg, reader
