@@ -166,10 +166,13 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
         "train.micro_batch_size=2",
         "--set",
         'train.compute_dtype="float32"',
+        "--set",
+        "model.hidden_size=32",  # config.json's 64 wins, and the run says so
         "--out",
         str(tmp_path / "run"),
     )
     assert r.returncode == 0, r.stderr
+    assert "warning: --set model.hidden_size not used: with --init-from" in r.stdout
     r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "out"), "--max-shard-size", "30KB")
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out" / "config.json").read_text())

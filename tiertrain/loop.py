@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import rundir
+from .config import LIFTED
 from .errors import UserError, why
 from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer
 from .model.hf import carry_files
@@ -41,6 +42,14 @@ def fit(
                     f"warning: {', '.join(left)} of {source} link outside it: not copied for the "
                     "export; copy them into the exported directory yourself"
                 )
+        ignored = [
+            k for k, v in tr.cfg.model_sets.items() if k not in LIFTED and getattr(tr.cfg.model, k, v) != v
+        ]
+        if tr.cfg.train.init_from and ignored:  # config.json gave [model]: say which --set values went unused
+            shown(
+                f"warning: --set {', '.join(f'model.{k}' for k in ignored)} not used: with --init-from the model's "
+                f"config.json gives [model], of which --set changes only {', '.join(LIFTED)}"
+            )
         cut = rundir.cut_timeline(out, tr.step) if tr.step else None  # one timeline: latest is this one's
         log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)
         echo = TrainLog(out / "train.log", shown)
