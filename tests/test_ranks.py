@@ -10,7 +10,7 @@ import pytest
 import torch
 import zarr
 
-from conftest import beside_gb, cli, hf_dir, refused, stale_store, tiny, tiny_config
+from conftest import beside_gb, cli, hf_dir, refused, stale_store, tiny, tiny_config, write_tokens
 from tiertrain.checkpoint import KINDS
 from tiertrain.plan.memory import slab_sizes as _layouts
 from tiertrain.tiers.placement import kind_bytes, least_host
@@ -52,13 +52,21 @@ def train(token_file, out, *more, gpus: int = 1):
     return r
 
 
-def test_two_ranks_train_as_one_process(token_file, tmp_path):
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """(the token file, the run of one process, the run of two ranks and its output): the 6 steps several tests
+    compare with, run once."""
+    d = tmp_path_factory.mktemp("plain")
+    tokens = write_tokens(d / "tokens.npy")
+    train(tokens, d / "one")
+    return tokens, d / "one", d / "two", train(tokens, d / "two", gpus=2).stdout
+
+
+def test_two_ranks_train_as_one_process(plain):
     """The same global batch on two ranks: the losses, norms, weights and moments of the one-process run
     within 1e-5 relative; only rank 0 logs."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    train(token_file, one)
-    r = train(token_file, two, gpus=2)
-    assert r.stdout.count("done: 6 steps") == 1  # rank 0's lines only
+    _, one, two, stdout = plain
+    assert stdout.count("done: 6 steps") == 1  # rank 0's lines only
     a, b = losses(one), losses(two)
     assert len(a) == len(b) == 6
     for (la, na), (lb, nb) in zip(a, b):
@@ -91,12 +99,10 @@ def test_two_ranks_update_their_shards_on_the_gpu_as_one_process(token_file, tmp
     close(state(two, 6), state(one, 6))
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_two_and_on_one(token_file, tmp_path):
+def test_a_checkpoint_of_two_ranks_resumes_on_two_and_on_one(plain, tmp_path):
     """Saved by two ranks at step 3: resumed by two, the run that never stopped, bit for bit; resumed by one
     process, that run within 1e-5. And one process's checkpoint resumed by two ranks."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    train(token_file, two, gpus=2)
-    train(token_file, one)
+    _, one, two, _ = plain
     for name, gpus, source, exact in (
         ("2on2", 2, two, True),
         ("2on1", 1, two, False),
@@ -281,7 +287,7 @@ if os.environ.get("RANK") == "1":  # rank 1 alone fails, at its fifth step
 """
 
 
-def test_a_rank_that_fails_mid_run_stops_every_rank_with_its_line(token_file, tmp_path):
+def test_a_rank_that_fails_mid_run_stops_every_rank_with_its_line(plain, tmp_path):
     """Rank 1 fails while rank 0 waits for it in a collective: the job stops at once with rank 1's one line,
     and the last checkpoint is whole: the run resumes and ends as the run that never failed."""
     import os
@@ -292,13 +298,12 @@ def test_a_rank_that_fails_mid_run_stops_every_rank_with_its_line(token_file, tm
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")]),
     }
-    out, whole = tmp_path / "run", tmp_path / "whole"
+    (token_file, _, whole, _), out = plain, tmp_path / "run"
     r = cli("run", "--gpus", "2", *tiny(token_file), *STEPS, "--out", str(out), env=env)
     refused(r, "rank 1: rank 1 cannot read its rows")
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_3"]
     r = cli("run", "--gpus", "2", "--resume", "latest", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    train(token_file, whole, gpus=2)
     assert losses(out) == losses(whole)
     assert all(np.array_equal(x, y) for x, y in zip(state(out, 6).values(), state(whole, 6).values()))
 
