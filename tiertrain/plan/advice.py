@@ -88,19 +88,19 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     def fits(n: int) -> bool:
         return _fits(replace(job, spec=spec.with_layers(n)), p, p.run_plan.micro_batch, budgets, hw)[0]
 
-    # where the state's bytes would fill the host and the disk: where the search starts (any start gives the same)
+    # a little short of where the state's bytes would fill the host and the disk: where the search starts, with
+    # steps of a 32nd of it (any start gives the same answer; one that fits costs the fewest plans)
     state = sum(p.memory.host.values()) + sum(p.memory.nvme.values())
     room = ((budgets.host_gb or 0) + (budgets.nvme_gb or 0)) * 1e9
-    guess = int(spec.num_hidden_layers * room / state) if state and room else spec.num_hidden_layers
-    lo = _most(fits, guess, LARGEST_LAYERS)
+    guess = int(0.9 * spec.num_hidden_layers * room / state) if state and room else spec.num_hidden_layers
+    lo = _most(fits, guess, LARGEST_LAYERS, max(1, guess // 32))
     return lo, spec.with_layers(max(lo, 1)).n_params if lo else 0
 
 
-def _most(fits, start: int, cap: int) -> int:
-    """The largest n <= cap with fits(n), 0 if none, fits being monotone: steps doubling from `start` (clamped to
-    1..cap) up while n fits, or down while it does not, then halving the bracket."""
+def _most(fits, start: int, cap: int, step: int = 1) -> int:
+    """The largest n <= cap with fits(n), 0 if none, fits being monotone: steps doubling from `step`, from `start`
+    (clamped to 1..cap) up while n fits, or down while it does not, then halving the bracket."""
     g = min(max(start, 1), cap)
-    step = 1
     if fits(g):
         lo = g
         while lo + step <= cap and fits(lo + step):
