@@ -18,21 +18,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiertrain.model import llama, moe  # noqa: E402
 from tiertrain.model.spec import ModelSpec  # noqa: E402
+from tiertrain.probe import _timed_cuda  # noqa: E402
 
 
 def timed(fn, reps: int = 10) -> float:
-    """Median seconds of fn() on the GPU."""
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return sorted(ts)[len(ts) // 2]
+    """Median seconds of fn() on the GPU: the probe's timer, after two more warm-up calls (three in all)."""
+    fn()
+    fn()
+    return _timed_cuda(fn, reps)
 
 
 def main() -> None:

@@ -99,7 +99,7 @@ class ModelSpec:
     _units: tuple[UnitSpec, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # with _units
     _counts: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
-    # with _units: each block's (attention window, whether it has experts), which the planner reads per candidate
+    # each block's (attention window, whether it has experts), which the planner reads per candidate
     _blocks: tuple[tuple[int | None, bool], ...] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -448,8 +448,6 @@ class ModelSpec:
         return per * sum(seen)
 
     def _per_block(self) -> tuple[tuple[int | None, bool], ...]:
-        if self._blocks is None or self._units is None:
-            self.units()
-            n = self.num_hidden_layers
-            self._blocks = tuple((self.window(b), self.has_experts(b)) for b in range(n))
+        if self._blocks is None:
+            self._blocks = tuple((self.window(b), self.has_experts(b)) for b in range(self.num_hidden_layers))
         return self._blocks
