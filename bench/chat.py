@@ -107,8 +107,13 @@ def run_system(a, name: str, data: Path, extra: list[str], work: Path) -> dict:
         "gpu_peak_gb": max((x.get("gpu_peak_gb", 0.0) for x in recs), default=0.0),
         "losses": [x["loss"] for x in recs],
         "data": line.partition("data: ")[2],
-        "plan": json.loads((out / "plan.json").read_text()).get("run_plan"),
+        "plan": _plan(json.loads((out / "plan.json").read_text())),
     }
+
+
+def _plan(p: dict) -> dict:
+    """The run's plan (<out>/plan.json, `tiertrain plan --format json`'s keys) without its per-unit table."""
+    return {k: v for k, v in p.items() if k not in ("units", "placement", "clipped_times")}
 
 
 def report(a, rows: list[dict], data: dict, gpu: str) -> str:
@@ -124,15 +129,16 @@ def report(a, rows: list[dict], data: dict, gpu: str) -> str:
         + f"; {data['data']['conversations']:,} synthetic conversations of {a.lengths[0]:,} to {a.lengths[1]:,} "
         f"tokens ({data['data']['tokens']:,} tokens, {data['data']['trained_tokens']:,} trained).",
         "",
-        "| system | tokens/s (median of runs) | step s | / text | GPU peak GB | rows |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| system | tokens/s (median of runs) | step s | plan s | / text | GPU peak GB | rows |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, rs in by.items():
         tps = median(r["tokens_per_s"] for r in rs)
         each = ", ".join(f"{r['tokens_per_s']:,.0f}" for r in rs)
         lines.append(
             f"| {name} | {tps:,.0f} ({each}) | "
-            f"{median(r['step_s'] for r in rs):.2f} | {tps / base:.3f} | {max(r['gpu_peak_gb'] for r in rs):.1f} | "
+            f"{median(r['step_s'] for r in rs):.2f} | {(rs[0]['plan'] or {}).get('step_s', float('nan')):.2f} | "
+            f"{tps / base:.3f} | {max(r['gpu_peak_gb'] for r in rs):.1f} | "
             f"{rs[0]['data']} |"
         )
     lines += ["", "Commands:", "", *[f"- `{r['command']}`" for r in rows], ""]
@@ -181,7 +187,8 @@ def main() -> None:
     except ImportError:
         gpu = "cpu"
     meta = {"commit": commit(), "data": data, "argv": sys.argv[1:], "gpu": gpu}
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu.replace(' ', '_')}-chat-{Path(a.config).stem}-{a.seq_len}"
+    name = Path(a.config).stem if a.config.endswith(".toml") else a.config  # a shipped name keeps its dots
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu.replace(' ', '_')}-chat-{name}-{a.seq_len}"
     (out / f"{stem}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     (out / f"{stem}.md").write_text(report(a, rows, meta, gpu))
     print(f"wrote {out / stem}.md and .json")

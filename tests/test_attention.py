@@ -95,9 +95,13 @@ def test_attention_is_priced_at_its_kernels_rate():
     assert 1.4 < flash / cudnn < (1 / 280 + 1 / 340) / (1 / 540 + 1 / 630)
     assert compute(attention="flash", deterministic=True) > flash
     f, bw = rates("cudnn", 128, False, "bfloat16", REFERENCE)
-    assert (f, bw) == pytest.approx((630e12 * 0.83, 540e12 * 0.83))
+    assert (f, bw) == pytest.approx(
+        (630e12 * REFERENCE.attention_efficiency, 540e12 * REFERENCE.attention_efficiency)
+    )
     assert rates("cudnn", 64, False, "bfloat16", REFERENCE)[0] == pytest.approx(f * 0.72)
-    assert rates("flash", 128, True, "bfloat16", REFERENCE)[1] == pytest.approx(252e12 * 0.83)
+    assert rates("flash", 128, True, "bfloat16", REFERENCE)[1] == pytest.approx(
+        252e12 * REFERENCE.attention_efficiency
+    )
     assert (
         rates("cudnn", 128, False, "float32", REFERENCE)
         == (0.0, 0.0)

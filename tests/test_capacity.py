@@ -194,12 +194,12 @@ def test_the_chart_of_a_miss_shows_each_budget(tmp_path):
 
 
 def test_host_gb_is_the_whole_process():
-    """--host-gb 60 plans 60 GB in all, the process's own 3 GB in it (before: 63), and the help and the report
+    """--host-gb 36 plans 36 GB in all, the process's own 3 GB in it (before: 39), and the help and the report
     say so."""
-    p = json.loads(plan_cli("--config", "llama-3b", "--host-gb", "60", "--nvme-gb", "100", "--gpu", "h100",
+    p = json.loads(plan_cli("--config", "llama-3b", "--host-gb", "36", "--nvme-gb", "100", "--gpu", "h100",
                             "--format", "json")[1])  # fmt: skip
-    assert p["host_total_bytes"] <= 60e9 and p["host_fixed"]["process"] == REFERENCE.process_gb * 1e9
-    assert p["host_total_bytes"] > 50e9  # the budget was used: state spilled to fill it
+    assert p["host_total_bytes"] <= 36e9 and p["host_fixed"]["process"] == REFERENCE.process_gb * 1e9
+    assert p["host_total_bytes"] > 0.9 * 36e9  # the budget was used: the plan filled it
     _, md = plan_cli("--config", "llama-3b", "--host-gb", "60", "--nvme-gb", "100", "--gpu", "h100")
     assert "--host-gb is the process's whole host memory" in md
     for cmd in ("plan", "run"):

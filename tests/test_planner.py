@@ -59,6 +59,7 @@ def test_arithmetic_by_hand():
         bidir_gbs=101.3,
         host_adam_params_per_s=3.78e9,
         compute_efficiency=0.54,
+        attention_efficiency=0.83,
         adam_contention=1.18,
         host_dram_gbs=120.0,
         copy_efficiency=0.75,

@@ -53,21 +53,26 @@ class HardwareSpec:
     # the same probes' median (0.90-1.13); with torch's kernel TORCH_COPIES
     out_of_place: float = 0.98
     out_of_place_dram_bytes: float = 0.0
-    # Fitted (docs/performance.md): training compute runs at this fraction of the matmul rate (refitted on
-    # the ten runs above, each planned on its own probe: the predicted steps 0.88-1.07x the measured, from
-    # 0.89-1.21x with 0.54 and 120 GB/s); the host AdamW in a step runs this much slower than alone: 1,
-    # since the speculated updates fall between the units of the next forward pass (the updates after the
-    # norm ran at 1.0-1.3x the probe's rate, and a step's host AdamW at 0.98-1.0x it in all; 1.18 before,
-    # which made the plan take GPU updates at 8k that ran 11-16% slower than the host's:
-    # bench/results/2026-11-23-H200-llama3b-gpu-updates-8k.md). The host DRAM term still prices its
+    # Fitted: training's matmuls (a block's own work beside them: norms, rope, SwiGLU, casts) run at this fraction
+    # of the probed bf16 rate, and causal attention at attention_efficiency of its kernel's (below): both fitted
+    # together on the forward and backward GPU seconds of ten runs (llama-3b to llama3.1-8b, 2k to 512k tokens, on
+    # the H100 and the H200: `python dev/compute_fit.py`, docs/performance.md), each pass then within 0.93-1.09x
+    # (the older llama-3b at 32k on the H200, 0.82x). 0.50 before, fitted on whole steps, overpriced the compute of
+    # every run at 2k-8k tokens by 12-20% (llama-5b at 8k on the H100: 15.2 s planned for 13.4 measured). The host
+    # AdamW in a step runs this much slower than alone: 1, since the speculated updates fall between the units of
+    # the next forward pass (the updates after the norm ran at 1.0-1.3x the probe's rate, and a step's host AdamW
+    # at 0.98-1.0x it in all; 1.18 before, which made the plan take GPU updates at 8k that ran 11-16% slower than
+    # the host's: bench/results/2026-11-23-H200-llama3b-gpu-updates-8k.md). The host DRAM term still prices its
     # sharing of DRAM with the PCIe copies.
-    compute_efficiency: float = 0.50
+    compute_efficiency: float = 0.57
     adam_contention: float = 1.0
     # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, gather and weighted scatter) run at these
-    # fractions of the rest's rate, forward and backward: dev/moe_gemm.py on an H100 (torch 2.11), Qwen3-30B-A3B's
-    # experts at 8k tokens against a dense MLP of the same FLOPs: 4.14 against 1.77 ms forward, 6.00 against
-    # 1.31 ms backward (bench/results/2026-11-25-H100-moe-gemm.json)
-    experts_speed: tuple[float, float] = (0.43, 0.22)
+    # fractions of the rest's rate, forward and backward: fitted with compute_efficiency on the two Qwen3-30B-A3B
+    # cuts trained on an H100 (`python dev/compute_fit.py`: 6 blocks at 8 x 8k tokens, 18 at 4 x 8k; their passes
+    # then at 0.98x / 0.83x and 1.02x / 1.12x of the measured: two runs that disagree on the backward pass,
+    # bench/results/2026-11-25-issue40-moe.md). dev/moe_gemm.py's ratios against a dense MLP of the same FLOPs,
+    # 0.43 and 0.22 (bench/results/2026-11-25-H100-moe-gemm.json), were the figures at compute_efficiency 0.50
+    experts_speed: tuple[float, float] = (0.34, 0.16)
     # causal attention's kernels (model/attention.py), as `tiertrain probe` measures them: {kernel: [forward,
     # backward, deterministic backward]} TFLOP/s at head size 128 (32 query and 8 key/value heads, 16,384 tokens,
     # bf16) in the model's FLOPs (spec.attention_flops_per_token: the backward counted as twice the forward); 0: no
@@ -80,12 +85,11 @@ class HardwareSpec:
     # (0.89 / 1.24 of the fit below, bench/results/2026-11-25-issue34-long-8b.md)
     attention_head_scale: dict = field(default_factory=lambda: {"64": 0.72, "128": 1.0})
     # a step's attention reaches this fraction of the kernels' rates above (a block calls it a head group at a
-    # time, beside the copies of its q, k, v and output): fitted on the GPU compute of the long runs (llama3.1-8b
-    # at 128k and 256k on an H100, llama-7b at 256k, llama-3b at 512k and llama-1b at 1M on an H200:
-    # bench/results/2026-11-25-issue34-long-8b.md) planned on the cuDNN rates above: 0.82-0.88, the median taken.
-    # On flash's rates they would need 1.4-1.5: those runs ran cuDNN, torch 2.11's own choice on Hopper
-    # (docs/performance.md)
-    attention_efficiency: float = 0.83
+    # time, beside the copies of its q, k, v and output): fitted with compute_efficiency (above); the long runs
+    # (llama3.1-8b at 128k and 256k on an H100, llama-7b at 256k, llama-3b at 512k on an H200) alone needed
+    # 0.82-0.88 on the cuDNN rates above. On flash's rates they would need 1.4-1.5: those runs ran cuDNN, torch
+    # 2.11's own choice on Hopper (docs/performance.md)
+    attention_efficiency: float = 0.82
     # the GPU's streaming multiprocessors: flash's deterministic backward keeps a dQ buffer per SM (plan.workset)
     gpu_sms: int = 132
     # the NVMe checkpoints' writer (engine/activations.py): its rate with `ck_pieces` pieces (tiers.placement
@@ -163,6 +167,8 @@ class HardwareSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareSpec":
+        """A probe's file: its measured figures; the fitted ones (FITTED) are this code's, whatever the file says,
+        so a probe made before a refit plans with the refit (a file of 2026-11-25 carries compute_efficiency 0.50)."""
         p = Path(path)
         try:
             data = json.loads(p.read_text())
@@ -189,6 +195,7 @@ class HardwareSpec:
             k
             for k, v in data.items()
             if k in known
+            and k not in FITTED
             and isinstance(getattr(REFERENCE, k), (int, float))
             and not isinstance(getattr(REFERENCE, k), bool)
             and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0)
@@ -201,26 +208,16 @@ class HardwareSpec:
         wrong = _bad_tables(data)
         if wrong:
             raise ConfigError(f"hardware file {p}: {wrong}; {fix}")
-        pairs = [k for k in data if k in known and isinstance(getattr(REFERENCE, k), tuple)]
-        bad = [
-            k
-            for k in pairs
-            if not (isinstance(data[k], list) and len(data[k]) == 2 and all(map(_number, data[k])))
-        ]
-        if bad:
-            raise ConfigError(
-                f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be two "
-                f"finite numbers, 0 or more; {fix}"
-            )
-        # JSON has no tuples: a pair comes back as the tuple the dataclass holds, so a saved spec loads equal
-        spec = cls(**{k: tuple(v) if k in pairs else v for k, v in data.items() if k in known})
+        spec = cls(**{k: v for k, v in data.items() if k in known and k not in FITTED})
         if "source" not in data:
             spec.source = f"probe file {p}"
         return spec
 
     def save(self, path: str | Path) -> None:
+        """The measured figures (the fitted ones are the code's: see load)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+        data = {k: v for k, v in asdict(self).items() if k not in FITTED}
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
 def _number(v: object) -> bool:
@@ -252,6 +249,17 @@ def _bad_tables(data: dict) -> str:
 REFERENCE = HardwareSpec()
 # what every probe file holds: the machine's figures `tiertrain probe` measures (a file without them is not one)
 MEASURED = ("gpu", "gpu_mem_gb", "h2d_gbs", "d2h_gbs", "bf16_tflops", "host_adam_params_per_s")
+# the figures fitted on the project's runs (the comments above say on which), not measured by a probe: a hardware
+# file neither writes nor overrides them
+FITTED = (
+    "compute_efficiency",
+    "attention_efficiency",
+    "adam_contention",
+    "experts_speed",
+    "host_dram_gbs",
+    "copy_efficiency",
+    "spec_copy_efficiency",
+)
 PROBE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
 

@@ -103,35 +103,45 @@ def step_times(
     return t, bwd, max(fwd, update)
 
 
-def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
-    """The GPU's seconds of compute in the forward and the backward pass (recompute included): the matmuls' FLOPs
-    over their rate, causal attention's over its kernel's (plan.attention.rates: forward and backward apart)."""
-    spec, rp, hw = job.spec, fit.shape.run_plan, fit.shape.hw
-    rate = (
-        (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
-    )
+def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) -> dict[str, float]:
+    """The GPU's work in one step's forward and backward pass, in FLOPs at each rate: "matmul fwd" / "matmul bwd"
+    at the matmuls' (the routed experts' counted at `experts_speed` of it: their own), and causal attention's: its
+    forward kernel's in the forward pass and in the backward pass's recompute of the blocks not `kept`, its backward
+    kernel's. dev/compute_fit.py fits the rates' efficiencies on measured runs with it."""
+    spec = job.spec
     T, L = job.rows * job.seq_len, spec.num_hidden_layers
     A = spec.attention_flops_per_token(job.seq_len)  # its forward a third, its backward two
     M = spec.flops_per_token(job.seq_len) - A  # the matmuls'
-    fa, ba = attention.rates(rp.attention, spec.hd, rp.deterministic, rp.compute_dtype, hw)
-    fa, ba = fa or rate, ba or rate
     # a kept block's backward pass skips its forward pass again: a third of its share of the matmuls (the head's
     # aside), and its attention's forward
-    matmuls = M - mem.kept * (M - 6 * spec.vocab_size * spec.hidden_size) / L / 3
+    matmuls = M - kept * (M - 6 * spec.vocab_size * spec.hidden_size) / L / 3
     # a tiled block's q/k/v projections run twice in its backward
     if rp.tile and rp.micro_batch * job.seq_len > rp.tile:
         matmuls += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd * L
-    ex, (fwd_speed, bwd_speed) = (
-        spec.expert_flops_per_token / 3,
-        hw.experts_speed,
-    )  # routed experts: their own
+    ex, (fwd_speed, bwd_speed) = spec.expert_flops_per_token / 3, experts_speed  # routed experts: their own
     ex_fwd, ex_bwd = ex * (1 / fwd_speed - 1), 2 * ex * (1 / bwd_speed - 1)
-    forward = T * A / 3 / fa
     return {
-        "compute fwd": T * (M / 3 + ex_fwd) / rate + forward,
-        "compute bwd": T * (matmuls + ex_fwd + ex_bwd) / rate
-        + forward * (L - mem.kept) / L
-        + T * 2 * A / 3 / ba,
+        "matmul fwd": T * (M / 3 + ex_fwd),
+        "matmul bwd": T * (matmuls + ex_fwd + ex_bwd),
+        "attention fwd": T * A / 3,
+        "attention recompute": T * A / 3 * (L - kept) / L,
+        "attention bwd": T * 2 * A / 3,
+    }
+
+
+def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
+    """The GPU's seconds of compute in the forward and the backward pass (recompute included): the matmuls' FLOPs
+    over their rate, causal attention's over its kernel's (plan.attention.rates: forward and backward apart)."""
+    rp, hw = fit.shape.run_plan, fit.shape.hw
+    rate = (
+        (hw.bf16_tflops if rp.compute_dtype == "bfloat16" else hw.fp32_tflops) * 1e12 * hw.compute_efficiency
+    )
+    fa, ba = attention.rates(rp.attention, job.spec.hd, rp.deterministic, rp.compute_dtype, hw)
+    fa, ba = fa or rate, ba or rate
+    w = compute_work(job, mem.kept, rp, hw.experts_speed)
+    return {
+        "compute fwd": w["matmul fwd"] / rate + w["attention fwd"] / fa,
+        "compute bwd": w["matmul bwd"] / rate + w["attention recompute"] / fa + w["attention bwd"] / ba,
     }
 
 
