@@ -122,8 +122,11 @@ def test_packing_fills_rows_best_fit_and_keeps_every_sample_whole(tmp_path):
     ld = _loader(tmp_path / "s.bin", 32, 4)
     b = ld.get(0)
     seen = []
+    pad = b.positions < 0  # a row's padding: token 0, no target, position -1, after its samples
+    assert (b.inputs[pad] == 0).all() and (b.targets[pad] == IGNORE).all() and pad.sum() == 4 * 32 - 125
+    assert all(not p.any() or p[np.argmax(p) :].all() for p in pad)
     for inp, tgt, pos in zip(*b):
-        cuts = np.append(np.flatnonzero(pos == 0), 32)
+        cuts = np.append(np.flatnonzero((pos == 0) | ((pos < 0) & np.append(True, pos[:-1] >= 0))), 32)
         for a, e in zip(cuts[:-1], cuts[1:]):
             seen.append((inp[a:e].tolist(), tgt[a:e].tolist()))
     whole = [
@@ -304,5 +307,53 @@ def test_gpt_oss_packed_keeps_its_windows_and_sinks_per_sample(tmp_path, variant
         (part / n).backward()
         want += part.item() / n
     assert loss == pytest.approx(want, rel=1e-5)
+    for name, p in hf.named_parameters():
+        assert _rel(got[name], p.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("variant", ["micro-batches of 2", "tiled"])
+def test_the_routers_loss_leaves_a_packed_rows_padding_out(tmp_path, variant):
+    """Qwen3-MoE with its load-balancing loss on samples packed into rows of 32 (4 rows, 3 padding positions): each
+    micro-batch's aux loss is transformers' over the router logits of its samples' tokens alone (the padding left
+    out, as its attention_mask leaves it out), and the loss and every gradient are transformers' on each sample
+    alone plus router_aux_loss_coef times the micro-batches' mean aux loss, to 1e-5 in fp32."""
+    from moe_cases import moe_model
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    hf = moe_model("qwen3_moe")
+    hf.config.output_router_logits, hf.config.router_aux_loss_coef = (
+        True,
+        4.0,
+    )  # weighed up: its share is the test
+    hf.save_pretrained(tmp_path / "hf")
+    samples = _samples(tmp_path / "s.bin")
+    tf = open_tokens(tmp_path / "s.bin")
+    packed = Packed(tf.tokens, tf.starts, tf.mask, 32, "x")
+    assert packed.rows == 4 and packed.filled < 4 * 32  # some padding to leave out
+    sets = ["train.batch_size=4", "train.micro_batch_size=2", "optim.grad_clip=0", "data.shuffle=false"]
+    sets += [f'train.init_from="{tmp_path / "hf"}"', *VARIANTS[variant]]
+    tr = Trainer(tiny_config(tmp_path / "s.bin", *sets))
+    loss = tr.train_step()["loss"]
+    got = _grads(tr)
+    tr.close()
+    pieces = [(t[:-1], np.where(m[1:] != 0, t[1:], IGNORE)) for t, m in samples]
+    n = sum(int((t != IGNORE).sum()) for _, t in pieces)
+    total, auxes = 0.0, []
+    for micro in ((0, 1), (2, 3)):
+        ids = [i for r in micro for i in packed.order[packed.bounds[r] : packed.bounds[r + 1]]]
+        logits = []
+        for i in ids:
+            inp, tgt = pieces[i]
+            out = hf(input_ids=torch.as_tensor(inp)[None], output_router_logits=True)
+            ce = torch.nn.functional.cross_entropy(
+                out.logits[0].float(), torch.as_tensor(tgt), ignore_index=IGNORE, reduction="sum"
+            )
+            total = total + ce / n
+            logits.append(out.router_logits)
+        layers = tuple(torch.cat([r[b] for r in logits]) for b in range(len(logits[0])))
+        auxes.append(load_balancing_loss_func(layers, hf.config.num_experts, hf.config.num_experts_per_tok))
+    want = total + hf.config.router_aux_loss_coef * sum(auxes) / len(auxes)
+    want.backward()
+    assert loss == pytest.approx(want.item(), rel=1e-5)
     for name, p in hf.named_parameters():
         assert _rel(got[name], p.grad) < 1e-5, name

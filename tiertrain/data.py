@@ -261,7 +261,8 @@ def _held_out(tf: TokenFile, seq_len: int, fraction: float) -> tuple[TokenFile, 
 
 class Batch(NamedTuple):
     """A batch's rows: inputs and targets (-100 where nothing trains), (B, S) int64; positions: each token's place
-    in its sample or document, (B, S) int64, where they restart inside rows (None: 0..S-1 in every row)."""
+    in its sample or document, (B, S) int64, where they restart inside rows, -1 on a packed row's padding (None:
+    0..S-1 in every row)."""
 
     inputs: np.ndarray
     targets: np.ndarray

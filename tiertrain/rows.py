@@ -8,9 +8,11 @@ Documents  the same rows, with the documents kept apart (data.document_mask): po
 Packed     samples that train whole and alone (a file with a loss mask: prepare --chat), packed into rows of S
            positions best-fit decreasing: a sample of L tokens takes L - 1 positions (inputs its first L - 1, targets
            its last L - 1), its targets -100 where the mask says untrained; positions restart at each sample; the rest
-           of a row is padding: token 0, no target, positions of its own
-A row's segments (a document, a sample, the padding) are where its positions restart at 0: model.docs attends
-within each, so a sample sees only itself and a packed batch trains exactly as its samples would alone.
+           of a row is padding: token 0, no target, position -1 (no token of any sample: the routers' load-balancing
+           statistics leave it out, as transformers' leave out the tokens its attention_mask masks)
+A row's segments (a document, a sample, the padding) are where its positions restart at 0 or its padding begins:
+model.docs attends within each, so a sample sees only itself and a packed batch trains exactly as its samples would
+alone.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class Packed:
                 )
                 pos[j, at : at + n] = np.arange(n)
                 at += n
-            pos[j, at:] = np.arange(S - at)  # the padding: a segment of its own, nothing trained
+            pos[j, at:] = -1  # the padding: a segment of its own, nothing trained
         return inp, tgt, pos
 
     def few(self, name: str, batch_size: int) -> str:

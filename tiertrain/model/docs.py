@@ -35,33 +35,44 @@ def _varlen():
 @dataclass(frozen=True)
 class Docs:
     """A micro-batch's segments: each row's (start, end) spans, and the same as the cumulative offsets over the
-    flattened rows that the varlen kernel takes; the RoPE tables gathered at each token's position."""
+    flattened rows that the varlen kernel takes; the RoPE tables gathered at each token's position; which tokens
+    are a sample's (a packed row's padding is not)."""
 
     spans: tuple[tuple[tuple[int, int], ...], ...]
     cu: torch.Tensor  # int32 (segments + 1,) on the device
     longest: int
     cos: torch.Tensor  # (B, 1, S, head_dim) fp32
     sin: torch.Tensor
+    valid: torch.Tensor | None = None  # (B, S) fp32, 0 on padding (position -1); None: no padding
 
     @classmethod
     def build(cls, positions: np.ndarray, ctx: llama.Context) -> "Docs":
-        """From a micro-batch's positions (B, S): a segment begins where they are 0."""
+        """From a micro-batch's positions (B, S): a segment begins where they are 0, and where a row's padding
+        (position -1) begins."""
         b, s = positions.shape
         spans, cu = [], [0]
+        pad = positions < 0
         for r in range(b):
-            cuts = np.append(np.flatnonzero(positions[r] == 0), s)
+            starts = (positions[r] == 0) | (pad[r] & np.append(True, ~pad[r][:-1]))
+            cuts = np.append(np.flatnonzero(starts), s)
             row = tuple((int(a), int(e)) for a, e in zip(cuts[:-1], cuts[1:]))
             spans.append(row)
             cu += [r * s + e for _, e in row]
         dev = ctx.cos.device
-        pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(np.maximum(positions, 0))).to(dev)  # padding's RoPE: any
         return cls(
             tuple(spans),
             torch.tensor(cu, dtype=torch.int32).to(dev),
             max(e - a for row in spans for a, e in row),
             ctx.cos[pos].unsqueeze(1),
             ctx.sin[pos].unsqueeze(1),
+            torch.from_numpy(~pad).float().to(dev) if pad.any() else None,
         )
+
+    def valid_at(self, start: int, t: int) -> torch.Tensor | None:
+        """Which of the tokens at positions start..start+t of every row are a sample's, flattened (B x t,) as a
+        block's MLP takes them; None: all."""
+        return None if self.valid is None else self.valid[:, start : start + t].reshape(-1)
 
     def rope(self, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables of positions start..start+t of every row, (B, 1, t, head_dim)."""

@@ -243,14 +243,17 @@ def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 
     return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
 
 
-def block_out(w: dict[str, torch.Tensor], x: torch.Tensor, o: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """The block after its attention, on any slice of tokens: x (B, t, H) and the attention's output o
-    (B, t, heads x hd) give x1 = x + o_proj(o), then x1 + MLP(norm(x1)); the MLP a mixture of experts where the
-    block has them."""
+def block_out(
+    w: dict[str, torch.Tensor], x: torch.Tensor, o: torch.Tensor, ctx: Context, start: int = 0
+) -> torch.Tensor:
+    """The block after its attention, on the slice of tokens at positions start..start+t of every row: x (B, t, H)
+    and the attention's output o (B, t, heads x hd) give x1 = x + o_proj(o), then x1 + MLP(norm(x1)); the MLP a
+    mixture of experts where the block has them (its routers' statistics over the slice's samples' tokens)."""
     x = x + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias")).float()
     h = rms_norm(x, w["post_attention_layernorm.weight"], ctx.spec.rms_norm_eps).to(ctx.dtype)
     if "mlp.experts.down_proj" in w:
-        return x + moe.experts(w, h.reshape(-1, h.shape[-1]), ctx).view_as(x)
+        valid = None if ctx.docs is None else ctx.docs.valid_at(start, x.shape[1])
+        return x + moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid).view_as(x)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
     return x + F.linear(m, w["mlp.down_proj.weight"]).float()
 

@@ -40,13 +40,17 @@ class RouterLog:
         self.counting = False  # the training forward pass
         self.terms: list[torch.Tensor] = []
 
-    def observe(self, probs: torch.Tensor, chosen: torch.Tensor) -> None:
-        """A block's router on a slice of the micro-batch's tokens: fp32 softmax (T, E) and the chosen experts."""
+    def observe(self, probs: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """A block's router on a slice of the micro-batch's tokens: fp32 softmax (T, E) and the chosen experts (T, k);
+        `valid` (T,): 1 on the tokens counted, 0 on padding (None: all), weights rather than an index: no sync."""
         m = self.micro
+        if valid is not None:
+            probs = probs * valid[:, None]
         if self.counting:
-            self.counts[m] += _counts(chosen, self.e).float()
+            slots = None if valid is None else valid[:, None].expand_as(chosen)
+            self.counts[m] += _counts(chosen, self.e, slots)
             self.sums[m] += probs.detach().sum(0)
-            self.rows[m] += probs.shape[0]
+            self.rows[m] += probs.shape[0] if valid is None else valid.sum()
         if probs.requires_grad:
             self.terms.append((m, probs.sum(0)))
 
@@ -55,7 +59,7 @@ class RouterLog:
         self.counting = False
         total = torch.zeros((), device=self.counts[0].device)
         for c, p, n in zip(self.counts, self.sums, self.rows):
-            n = max(n, 1)
+            n = torch.as_tensor(n, dtype=torch.float32, device=c.device).clamp(min=1)
             self.weights.append(self.coef * self.e * c / (n * n * self.share))
             total += self.coef * self.e * (c / n * p / n).sum() / self.share
         return total
@@ -68,10 +72,12 @@ class RouterLog:
         return sum((p * self.weights[m]).sum() for m, p in terms)
 
 
-def _counts(chosen: torch.Tensor, n: int) -> torch.Tensor:
-    """How many of the chosen slots went to each of n experts (int64), without the device sync of bincount."""
+def _counts(chosen: torch.Tensor, n: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """How many of the chosen slots (each counted at its weight, None: 1) went to each of n experts (int64 without
+    weights, else fp32), without the device sync of bincount."""
     flat = chosen.reshape(-1)
-    return flat.new_zeros(n).scatter_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat) if weights is None else weights.reshape(-1).float()
+    return ones.new_zeros(n).scatter_add_(0, flat, ones)
 
 
 def grad_pairs(router: RouterLog | None, y: torch.Tensor, g: torch.Tensor):
@@ -80,8 +86,11 @@ def grad_pairs(router: RouterLog | None, y: torch.Tensor, g: torch.Tensor):
     return ([y], [g]) if t is None else ([y, t], [g, torch.ones_like(t)])
 
 
-def route(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the chosen experts (T, k), their routing weights (T, k) fp32) of tokens h (T, H)."""
+def route(
+    w: dict[str, torch.Tensor], h: torch.Tensor, ctx, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the chosen experts (T, k), their routing weights (T, k) fp32) of tokens h (T, H); the router log observes
+    the `valid` ones (experts())."""
     s = ctx.spec
     k = s.num_experts_per_tok
     probs = None  # the softmax over every expert: qwen's and mixtral's routing, and the aux loss's statistics
@@ -95,7 +104,7 @@ def route(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> tuple[torch.Tenso
         if s.norm_topk_prob or s.model_type == "mixtral":
             weights = weights / weights.sum(-1, keepdim=True)
     if ctx.router is not None:
-        ctx.router.observe(torch.softmax(logits, dim=-1) if probs is None else probs, chosen)
+        ctx.router.observe(torch.softmax(logits, dim=-1) if probs is None else probs, chosen, valid)
     return chosen, weights
 
 
@@ -112,11 +121,14 @@ def _mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, counts: list[int] 
     return out
 
 
-def experts(w: dict[str, torch.Tensor], h: torch.Tensor, ctx) -> torch.Tensor:
-    """The MoE MLP of tokens h (T, H) in the compute dtype: fp32 (T, H), the shared expert included."""
+def experts(
+    w: dict[str, torch.Tensor], h: torch.Tensor, ctx, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The MoE MLP of tokens h (T, H) in the compute dtype: fp32 (T, H), the shared expert included. `valid`: (T,)
+    1 on a sample's tokens, 0 on padding (None: all a sample's), for the routers' statistics."""
     s = ctx.spec
     t, k = h.shape[0], s.num_experts_per_tok
-    chosen, weights = route(w, h, ctx)
+    chosen, weights = route(w, h, ctx, valid)
     order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, slot) pairs by expert
     per = _counts(chosen, s.num_experts)
     grouped = _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16

@@ -79,7 +79,7 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.
         qs[g] = ks[g] = vs[g] = None  # each group's inputs go as soon as its output exists
     y = torch.empty_like(x)
     for a, e in _spans(x, ctx):
-        y[:, a:e] = block_out(w, x[:, a:e], _tile(os, a, e), ctx)
+        y[:, a:e] = block_out(w, x[:, a:e], _tile(os, a, e), ctx, a)
     return y
 
 
@@ -104,7 +104,7 @@ def backward(
     for a, e in _spans(x, ctx):  # ---- C
         xt, ot = x[:, a:e].detach().requires_grad_(), _tile(os, a, e).requires_grad_()
         with torch.enable_grad():
-            y = block_out(outs, xt, ot, ctx)
+            y = block_out(outs, xt, ot, ctx, a)
         ys, gs = grad_pairs(ctx.router, y, g[:, a:e])  # and the router's load-balancing term
         d = torch.autograd.grad(ys, [xt, ot, *outs.values()], gs)
         g[:, a:e] = d[0]  # the gradient at x1 (the residual after attention)
