@@ -33,11 +33,17 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
     with pytest.raises(ConfigError, match="tiertrain probe"):
         HardwareSpec.load(tmp_path / "missing.json")
     data = json.loads((tmp_path / "hw.json").read_text())
-    assert not set(FITTED) & set(data)  # a probe writes what it measures
-    # an older probe's fitted figures give way to this code's fit
-    old = {**data, "compute_efficiency": 0.5, "experts_speed": [0.4], "adam_contention": 1.18}
-    (tmp_path / "old.json").write_text(json.dumps(old))
-    assert HardwareSpec.load(tmp_path / "old.json") == hw
+    (tmp_path / "odd.json").write_text(json.dumps({**data, "experts_speed": [0.4]}))
+    with pytest.raises(ConfigError, match="experts_speed = \\[0.4\\] must be two finite numbers"):
+        HardwareSpec.load(tmp_path / "odd.json")
+    # a probe's file from before a refit: its fitted figures give way to this code's; a file made otherwise keeps them
+    old = {**data, "compute_efficiency": 0.5, "experts_speed": [0.4, 0.2], "adam_contention": 1.18}
+    (tmp_path / "old.json").write_text(json.dumps({**old, "source": "tiertrain probe, 2026-11-25"}))
+    assert replace(HardwareSpec.load(tmp_path / "old.json"), source="test") == hw
+    (tmp_path / "own.json").write_text(json.dumps(old))
+    mine = HardwareSpec.load(tmp_path / "own.json")
+    assert (mine.compute_efficiency, mine.experts_speed, mine.adam_contention) == (0.5, (0.4, 0.2), 1.18)
+    assert set(FITTED) <= {f.name for f in dataclasses.fields(HardwareSpec)}
     slow = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), hw)
     fast = plan(Job(load_config("llama-3b").model, 16, 2048), Budgets(), REFERENCE)
     assert slow.prediction.step_s >= fast.prediction.step_s

@@ -167,8 +167,9 @@ class HardwareSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareSpec":
-        """A probe's file: its measured figures; the fitted ones (FITTED) are this code's, whatever the file says,
-        so a probe made before a refit plans with the refit (a file of 2026-11-25 carries compute_efficiency 0.50)."""
+        """A hardware file's figures. Of a probe's file (its source "tiertrain probe, ..."), the measured ones: the
+        fitted ones it holds (FITTED) were the code's when it probed, so a probe made before a refit plans with the
+        refit (a probe of 2026-11-25 holds compute_efficiency 0.50). A file made otherwise keeps every figure."""
         p = Path(path)
         try:
             data = json.loads(p.read_text())
@@ -195,7 +196,6 @@ class HardwareSpec:
             k
             for k, v in data.items()
             if k in known
-            and k not in FITTED
             and isinstance(getattr(REFERENCE, k), (int, float))
             and not isinstance(getattr(REFERENCE, k), bool)
             and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0)
@@ -208,16 +208,28 @@ class HardwareSpec:
         wrong = _bad_tables(data)
         if wrong:
             raise ConfigError(f"hardware file {p}: {wrong}; {fix}")
-        spec = cls(**{k: v for k, v in data.items() if k in known and k not in FITTED})
+        pairs = [k for k in data if k in known and isinstance(getattr(REFERENCE, k), tuple)]
+        bad = [
+            k
+            for k in pairs
+            if not (isinstance(data[k], list) and len(data[k]) == 2 and all(map(_number, data[k])))
+        ]
+        if bad:
+            raise ConfigError(
+                f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be two "
+                f"finite numbers, 0 or more; {fix}"
+            )
+        if str(data.get("source", "")).startswith("tiertrain probe"):
+            known = {k: f for k, f in known.items() if k not in FITTED}
+        # JSON has no tuples: a pair comes back as the tuple the dataclass holds, so a saved spec loads equal
+        spec = cls(**{k: tuple(v) if k in pairs else v for k, v in data.items() if k in known})
         if "source" not in data:
             spec.source = f"probe file {p}"
         return spec
 
     def save(self, path: str | Path) -> None:
-        """The measured figures (the fitted ones are the code's: see load)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        data = {k: v for k, v in asdict(self).items() if k not in FITTED}
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
 
 def _number(v: object) -> bool:
@@ -249,8 +261,8 @@ def _bad_tables(data: dict) -> str:
 REFERENCE = HardwareSpec()
 # what every probe file holds: the machine's figures `tiertrain probe` measures (a file without them is not one)
 MEASURED = ("gpu", "gpu_mem_gb", "h2d_gbs", "d2h_gbs", "bf16_tflops", "host_adam_params_per_s")
-# the figures fitted on the project's runs (the comments above say on which), not measured by a probe: a hardware
-# file neither writes nor overrides them
+# the figures fitted on the project's runs (the comments above say on which), not measured by a probe: a probe's
+# file does not override them (HardwareSpec.load)
 FITTED = (
     "compute_efficiency",
     "attention_efficiency",
