@@ -6,8 +6,6 @@ import dataclasses
 import json
 import re
 import shlex
-import subprocess
-import sys
 from dataclasses import replace
 
 import psutil
@@ -49,14 +47,22 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
     assert slow.prediction.step_s >= fast.prediction.step_s
 
 
-def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path):
+def test_probe_writes_a_hardware_file_the_planner_reads(tmp_path, monkeypatch):
+    """`tiertrain probe --out --nvme-dir` in process, its measurements on small arrays and files (the full sizes
+    take 25 s of two cores: the figures' code is the same)."""
+    from functools import partial
+
+    from click.testing import CliRunner
+
+    from tiertrain import probe
+    from tiertrain.cli import main
+
+    monkeypatch.setattr(probe, "host_adam_rate", partial(probe.host_adam_rate, n_params=1 << 20, reps=3))
+    monkeypatch.setattr(probe, "disk_rates", partial(probe.disk_rates, nbytes=1 << 24))
+    monkeypatch.setattr(probe, "ck_writer_rate", partial(probe.ck_writer_rate, counts=(1, 2), total=2))
     out = tmp_path / "hw.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "tiertrain", "probe", "--out", str(out), "--nvme-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(main, ["probe", "--out", str(out), "--nvme-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
     hw = HardwareSpec.load(out)
     assert (
         hw.source.startswith("tiertrain probe")
