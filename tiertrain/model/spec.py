@@ -103,6 +103,8 @@ class ModelSpec:
     _blocks: tuple[tuple[int | None, bool], ...] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # the slabs' sizes of its units, per rank count: plan.memory.slab_sizes, which every candidate plan reads
+    _slabs: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- derived shape ------------------------------------------------------------------------
     @property

@@ -4,6 +4,7 @@ model of its shape that fits the same budgets, and with an NVMe tier the least h
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 
 from ..modes import Update
 from ..sizes import budget
@@ -122,23 +123,23 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
     stream, any checkpoint home or their split, a resident budget "auto" at all the GPU memory left; the budget
     the misses are short of, each named once: "GPU", "host", "NVMe")."""
     short: list[str] = []
-    for stream in ("compute", "master") if job.dtype == "bfloat16" else ("master",):
-        for acts in ("gpu", "host", "split"):
-            least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0)
+    streams = ("compute", "master") if job.dtype == "bfloat16" else ("master",)
+    # the splits first: where anything fits, a split nearly always does (the searches' fits then cost one or two
+    # tries); a miss tries every choice, so the answer does not depend on the order
+    for acts, stream in product(("split", "gpu", "host"), streams):
+        least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0)
 
-            def at(b: Budgets) -> Plan | Miss:
-                return evaluate(job, least, b, hw)
+        def at(b: Budgets) -> Plan | Miss:
+            return evaluate(job, least, b, hw)
 
-            # "auto": all the GPU leaves (the most memory resident state can add)
-            resident = (
-                int(resident_room(at, budgets, hw))
-                if budgets.resident_gb == "auto"
-                else p.run_plan.resident_gb
-            )
-            q = at(replace(budgets, resident_gb=resident))
-            if q.fits:
-                return True, ""
-            short.append({Short.RING: "host", Short.COPIES: "host"}.get(q.short, q.short.value))
+        # "auto": all the GPU leaves (the most memory resident state can add)
+        resident = (
+            int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.run_plan.resident_gb
+        )
+        q = at(replace(budgets, resident_gb=resident))
+        if q.fits:
+            return True, ""
+        short.append({Short.RING: "host", Short.COPIES: "host"}.get(q.short, q.short.value))
     return False, ", ".join(sorted(set(short), key=("GPU", "host", "NVMe").index))
 
 

@@ -65,8 +65,9 @@ class SlabLayout:
 
 
 def host_cost(nbytes: int) -> int:
-    """Host bytes a slab of nbytes takes: whole pages (alloc_slab maps exactly that)."""
-    return _round_up(max(nbytes, 1), PAGE)
+    """Host bytes a slab of nbytes takes: whole pages (alloc_slab maps exactly that); at least one page. Written
+    out (no calls): the planner asks it millions of times for a deep model's candidates."""
+    return -(-nbytes // PAGE) * PAGE if nbytes > 0 else PAGE
 
 
 def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
