@@ -92,7 +92,8 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     # a little short of where the state's bytes would fill the host and the disk: where the search starts, with
     # steps of a 32nd of it (any start gives the same answer; one that fits costs the fewest plans)
     state = sum(p.memory.host.values()) + sum(p.memory.nvme.values())
-    room = ((budgets.host_gb or 0) + (budgets.nvme_gb or 0)) * 1e9
+    host = budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb  # None: the machine's RAM
+    room = (host + (budgets.nvme_gb or 0)) * 1e9
     guess = int(0.9 * spec.num_hidden_layers * room / state) if state and room else spec.num_hidden_layers
     lo = _most(fits, guess, LARGEST_LAYERS, max(1, guess // 32))
     return lo, spec.with_layers(max(lo, 1)).n_params if lo else 0
