@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -10,9 +11,10 @@ import pytest
 import torch
 import zarr
 
-from conftest import DEEP, VARIANTS, beside_gb, budget_for, least_budget, tiny_config
+from conftest import DEEP, ROOT, VARIANTS, beside_gb, budget_for, least_budget, least_gb, tiny_config
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.modes import Home, Kind
+from tiertrain.plan.hardware import REFERENCE
 from tiertrain.tiers.nvme import NvmeStore, PosixIO, StoreError
 from tiertrain.tiers.placement import (
     RING_SLOTS,
@@ -411,3 +413,23 @@ def test_kvikio_missing_says_what_to_install():
 
     with pytest.raises(UserError, match=r'pip install "tiertrain\[cu1[23]\]".*tiers.io = "auto"'):
         check_backend("kvikio")
+
+
+def test_a_gpu_runs_plan_says_when_it_prices_an_unmeasured_disk(token_file, tmp_path):
+    """A run that spills, planned on the reference machine's disk rates (no probe measured this disk), says how to
+    measure it: the 18-block Qwen3-30B-A3B cut ran 1.21-1.37x its plan so, 0.86-0.96x on its probe. A measured disk,
+    or a run that does not spill, says nothing."""
+    from tiertrain.plan.hardware import HardwareSpec
+
+    assert "tiertrain probe --nvme-dir" in REFERENCE.disk_note()
+    assert HardwareSpec.load(ROOT / "bench" / "results" / "2026-11-25-H100-probe.json").disk_note() == ""
+    spill = tiny_config(
+        token_file, *DEEP, f"tiers.host_gb={least_gb(token_file)}", f'tiers.nvme_dir="{tmp_path}"'
+    )
+    for cfg, says in ((spill, True), (tiny_config(token_file), False)):
+        tr = Trainer(cfg)
+        tr.predicts = True  # as on a GPU, where the plan's times are predictions
+        assert any("tiertrain probe --nvme-dir" in line for line in tr.describe()) == says
+        tr.hw = dataclasses.replace(tr.hw, disk_read_gbs=1.69)
+        assert not any("tiertrain probe --nvme-dir" in line for line in tr.describe())
+        tr.close()

@@ -398,6 +398,10 @@ class Trainer:
         spec, tc, pr = self.cfg.model, self.cfg.train, self.plan.prediction
         host, nvme = self.run.host.nbytes(), self.run.nvme
         nv = spilled_bytes([sh.numel for sh in self.shards], self.kind_bytes(), self.run_plan.where())
+        on_disk = sum(self.plan.memory.nvme.values()) or self.plan.memory.nvme_checkpoints
+        disk = (
+            self.hw.disk_note() if self.predicts and on_disk else ""
+        )  # a GPU run's plan, its disk unmeasured
         r = self.ranks
         return [
             *(
@@ -441,6 +445,7 @@ class Trainer:
                 if self.predicts
                 else []
             ),
+            *([disk] if disk else []),
             f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
             f"GPU updates' state, "
             f"plus activations ({self._checkpoint_homes()}); "

@@ -227,6 +227,18 @@ class HardwareSpec:
             spec.source = f"probe file {p}"
         return spec
 
+    def disk_note(self) -> str:
+        """A run's line where its plan prices this machine's disk at the reference machine's rates (no probe
+        measured it): how to measure it; "" where one did. A plan that spills was off by as much as the disks
+        differ (the 18-block Qwen3-30B-A3B cut on an H100: 1.21-1.37x the plan's step, 0.86-0.96x on its probe)."""
+        disk = ("disk_read_gbs", "disk_write_gbs", "disk_mixed_gbs")
+        if any(getattr(self, k) != getattr(REFERENCE, k) for k in disk):
+            return ""
+        return (
+            f"note: the plan prices the disk at the reference machine's {self.disk_read_gbs:g} GB/s read and "
+            f"{self.disk_write_gbs:g} GB/s write; `tiertrain probe --nvme-dir DIR` measures this one"
+        )
+
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
