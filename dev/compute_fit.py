@@ -118,13 +118,13 @@ def experts(e: float, a: float) -> None:
         fa, ba = (x * 1e12 * a for x in hw.attention_tflops["flash"][:2])
         mm = hw.bf16_tflops * 1e12 * e
         base = compute_work(job, kept, rp, (1.0, 1.0))  # the experts at the dense rate
-        half = compute_work(job, kept, rp, (0.5, 0.5))  # their FLOPs once more at 1 / 0.5 - 1
         att = np.array(
             [base["attention fwd"] / fa, base["attention recompute"] / fa + base["attention bwd"] / ba]
         )
         dense = np.array([base["matmul fwd"], base["matmul bwd"]]) / mm
-        ex_f = (half["matmul fwd"] - base["matmul fwd"]) / mm  # the experts' forward FLOPs (in both passes)
-        ex_b = (half["matmul bwd"] - base["matmul bwd"]) / mm - ex_f  # their backward's
+        # the routed experts' seconds at the dense rate: their forward (in both passes), their backward (twice it)
+        ex_f = job.rows * job.seq_len * job.spec.expert_flops_per_token / 3 / mm
+        ex_b = 2 * ex_f
         planned = p.prediction.times["compute fwd"], p.prediction.times["compute bwd"]
         print(
             f"| {Path(config).stem} {sets[0]} | {fwd:.3f} / {bwd:.3f} | {planned[0] / fwd:.2f}x / "

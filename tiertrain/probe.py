@@ -12,7 +12,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .modes import Kind
 from .plan.gpus import named, this_machine
-from .plan.hardware import PROBE_FILE, TORCH_COPIES, HardwareSpec
+from .plan.hardware import PROBE_FILE, PROBE_SOURCE, TORCH_COPIES, HardwareSpec
 from .tiers.placement import CK_PIECE_BYTES
 
 ATTENTION_SHAPE = (
@@ -407,7 +407,7 @@ def probe_spec(nvme_dir: str | None = None):
     import torch
 
     m = probe(gpu=True)
-    spec = spec_of(m, psutil.virtual_memory().total / 1e9, f"tiertrain probe, {time.strftime('%Y-%m-%d')}")
+    spec = spec_of(m, psutil.virtual_memory().total / 1e9, f"{PROBE_SOURCE}, {time.strftime('%Y-%m-%d')}")
     notes = []
     if not torch.cuda.is_available():
         notes.append("no CUDA GPU: GPU memory, PCIe and matmul rates are the reference H200's")

@@ -398,10 +398,9 @@ class Trainer:
         spec, tc, pr = self.cfg.model, self.cfg.train, self.plan.prediction
         host, nvme = self.run.host.nbytes(), self.run.nvme
         nv = spilled_bytes([sh.numel for sh in self.shards], self.kind_bytes(), self.run_plan.where())
+        # a GPU run whose plan puts state or checkpoints on a disk no probe measured says how to measure it
         on_disk = sum(self.plan.memory.nvme.values()) or self.plan.memory.nvme_checkpoints
-        disk = (
-            self.hw.disk_note() if self.predicts and on_disk else ""
-        )  # a GPU run's plan, its disk unmeasured
+        disk = self.hw.disk_note() if self.predicts and on_disk else ""
         r = self.ranks
         return [
             *(

@@ -219,7 +219,7 @@ class HardwareSpec:
                 f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be two "
                 f"finite numbers, 0 or more; {fix}"
             )
-        if str(data.get("source", "")).startswith("tiertrain probe"):
+        if str(data.get("source", "")).startswith(PROBE_SOURCE):
             known = {k: f for k, f in known.items() if k not in FITTED}
         # JSON has no tuples: a pair comes back as the tuple the dataclass holds, so a saved spec loads equal
         spec = cls(**{k: tuple(v) if k in pairs else v for k, v in data.items() if k in known})
@@ -284,6 +284,7 @@ FITTED = (
     "copy_efficiency",
     "spec_copy_efficiency",
 )
+PROBE_SOURCE = "tiertrain probe"  # how a probe's file names its figures' source (then ", DATE")
 PROBE_FILE = Path.home() / ".cache" / "tiertrain" / "hardware.json"  # written by `tiertrain probe`
 
 

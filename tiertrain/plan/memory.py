@@ -407,13 +407,11 @@ def reloaded_units(n_units: int) -> range:
 def slab_sizes(spec, gpus: int = 1) -> tuple[int, ...]:
     """Each unit's slab size, or with several GPUs each rank's shard of it (tiers.slab.Shard); kept in the spec,
     which the planner's candidates share."""
-    got = spec._slabs.get(gpus)
-    if got is None:
-        units = spec.units()
-        got = spec._slabs[gpus] = tuple(
-            shard_numel(_slab_numel(tuple((t.name, t.shape) for t in u.tensors)), gpus) for u in units
+    if gpus not in spec._slabs:
+        spec._slabs[gpus] = tuple(
+            shard_numel(_slab_numel(tuple((t.name, t.shape) for t in u.tensors)), gpus) for u in spec.units()
         )
-    return got
+    return spec._slabs[gpus]
 
 
 @functools.lru_cache(maxsize=256)  # blocks share their table: a deep model builds one layout, not thousands
