@@ -2,12 +2,16 @@
 sort, the grouped GEMMs, the weighted scatter back) forward and backward, in bf16, beside a SwiGLU MLP of
 intermediate size k x I on the same tokens, with the parts timed alone. Qwen3-30B-A3B's shape by default.
 
-    python dev/moe_gemm.py [--tokens 8192] [--out FILE.json]
+    python dev/moe_gemm.py [--tokens 8192] [--baseline OLD_MOE.py] [--out FILE.json]
+
+The experts are timed with their activation compiled (the default on a GPU) and eager; --baseline times another
+version of model/moe.py (a file) beside them, in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -35,6 +39,7 @@ def main() -> None:
     p.add_argument("--expert-size", type=int, default=768)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--k", type=int, default=8)
+    p.add_argument("--baseline", default=None, help="another model/moe.py to time beside this one")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     H, I, E, k, T = a.hidden, a.expert_size, a.experts, a.k, a.tokens
@@ -69,13 +74,25 @@ def main() -> None:
     dl = {n: v.requires_grad_() for n, v in dense.items()}
     hx = h.clone().requires_grad_()
 
-    def experts_fwd():
+    def experts_fwd(m=moe):
         with torch.no_grad():
-            moe.experts(w, h, ctx)
+            m.experts(w, h, ctx)
 
-    def experts_fb():
-        y = moe.experts(leaves, hx, ctx)
+    def experts_fb(m=moe):
+        y = m.experts(leaves, hx, ctx)
         torch.autograd.grad(y, [hx, *leaves.values()], gy)
+
+    accs = {n: torch.zeros(v.shape, device=dev) for n, v in w.items()}
+    dense_accs = {n: torch.zeros(v.shape, device=dev) for n, v in dense.items()}
+
+    def experts_fb_acc():  # as the step's backward: weight gradients added into fp32 accumulators
+        y = moe.experts(leaves, hx, ctx)
+        for acc, g in zip(accs.values(), torch.autograd.grad(y, [hx, *leaves.values()], gy)[1:]):
+            acc.add_(g)
+
+    def dense_fb_acc():
+        for acc, g in zip(dense_accs.values(), torch.autograd.grad(mlp(hx, dl), [hx, *dl.values()], gy)[1:]):
+            acc.add_(g)
 
     def mlp(x, d):
         return F.linear(F.silu(F.linear(x, d["gate"])) * F.linear(x, d["up"]), d["down"]).float()
@@ -103,6 +120,22 @@ def main() -> None:
         "dense_fwd_bwd_s": timed(dense_fb),
         "route_s": timed(route_only),
     }
+    r["experts_fwd_bwd_acc_s"], r["dense_fwd_bwd_acc_s"] = timed(experts_fb_acc), timed(dense_fb_acc)
+    r["acc_ratio"] = r["experts_fwd_bwd_acc_s"] / r["dense_fwd_bwd_acc_s"]
+    y = moe.experts(leaves, hx, ctx)
+    grads = torch.autograd.grad(y, [hx, *leaves.values()], gy)[1:]
+    r["grad_contiguous"] = {n: g.is_contiguous() for n, g in zip(leaves, grads)}
+    moe.COMPILE = False
+    r["eager_fwd_s"], r["eager_fwd_bwd_s"] = timed(experts_fwd), timed(experts_fb)
+    moe.COMPILE = True
+    if a.baseline:
+        spec_ = importlib.util.spec_from_file_location("moe_baseline", a.baseline)
+        base = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(base)
+        r["baseline_fwd_s"] = timed(lambda: experts_fwd(base))
+        r["baseline_fwd_bwd_s"] = timed(lambda: experts_fb(base))
+        r["baseline_fwd_bwd_ratio"] = r["baseline_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
+    r["eager_fwd_bwd_ratio"] = r["eager_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
     r["fwd_ratio"] = r["experts_fwd_s"] / r["dense_fwd_s"]
     r["fwd_bwd_ratio"] = r["experts_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
     r["experts_tflops_fwd_bwd"] = 3 * flops / r["experts_fwd_bwd_s"] / 1e12
@@ -110,7 +143,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        experts_fb()
+        experts_fb_acc()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
     r["profile"] = table.splitlines()

@@ -121,31 +121,108 @@ def _mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, counts: list[int] 
     return out
 
 
+class _Spread(torch.autograd.Function):
+    """Tokens h (T, H) to their (token, slot) pairs sorted by expert: h[src], src = order // k. Its backward sums
+    each token's k slots in one pass (fp32 inside), where autograd's index backward would sort and accumulate
+    repeated rows one by one."""
+
+    @staticmethod
+    def forward(fn, h, src, inv, k):
+        fn.save_for_backward(inv)
+        fn.k = k
+        return h.index_select(0, src)
+
+    @staticmethod
+    def backward(fn, g):
+        (inv,) = fn.saved_tensors
+        return _fused(_sum_slots, g, inv, fn.k), None, None, None
+
+
+def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed in slot order (fp32 inside, y's
+    dtype out); on a GPU one kernel that gathers as it sums (_fused)."""
+    return y.index_select(0, inv).view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(y.dtype)
+
+
+class _Combine(torch.autograd.Function):
+    """The adjoint of _Spread: sorted pair rows y (T k, H) back to their tokens, summed over the k slots; its
+    backward hands each pair its token's gradient (a gather, no accumulation)."""
+
+    @staticmethod
+    def forward(fn, y, src, inv, k):
+        fn.save_for_backward(src)
+        return _fused(_sum_slots, y, inv, k)
+
+    @staticmethod
+    def backward(fn, g):
+        (src,) = fn.saved_tensors
+        return g.index_select(0, src), None, None, None
+
+
+def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: float) -> torch.Tensor:
+    """The experts' gated activation of their gate/up rows y (T k, 2 I), times each row's routing weight ws (fp32,
+    (T k, 1)), in y's dtype: SwiGLU of [gate; up], or gpt-oss's clamped SwiGLU of interleaved gate and up."""
+    if gpt_oss:
+        g, u = y[:, ::2].float().clamp(max=limit), y[:, 1::2].float().clamp(-limit, limit)
+        return ((u + 1) * (g * torch.sigmoid(g * alpha)) * ws).to(y.dtype)
+    g, u = y.float().chunk(2, dim=-1)
+    return (F.silu(g) * u * ws).to(y.dtype)
+
+
+COMPILE = True  # dev/moe_gemm.py turns it off to time the eager ops
+_COMPILED: dict = {}  # torch.compile's versions of _glu and _sum_slots, built on a GPU's first call
+
+
+def _fused(fn, *args):
+    """fn(*args): on a GPU compiled by torch.compile, its chain of elementwise ops (or gather and sum) one kernel
+    each way instead of a pass over memory per op; eager elsewhere."""
+    if not (COMPILE and args[0].is_cuda):
+        return fn(*args)
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn](*args)
+
+
+def _act(y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
+    return _fused(_glu, y, ws, s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
+
+
 def experts(
     w: dict[str, torch.Tensor], h: torch.Tensor, ctx, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The MoE MLP of tokens h (T, H) in the compute dtype: fp32 (T, H), the shared expert included. `valid`: (T,)
-    1 on a sample's tokens, 0 on padding (None: all a sample's), for the routers' statistics."""
+    1 on a sample's tokens, 0 on padding (None: all a sample's), for the routers' statistics.
+
+    Every (token, expert) pair's row is weighted by its routing weight before the down projection (linear, so
+    the same sum as transformers' weighting after it) and goes back to its token summed over its k slots in one
+    pass, in the compute dtype as a dense MLP's output is: no (T k, H) tensor in fp32 or gathered twice."""
     s = ctx.spec
-    t, k = h.shape[0], s.num_experts_per_tok
+    k = s.num_experts_per_tok
     chosen, weights = route(w, h, ctx, valid)
-    order = torch.argsort(chosen.reshape(-1), stable=True)  # (token, slot) pairs by expert
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    src = order // k  # each sorted pair's token
     per = _counts(chosen, s.num_experts)
     grouped = _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
     ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
-    xs = h[order // k]
+    xs = _Spread.apply(h, src, inv, k)
+    ws = weights.reshape(-1)[order, None]  # fp32 (T k, 1)
     gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
-    if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved; clamped SwiGLU
-        ex = chosen.reshape(-1)[order]
-        y = _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][ex]
-        g, u = y[:, ::2].clamp(max=s.swiglu_limit), y[:, 1::2].clamp(-s.swiglu_limit, s.swiglu_limit)
-        y = _mm((u + 1) * (g * torch.sigmoid(g * s.swiglu_alpha)), down, ends, counts)
-        y = y + w["mlp.experts.down_proj_bias"][ex]
+    if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
+        ex = flat[order]
+        y = _mm(
+            _act(_mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][ex], ws, s),
+            down,
+            ends,
+            counts,
+        )
     else:  # F.linear's layout, [gate; up] in the rows
-        g, u = _mm(xs, gu.transpose(1, 2), ends, counts).chunk(2, dim=-1)
-        y = _mm(F.silu(g) * u, down.transpose(1, 2), ends, counts)
-    y = y.float() * weights.reshape(-1)[order, None]
-    out = torch.empty_like(y).index_copy(0, order, y).view(t, k, -1).sum(1)
+        y = _mm(_act(_mm(xs, gu.transpose(1, 2), ends, counts), ws, s), down.transpose(1, 2), ends, counts)
+    out = _Combine.apply(y, src, inv, k).float()
+    if s.model_type == "gpt_oss":  # the down projection's bias, each token's k rows weighted and summed
+        b = w["mlp.experts.down_proj_bias"]
+        out = out + F.embedding_bag(chosen, b.float(), per_sample_weights=weights, mode="sum")
     if s.shared_expert_intermediate_size:
         sg, su, sd = (w[f"mlp.shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down"))
         shared = F.linear(F.silu(F.linear(h, sg)) * F.linear(h, su), sd).float()
