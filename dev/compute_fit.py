@@ -40,12 +40,14 @@ RUNS = (
     ("2026-11-24-H200-llama3b-512k", "long", 1, None),
     ("2026-11-24-H200-llama1b-1m", "long", 1, None),
 )
-# the Qwen3-30B-A3B cuts on the H100 (bench/results/2026-11-25-issue40-moe.md; flash, SDPA's pick then): (config,
-# --set, measured forward and backward s); their shape is the plan's (the 18-block run's log has no plan file)
+# the Qwen3-30B-A3B cuts on the H100, on the experts of 2026-11-25's fused activation and slot sums, cuDNN's
+# attention (bench/results/2026-11-25-issue40-experts.md): (config, --set, measured forward and backward s); their
+# shape is the plan's
 MOE_RUNS = (
-    ("bench/configs/qwen3-30b-a3b-6l.toml", ["train.batch_size=8"], 0.425, 1.949),
-    ("qwen3-30b-a3b", ["model.num_hidden_layers=18", "train.batch_size=4"], 0.527, 2.083),
+    ("bench/configs/qwen3-30b-a3b-6l.toml", ["train.batch_size=8"], 0.280, 1.660),
+    ("qwen3-30b-a3b", ["model.num_hidden_layers=18", "train.batch_size=4"], 0.404, 1.789),
 )
+MOE_KERNEL = "cudnn"
 # the CLI run of llama-5b at 8k (bench/results/2026-11-25-issues41-43.md): its log's measured forward and backward,
 # its plan file's shape
 CLI_8K = {"forward_s": 3.224, "backward_s": 10.200, "seq_len": 8192}
@@ -106,16 +108,16 @@ def experts(e: float, a: float) -> None:
     hw = replace(REFERENCE, compute_efficiency=e, attention_efficiency=a)
     A, b = [], []
     print(
-        f"| mixture of experts (H100, flash) | measured fwd / bwd s | planned (the reference's constants), experts_speed "
+        f"| mixture of experts (H100, {MOE_KERNEL}) | measured fwd / bwd s | planned (the reference's constants), experts_speed "
         f"{hw.experts_speed} |"
     )
     print("| --- | --- | --- |")
     for config, sets, fwd, bwd in MOE_RUNS:
-        sets = sets + ["train.seq_len=8192", "train.micro_batch_size=1", 'train.attention="flash"']
+        sets = sets + ["train.seq_len=8192", "train.micro_batch_size=1", f'train.attention="{MOE_KERNEL}"']
         cfg = load_config(config, sets)
         p = search(cfg, hw, 120, hw.gpu_mem_gb, 50, "fit", advise=False)
         job, rp, kept = p.job, p.run_plan, p.memory.kept
-        fa, ba = (x * 1e12 * a for x in hw.attention_tflops["flash"][:2])
+        fa, ba = (x * 1e12 * a for x in hw.attention_tflops[MOE_KERNEL][:2])
         mm = hw.bf16_tflops * 1e12 * e
         base = compute_work(job, kept, rp, (1.0, 1.0))  # the experts at the dense rate
         att = np.array(
