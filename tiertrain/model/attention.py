@@ -106,7 +106,7 @@ def _deterministic_backward(o: torch.Tensor) -> None:
 
 def _set_deterministic(mode: bool, warn_only: bool) -> None:
     """torch.use_deterministic_algorithms without its import of inductor's config (seconds, the first time) and
-    its setting of it (no compiled code here)."""
+    its setting of it (around attention's backward: no compiled code runs there)."""
     if hasattr(torch._C, "_set_deterministic_algorithms"):
         torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
     else:

@@ -19,6 +19,8 @@ forward pass counts c (RouterLog.observe), and each block's recompute adds that 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -127,15 +129,15 @@ class _Spread(torch.autograd.Function):
     repeated rows one by one."""
 
     @staticmethod
-    def forward(fn, h, src, inv, k):
+    def forward(fn, h, src, inv, k, fused):
         fn.save_for_backward(inv)
-        fn.k = k
+        fn.k, fn.fused = k, fused
         return h.index_select(0, src)
 
     @staticmethod
     def backward(fn, g):
         (inv,) = fn.saved_tensors
-        return _fused(_sum_slots, g, inv, fn.k), None, None, None
+        return _fused(fn.fused, _sum_slots, g, inv, fn.k), None, None, None, None
 
 
 def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
@@ -149,14 +151,14 @@ class _Combine(torch.autograd.Function):
     backward hands each pair its token's gradient (a gather, no accumulation)."""
 
     @staticmethod
-    def forward(fn, y, src, inv, k):
+    def forward(fn, y, src, inv, k, fused):
         fn.save_for_backward(src)
-        return _fused(_sum_slots, y, inv, k)
+        return _fused(fused, _sum_slots, y, inv, k)
 
     @staticmethod
     def backward(fn, g):
         (src,) = fn.saved_tensors
-        return g.index_select(0, src), None, None, None
+        return g.index_select(0, src), None, None, None, None
 
 
 def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: float) -> torch.Tensor:
@@ -173,18 +175,36 @@ COMPILE = True  # dev/moe_gemm.py turns it off to time the eager ops
 _COMPILED: dict = {}  # torch.compile's versions of _glu and _sum_slots, built on a GPU's first call
 
 
-def _fused(fn, *args):
-    """fn(*args): on a GPU compiled by torch.compile, its chain of elementwise ops (or gather and sum) one kernel
-    each way instead of a pass over memory per op; eager elsewhere."""
-    if not (COMPILE and args[0].is_cuda):
+@functools.cache
+def _can_compile() -> bool:
+    """Whether torch.compile has its GPU backend here (triton and a GPU it supports)."""
+    try:
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    except ImportError:
+        return False
+
+
+def _fusing(h: torch.Tensor, ctx) -> bool:
+    """Whether the experts' activation and slot sums run compiled: on a GPU where torch.compile has triton, unless
+    the run is deterministic (triton's autotuning picks its tile shapes by timing them, so another process may sum
+    in another order)."""
+    return COMPILE and h.is_cuda and not ctx.deterministic and _can_compile()
+
+
+def _fused(on: bool, fn, *args):
+    """fn(*args), compiled by torch.compile where `on` (_fusing): its chain of elementwise ops (or gather and sum)
+    one kernel each way instead of a pass over memory per op."""
+    if not on:
         return fn(*args)
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn)
     return _COMPILED[fn](*args)
 
 
-def _act(y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
-    return _fused(_glu, y, ws, s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
+def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
+    return _fused(on, _glu, y, ws, s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
 
 
 def experts(
@@ -206,20 +226,17 @@ def experts(
     per = _counts(chosen, s.num_experts)
     grouped = _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
     ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
-    xs = _Spread.apply(h, src, inv, k)
+    fused = _fusing(h, ctx)
+    xs = _Spread.apply(h, src, inv, k, fused)
     ws = weights.reshape(-1)[order, None]  # fp32 (T k, 1)
     gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
-        ex = flat[order]
-        y = _mm(
-            _act(_mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][ex], ws, s),
-            down,
-            ends,
-            counts,
-        )
+        a = _act(fused, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][flat[order]], ws, s)
+        y = _mm(a, down, ends, counts)
     else:  # F.linear's layout, [gate; up] in the rows
-        y = _mm(_act(_mm(xs, gu.transpose(1, 2), ends, counts), ws, s), down.transpose(1, 2), ends, counts)
-    out = _Combine.apply(y, src, inv, k).float()
+        a = _act(fused, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
+        y = _mm(a, down.transpose(1, 2), ends, counts)
+    out = _Combine.apply(y, src, inv, k, fused).float()
     if s.model_type == "gpt_oss":  # the down projection's bias, each token's k rows weighted and summed
         b = w["mlp.experts.down_proj_bias"]
         out = out + F.embedding_bag(chosen, b.float(), per_sample_weights=weights, mode="sum")
