@@ -115,8 +115,8 @@ def experts(e: float, a: float) -> None:
     for config, sets, fwd, bwd in MOE_RUNS:
         sets = sets + ["train.seq_len=8192", "train.micro_batch_size=1", f'train.attention="{MOE_KERNEL}"']
         cfg = load_config(config, sets)
-        p = search(cfg, hw, 120, hw.gpu_mem_gb, 50, "fit", advise=False)
-        job, rp, kept = p.job, p.run_plan, p.memory.kept
+        p = search(cfg, hw, 120, hw.gpu_mem_gb, 50, "fit", advise=False)  # the shape: its tile
+        job, rp, kept = p.job, p.run_plan, 0  # both runs recomputed every block (their plans kept none)
         fa, ba = (x * 1e12 * a for x in hw.attention_tflops[MOE_KERNEL][:2])
         mm = hw.bf16_tflops * 1e12 * e
         base = compute_work(job, kept, rp, (1.0, 1.0))  # the experts at the dense rate
@@ -127,7 +127,11 @@ def experts(e: float, a: float) -> None:
         # the routed experts' seconds at the dense rate: their forward (in both passes), their backward (twice it)
         ex_f = job.rows * job.seq_len * job.spec.expert_flops_per_token / 3 / mm
         ex_b = 2 * ex_f
-        planned = p.prediction.times["compute fwd"], p.prediction.times["compute bwd"]
+        w = compute_work(job, kept, rp, hw.experts_speed)  # the planner's compute (plan.times._compute)
+        planned = (
+            w["matmul fwd"] / mm + w["attention fwd"] / fa,
+            w["matmul bwd"] / mm + w["attention recompute"] / fa + w["attention bwd"] / ba,
+        )
         print(
             f"| {Path(config).stem} {sets[0]} | {fwd:.3f} / {bwd:.3f} | {planned[0] / fwd:.2f}x / "
             f"{planned[1] / bwd:.2f}x |"

@@ -122,7 +122,7 @@ def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) ->
     ex_fwd, ex_bwd = ex * (1 / fwd_speed - 1), 2 * ex * (1 / bwd_speed - 1)
     return {
         "matmul fwd": T * (M / 3 + ex_fwd),
-        "matmul bwd": T * (matmuls + ex_fwd + ex_bwd),
+        "matmul bwd": T * (matmuls + ex_fwd * (L - kept) / L + ex_bwd),  # a kept block recomputes no expert
         "attention fwd": T * A / 3,
         "attention recompute": T * A / 3 * (L - kept) / L,
         "attention bwd": T * 2 * A / 3,
