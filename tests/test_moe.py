@@ -213,3 +213,23 @@ def test_export_writes_the_released_layout(case, token_file, tmp_path):
         torch.testing.assert_close(
             _load(tmp_path / "out")(input_ids=tokens).logits, hf(input_ids=tokens).logits
         )
+
+
+def test_a_kept_block_recomputes_no_expert():
+    """The planner's compute: keeping every block spares the backward pass its recompute, the routed experts' at
+    their own rate included."""
+    from types import SimpleNamespace
+
+    from tiertrain.config import load_config
+    from tiertrain.plan.resolve import job_of
+    from tiertrain.plan.times import compute_work
+
+    L = 4
+    job = job_of(load_config("qwen3-30b-a3b", [f"model.num_hidden_layers={L}", "train.seq_len=1024"]), "kept")
+    rp = SimpleNamespace(tile=0, micro_batch=1)
+
+    def spared(speed):
+        return compute_work(job, 0, rp, speed)["matmul bwd"] - compute_work(job, L, rp, speed)["matmul bwd"]
+
+    experts_fwd = job.rows * job.seq_len * job.spec.expert_flops_per_token / 3
+    assert spared((0.5, 0.25)) - spared((1.0, 1.0)) == pytest.approx(experts_fwd * (1 / 0.5 - 1))
