@@ -108,8 +108,8 @@ def experts(e: float, a: float) -> None:
     hw = replace(REFERENCE, compute_efficiency=e, attention_efficiency=a)
     A, b = [], []
     print(
-        f"| mixture of experts (H100, {MOE_KERNEL}) | measured fwd / bwd s | planned (the reference's constants), experts_speed "
-        f"{hw.experts_speed} |"
+        f"| mixture of experts (H100, {MOE_KERNEL}) | measured fwd / bwd s | planned (the reference's constants), "
+        f"experts_speed {hw.experts_speed} |"
     )
     print("| --- | --- | --- |")
     for config, sets, fwd, bwd in MOE_RUNS:

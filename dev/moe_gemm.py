@@ -1,5 +1,5 @@
 """The experts' GPU time against a dense MLP of the same active FLOPs (issue 40): model/moe.experts (routing, the
-sort, the grouped GEMMs, the weighted scatter back) forward and backward, in bf16, beside a SwiGLU MLP of
+sort, the grouped GEMMs, the pairs summed back to their tokens) forward and backward, in bf16, beside a SwiGLU MLP of
 intermediate size k x I on the same tokens, with the parts timed alone. Qwen3-30B-A3B's shape by default.
 
     python dev/moe_gemm.py [--tokens 8192] [--baseline OLD_MOE.py] [--out FILE.json]

@@ -233,3 +233,60 @@ def test_a_kept_block_recomputes_no_expert():
 
     experts_fwd = job.rows * job.seq_len * job.spec.expert_flops_per_token / 3
     assert spared((0.5, 0.25)) - spared((1.0, 1.0)) == pytest.approx(experts_fwd * (1 / 0.5 - 1))
+
+
+def test_the_pairs_spread_and_combine_as_indexing_does():
+    """_Spread (tokens to their (token, expert) pairs sorted by expert) and _Combine (the pairs back to their
+    tokens, each token's k summed): the values and gradients of plain indexing, each the other's adjoint."""
+    from tiertrain.model import moe
+
+    g = torch.Generator().manual_seed(0)
+    T, k, E, D = 13, 3, 5, 4
+    chosen = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    order = torch.argsort(chosen.reshape(-1), stable=True)
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * k))
+    src = order // k
+    h = torch.randn(T, D, generator=g, requires_grad=True)
+    y = torch.randn(T * k, D, generator=g, requires_grad=True)
+    spread, combined = moe._Spread.apply(h, src, inv, k, False), moe._Combine.apply(y, src, inv, k, False)
+    plain_spread = h.repeat_interleave(k, 0)[order]  # pair p = (token p // k, its slot) in expert order
+    plain_combined = torch.zeros(T, D).index_add(0, src, y)
+    torch.testing.assert_close(spread, plain_spread, rtol=0, atol=0)
+    torch.testing.assert_close(combined, plain_combined)
+    gs, gc = torch.randn(T * k, D, generator=g), torch.randn(T, D, generator=g)
+    for mine, plain, leaf, grad in ((spread, plain_spread, h, gs), (combined, plain_combined, y, gc)):
+        torch.testing.assert_close(
+            torch.autograd.grad(mine, leaf, grad)[0], torch.autograd.grad(plain, leaf, grad)[0]
+        )
+    with torch.no_grad():
+        torch.testing.assert_close((spread * y).sum(), (h * combined).sum())
+
+
+def test_the_experts_compile_only_where_that_is_safe(monkeypatch):
+    """torch.compile on a GPU with triton, never in a deterministic run (autotuned sums: another process may add
+    in another order); a compile that fails leaves the function eager, with one warning and no second try."""
+    from types import SimpleNamespace
+
+    from tiertrain.model import moe
+
+    gpu, run = SimpleNamespace(is_cuda=True), SimpleNamespace(deterministic=False)
+    monkeypatch.setattr(moe, "_can_compile", lambda: True)
+    assert moe._fusing(gpu, run)
+    assert not moe._fusing(gpu, SimpleNamespace(deterministic=True))
+    assert not moe._fusing(torch.zeros(1), run)
+    monkeypatch.setattr(moe, "_can_compile", lambda: False)
+    assert not moe._fusing(gpu, run)
+
+    def broken(fn):
+        def compiled(*args):
+            raise RuntimeError("no ptxas for this GPU")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(moe, "_COMPILED", {})
+    y, ws = torch.randn(6, 8), torch.rand(6, 1)
+    with pytest.warns(UserWarning, match="no ptxas"):
+        out = moe._fused(True, moe._glu, y, ws, False, 7.0, 1.702)
+    assert torch.equal(out, moe._glu(y, ws, False, 7.0, 1.702))
+    assert moe._COMPILED[moe._glu] is moe._glu

@@ -4,9 +4,10 @@ Routing follows each family's transformers class: qwen and mixtral take the top 
 mixtral and qwen with norm_topk_prob rescale them to sum to one; gpt_oss takes the top k router logits (with the
 router's bias) and a softmax over those. The experts' compute grows with the routed tokens: the (token, expert)
 pairs are sorted by expert, each projection is one grouped GEMM over the sorted rows (torch's grouped matmul on a
-Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), and the rows go back to their tokens
-weighted by their routing weights, summed in fp32. An expert that received no token takes no part in the graph,
-so its gradient is exactly zero.
+Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
+its routing weight before the down projection, and the rows go back to their tokens, each token's k summed. On a
+GPU the activation and that sum are kernels torch.compile writes. An expert that received no token takes no part
+in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
     aux = E * sum_e (c_e / N) * (P_e / N)
@@ -20,6 +21,7 @@ forward pass counts c (RouterLog.observe), and each block's recompute adds that 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -141,8 +143,8 @@ class _Spread(torch.autograd.Function):
 
 
 def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed in slot order (fp32 inside, y's
-    dtype out); on a GPU one kernel that gathers as it sums (_fused)."""
+    """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed (fp32 inside, y's dtype
+    out); on a GPU one kernel that gathers as it sums (_fused)."""
     return y.index_select(0, inv).view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(y.dtype)
 
 
@@ -171,7 +173,9 @@ def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: 
     return (F.silu(g) * u * ws).to(y.dtype)
 
 
-COMPILE = True  # dev/moe_gemm.py turns it off to time the eager ops
+COMPILE = (
+    True  # dev/moe_gemm.py turns it off to time the eager ops; a failed compile turns one function's off
+)
 _COMPILED: dict = {}  # torch.compile's versions of _glu and _sum_slots, built on a GPU's first call
 
 
@@ -195,15 +199,32 @@ def _fusing(h: torch.Tensor, ctx) -> bool:
 
 def _fused(on: bool, fn, *args):
     """fn(*args), compiled by torch.compile where `on` (_fusing): its chain of elementwise ops (or gather and sum)
-    one kernel each way instead of a pass over memory per op."""
+    a kernel or two each way instead of a pass over memory per op. Where the first compile fails (a machine whose
+    inductor lacks a C compiler or a ptxas for its GPU), fn runs eagerly from then on, with one warning."""
     if not on:
         return fn(*args)
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn)
-    return _COMPILED[fn](*args)
+    compiled = _COMPILED.get(fn)
+    if compiled is not None:
+        return compiled(*args)
+    import torch._inductor.config as inductor
+
+    inductor.compile_threads = (
+        1  # a few small kernels: no pool of compile workers beside the run's host memory
+    )
+    compiled = torch.compile(fn)
+    try:
+        out = compiled(*args)
+    except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the compiler's
+        warnings.warn(
+            f"torch.compile failed on the experts' {fn.__name__}, which runs eagerly: {e}", stacklevel=2
+        )
+        compiled, out = fn, fn(*args)
+    _COMPILED[fn] = compiled
+    return out
 
 
 def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
+    """The experts' gated activation (_glu) of the gate/up rows y, weighted by ws, compiled where `on`."""
     return _fused(on, _glu, y, ws, s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
 
 

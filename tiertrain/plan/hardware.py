@@ -66,13 +66,14 @@ class HardwareSpec:
     # sharing of DRAM with the PCIe copies.
     compute_efficiency: float = 0.57
     adam_contention: float = 1.0
-    # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, the fused activation and slot sums) run at
-    # these fractions of the rest's rate, forward and backward: fitted with compute_efficiency on the two Qwen3-30B-A3B
-    # cuts trained on an H100 with cuDNN's attention (`python dev/compute_fit.py`: 6 blocks at 8 x 8k tokens, 18 at
-    # 4 x 8k; their passes then at 1.09x / 0.88x and 0.91x / 1.08x of the measured: two runs that disagree on the
-    # backward pass, bench/results/2026-11-25-issue40-experts.md). The backward's figure is far below dev/moe_gemm.py's
-    # (the experts' own backward there runs at 0.6-0.8 of a dense MLP's rate): a whole block's backward pass costs
-    # more around the experts than the microbenchmark holds, and this prices what the runs measured
+    # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, the fused activation and slot sums) run
+    # at these fractions of the rest's rate, forward and backward: fitted with compute_efficiency on the two
+    # Qwen3-30B-A3B cuts trained on an H100 with cuDNN's attention (`python dev/compute_fit.py`: 6 blocks at
+    # 8 x 8k tokens, 18 at 4 x 8k; their passes then at 1.09x / 0.88x and 0.91x / 1.08x of the measured: two runs
+    # that disagree on the backward pass, bench/results/2026-11-25-issue40-experts.md). The backward's figure is
+    # below dev/moe_gemm.py's (the experts' backward with its fp32 accumulation there runs at 0.35 of a dense
+    # MLP's rate at 8k tokens): a whole block's backward pass costs more around the experts than the
+    # microbenchmark holds, and this prices what the runs measured
     experts_speed: tuple[float, float] = (0.52, 0.17)
     # causal attention's kernels (model/attention.py), as `tiertrain probe` measures them: {kernel: [forward,
     # backward, deterministic backward]} TFLOP/s at head size 128 (32 query and 8 key/value heads, 16,384 tokens,
