@@ -206,13 +206,12 @@ def _fused(on: bool, fn, *args):
     compiled = _COMPILED.get(fn)
     if compiled is not None:
         return compiled(*args)
-    import torch._inductor.config as inductor
-
-    inductor.compile_threads = (
-        1  # a few small kernels: no pool of compile workers beside the run's host memory
-    )
-    compiled = torch.compile(fn)
     try:
+        import torch._inductor.config as inductor
+
+        # a few small kernels: no pool of compile workers beside the run's host memory
+        inductor.compile_threads = 1
+        compiled = torch.compile(fn)
         out = compiled(*args)
     except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the compiler's
         warnings.warn(
