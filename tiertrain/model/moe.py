@@ -173,9 +173,8 @@ def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: 
     return (F.silu(g) * u * ws).to(y.dtype)
 
 
-COMPILE = (
-    True  # dev/moe_gemm.py turns it off to time the eager ops; a failed compile turns one function's off
-)
+# dev/moe_gemm.py turns it off to time the eager ops (a failed compile leaves only its own function eager: _fused)
+COMPILE = True
 _COMPILED: dict = {}  # torch.compile's versions of _glu and _sum_slots, built on a GPU's first call
 
 
