@@ -84,6 +84,9 @@ class Context:
     window: int | None = None  # the block's attention window (UnitSpec.window); None: the causal prefix
     router: moe.RouterLog | None = None  # the step's load-balancing loss, where the model has one
     docs: object | None = None  # the micro-batch's segments (model.docs.Docs); None: each row is one
+    routed: list | None = (
+        None  # an attention part's (h, chosen experts, routing weights) go here (model/parts.py)
+    )
 
     def of(self, window: int | None) -> "Context":
         """The context of a block with this attention window (the tables and the router log shared)."""
@@ -251,9 +254,12 @@ def block_out(
     mixture of experts where the block has them (its routers' statistics over the slice's samples' tokens)."""
     x = x + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias")).float()
     h = rms_norm(x, w["post_attention_layernorm.weight"], ctx.spec.rms_norm_eps).to(ctx.dtype)
-    if "mlp.experts.down_proj" in w:
+    if (
+        moe.ROUTER in w or moe.GPT_OSS_ROUTER in w
+    ):  # a mixture of experts, or its attention part (model/parts.py)
         valid = None if ctx.docs is None else ctx.docs.valid_at(start, x.shape[1])
-        return x + moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid).view_as(x)
+        out = moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid)
+        return x if out is None else x + out.view_as(x)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
     return x + F.linear(m, w["mlp.down_proj.weight"]).float()
 

@@ -26,6 +26,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+ROUTER, GPT_OSS_ROUTER = "mlp.gate.weight", "mlp.router.weight"  # a block with experts has one of them
 # torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
 _GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -99,11 +100,11 @@ def route(
     k = s.num_experts_per_tok
     probs = None  # the softmax over every expert: qwen's and mixtral's routing, and the aux loss's statistics
     if s.model_type == "gpt_oss":
-        logits = F.linear(h, w["mlp.router.weight"], w["mlp.router.bias"]).float()
+        logits = F.linear(h, w[GPT_OSS_ROUTER], w["mlp.router.bias"]).float()
         top, chosen = torch.topk(logits, k, dim=-1)
         weights = torch.softmax(top, dim=-1)
     else:
-        probs = torch.softmax(F.linear(h, w["mlp.gate.weight"]).float(), dim=-1)
+        probs = torch.softmax(F.linear(h, w[ROUTER]).float(), dim=-1)
         weights, chosen = torch.topk(probs, k, dim=-1)
         if s.norm_topk_prob or s.model_type == "mixtral":
             weights = weights / weights.sum(-1, keepdim=True)
@@ -226,41 +227,73 @@ def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
     return _fused(on, _glu, y, ws, s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
 
 
+def _rows(
+    w: dict[str, torch.Tensor],
+    xs: torch.Tensor,
+    ws: torch.Tensor,
+    experts: torch.Tensor,
+    ends,
+    counts,
+    fused: bool,
+    s,
+) -> torch.Tensor:
+    """The routed rows xs (sorted by expert; `experts`: each row's expert among w's) through their experts: the
+    gate/up projection, the gated activation weighted by each row's routing weight ws, the down projection."""
+    gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
+    if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
+        a = _act(fused, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
+        return _mm(a, down, ends, counts)
+    a = _act(
+        fused, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s
+    )  # F.linear's layout, [gate; up] in the rows
+    return _mm(a, down.transpose(1, 2), ends, counts)
+
+
+def _grouped(h: torch.Tensor) -> bool:
+    """Whether the experts' projections are torch's grouped matmuls (else a loop over the experts with tokens)."""
+    return _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
+
+
+def shared(w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+    """qwen2_moe's shared expert behind its sigmoid gate, on tokens h (T, H): fp32 (T, H)."""
+    sg, su, sd = (w[f"mlp.shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down"))
+    out = F.linear(F.silu(F.linear(h, sg)) * F.linear(h, su), sd).float()
+    return torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"]).float()) * out
+
+
 def experts(
     w: dict[str, torch.Tensor], h: torch.Tensor, ctx, valid: torch.Tensor | None = None
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """The MoE MLP of tokens h (T, H) in the compute dtype: fp32 (T, H), the shared expert included. `valid`: (T,)
     1 on a sample's tokens, 0 on padding (None: all a sample's), for the routers' statistics.
 
     Every (token, expert) pair's row is weighted by its routing weight before the down projection (linear, so
     the same sum as transformers' weighting after it) and goes back to its token summed over its k slots in one
-    pass, in the compute dtype as a dense MLP's output is: no (T k, H) tensor in fp32 or gathered twice."""
+    pass, in the compute dtype as a dense MLP's output is: no (T k, H) tensor in fp32 or gathered twice.
+
+    A block's attention part alone (expert groups, model/parts.py: w holds no experts) routes the tokens, hands
+    (h, chosen experts, routing weights) to ctx.routed for its groups (model/grouped.py) and returns the shared
+    expert's output (None where there is none)."""
     s = ctx.spec
     k = s.num_experts_per_tok
     chosen, weights = route(w, h, ctx, valid)
+    if "mlp.experts.down_proj" not in w:
+        ctx.routed.append((h, chosen, weights))
+        return shared(w, h) if s.shared_expert_intermediate_size else None
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     src = order // k  # each sorted pair's token
     per = _counts(chosen, s.num_experts)
-    grouped = _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
-    ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
+    ends, counts = (per.cumsum(0).to(torch.int32), None) if _grouped(h) else (None, per.tolist())
     fused = _fusing(h, ctx)
     xs = _Spread.apply(h, src, inv, k, fused)
     ws = weights.reshape(-1)[order, None]  # fp32 (T k, 1)
-    gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
-    if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
-        a = _act(fused, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][flat[order]], ws, s)
-        y = _mm(a, down, ends, counts)
-    else:  # F.linear's layout, [gate; up] in the rows
-        a = _act(fused, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
-        y = _mm(a, down.transpose(1, 2), ends, counts)
+    y = _rows(w, xs, ws, flat[order], ends, counts, fused, s)
     out = _Combine.apply(y, src, inv, k, fused).float()
     if s.model_type == "gpt_oss":  # the down projection's bias, each token's k rows weighted and summed
         b = w["mlp.experts.down_proj_bias"]
         out = out + F.embedding_bag(chosen, b.float(), per_sample_weights=weights, mode="sum")
     if s.shared_expert_intermediate_size:
-        sg, su, sd = (w[f"mlp.shared_expert.{n}_proj.weight"] for n in ("gate", "up", "down"))
-        shared = F.linear(F.silu(F.linear(h, sg)) * F.linear(h, su), sd).float()
-        out = out + torch.sigmoid(F.linear(h, w["mlp.shared_expert_gate.weight"]).float()) * shared
+        out = out + shared(w, h)
     return out
