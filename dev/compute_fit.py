@@ -81,7 +81,9 @@ def work(row: dict, cfg) -> dict[str, float]:
         kept = sum(1 for u in units if u["name"].startswith("layers.") and not u.get("recompute", True))
     else:
         kept = p.get("kept", 0) or 0
-    rp = SimpleNamespace(tile=p.get("tile") or 0, micro_batch=p["micro_batch"])
+    rp = SimpleNamespace(
+        tile=p.get("tile") or 0, micro_batch=p["micro_batch"], expert_groups=p.get("expert_groups", 1)
+    )
     return compute_work(job_of(cfg, "fit"), kept, rp, REFERENCE.experts_speed)
 
 

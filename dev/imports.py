@@ -25,7 +25,7 @@ FLOORS = [
         ],
     ),
     ("tiers", ["tiertrain.tiers.*"]),
-    ("plan", ["tiertrain.plan.*"]),
+    ("plan", ["tiertrain.plan.*", "tiertrain.model.parts"]),  # parts: the sizes of a block in parts, pure
     (
         "runtime",
         [

@@ -11,6 +11,7 @@ from test_hf import trains_as_transformers
 
 from conftest import tiny_config
 from tiertrain.export import export_hf
+from tiertrain.modes import Home
 from tiertrain.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
@@ -95,6 +96,22 @@ def test_the_gpu_trains_as_the_cpu(case, token_file, tmp_path):
     assert runs[1] == pytest.approx(runs[0], rel=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
+def test_blocks_in_parts_train_on_the_gpu_as_whole_blocks(case, token_file, tmp_path):
+    """bf16 on the GPU (grouped matmuls, the compiled activation and sums): blocks in parts give the losses of
+    whole blocks, within bf16's rounding."""
+    moe_model(case).save_pretrained(tmp_path / "hf")
+    runs = []
+    for groups in (1, 3 if case == "qwen3_moe" else 2):
+        sets = [f'train.init_from="{tmp_path / "hf"}"', "train.steps=3", 'train.device="cuda"']
+        sets += ['train.compute_dtype="bfloat16"', f"tiers.expert_groups={groups}"]
+        tr = Trainer(tiny_config(token_file, *sets))
+        runs.append([tr.train_step()["loss"] for _ in range(3)])
+        tr.close()
+    assert runs[1] == pytest.approx(runs[0], rel=5e-3)
+
+
 # gpt-oss's shape in TOML keys: sinks, windows, biases, the aux loss (a model of tiertrain's own init)
 GPT_OSS = [
     'model.model_type="gpt_oss"',
@@ -110,15 +127,16 @@ GPT_OSS = [
 ]
 
 
-def test_resume_and_spill_are_bit_identical(token_file, tmp_path):
+@pytest.mark.parametrize("groups", [1, 2])
+def test_resume_and_spill_are_bit_identical(groups, token_file, tmp_path):
     """A mixture of experts stopped and resumed, and one with its moments and gradients on NVMe, train the
-    bits of the run in RAM without a stop."""
+    bits of the run in RAM without a stop; its blocks whole or in parts (expert groups)."""
     from test_checkpoint import _fit
 
     from conftest import STEPS, budget_for, same_run
     from tiertrain import rundir
 
-    sets = [*GPT_OSS, *STEPS[1::2], "data.shuffle=true"]
+    sets = [*GPT_OSS, *STEPS[1::2], "data.shuffle=true", f"tiers.expert_groups={groups}"]
     _fit(tiny_config(token_file, *sets), tmp_path / "whole")
     _fit(tiny_config(token_file, *sets), tmp_path / "cut", stop_at=5)
     _fit(tiny_config(token_file, *sets), tmp_path / "cut", resume=rundir.resolve("latest", tmp_path / "cut"))
@@ -127,6 +145,25 @@ def test_resume_and_spill_are_bit_identical(token_file, tmp_path):
     spill = [f"tiers.host_gb={gb}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
     _fit(tiny_config(token_file, *sets, *spill), tmp_path / "spilled")
     same_run(tmp_path / "whole", tmp_path / "spilled")
+
+
+def test_blocks_in_parts_spilled_whole_train_the_same_bits(token_file, tmp_path):
+    """Every slab on NVMe, the bf16 copy that streams included (a block's read once for all its parts in a
+    pass, its gradient drained part by part through the staging ring): the bits of the run in RAM."""
+    from test_checkpoint import _fit
+
+    from conftest import DEEP, STEPS, least_budget, same_run
+
+    sets = [*(s for s in GPT_OSS if "layer_types" not in s), *DEEP, *STEPS[1::2], "tiers.expert_groups=2"]
+    sets += ['train.compute_dtype="bfloat16"', 'tiers.stream="compute"']
+    _fit(tiny_config(token_file, *sets), tmp_path / "ram")
+    least = least_budget(tiny_config(token_file, *sets))
+    spill = [f"tiers.host_gb={least}", f'tiers.nvme_dir="{tmp_path / "nvme"}"', 'tiers.io="posix"']
+    tr = Trainer(tiny_config(token_file, *sets, *spill))
+    assert set(tr.run_plan.where().values()) == {Home.NVME} and len(tr.run.step.parts) == 12
+    tr.close()
+    _fit(tiny_config(token_file, *sets, *spill), tmp_path / "all")
+    same_run(tmp_path / "ram", tmp_path / "all")
 
 
 def test_an_idle_expert_takes_adamw_decay_and_no_gradient(token_file, tmp_path):
@@ -226,7 +263,7 @@ def test_a_kept_block_recomputes_no_expert():
 
     L = 4
     job = job_of(load_config("qwen3-30b-a3b", [f"model.num_hidden_layers={L}", "train.seq_len=1024"]), "kept")
-    rp = SimpleNamespace(tile=0, micro_batch=1)
+    rp = SimpleNamespace(tile=0, micro_batch=1, expert_groups=1)
 
     def spared(speed):
         return compute_work(job, 0, rp, speed)["matmul bwd"] - compute_work(job, L, rp, speed)["matmul bwd"]
@@ -290,3 +327,18 @@ def test_the_experts_compile_only_where_that_is_safe(monkeypatch):
         out = moe._fused(True, moe._glu, y, ws, False, 7.0, 1.702)
     assert torch.equal(out, moe._glu(y, ws, False, 7.0, 1.702))
     assert moe._COMPILED[moe._glu] is moe._glu
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_expert_groups_train_as_transformers(case, token_file, tmp_path):
+    """Blocks in parts (the attention part, then the experts in groups: tiers.expert_groups) train as
+    transformers + AdamW do, as whole blocks do."""
+    moe_model(case).save_pretrained(tmp_path / "hf")
+    groups = 3 if case == "qwen3_moe" else 2
+    sets = [f'train.init_from="{tmp_path / "hf"}"', "train.steps=4", f"tiers.expert_groups={groups}"]
+    trains_as_transformers(tiny_config(token_file, *sets), tmp_path, _load, MoELoss)
+    tr = Trainer(tiny_config(token_file, *sets))
+    parts, spec = tr.run.step.parts, tr.cfg.model
+    tr.close()
+    assert sorted(parts) == [b + 1 for b in range(spec.num_hidden_layers) if spec.has_experts(b)]
+    assert all(len(p) == groups + 1 and p[0].experts == 0 for p in parts.values())

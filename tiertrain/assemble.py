@@ -18,6 +18,7 @@ from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
 from .model.llama import Context
+from .model.parts import unit_parts
 from .model.spec import UnitSpec
 from .modes import Home, Kind, Update, by_value
 from .optim.adamw import HostAdamW
@@ -220,11 +221,25 @@ def assemble(
         clock = StallClock(streams)
         activations = activation_store(rp, streams, clock, device, scratch)
         staging, reader = (nvme.staging, nvme.reader) if nvme else (None, None)
+        parts = {
+            u: p
+            for u, lay in enumerate(layouts)
+            if (p := unit_parts(lay, cfg.model.num_experts, rp.expert_groups))
+        }
         slots = WeightSlots(
-            layouts, host, device, dtype, streams, clock, reader=reader, shards=shards, ranks=ranks
+            layouts,
+            host,
+            device,
+            dtype,
+            streams,
+            clock,
+            reader=reader,
+            shards=shards,
+            ranks=ranks,
+            parts=parts,
         )
         state = State(units, layouts, shards, ranks, host, staging, where)
-        grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks)
+        grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks, parts)
         opt = HostAdamW(host, shards, cfg.optim, staging)
         updates = Updates(rp, opt, grads, streams, device, tc.overlap, staging, reader)
         context = Context.build(cfg.model, tc.seq_len, dtype, device, rp.tile, rp.attention, rp.deterministic)
@@ -242,6 +257,7 @@ def assemble(
             cfg.optim.grad_clip,
             rp.kept(),
             ranks,
+            parts,
         )
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes
         for part in (nvme, activations):

@@ -240,6 +240,10 @@ class TiersConfig:
     gpu_update_units: int | Auto = (
         "auto"  # streamed units updated on the GPU as they load; 0: none; "auto": the plan's
     )
+    # a block with experts goes to the GPU as its attention part, then this many groups of its experts, each a
+    # slot's worth (a divisor of model.num_experts; 1: the block whole); "auto": the plan's, 1 where a whole
+    # block leaves room for two slots and its gradient
+    expert_groups: int | Auto = "auto"
 
     def validate(self) -> None:
         _need(self.stream in STREAMS, "tiers", "stream", self, f"must be one of {_q(STREAMS)}")
@@ -270,6 +274,13 @@ class TiersConfig:
             "gpu_update_units",
             self,
             'must be "auto" (the plan chooses), 0 (none) or a number of units',
+        )
+        _need(
+            self.expert_groups == AUTO or isinstance(self.expert_groups, int) and self.expert_groups >= 1,
+            "tiers",
+            "expert_groups",
+            self,
+            'must be "auto" (the plan chooses) or a number of groups, 1 for whole blocks',
         )
 
 

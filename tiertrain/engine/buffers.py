@@ -11,6 +11,10 @@ it back.
 Gradients (Accumulators): two block accumulators alternate, so the D2H of one overlaps the next unit's
 backward; the embedding and the head have their own (a tied embedding collects the head's gradient first).
 
+Expert groups (model/parts.py): a block given `parts` loads and drains one part at a time (`part`: its index),
+each a few slices of the unit's slab packed in a slot or accumulator of the part's size; its gradient is drained
+part by part into the unit's sink, the layout's padding written as zeros. One rank, host updates (the planner's).
+
 Several ranks (parallel.Ranks): the host holds this rank's shard of each slab (tiers.slab.Shard). A load copies
 the shard into its place in the buffer and all-gathers the rest from the other ranks, on the H2D stream; a
 drain reduce-scatters the accumulator in place, on the D2H stream, and sends down only this rank's part.
@@ -22,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..model.parts import Part, gaps
 from ..parallel import Ranks
 from ..tiers.host import HostStore
 from ..tiers.slab import Shard, SlabLayout
@@ -35,10 +40,16 @@ class _Buf:
         self.free = None  # event: the stream that last used the contents is done with them
 
 
-def _own(shards: list[Shard]) -> tuple[tuple[int, int], int]:
-    """(the units with buffers of their own: the embedding and the head; the largest block's padded numel)."""
+def _own(shards: list[Shard], parts: dict[int, tuple[Part, ...]]) -> tuple[tuple[int, int], int]:
+    """(the units with buffers of their own: the embedding and the head; the largest block's padded numel, or of a
+    block in parts its largest part's)."""
     own = (0, len(shards) - 1)
-    return own, max((sh.padded for i, sh in enumerate(shards) if i not in own), default=0)
+    sizes = [max(p.numel for p in parts[i]) if i in parts else sh.padded for i, sh in enumerate(shards)]
+    return own, max((n for i, n in enumerate(sizes) if i not in own), default=0)
+
+
+def _key(unit: int, part: int | None):
+    return unit if part is None else (unit, part)
 
 
 class WeightSlots:
@@ -53,23 +64,26 @@ class WeightSlots:
         reader=None,
         shards: list[Shard] | None = None,
         ranks: Ranks | None = None,
+        parts: dict[int, tuple[Part, ...]] | None = None,
     ):
         """`reader`: the NVMe tier's reader of the streamed kind (tiers.reader.StreamReader), for the units whose
         streamed slab is spilled (its `units`). `shards`: this
-        rank's part of each unit's slab, which the host holds (None: the whole slab); `ranks`: who holds the rest."""
+        rank's part of each unit's slab, which the host holds (None: the whole slab); `ranks`: who holds the rest.
+        `parts`: the blocks loaded in parts (expert groups), each one's parts."""
         self.layouts, self.host, self.s, self.clock = layouts, host, streams, clock
         self.shards, self.ranks = shards or [Shard(lay) for lay in layouts], ranks or Ranks()
-        self.own, blk = _own(self.shards)
+        self.parts = parts or {}
+        self.own, blk = _own(self.shards, self.parts)
         self.slots = [_Buf(blk, dtype, device) for _ in range(2)]
         self.res = {i: _Buf(self.shards[i].padded, dtype, device) for i in self.own}
         # fp32 master streamed for a bf16 run: copy into an fp32 stage, cast on the H2D stream
         casts = host.dtype(host.streamed_kind) != dtype
-        self.stage = torch.empty(
-            max(sh.numel for sh in self.shards) if casts else 0, dtype=torch.float32, device=device
-        )
+        whole = [sh.numel for i, sh in enumerate(self.shards) if i not in self.parts]
+        self.stage = torch.empty(max(whole + [blk]) if casts else 0, dtype=torch.float32, device=device)
         self._mru = 1
-        self._at: dict[int, _Buf] = {}
-        self.ready: dict[int, object] = {}  # unit -> event: its weights are in its buffer
+        self._at: dict = {}  # unit, or (unit, part) -> its buffer
+        self.ready: dict = {}  # unit, or (unit, part) -> event: its weights are in its buffer
+        self._held: dict[int, torch.Tensor] = {}  # a block in parts: its spilled slab read for this pass
         self.h2d_bytes = 0
         self.reader = reader
         self.spilled = reader.units if reader is not None else set()
@@ -111,6 +125,33 @@ class WeightSlots:
         if spilled:
             self.reader.copied(unit, self.ready[unit])
 
+    def load_part(self, unit: int, part: int, last: bool) -> None:
+        """Starts the H2D copy of a part of a block in parts (its pieces of the unit's streamed slab); `last`: the
+        pass's last load of the unit, after which a spilled slab's buffer goes back to the reader. Host updates
+        only: the slab is the host's (or the disk's)."""
+        key = (unit, part, self.host.version[unit])
+        buf, self._mru = self._buffer_for(unit, key, self._mru, lambda b: b.holds)
+        self._at[(unit, part)] = buf
+        spilled = unit in self.spilled
+        if spilled and unit not in self._held:
+            self._held[unit] = self.reader.read_for_copy(unit)
+        if buf.holds != key:
+            buf.holds = key
+            src = self._held[unit] if spilled else self.host.streamed(unit)
+            p = self.parts[unit][part]
+            with self.s.on(self.s.h2d):
+                self.s.wait(self.s.h2d, buf.free)
+                to = self.stage if len(self.stage) else buf.t
+                for pc in p.pieces:
+                    to[pc.dst : pc.dst + pc.numel].copy_(src[pc.src : pc.src + pc.numel], non_blocking=True)
+                    self.h2d_bytes += pc.numel * src.element_size()
+                if len(self.stage):
+                    buf.t[: p.numel].copy_(self.stage[: p.numel])
+                self.ready[(unit, part)] = self.s.record(self.s.h2d)
+        if last and spilled:
+            self.reader.copied(unit, self.s.record(self.s.h2d))
+            del self._held[unit]
+
     def expect(self, units, new: bool = False) -> None:
         """The loads coming next, in order: the spilled ones that will copy are read ahead. `new`: every
         unit's weights will have changed by then (the forward pass after an update)."""
@@ -119,6 +160,10 @@ class WeightSlots:
         held = {id(b): b.holds for b in self.slots + list(self.res.values())}
         mru, copies = self._mru, []
         for u in units:
+            if u in self.parts:  # its parts take turns in both slots: it copies, and leaves no unit in place
+                copies.append(u)
+                held.update({id(b): None for b in self.slots})
+                continue
             key = (u, None if new else self.host.version[u])
             b, mru = self._buffer_for(u, key, mru, lambda b: held[id(b)])
             if held[id(b)] != key:
@@ -143,16 +188,18 @@ class WeightSlots:
         for b in self.slots + list(self.res.values()):
             b.holds = None
 
-    def use(self, unit: int) -> torch.Tensor:
-        """The unit's flat weights, once their copy has landed (the compute stream waits for it)."""
-        self.clock.wait("h2d_wait", self.ready.pop(unit, None))
-        return self._at[unit].t[: self.layouts[unit].numel]
+    def use(self, unit: int, part: int | None = None) -> torch.Tensor:
+        """The unit's (or its part's) flat weights, once their copy has landed (the compute stream waits for it)."""
+        key = _key(unit, part)
+        self.clock.wait("h2d_wait", self.ready.pop(key, None))
+        n = self.layouts[unit].numel if part is None else self.parts[unit][part].numel
+        return self._at[key].t[:n]
 
-    def release(self, *units: int) -> None:
-        """The compute stream has enqueued its last use of these units' weights."""
+    def release(self, *units: int, part: int | None = None) -> None:
+        """The compute stream has enqueued its last use of these units' weights (or of one unit's part)."""
         ev = self.s.record(self.s.compute)
         for u in units:
-            self._at[u].free = ev
+            self._at[_key(u, part)].free = ev
 
     def nbytes(self) -> int:
         return (
@@ -171,18 +218,24 @@ class Accumulators:
         sink: Callable[[int], tuple[torch.Tensor, Callable | None]],
         shards: list[Shard] | None = None,
         ranks: Ranks | None = None,
+        parts: dict[int, tuple[Part, ...]] | None = None,
     ):
         """`sink(unit)`: where a unit's gradient goes and what to call with the copy's event (its host slab,
-        or for a spilled gradient a staging buffer, then the disk): this rank's shard (`shards`, as WeightSlots)."""
+        or for a spilled gradient a staging buffer, then the disk): this rank's shard (`shards`, as WeightSlots);
+        `parts`: as WeightSlots'."""
         self.layouts, self.s, self.clock, self.sink = layouts, streams, clock, sink
         self.shards, self.ranks = shards or [Shard(lay) for lay in layouts], ranks or Ranks()
-        own, blk = _own(self.shards)
+        self.parts = parts or {}
+        own, blk = _own(self.shards, self.parts)
         self.blocks = [_Buf(blk, torch.float32, device) for _ in range(2)]
         self.res = {i: _Buf(self.shards[i].padded, torch.float32, device) for i in own}
         self._turn = 0
-        self._at: dict[int, _Buf] = {}
+        self._at: dict = {}  # unit, or (unit, part) -> its accumulator
         self.ready: dict[int, object] = {}  # unit -> event: its gradient has left the accumulator
         self.d2h_bytes = 0
+        self._sinks: dict[
+            int, tuple
+        ] = {}  # a block in parts: its sink, from its first part's drain to its last
 
     def zero_own(self) -> None:
         """The embedding's and the head's accumulators, zeroed for a new step."""
@@ -191,18 +244,20 @@ class Accumulators:
             b.t.zero_()
             self._at[u] = b
 
-    def begin(self, unit: int) -> torch.Tensor:
-        """A zeroed fp32 accumulator for a block (the embedding and head use theirs, zeroed per step)."""
+    def begin(self, unit: int, part: int | None = None) -> torch.Tensor:
+        """A zeroed fp32 accumulator for a block or a block's part (the embedding and head use theirs, zeroed per
+        step)."""
         if unit not in self.res:
             b = self.blocks[self._turn]
             self._turn ^= 1
             self.clock.wait("d2h_wait", b.free)
-            b.t[: self.shards[unit].padded].zero_()
-            self._at[unit] = b
-        return self.acc(unit)
+            b.t[: self.shards[unit].padded if part is None else self.parts[unit][part].numel].zero_()
+            self._at[_key(unit, part)] = b
+        return self.acc(unit, part)
 
-    def acc(self, unit: int) -> torch.Tensor:
-        return self._at[unit].t[: self.layouts[unit].numel]
+    def acc(self, unit: int, part: int | None = None) -> torch.Tensor:
+        n = self.layouts[unit].numel if part is None else self.parts[unit][part].numel
+        return self._at[_key(unit, part)].t[:n]
 
     def part(self, unit: int) -> torch.Tensor:
         """This rank's part of the unit's accumulator: after its drain, the gradient summed over the ranks."""
@@ -231,6 +286,34 @@ class Accumulators:
             landed(self.ready[unit])
         if not dst.is_cuda:
             self.d2h_bytes += part.numel() * 4
+        return norm
+
+    def drain_part(self, unit: int, part: int, last: bool) -> torch.Tensor:
+        """drain() of one part of a block in parts: its pieces to their places in the unit's sink (taken at the
+        unit's first part, the layout's padding zeroed there; handed on after its `last`); the part's norm."""
+        p = self.parts[unit][part]
+        done = self.s.record(self.s.compute)
+        if unit not in self._sinks:
+            dst, landed = self.sink(unit)
+            for a, b in gaps(self.layouts[unit].numel, self.parts[unit]):
+                dst[a:b].zero_()  # a staging buffer holds another unit's bytes there
+            self._sinks[unit] = dst, landed
+        dst, landed = self._sinks[unit]
+        buf = self._at[(unit, part)]
+        with self.s.on(self.s.d2h):
+            self.s.wait(self.s.d2h, done)
+            norm = torch.linalg.vector_norm(buf.t[: p.numel])
+            if norm.is_cuda:
+                norm.record_stream(self.s.compute)
+            for pc in p.pieces:
+                dst[pc.src : pc.src + pc.numel].copy_(buf.t[pc.dst : pc.dst + pc.numel], non_blocking=True)
+            buf.free = self.ready[unit] = self.s.record(self.s.d2h)
+        if not dst.is_cuda:
+            self.d2h_bytes += sum(pc.numel for pc in p.pieces) * 4
+        if last:
+            del self._sinks[unit]
+            if landed is not None:
+                landed(self.ready[unit])
         return norm
 
     def norms_ready(self) -> None:

@@ -10,6 +10,7 @@ backward  unit L-2..1: recompute each micro-batch from its checkpoint with autog
           loaded weights (a kept block: its graph, reading the weights loaded again), backprop, add the weight gradients into an fp32 accumulator; the accumulator
           drains on the D2H stream while the next unit computes; the embedding's gradient is an fp32
           scatter-add of the incoming gradients
+A block in parts (expert groups, RunPlan.expert_groups) runs as engine/groups.py says, its parts' loads in turn.
 norm      the global gradient norm from the per-unit norms left on the device, summed over the ranks with the loss
           in one all-reduce: the step's one synchronization
 Where and when each unit's AdamW runs is its RunPlan entry's, carried out by optim.updates.Updates.
@@ -26,11 +27,13 @@ import torch.nn.functional as F
 from ..model import llama, tiled
 from ..model.llama import Context
 from ..model.moe import RouterLog, grad_pairs
+from ..model.parts import Part
 from ..model.spec import UnitSpec
 from ..optim.adamw import clip_coefficient
 from ..optim.updates import Updates
 from ..parallel import Ranks
 from ..tiers.slab import SlabLayout
+from . import groups
 from .activations import ActivationStore
 from .buffers import Accumulators, WeightSlots
 from .streams import StallClock
@@ -51,6 +54,7 @@ class Step:
         max_norm: float,
         kept: frozenset[int] = frozenset(),
         ranks: Ranks | None = None,
+        parts: dict[int, tuple[Part, ...]] | None = None,
     ):
         self.units, self.layouts, self.slots, self.grads, self.ck, self.updates, self.clock, self.ctx = (
             units,
@@ -63,6 +67,7 @@ class Step:
             ctx,
         )
         self.kept = kept  # blocks whose activations stay on the GPU from forward to backward
+        self.parts = parts or {}  # blocks loaded in parts (expert groups): each one's parts
         self.graphs: dict[int, tuple] = {}  # kept block -> (inputs, outputs, leaves) per micro-batch
         self.weights_now: dict[int, torch.Tensor] = {}  # kept block -> its flat weights for the backward pass
         # ~64 MiB of fp32 logits
@@ -115,6 +120,7 @@ class Step:
         updates.before_backward()  # ---- head and backward
         slots.expect(range(L - 2, -1, -1))  # the head's load of the last block, then the loop's
         norms: list[torch.Tensor | None] = [None] * L
+        more: list[torch.Tensor] = []  # the norms of the parts of blocks in parts, but their last
         leaves, pairs = self.bind_for_grad(L - 1)
         load(L - 2)  # the last block is still in its slot: nothing moves
         if L > 2 and L - 2 not in self.kept:
@@ -128,6 +134,11 @@ class Step:
         updates.gradient_ready(L - 1)
 
         for i in range(L - 2, 0, -1):
+            if i in self.parts:
+                gx = groups.backward(self, i, gx, more)
+                norms[i] = more.pop()
+                updates.gradient_ready(i)
+                continue
             leaves, pairs = self.bind_for_grad(i)
             load(i - 1)
             if i > 1 and i - 1 not in self.kept:
@@ -150,7 +161,7 @@ class Step:
         updates.gradient_ready(0)
 
         grads.norms_ready()  # ---- norm and update
-        loss, grad_norm, clip = self.global_norm(loss, norms)
+        loss, grad_norm, clip = self.global_norm(loss, norms + more)
         updates.after_norm(lr, clip)
         return loss, grad_norm
 
@@ -164,8 +175,13 @@ class Step:
         return (both[0], *clip_coefficient([both[1].sqrt()], self.max_norm))
 
     def load(self, u: int) -> None:
-        """The unit's update, where one is due, runs before its weights go to the GPU."""
-        self.slots.load(u, *self.updates.before_load(u))
+        """The unit's update, where one is due, runs before its weights go to the GPU (a block in parts: its
+        attention part's, which each pass loads first)."""
+        if u in self.parts:
+            self.updates.before_load(u)  # a host update: nothing to hand the load
+            self.slots.load_part(u, 0, last=False)
+        else:
+            self.slots.load(u, *self.updates.before_load(u))
 
     def forward(self, inputs: list[torch.Tensor], train: bool = True) -> list[torch.Tensor]:
         """The forward pass over the embedding and the blocks, without gradients (the head runs with the loss): each
@@ -186,6 +202,9 @@ class Step:
             self.release(0)
             load(1)
             for i in range(1, L - 1):
+                if i in self.parts:
+                    xs = groups.forward(self, i, xs, train, timed)
+                    continue
                 w = self.bind(i)
                 kept = train and i in self.kept
                 if train and not kept:
@@ -226,25 +245,33 @@ class Step:
         return self.ranks.all_sum(loss)
 
     # ---- binding weights ----------------------------------------------------------------------
-    def bind(self, unit: int) -> dict[str, torch.Tensor]:
-        """Views of the unit's weights, borrowed (tied) tensors included, once they are on the device."""
+    def bind(self, unit: int, part: int | None = None) -> dict[str, torch.Tensor]:
+        """Views of the unit's weights (or its part's), borrowed (tied) tensors included, once on the device."""
+        if part is not None:
+            return self.parts[unit][part].views(self.slots.use(unit, part))
         w = self.layouts[unit].views(self.slots.use(unit))
         for name, owner, owner_name in self.units[unit].borrows:
             w[name] = self.layouts[owner].views(self.slots.use(owner))[owner_name]
         return w
 
     def bind_for_grad(
-        self, unit: int
+        self, unit: int, part: int | None = None
     ) -> tuple[dict[str, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Leaf tensors over the weights, each paired with the fp32 accumulator view it feeds."""
-        leaves = {n: v.detach().requires_grad_() for n, v in self.bind(unit).items()}
+        """Leaf tensors over the weights (or a part's), each paired with the fp32 accumulator view it feeds."""
+        leaves = {n: v.detach().requires_grad_() for n, v in self.bind(unit, part).items()}
+        if part is not None:
+            accs = self.parts[unit][part].views(self.grads.begin(unit, part))
+            return leaves, [(leaves[n], accs[n]) for n in leaves]
         accs = self.layouts[unit].views(self.grads.begin(unit))
         for name, owner, owner_name in self.units[unit].borrows:
             accs[name] = self.layouts[owner].views(self.grads.acc(owner))[owner_name]
         return leaves, [(leaves[n], accs[n]) for n in leaves]
 
-    def release(self, unit: int) -> None:
-        self.slots.release(unit, *(owner for _, owner, _ in self.units[unit].borrows))
+    def release(self, unit: int, part: int | None = None) -> None:
+        if part is not None:
+            self.slots.release(unit, part=part)
+        else:
+            self.slots.release(unit, *(owner for _, owner, _ in self.units[unit].borrows))
 
     # ---- compute ------------------------------------------------------------------------------
     def at(self, unit: int, micro: int) -> Context:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
+from ..model.parts import block_parts
 from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import (
@@ -142,6 +143,7 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
         attention=choose(choice.attention, choice.deterministic, job.dtype, hw),
         deterministic=choice.deterministic,
         ck_pieces=max(1, hw.ck_pieces),
+        expert_groups=choice.groups or 1,
     )
     return Shape(
         job,
@@ -173,7 +175,12 @@ class Fit:
         """The parameters that cross PCIe in the forward pass, and again in the backward pass."""
         numels = self.shape.numels
         reloaded = reloaded_units(len(numels))
-        return sum(numels), sum(numels[reloaded.start : reloaded.stop])
+        again = sum(numels[reloaded.start : reloaded.stop])
+        # a block in parts loads its attention part twice in the backward pass, and the last two blocks too
+        parts = block_parts(self.shape.job.spec, self.shape.run_plan.expert_groups)
+        last = range(reloaded.stop, len(numels) - 1)
+        again += sum(att + (numels[u] if u in last else 0) for u, (att, _) in parts.items())
+        return sum(numels), again
 
 
 def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Memory, Fit] | Miss:
@@ -211,20 +218,28 @@ def _gpu_parts(s: Shape) -> GpuMemory:
     """The GPU's bytes but the activation checkpoints'."""
     job, spec, whole = s.job, s.job.spec, s.whole
     wdt = WIDTH[job.dtype]
-    blk, own = max(whole[1:-1]), whole[0] + whole[-1]
     rp, tokens = s.run_plan, s.choice.micro * job.seq_len
+    # a block in parts (expert groups) holds a part at a time in a slot and an accumulator
+    parts = block_parts(spec, rp.expert_groups)
+    blk = max(parts[u][1] if u in parts else whole[u] for u in range(1, len(whole) - 1))
+    own = whole[0] + whole[-1]
+    widest = max(whole) if not parts else max(whole[0], whole[-1], blk)
+    # its routed tokens (h, experts, weights, their order) and the groups' sums of their gradients, every
+    # micro-batch's, stay on the GPU through its passes (engine/groups.py)
+    routed = s.tokens * ((wdt + 4) * spec.hidden_size + 24 * spec.num_experts_per_tok) if parts else 0
     tiled = bool(rp.tile) and tokens > rp.tile
     flash = deterministic_workspace(rp.attention, rp.deterministic, spec, tokens, tiled, s.hw)
     return GpuMemory(
         resident=sum(s.shards[u] for u in s.resident) * sum(s.kb.values()),
         slots=2 * blk * wdt,
         own=own * wdt,
-        staging=max(whole) * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
+        staging=widest * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
         grads=(2 * blk + own) * 4,
         activation_grads=s.tokens * spec.hidden_size * 4,
         working=working_set(spec, job.dtype, tokens, rp.tile)
         + flash
         + 3 * (64 << 20)
+        + routed
         + (blk * wdt if spec.is_moe else 0),  # autograd's gradients of the experts' whole tensors
     )
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
+from ..model.parts import group_options
 from ..modes import Home
 from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, gpu_updated
@@ -43,6 +44,9 @@ from .values import Budgets, Choice, Job, Memory, Miss, Plan, Prediction, Short,
 # came within 1.14-1.29x its floor, against 1.20-1.50x for 12 (...-floor-host-units.md)
 SPEC_MARGIN = 1.5
 GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries every count of GPU updates
+# more expert groups free GPU memory (smaller slots) for the activations, at costs the plan does not price: a
+# group's grouped matmuls get fewer rows, and each group sums its share of the routed rows apart
+GROUPS_MARGIN = 1.05
 # of the GPU memory left: the resident budgets "auto" tries
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)
 
@@ -53,8 +57,23 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     leaves (kept activations aside), for resident units, the kept activations taking what those leave, in the
     proportion that gives the shortest step. Checkpoints left to the search go to the GPU or the host, or split
     across the GPU, the host and NVMe where neither holds them all. With several GPUs (job.gpus), the plan of
-    one rank, holding and updating 1/gpus of the state. A report adds advice.explain's findings."""
+    one rank, holding and updating 1/gpus of the state. A report adds advice.explain's findings.
+    A mixture of experts whose whole blocks crowd the GPU goes in expert groups (model/parts.py), where the config
+    leaves them to the plan: the fewest whose step is within GROUPS_MARGIN of the shortest."""
+    if fixed.groups is None and groupable(job):
+        first = plan(job, budgets, hw, replace(fixed, groups=1))
+        if first.fits or first.short != Short.GPU:
+            return first
+        options = group_options(job.spec.num_experts)[1:]
+        ok = [p for p in (plan(job, budgets, hw, replace(fixed, groups=g)) for g in options) if p.fits]
+        if not ok:
+            return first
+        best = min(_expected(p) for p in ok)
+        return next(p for p in ok if _expected(p) <= best * GROUPS_MARGIN)
     fixed, budgets = settled(fixed, budgets, hw)
+    if (fixed.groups or 1) > 1:  # a block in parts: host updates, no resident units, no kept blocks, no tiles
+        fixed = replace(fixed, gpu_updates=0, speculate_gpu=False, keep=0, tile=0)
+        budgets = replace(budgets, resident_gb=0.0)
     rows = job.rows
     micros = (
         [fixed.micro]
@@ -100,6 +119,11 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.memory.gpu.total))
+
+
+def groupable(job: Job) -> bool:
+    """Whether the job's blocks may go in expert groups: a mixture of experts on one GPU."""
+    return job.spec.is_moe and job.gpus == 1
 
 
 def _shorts(m: Miss) -> int:

@@ -92,6 +92,7 @@ def plan_dict(p: Plan | Miss) -> dict:
         "kept_checkpoints": mem.kept_checkpoints,
         "checkpoints": {h.value: n for h, n in mem.checkpoints.items()},
         "tile": rp.tile,
+        "expert_groups": rp.expert_groups,
         "attention": rp.attention,
         "deterministic": rp.deterministic,
         "checkpoint_dtype": rp.activation_dtype,
@@ -176,6 +177,8 @@ def _checkpoints(p: Plan) -> str:
     rp = p.run_plan
     kernel = rp.attention or "torch's choice"
     tiles = f"; blocks in tiles of {rp.tile:,} tokens" if rp.tile else ""
+    if rp.expert_groups > 1:  # model/parts.py
+        tiles += f"; each block's experts in {rp.expert_groups} groups, streamed after its attention part"
     return text + tiles + f"; attention: {kernel}" + " (deterministic)" * rp.deterministic
 
 

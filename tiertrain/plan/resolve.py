@@ -65,7 +65,34 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
         fixed(tc.tile_tokens),
         fixed(tc.attention),
         tc.deterministic,
+        fixed(t.expert_groups),
     )
+
+
+def check_groups(cfg: Config, job: Job, choice: Choice) -> None:
+    """tiers.expert_groups against the model and the rest of the config: one line naming what to change."""
+    g, t, spec = choice.groups, cfg.tiers, job.spec
+    if g is None or g == 1:
+        return
+    why = None
+    if not spec.is_moe:
+        why = "the model has no experts; set it to 1"
+    elif spec.num_experts % g:
+        why = f"it must divide model.num_experts ({spec.num_experts})"
+    elif job.gpus > 1:
+        why = "expert groups run on one GPU; set it to 1 or run on one"
+    else:
+        clash = {
+            "train.tile_tokens": choice.tile,
+            "train.keep_activations": choice.keep,
+            "tiers.gpu_update_units": choice.gpu_updates,
+            "tiers.gpu_resident_gb": fixed(t.gpu_resident_gb),
+        }
+        named = [k for k, v in clash.items() if v]
+        if named:
+            why = f"a block in parts runs untiled, recomputed and updated on the host; set {named[0]}=0"
+    if why:
+        raise ConfigError(f"tiers.expert_groups = {g} is not allowed: {why}")
 
 
 def search(
@@ -85,6 +112,7 @@ def search(
     leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""
     job, choice = job_of(cfg, name, gpus, per_host), fixed_choice(cfg, micro)
     attention.check(choice.attention, job.dtype, hw)
+    check_groups(cfg, job, choice)
     budgets = Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb)
     p = plan(job, budgets, hw, choice)
     return explain(job, p, budgets, hw, choice) if advise else p
@@ -104,6 +132,7 @@ def chosen(cfg: Config) -> tuple[str, ...]:
         "kept activations": tc.keep_activations,
         "tile": tc.tile_tokens,
         "attention kernel": tc.attention,
+        "expert groups": t.expert_groups,
     }
     return tuple(k for k, v in named.items() if v == AUTO)
 

@@ -80,6 +80,8 @@ class RunPlan:
     ck_pieces: int = (
         0  # pieces the NVMe checkpoints' writer has in flight: its ring's size, where any are there
     )
+    # a block with experts goes to the GPU as its attention part, then this many expert groups (model/parts.py)
+    expert_groups: int = 1
 
     @property
     def activation_width(self) -> int:
@@ -133,6 +135,8 @@ class RunPlan:
                 ok = ok and homes == {Home.HOST}
             if update in (Update.GPU, Update.GPU_SPECULATED):
                 ok = ok and Kind.WEIGHTS not in dict(u.homes)
+            if update in (Update.GPU, Update.GPU_SPECULATED, Update.RESIDENT):
+                ok = ok and self.expert_groups == 1  # a block in parts is updated on the host
             if not ok:
                 raise ValueError(
                     f"unit {i} ({u.name}) cannot take update {update!r} with its state in {dict(u.homes)}"
@@ -155,6 +159,7 @@ class RunPlan:
             "attention": self.attention,
             "deterministic": self.deterministic,
             "checkpoint_pieces": self.ck_pieces,
+            "expert_groups": self.expert_groups,
             "units": [u.to_dict() for u in self.units],
         }
 

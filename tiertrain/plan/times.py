@@ -120,13 +120,25 @@ def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) ->
         matmuls += 2 * spec.hidden_size * (spec.num_attention_heads + 2 * spec.n_kv_heads) * spec.hd * L
     ex, (fwd_speed, bwd_speed) = spec.expert_flops_per_token / 3, experts_speed  # routed experts: their own
     ex_fwd, ex_bwd = ex * (1 / fwd_speed - 1), 2 * ex * (1 / bwd_speed - 1)
+    # a block in parts runs its attention part's forward twice in the backward pass (engine/groups.py)
+    again = 0.0
+    if rp.expert_groups > 1:
+        moe = sum(spec.has_experts(b) for b in range(L))
+        matmuls += 2 * moe * _attention_part_params(spec)
+        again = A / 3 * moe / L
     return {
         "matmul fwd": T * (M / 3 + ex_fwd),
         "matmul bwd": T * (matmuls + ex_fwd * (L - kept) / L + ex_bwd),  # a kept block recomputes no expert
         "attention fwd": T * A / 3,
-        "attention recompute": T * A / 3 * (L - kept) / L,
+        "attention recompute": T * (A / 3 * (L - kept) / L + again),
         "attention bwd": T * 2 * A / 3,
     }
+
+
+def _attention_part_params(spec) -> int:
+    """A block's matmul parameters beside its experts: q, k, v, o, the router and any shared expert."""
+    q, kv, h = spec.num_attention_heads * spec.hd, spec.n_kv_heads * spec.hd, spec.hidden_size
+    return h * (2 * q + 2 * kv) + spec.num_experts * h + 3 * h * spec.shared_expert_intermediate_size
 
 
 def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:

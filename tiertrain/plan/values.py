@@ -77,6 +77,9 @@ class Choice:
     )
     attention: str | None = None  # the attention's kernel; None: the fastest measured (plan.attention.choose)
     deterministic: bool = False  # the attention's backward pass deterministic (train.deterministic)
+    groups: int | None = (
+        None  # expert groups of a block with experts (model/parts.py); None: 1, or as few as fit
+    )
 
 
 class Short(Enum):

@@ -1,0 +1,151 @@
+"""Expert groups (model/parts.py): a block with experts streamed as its attention part, then groups of its experts.
+The parts' pieces against the slab, a part's drain, the plan's choice and the config's checks; test_moe.py trains
+blocks in parts against transformers and checks their spill and resume bits."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from tiertrain.config import load_config
+from tiertrain.engine.buffers import Accumulators
+from tiertrain.engine.streams import StallClock, Streams
+from tiertrain.errors import ConfigError
+from tiertrain.model.parts import EXPERTS, gaps, group_options, unit_parts
+from tiertrain.tiers.slab import SlabLayout
+
+BLOCK = [  # a gpt-oss block's tensors, tiny: biases on the experts, 4 experts
+    ("self_attn.q_proj.weight", (8, 4)),
+    ("mlp.router.weight", (4, 4)),
+    ("mlp.experts.gate_up_proj", (4, 4, 6)),
+    ("mlp.experts.gate_up_proj_bias", (4, 6)),
+    ("mlp.experts.down_proj", (4, 3, 4)),
+    ("mlp.experts.down_proj_bias", (4, 4)),
+    ("input_layernorm.weight", (4,)),
+    ("mlp.router.bias", (4,)),
+]
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_parts_cover_the_slab_once_and_slice_the_experts(groups):
+    """Every tensor's elements are in exactly one part; a group's views are its experts' rows of the slab's."""
+    lay = SlabLayout.build(BLOCK)
+    parts = unit_parts(lay, 4, groups)
+    assert len(parts) == groups + 1 and parts[0].experts == 0
+    flat = torch.arange(lay.numel, dtype=torch.float32)
+    seen = torch.zeros(lay.numel, dtype=torch.int64)
+    for p in parts:
+        for pc in p.pieces:
+            seen[pc.src : pc.src + pc.numel] += 1
+        assert all(pc.dst + pc.numel <= p.numel for pc in p.pieces)
+    for a, b in gaps(lay.numel, parts):
+        assert not seen[a:b].any()
+        seen[a:b] = 1
+    assert (seen == 1).all()  # the pieces and the gaps tile the slab
+    whole = lay.views(flat)
+    n = 4 // groups
+    for p in parts:
+        buf = torch.full((p.numel,), -1.0)
+        for pc in p.pieces:
+            buf[pc.dst : pc.dst + pc.numel] = flat[pc.src : pc.src + pc.numel]
+        for name, v in p.views(buf).items():
+            want = whole[name][p.first : p.first + n] if name.startswith(EXPERTS) else whole[name]
+            assert torch.equal(v, want), name
+    assert {n for p in parts[1:] for n in p.views(flat)} == {n for n, _ in BLOCK if n.startswith(EXPERTS)}
+    assert unit_parts(lay, 4, 1) == () and unit_parts(SlabLayout.build(BLOCK[:2]), 4, 2) == ()
+
+
+def test_a_part_drains_to_its_places_and_the_padding_to_zeros():
+    """Each part's accumulator lands in its pieces' places of the unit's sink, the layout's padding zeroed there
+    (a staging buffer holds another unit's bytes); the norms are the parts' own."""
+    emb, head = SlabLayout.build([("e", (4, 4))]), SlabLayout.build([("h", (4, 4))])
+    lay = SlabLayout.build(BLOCK)
+    parts = unit_parts(lay, 4, 2)
+    sink = torch.full((lay.numel,), float("nan"))
+    landed = []
+    streams = Streams(torch.device("cpu"))
+    grads = Accumulators(
+        [emb, lay, head],
+        torch.device("cpu"),
+        streams,
+        StallClock(streams),
+        lambda u: (sink, landed.append),
+        parts={1: parts},
+    )
+    want = torch.zeros(lay.numel)
+    norms = []
+    for i in (2, 1, 0):  # the backward pass's order: the groups, then the attention part
+        acc = grads.begin(1, i)
+        for pc in parts[i].pieces:
+            vals = torch.randn(pc.numel)
+            acc[pc.dst : pc.dst + pc.numel] = vals
+            want[pc.src : pc.src + pc.numel] = vals
+        norms.append(grads.drain_part(1, i, last=i == 0))
+        assert len(landed) == (i == 0)
+    assert torch.equal(sink, want)
+    assert float(torch.stack(norms).norm()) == pytest.approx(float(want.norm()), rel=1e-6)
+
+
+def test_the_plan_streams_experts_in_groups_only_where_whole_blocks_crowd_the_gpu():
+    """gpt-oss-120b: whole blocks on 80 GB; on 24 GB its experts in groups, the plan's slots a part's size; a
+    dense model never."""
+    from tiertrain.plan.hardware import REFERENCE
+    from tiertrain.plan.resolve import search
+
+    cfg = load_config("gpt-oss-120b", [])
+    big = search(cfg, REFERENCE, 1500, 80, 4000, "gpt-oss-120b")
+    small = search(cfg, REFERENCE, 1500, 24, 4000, "gpt-oss-120b")
+    assert big.fits and big.run_plan.expert_groups == 1
+    assert small.fits and small.run_plan.expert_groups in group_options(128)[1:]
+    assert small.memory.gpu.slots < big.memory.gpu.slots / 4
+    assert not small.run_plan.kept() and not small.run_plan.count("gpu", "gpu-speculated", "resident")
+    fixed = load_config("gpt-oss-120b", ["tiers.expert_groups=1"])
+    assert not search(fixed, REFERENCE, 1500, 24, 4000, "gpt-oss-120b").fits
+    dense = search(load_config("llama-1b", []), REFERENCE, 64, 8, None, "llama-1b")
+    assert dense.run_plan.expert_groups == 1
+
+
+@pytest.mark.parametrize(
+    "sets, why",
+    [
+        (["tiers.expert_groups=3"], "must divide model.num_experts (4)"),
+        (["tiers.expert_groups=2", "train.keep_activations=1"], "set train.keep_activations=0"),
+        (["tiers.expert_groups=2", "train.tile_tokens=64"], "set train.tile_tokens=0"),
+        (["tiers.expert_groups=0"], 'must be "auto"'),
+    ],
+)
+def test_bad_expert_groups_get_one_line(token_file, sets, why):
+    from test_moe import GPT_OSS
+
+    from tiertrain.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        Trainer(tiny_config(token_file, *GPT_OSS, *sets))
+    with pytest.raises(ConfigError, match="the model has no experts"):
+        Trainer(tiny_config(token_file, "tiers.expert_groups=2"))
+
+
+def test_plan_json_says_the_groups():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tiertrain",
+            "plan",
+            "--config",
+            "gpt-oss-20b",
+            "--set",
+            "tiers.expert_groups=4",
+        ]
+        + ["--gpu-gb", "80", "--host-gb", "512", "--format", "json"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["expert_groups"] == 4

@@ -1,0 +1,92 @@
+"""A block in parts (expert groups, model/parts.py) in the step: its forward and backward pass over every
+micro-batch, each part's weights loaded once a pass while the next part's copy runs. Step (engine/schedule.py)
+calls these for the blocks its `parts` name; the math is model/grouped.py's.
+
+forward   attention part: the block's checkpoint saved, then per micro-batch its output and the routed tokens;
+          groups 1..G: each adds its experts' share to the output
+backward  attention part without gradients, from the checkpoint: the routed tokens again; groups G..1: each
+          differentiated against the block's output gradient, its weights' gradient drained as it ends, its shares
+          of h's and the routing weights' gradients summed (fp32); the attention part with autograd against all
+          three, its gradient drained, the block input's gradient out
+The attention part loads twice in the backward pass (a slot holds one part); the groups' sums live on the GPU
+until the attention part's backward: (4 H + 4 k) bytes a token of the rank's batch, beside the routed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model import grouped
+
+
+def forward(step, i: int, xs: list[torch.Tensor], train: bool, timed) -> list[torch.Tensor]:
+    """Block i's forward pass (its attention part already loading: Step.load); starts the next unit's load."""
+    slots, parts = step.slots, step.parts[i]
+    w = step.bind(i, 0)
+    if train:
+        step.ck.save(i, xs)
+    with timed("forward"):
+        outs = [grouped.attention_part(w, x, step.at(i, m)) for m, x in enumerate(xs)]
+    step.release(i, 0)
+    slots.load_part(i, 1, last=len(parts) == 2)
+    ys, routed = [y for y, _ in outs], [r for _, r in outs]
+    del outs
+    for g in range(1, len(parts)):
+        w, p = step.bind(i, g), parts[g]
+        with timed("forward"):
+            for m, r in enumerate(routed):
+                share = grouped.share(w, r, step.ctxs[i], p.first, p.experts)
+                if share is not None:
+                    ys[m] += share.view_as(ys[m])
+        step.release(i, g)
+        if g + 1 < len(parts):
+            slots.load_part(i, g + 1, last=g + 2 == len(parts))
+        else:
+            step.load(i + 1)
+    return ys
+
+
+def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Tensor]:
+    """Block i's backward pass (its attention part already loading; its checkpoint prefetched), the gradients of
+    its outputs `gx` in: the gradients of its inputs out; its parts' gradient norms appended to `norms`. Starts
+    the previous unit's load and its checkpoint's prefetch."""
+    slots, grads, ck, clock, parts = step.slots, step.grads, step.ck, step.clock, step.parts[i]
+    n = len(parts) - 1
+    saved = ck.get(i)
+    w = step.bind(i, 0)
+    slots.load_part(i, n, last=False)
+    with clock.computing("backward"), torch.no_grad():
+        routed = [grouped.attention_part(w, x, step.at(i, m))[1] for m, x in enumerate(saved)]
+    step.release(i, 0)
+    dh = [torch.zeros(r.h.shape, dtype=torch.float32, device=r.h.device) for r in routed]
+    dws = [torch.zeros_like(r.weights) for r in routed]
+    for g in range(n, 0, -1):
+        leaves, pairs = step.bind_for_grad(i, g)
+        slots.load_part(i, g - 1, last=g == 1)  # after the first group, the attention part again
+        p = parts[g]
+        with clock.computing("backward"):
+            for m, r in enumerate(routed):
+                gm = gx[m].view(-1, gx[m].shape[-1])
+                d = grouped.share_backward(leaves, r, gm, step.ctxs[i], p.first, p.experts, dh[m], dws[m])
+                for (_, acc), gw in zip(pairs, d or ()):
+                    if gw is not None:  # an expert of the group that no token chose
+                        acc.add_(gw)
+        step.release(i, g)
+        norms.append(grads.drain_part(i, g, last=False))
+    del routed
+    leaves, pairs = step.bind_for_grad(i, 0)
+    step.load(i - 1)
+    if i > 1 and i - 1 not in step.kept:
+        ck.prefetch(i - 1)
+    out = []
+    with clock.computing("backward"):
+        for m, x in enumerate(saved):
+            d = grouped.attention_backward(leaves, x, gx[m], dh[m], dws[m], step.at(i, m))
+            dh[m] = dws[m] = None
+            out.append(d[0])
+            for (_, acc), gw in zip(pairs, d[1:]):
+                acc.add_(gw)
+    step.release(i, 0)
+    ck.drop(i)
+    norms.append(grads.drain_part(i, 0, last=True))
+    return out
