@@ -339,6 +339,11 @@ def test_expert_groups_train_as_transformers(case, token_file, tmp_path):
     trains_as_transformers(tiny_config(token_file, *sets), tmp_path, _load, MoELoss)
     tr = Trainer(tiny_config(token_file, *sets))
     parts, spec = tr.run.step.parts, tr.cfg.model
+    # the slots and accumulators are a part's size (or a dense block's, where one is larger)
+    whole = [lay.numel for u, lay in enumerate(tr.layouts[1:-1], 1) if u not in parts]
+    size = max([p.numel for ps in parts.values() for p in ps] + whole)
+    assert size < max(lay.numel for lay in tr.layouts[1:-1])
+    assert {b.t.numel() for b in tr.run.slots.slots + tr.run.grads.blocks} == {size}
     tr.close()
     assert sorted(parts) == [b + 1 for b in range(spec.num_hidden_layers) if spec.has_experts(b)]
     assert all(len(p) == groups + 1 and p[0].experts == 0 for p in parts.values())

@@ -107,6 +107,9 @@ def test_the_plan_streams_experts_in_groups_only_where_whole_blocks_crowd_the_gp
     assert not small.run_plan.kept() and not small.run_plan.count("gpu", "gpu-speculated", "resident")
     fixed = load_config("gpt-oss-120b", ["tiers.expert_groups=1"])
     assert not search(fixed, REFERENCE, 1500, 24, 4000, "gpt-oss-120b").fits
+    # what blocks in parts do without, asked for: the plan leaves the blocks whole rather than the setting unheard
+    tiled = search(load_config("gpt-oss-120b", ["train.tile_tokens=4096"]), REFERENCE, 1500, 24, 4000, "x")
+    assert tiled.run_plan.expert_groups == 1 and tiled.run_plan.tile == 4096
     dense = search(load_config("llama-1b", []), REFERENCE, 64, 8, None, "llama-1b")
     assert dense.run_plan.expert_groups == 1
 

@@ -226,6 +226,8 @@ def assemble(
             for u, lay in enumerate(layouts)
             if (p := unit_parts(lay, cfg.model.num_experts, rp.expert_groups))
         }
+        if parts and (ranks.size > 1 or rp.updated(Update.GPU, Update.GPU_SPECULATED, Update.RESIDENT)):
+            raise ValueError("blocks in parts (expert groups) run on one rank, updated on the host")
         slots = WeightSlots(
             layouts,
             host,

@@ -241,8 +241,8 @@ class TiersConfig:
         "auto"  # streamed units updated on the GPU as they load; 0: none; "auto": the plan's
     )
     # a block with experts goes to the GPU as its attention part, then this many groups of its experts, each a
-    # slot's worth (a divisor of model.num_experts; 1: the block whole); "auto": the plan's, 1 where a whole
-    # block leaves room for two slots and its gradient
+    # slot's worth (a divisor of model.num_experts; 1: the block whole); "auto": the plan's, 1 wherever whole
+    # blocks fit the GPU
     expert_groups: int | Auto = "auto"
 
     def validate(self) -> None:

@@ -23,12 +23,12 @@ def forward(step, i: int, xs: list[torch.Tensor], train: bool, timed) -> list[to
     """Block i's forward pass (its attention part already loading: Step.load); starts the next unit's load."""
     slots, parts = step.slots, step.parts[i]
     w = step.bind(i, 0)
+    slots.load_part(i, 1, last=len(parts) == 2)  # into the other slot, beside the attention part's compute
     if train:
         step.ck.save(i, xs)
     with timed("forward"):
         outs = [grouped.attention_part(w, x, step.at(i, m)) for m, x in enumerate(xs)]
     step.release(i, 0)
-    slots.load_part(i, 1, last=len(parts) == 2)
     ys, routed = [y for y, _ in outs], [r for _, r in outs]
     del outs
     for g in range(1, len(parts)):
@@ -53,13 +53,15 @@ def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Te
     slots, grads, ck, clock, parts = step.slots, step.grads, step.ck, step.clock, step.parts[i]
     n = len(parts) - 1
     saved = ck.get(i)
+    if i > 1 and i - 1 not in step.kept:
+        ck.prefetch(i - 1)  # beside the whole block's backward pass, as a whole block's
     w = step.bind(i, 0)
     slots.load_part(i, n, last=False)
     with clock.computing("backward"), torch.no_grad():
         routed = [grouped.attention_part(w, x, step.at(i, m))[1] for m, x in enumerate(saved)]
     step.release(i, 0)
     dh = [torch.zeros(r.h.shape, dtype=torch.float32, device=r.h.device) for r in routed]
-    dws = [torch.zeros_like(r.weights) for r in routed]
+    dws = [torch.zeros_like(r.weights) for r in routed]  # by (token, slot) of this recompute's routing
     for g in range(n, 0, -1):
         leaves, pairs = step.bind_for_grad(i, g)
         slots.load_part(i, g - 1, last=g == 1)  # after the first group, the attention part again
@@ -73,11 +75,11 @@ def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Te
                         acc.add_(gw)
         step.release(i, g)
         norms.append(grads.drain_part(i, g, last=False))
+    # by expert: the attention part's recompute with autograd may route in another order (another kernel)
+    dws = [grouped.by_expert(d, r, step.ctx.spec.num_experts) for d, r in zip(dws, routed)]
     del routed
     leaves, pairs = step.bind_for_grad(i, 0)
     step.load(i - 1)
-    if i > 1 and i - 1 not in step.kept:
-        ck.prefetch(i - 1)
     out = []
     with clock.computing("backward"):
         for m, x in enumerate(saved):

@@ -178,7 +178,8 @@ class Step:
         """The unit's update, where one is due, runs before its weights go to the GPU (a block in parts: its
         attention part's, which each pass loads first)."""
         if u in self.parts:
-            self.updates.before_load(u)  # a host update: nothing to hand the load
+            updated, _ = self.updates.before_load(u)
+            assert updated is None, "a block in parts is updated on the host"
             self.slots.load_part(u, 0, last=False)
         else:
             self.slots.load(u, *self.updates.before_load(u))

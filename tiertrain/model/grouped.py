@@ -124,6 +124,11 @@ def share_backward(
     return d[2:]
 
 
+def by_expert(dws: torch.Tensor, r: Routed, n_experts: int) -> torch.Tensor:
+    """The routing weights' gradient dws (T, k), by (token, slot) of r's routing, as (T, E) by expert."""
+    return dws.new_zeros(dws.shape[0], n_experts).scatter_(1, r.chosen, dws)
+
+
 def attention_backward(
     leaves: dict[str, torch.Tensor],
     x: torch.Tensor,
@@ -133,12 +138,13 @@ def attention_backward(
     ctx,
 ) -> tuple:
     """The attention part recomputed from the block's checkpoint x with autograd and differentiated against g (the
-    block's output gradient), dh and dws (the groups' sums), and its router's load-balancing term: (x's gradient,
-    then its weights' in the order of `leaves`)."""
+    block's output gradient), dh and dws (the groups' sums; dws (T, E) by expert: by_expert), and its router's
+    load-balancing term: (x's gradient, then its weights' in the order of `leaves`)."""
     ctx = dataclasses.replace(ctx, routed=[])
     x = x.requires_grad_()
     with torch.enable_grad():
         y = llama.block(leaves, x, ctx)
-    h, _, weights = ctx.routed[0]
+    h, chosen, weights = ctx.routed[0]
     ys, gs = moe.grad_pairs(ctx.router, y, g)
-    return torch.autograd.grad([*ys, h, weights], [x, *leaves.values()], [*gs, dh.to(h.dtype), dws])
+    grads = [*gs, dh.to(h.dtype), dws.gather(1, chosen)]
+    return torch.autograd.grad([*ys, h, weights], [x, *leaves.values()], grads)

@@ -176,10 +176,15 @@ class Fit:
         numels = self.shape.numels
         reloaded = reloaded_units(len(numels))
         again = sum(numels[reloaded.start : reloaded.stop])
-        # a block in parts loads its attention part twice in the backward pass, and the last two blocks too
+        # a block in parts loads its attention part twice in the backward pass; the last two blocks, which the
+        # backward pass finds in their slots, reload where a block in parts rotated through both
         parts = block_parts(self.shape.job.spec, self.shape.run_plan.expert_groups)
-        last = range(reloaded.stop, len(numels) - 1)
-        again += sum(att + (numels[u] if u in last else 0) for u, (att, _) in parts.items())
+        again += sum(att for att, _ in parts.values())
+        a, b = reloaded.stop, len(numels) - 2
+        if b in parts:
+            again += sum(numels[max(a, 1) : b + 1])
+        elif a in parts:
+            again += numels[a]
         return sum(numels), again
 
 

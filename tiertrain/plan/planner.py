@@ -60,7 +60,7 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     one rank, holding and updating 1/gpus of the state. A report adds advice.explain's findings.
     A mixture of experts whose whole blocks crowd the GPU goes in expert groups (model/parts.py), where the config
     leaves them to the plan: the fewest whose step is within GROUPS_MARGIN of the shortest."""
-    if fixed.groups is None and groupable(job):
+    if fixed.groups is None and groupable(job, fixed, budgets):
         first = plan(job, budgets, hw, replace(fixed, groups=1))
         if first.fits or first.short != Short.GPU:
             return first
@@ -121,9 +121,16 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.memory.gpu.total))
 
 
-def groupable(job: Job) -> bool:
-    """Whether the job's blocks may go in expert groups: a mixture of experts on one GPU."""
-    return job.spec.is_moe and job.gpus == 1
+def groupable(job: Job, fixed: Choice, budgets: Budgets) -> bool:
+    """Whether the job's blocks may go in expert groups: a mixture of experts on one GPU, and none of what blocks in
+    parts do without (tiles, kept blocks, GPU updates, resident units) asked for by the config."""
+    asked = (
+        fixed.tile,
+        fixed.keep,
+        fixed.gpu_updates,
+        budgets.resident_gb if budgets.resident_gb != "auto" else 0,
+    )
+    return job.spec.is_moe and job.gpus == 1 and not any(asked)
 
 
 def _shorts(m: Miss) -> int:
