@@ -135,6 +135,24 @@ def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) ->
     }
 
 
+# a block in parts (expert groups): each group's passes cost beyond its share of the experts' FLOPs (its sums of
+# the routed rows over a (tokens x k, H) buffer, fewer rows in its grouped matmuls): priced per byte of those rows
+# in the compute dtype, at this rate, a quarter of it in the forward pass. Fitted by least squares on the 6-block
+# Qwen3-30B-A3B cut at 8 x 8,192 tokens on an H200, 2, 4 and 16 groups against whole blocks: 0.08, 0.15 and 0.95 s
+# a step beyond what the plan prices (bench/results/2026-11-25-issue40-groups.md)
+GROUP_ROWS_GBS = 220.0
+
+
+def group_seconds(job: Job, rp) -> float:
+    """The GPU's seconds a step spends on its blocks in parts' groups beyond their FLOPs (GROUP_ROWS_GBS)."""
+    if rp.expert_groups <= 1:
+        return 0.0
+    spec = job.spec
+    moe = sum(spec.has_experts(b) for b in range(spec.num_hidden_layers))
+    rows = job.rows * job.seq_len * spec.num_experts_per_tok * spec.hidden_size * rp.compute_width
+    return moe * rp.expert_groups * rows / (GROUP_ROWS_GBS * 1e9)
+
+
 def _attention_part_params(spec) -> int:
     """A block's matmul parameters beside its experts: q, k, v, o, the router and any shared expert."""
     q, kv, h = spec.num_attention_heads * spec.hd, spec.n_kv_heads * spec.hd, spec.hidden_size
@@ -151,9 +169,13 @@ def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
     fa, ba = attention.rates(rp.attention, job.spec.hd, rp.deterministic, rp.compute_dtype, hw)
     fa, ba = fa or rate, ba or rate
     w = compute_work(job, mem.kept, rp, hw.experts_speed)
+    groups = group_seconds(job, rp)
     return {
-        "compute fwd": w["matmul fwd"] / rate + w["attention fwd"] / fa,
-        "compute bwd": w["matmul bwd"] / rate + w["attention recompute"] / fa + w["attention bwd"] / ba,
+        "compute fwd": w["matmul fwd"] / rate + w["attention fwd"] / fa + groups / 4,
+        "compute bwd": w["matmul bwd"] / rate
+        + w["attention recompute"] / fa
+        + w["attention bwd"] / ba
+        + groups * 3 / 4,
     }
 
 
