@@ -19,7 +19,9 @@ long() {  # config length steps [more --set...]
   python3 -m bench.pipeline --config "/tmp/$1-$2.toml" --systems long --define long "${budgets[@]}" "${@:4}" ${HW:+--hardware-file "$HW"} \
     --batches 1 --micro 1 --warmup $(($3 > 2 ? 1 : $3 - 1)) --steps $(($3 > 2 ? $3 - 1 : 1)) --timeout 3600 \
     --tag="-long-$2" --out "$out"
+  local rc=$?
   rm -rf /tmp/nvme
+  return $rc  # the run's status, not the clean-up's: a detached job's caller reads it
 }
 for run in ${@:-7b-256k 3b-512k 1b-1m 3b-32k baselines}; do
   case $run in
