@@ -68,7 +68,7 @@ def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Te
         p = parts[g]
         with clock.computing("backward"):
             for m, r in enumerate(routed):
-                gm = gx[m].view(-1, gx[m].shape[-1])
+                gm = gx[m].reshape(-1, gx[m].shape[-1])
                 d = grouped.share_backward(leaves, r, gm, step.ctxs[i], p.first, p.experts, dh[m], dws[m])
                 for (_, acc), gw in zip(pairs, d or ()):
                     if gw is not None:  # an expert of the group that no token chose
