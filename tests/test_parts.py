@@ -20,6 +20,7 @@ from tiertrain.errors import ConfigError
 from tiertrain.model.parts import EXPERTS, gaps, group_options, unit_parts
 from tiertrain.tiers.slab import SlabLayout
 
+MOE = ['model.model_type="qwen3_moe"', "model.num_experts=4", "model.num_experts_per_tok=2"]
 BLOCK = [  # a gpt-oss block's tensors, tiny: biases on the experts, 4 experts
     ("self_attn.q_proj.weight", (8, 4)),
     ("mlp.router.weight", (4, 4)),
@@ -124,12 +125,10 @@ def test_the_plan_streams_experts_in_groups_only_where_whole_blocks_crowd_the_gp
     ],
 )
 def test_bad_expert_groups_get_one_line(token_file, sets, why):
-    from test_moe import GPT_OSS
-
     from tiertrain.trainer import Trainer
 
     with pytest.raises(ConfigError, match=re.escape(why)):
-        Trainer(tiny_config(token_file, *GPT_OSS, *sets))
+        Trainer(tiny_config(token_file, *MOE, *sets))
     with pytest.raises(ConfigError, match="the model has no experts"):
         Trainer(tiny_config(token_file, "tiers.expert_groups=2"))
 
