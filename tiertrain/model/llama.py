@@ -84,9 +84,8 @@ class Context:
     window: int | None = None  # the block's attention window (UnitSpec.window); None: the causal prefix
     router: moe.RouterLog | None = None  # the step's load-balancing loss, where the model has one
     docs: object | None = None  # the micro-batch's segments (model.docs.Docs); None: each row is one
-    routed: list | None = (
-        None  # an attention part's (h, chosen experts, routing weights) go here (model/parts.py)
-    )
+    # where an attention part alone (model/parts.py) hands over its (h, chosen experts, routing weights)
+    routed: list | None = None
 
     def of(self, window: int | None) -> "Context":
         """The context of a block with this attention window (the tables and the router log shared)."""
@@ -254,9 +253,8 @@ def block_out(
     mixture of experts where the block has them (its routers' statistics over the slice's samples' tokens)."""
     x = x + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias")).float()
     h = rms_norm(x, w["post_attention_layernorm.weight"], ctx.spec.rms_norm_eps).to(ctx.dtype)
-    if (
-        moe.ROUTER in w or moe.GPT_OSS_ROUTER in w
-    ):  # a mixture of experts, or its attention part (model/parts.py)
+    # a mixture of experts, or its attention part alone (model/parts.py): the router is there
+    if moe.ROUTER in w or moe.GPT_OSS_ROUTER in w:
         valid = None if ctx.docs is None else ctx.docs.valid_at(start, x.shape[1])
         out = moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid)
         return x if out is None else x + out.view_as(x)

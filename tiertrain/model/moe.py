@@ -243,9 +243,8 @@ def _rows(
     if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
         a = _act(fused, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
         return _mm(a, down, ends, counts)
-    a = _act(
-        fused, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s
-    )  # F.linear's layout, [gate; up] in the rows
+    # F.linear's layout, [gate; up] in the rows
+    a = _act(fused, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
     return _mm(a, down.transpose(1, 2), ends, counts)
 
 
