@@ -339,7 +339,9 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
         f"# {Path(a.config).name.removesuffix('.toml')}: tiertrain vs all-in-GPU vs DeepSpeed ZeRO-3 CPU offload",
         "",
         f"- date: {date}",
-        f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs",
+        f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs"
+        if probe
+        else f"- hardware: {meta.get('gpu') or 'not probed'}, as the probe file says (no `probe` system in this run)",
         f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
         f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
         f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median; gradient clipping "
@@ -352,6 +354,8 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
         f"{probe.get('host_adam_into_copies_params_per_s', 0) / 1e9:.2f}, kernel {probe.get('host_kernel', 'torch')})",
         "",
     ]
+    if not probe:  # no ceilings measured: say so rather than print zeros
+        lines.pop(-2)
     lines.insert(
         3,
         f"- commit: {meta.get('commit')}{' (with uncommitted changes)' if meta.get('dirty') else ''}; "
@@ -438,7 +442,7 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
 
 def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str], meta: dict) -> str:
     # the machine, where the probe ran
-    gpu = probe.get("gpu", "unprobed").replace("NVIDIA ", "").replace(" ", "")
+    gpu = (probe.get("gpu") or meta.get("gpu") or "unprobed").replace("NVIDIA ", "").replace(" ", "")
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).name.removesuffix('.toml').replace('llama-', 'llama')}{a.tag}"
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = report(a, probe, results, errors, date, meta)
@@ -517,7 +521,7 @@ def main() -> None:
         for k in ("batches", "micro", "warmup", "steps", "grad_clip", "config"):
             setattr(a, k.replace("-", "_"), rec["args"][k])
         sys.argv = rec["args"]["argv"]
-        meta = {k: rec.get(k) for k in ("commit", "dirty", "hardware")}
+        meta = {k: rec.get(k) for k in ("commit", "dirty", "hardware", "gpu") if rec.get(k) is not None}
         text = report(a, rec["probe"], rec["rows"], rec["errors"], rec["date"], meta)
         Path(a.from_json).with_suffix(".md").write_text(text)
         return print(text)
@@ -532,6 +536,8 @@ def main() -> None:
     if a.hardware_file:
         HardwareSpec.load(a.hardware_file).save(hardware)
         meta["hardware"] = f"the probe file {a.hardware_file}"
+        # names the result where the run has no probe of its own
+        meta["gpu"] = HardwareSpec.load(a.hardware_file).gpu
     base = [
         "--config",
         a.config,
