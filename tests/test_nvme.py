@@ -42,8 +42,13 @@ def _train(cfg, steps=4, close=True):
     return tr, recs, sd
 
 
-@pytest.mark.parametrize("io", ["posix", pytest.param("kvikio", marks=pytest.mark.gpu)])
-def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
+@pytest.mark.parametrize(
+    "io,first",
+    [("posix", "moments"), ("posix", "gradients"), pytest.param("kvikio", "moments", marks=pytest.mark.gpu)],
+)
+def test_spilled_run_is_bit_identical(token_file, tmp_path, io, first):
+    """Half the state on NVMe, in either spill order (tiers.spill_first): the moments, read and written after the
+    norm; or the gradients, written in the backward pass, then the first moments."""
     dev = "cuda" if io == "kvikio" else "cpu"
     base = tiny_config(token_file, *VARIANTS["qwen2"], *DEEP, f'train.device="{dev}"')
     gb = budget_for(base)
@@ -55,10 +60,13 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
         f"tiers.host_gb={gb}",
         f'tiers.nvme_dir="{tmp_path}"',
         f'tiers.io="{io}"',
+        f'tiers.spill_first="{first}"',
     )
     _, want, want_sd = _train(base)
     tr, got, sd = _train(spill)
     on_nvme = [k for k, t in tr.run_plan.where().items() if t == Home.NVME]
+    kinds = {Kind.EXP_AVG, Kind.EXP_AVG_SQ} if first == "moments" else {Kind.GRAD, Kind.EXP_AVG}
+    assert tr.run_plan.spill_first == first and {k for _, k in on_nvme} == kinds
     sizes = [lay.numel for lay in tr.layouts]
     state = sum(sizes) * 16
     spilled = sum(sizes[u] * 4 for u, _ in on_nvme)
@@ -68,8 +76,8 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io):
         assert torch.equal(sd[k], want_sd[k]), k
     # each step reads and writes every spilled byte once; plain zarr reads what the run wrote
     assert got[-1]["nvme_read_gb"] * 1e9 == pytest.approx(spilled) == got[-1]["nvme_write_gb"] * 1e9
-    arr = zarr.open_group(tr.run.nvme.store.root, mode="r")["exp_avg_sq"]
-    u = on_nvme[0][0]
+    u, kind = on_nvme[0]
+    arr = zarr.open_group(tr.run.nvme.store.root, mode="r")[kind.value]
     assert arr.shape[0] == len(sizes) and float(abs(arr[u, : sizes[u]]).max()) > 0
 
 
@@ -216,6 +224,14 @@ def test_placement_policy_by_hand():
     # one byte over: exp_avg from the last unit, until 40 B a unit pays for a ring of 4 x 40 B and the byte
     where, ring, total = place_within(numels, kb, 3960, 1, one)
     assert total == 3961 and ring == 160 and _spilled(where) == {(u, Kind.EXP_AVG) for u in range(15, 20)}
+    # the other order: the gradients first, as many
+    where, ring, _ = place_within(numels, kb, 3960, 1, one, "gradients")
+    assert ring == 160 and _spilled(where) == {(u, Kind.GRAD) for u in range(15, 20)}
+    # and further: the blocks' gradients (19 x 40 B), then first moments (5 x 40 B), with two kinds' rings (320 B)
+    where, _, _ = place_within(numels, kb, 3960 - 19 * 40 - 5 * 40 + 2 * 160, 0, one, "gradients")
+    assert _spilled(where) == {(u, Kind.GRAD) for u in range(1, 20)} | {
+        (u, Kind.EXP_AVG) for u in range(15, 20)
+    }
     # the least: unit 0 kept (its 540 B cost less than rings 3x as wide), the rest spilled: four fp32
     # kinds' rings of 4 x 40 B and the streamed copy's of 8 x 20 B
     least = least_host(numels, kb, 7, one)

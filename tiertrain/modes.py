@@ -51,6 +51,9 @@ Dtype = Literal["bfloat16", "float32"]
 # what carries the weights to the GPU: a compute-dtype copy, or the master
 Stream = Literal["compute", "master"]
 Activations = Literal["gpu", "host", "nvme", "split"]  # the checkpoints' home; "split": each block's own
+# which state spills to NVMe first when the host budget is short (tiers.placement.SPILL_ORDERS): the Adam moments
+# (read and written once a step, after the norm), or the gradients (written in the backward pass, read once after it)
+SpillFirst = Literal["moments", "gradients"]
 # the causal attention's kernel (model/attention.py): SDPA's cuDNN, flash, memory-efficient or math backend, or the
 # FlashAttention package's; "" in a RunPlan: torch's own choice (a CPU, or fp32 compute)
 Attention = Literal["cudnn", "flash", "efficient", "math", "flash_attn"]

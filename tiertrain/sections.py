@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
-from .modes import ATTENTION_KERNELS, BF16_ONLY_KERNELS, DETERMINISTIC_KERNELS, Attention, Dtype
+from .modes import ATTENTION_KERNELS, BF16_ONLY_KERNELS, DETERMINISTIC_KERNELS, Attention, Dtype, SpillFirst
 
 AUTO = "auto"  # the one spelling of "the plan decides"
 Auto = typing.Literal["auto"]
@@ -20,6 +20,7 @@ StreamSetting = typing.Literal["auto", "compute", "master"]
 Places = typing.Literal["auto", "gpu", "host", "nvme"]
 IoBackend = typing.Literal["auto", "posix", "kvikio"]
 SavedState = typing.Literal["full", "weights"]
+SPILL_FIRSTS = (AUTO, *typing.get_args(SpillFirst))
 AttentionSetting = Attention | Auto
 ATTENTIONS = (AUTO, *ATTENTION_KERNELS)
 DTYPES, DEVICES, SCHEDULES, HOST_KERNELS, STREAMS, PLACES, IO_BACKENDS, SAVED_STATES = (
@@ -234,6 +235,10 @@ class TiersConfig:
     nvme_gb: float = 0.0  # most the NVMe tier may use; 0: the free space of nvme_dir
     io: IoBackend = "auto"  # NVMe I/O backend: "kvikio" where it runs, else "posix"
     io_threads: int = 16  # NVMe I/O threads (16 MiB requests each): the disk's queue depth
+    # what spills to NVMe first when the host budget is short: "moments" (the Adam moments; the disk reads and
+    # writes them after the norm) or "gradients" (written in the backward pass, read after the norm); "auto": the
+    # plan's, the faster step
+    spill_first: SpillFirst | Auto = "auto"
     # GPU memory for the whole state of the first units (updated there); "auto": what the plan leaves free
     # beside the streaming buffers and activations (none on a CPU); 0: none
     gpu_resident_gb: float | Auto = "auto"
@@ -261,6 +266,13 @@ class TiersConfig:
         )
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
         _need(1 <= self.io_threads <= 256, "tiers", "io_threads", self, "must be between 1 and 256")
+        _need(
+            self.spill_first in SPILL_FIRSTS,
+            "tiers",
+            "spill_first",
+            self,
+            f"must be one of {_q(SPILL_FIRSTS)}",
+        )
         _need(
             _auto_or(self.gpu_resident_gb, 0),
             "tiers",

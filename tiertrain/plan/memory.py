@@ -144,6 +144,7 @@ def shape(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Shape
         deterministic=choice.deterministic,
         ck_pieces=max(1, hw.ck_pieces),
         expert_groups=choice.groups or 1,
+        spill_first=choice.spill or "moments",
     )
     return Shape(
         job,
@@ -281,7 +282,7 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
     (the memory with them, the placement). The messages and least budgets are the host's (--host-gb is the
     host's, for its ranks)."""
     numels, kb, per_host, nvme_on = s.numels, s.kb, s.job.ranks_per_host, bool(s.budgets.nvme_gb)
-    where, ring, total = place_within(numels, kb, s.host_budget, host_ck, host_cost)
+    where, ring, total = place_within(numels, kb, s.host_budget, host_ck, host_cost, s.run_plan.spill_first)
     short = _host_short(s, mem, total, where is None, host_ck)
     if short is not None:
         return short

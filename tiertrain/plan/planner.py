@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from ..model.parts import group_options
-from ..modes import Home
+from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, gpu_updated
 from ..tiers.slab import host_cost
@@ -157,7 +157,18 @@ def evaluate(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Pl
     """The plan of one choice (its micro-batch, stream and checkpoints' home set; "split": the checkpoints of
     the last blocks on the GPU as far as it has room, then in the RAM the whole state leaves, the rest on NVMe),
     in three stages, each a value or the miss that ends it: its memory (memory.memory_fit), its updates
-    (update_search) and the plan (planned: the RunPlan a run obeys, and its prediction)."""
+    (update_search) and the plan (planned: the RunPlan a run obeys, and its prediction). Where the order of the
+    spill is left to the plan and Adam moments spill, the gradients spilled first instead where that is faster:
+    the same bytes on the disk, but half of them in the backward pass rather than beside the next forward one."""
+    first = _evaluate(job, choice, budgets, hw)
+    if choice.spill is not None or not first.fits or Kind.EXP_AVG not in first.memory.nvme:
+        return first
+    other = _evaluate(job, replace(choice, spill="gradients"), budgets, hw)
+    return other if other.fits and _expected(other) < _expected(first) * (1 - 1e-9) else first
+
+
+def _evaluate(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> Plan | Miss:
+    """evaluate, in the choice's spill order (moments first where it leaves it open)."""
     got = memory_fit(job, choice, budgets, hw)
     if isinstance(got, Miss):
         return got

@@ -93,6 +93,7 @@ def plan_dict(p: Plan | Miss) -> dict:
         "checkpoints": {h.value: n for h, n in mem.checkpoints.items()},
         "tile": rp.tile,
         "expert_groups": rp.expert_groups,
+        "spill_first": rp.spill_first,
         "attention": rp.attention,
         "deterministic": rp.deterministic,
         "checkpoint_dtype": rp.activation_dtype,
@@ -287,10 +288,18 @@ def _memory(p: Plan) -> list[str]:
         f"| **total** | **{_gb(mem.host_total)}** | **{_gb(sum(mem.nvme.values()) + mem.nvme_checkpoints)}** "
         "| |",
         "",
-        "Spill order when the host budget is short: Adam moments (touched once per step, by the "
-        "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
-        "optimizer's only), then gradients (written during the backward pass), and last the weights "
-        "that stream (read twice a step); a unit whose ring buffers would cost more than its slabs "
+        (
+            "Spill order when the host budget is short: Adam moments (touched once per step, by the "
+            "optimizer only), then the fp32 master when a bf16 copy is what streams (then it too is the "
+            "optimizer's only), then gradients (written during the backward pass), and last the weights "
+            "that stream (read twice a step)"
+            if p.run_plan.spill_first == "moments"
+            else "Spill order: gradients first (the plan's choice, tiers.spill_first: written in the backward pass "
+            "and read once after the norm, where spilled moments would be read and written beside the next "
+            "forward pass), then the Adam moments, then the fp32 master when a bf16 copy is what streams, and last "
+            "the weights that stream"
+        )
+        + "; a unit whose ring buffers would cost more than its slabs "
         "stays in RAM. Host slabs take whole pages. --host-gb is the process's whole host memory: the process's "
         f"own {_gb(mem.process)} counts in it."
         + (

@@ -66,6 +66,7 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
         fixed(tc.attention),
         tc.deterministic,
         fixed(t.expert_groups),
+        fixed(t.spill_first),
     )
 
 
@@ -133,6 +134,7 @@ def chosen(cfg: Config) -> tuple[str, ...]:
         "tile": tc.tile_tokens,
         "attention kernel": tc.attention,
         "expert groups": t.expert_groups,
+        "spill order": t.spill_first,
     }
     return tuple(k for k, v in named.items() if v == AUTO)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from ..modes import Activations, Dtype, Home, Kind, Stream, Update, by_value
+from ..modes import Activations, Dtype, Home, Kind, SpillFirst, Stream, Update, by_value
 from ..tiers.placement import kind_bytes
 
 WIDTH = {"float32": 4, "bfloat16": 2}  # bytes per element of a dtype
@@ -82,6 +82,8 @@ class RunPlan:
     )
     # a block with experts goes to the GPU as its attention part, then this many expert groups (model/parts.py)
     expert_groups: int = 1
+    # what spills to NVMe first (tiers.placement.SPILL_ORDERS); the units' homes say where each slab lives
+    spill_first: SpillFirst = "moments"
 
     @property
     def activation_width(self) -> int:
@@ -160,6 +162,7 @@ class RunPlan:
             "deterministic": self.deterministic,
             "checkpoint_pieces": self.ck_pieces,
             "expert_groups": self.expert_groups,
+            "spill_first": self.spill_first,
             "units": [u.to_dict() for u in self.units],
         }
 

@@ -80,6 +80,7 @@ class Choice:
     groups: int | None = (
         None  # expert groups of a block with experts (model/parts.py); None: 1, or as few as fit
     )
+    spill: str | None = None  # what spills first (modes.SpillFirst); None: moments, or gradients where faster
 
 
 class Short(Enum):

@@ -7,7 +7,8 @@ the optimizer), and last the weights that stream (read by the forward and the ba
 by the optimizer): the compute-dtype copy, or the fp32 master when it is what streams. Within a kind, units
 spill from the last to the first: the optimizer reaches them last, which leaves the most time to read
 them ahead. Every kind can spill, so the least host budget is the staging ring alone, or the ring and
-the units too wide to be worth a ring their width (least_host).
+the units too wide to be worth a ring their width (least_host). The plan may spill the gradients first instead
+(SPILL_ORDERS, RunPlan.spill_first), where that takes the disk's work off the next forward pass.
 Pure Python: the planner uses it too.
 """
 
@@ -18,6 +19,14 @@ import functools
 from ..modes import STATE, Home, Kind
 
 SPILL_ORDER = (Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER, Kind.GRAD, Kind.WEIGHTS)
+# the orders a plan may take (RunPlan.spill_first). Moments first costs the disk a read and a write of each spilled
+# slab after the norm, beside the next forward pass; gradients first, a write in the backward pass and a read after
+# the norm: where the forward pass is short against the backward one (long sequences), that halves the disk's
+# bytes beside it
+SPILL_ORDERS: dict[str, tuple[str, ...]] = {
+    "moments": SPILL_ORDER,
+    "gradients": (Kind.GRAD, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.MASTER, Kind.WEIGHTS),
+}
 RING_SLOTS = 4  # staging buffers per spilled kind: read 2 units ahead, one in use, one writing back;
 # the streamed kind has twice that: its own for the forward and backward passes' reads
 READ_AHEAD = RING_SLOTS - 2  # units whose spilled slabs the optimizer's ring reads ahead (Staging's depth)
@@ -28,10 +37,10 @@ def streamed_kind(kb: dict[str, int]) -> str:
     return Kind.WEIGHTS if Kind.WEIGHTS in kb else Kind.MASTER
 
 
-def spill_order(kb: dict[str, int]) -> tuple[str, ...]:
-    """The kinds of `kb` in the order they spill: SPILL_ORDER, with the streamed kind last."""
+def spill_order(kb: dict[str, int], first: str = "moments") -> tuple[str, ...]:
+    """The kinds of `kb` in the order they spill: SPILL_ORDERS[first], with the streamed kind last."""
     s = streamed_kind(kb)
-    return tuple(k for k in SPILL_ORDER if k in kb and k != s) + (s,)
+    return tuple(k for k in SPILL_ORDERS[first] if k in kb and k != s) + (s,)
 
 
 def kind_bytes(dtype: str, stream: str) -> dict[str, int]:
@@ -144,20 +153,21 @@ def disk_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[int, str
     return sum(width[k] * kb[k] for (_, k), tier in where.items() if tier == Home.NVME)
 
 
-def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int) -> list[tuple[int, str]]:
+def _spill_sequence(numels: list[int], kb: dict[str, int], cap: int, first: str) -> list[tuple[int, str]]:
     """The slabs in the order they spill: kinds by spill_order, each kind's units from the last to the
     first; units wider than `cap` elements never spill."""
-    return [(u, k) for k in spill_order(kb) for u in reversed(range(len(numels))) if 0 < numels[u] <= cap]
+    order = spill_order(kb, first)
+    return [(u, k) for k in order for u in reversed(range(len(numels))) if 0 < numels[u] <= cap]
 
 
 def _walk(
-    numels: list[int], kb: dict[str, int], total: float, cost, budget: float = 0.0
+    numels: list[int], kb: dict[str, int], total: float, cost, budget: float = 0.0, first: str = "moments"
 ) -> tuple[list[tuple[tuple, int, int]], float]:
     """(the placements place_within considers that fit `budget`, as (rank, cap, j): the first j slabs of the cap's
     spill sequence on NVMe, the rest and their staging ring in RAM; the least host bytes any of them needs). A rank
     is lower for a placement that stops earlier in the kind order, then for fewer bytes spilled; along one sequence
     it only grows, so each cap's sequence stops at the first placement within `budget`."""
-    order = spill_order(kb)
+    order = spill_order(kb, first)
     costs = {k: [cost(n * kb[k]) for n in numels] for k in order}  # each slab's host bytes, once
     fits, least = [], total
     for cap in sorted({n for n in numels if n}, reverse=True):
@@ -182,7 +192,7 @@ def _walk(
 
 
 def place_within(
-    numels: list[int], kb: dict[str, int], host_budget: float, fixed: float, cost
+    numels: list[int], kb: dict[str, int], host_budget: float, fixed: float, cost, first: str = "moments"
 ) -> tuple[dict[tuple[int, str], str] | None, int, float]:
     """(placement, staging ring bytes, host bytes of the whole state + `fixed`). Everything stays on the
     host when it fits beside `fixed` (no ring then). Otherwise the fewest slabs spill, in policy order,
@@ -190,16 +200,17 @@ def place_within(
     kind that spills, so a unit much wider than the rest (a big vocabulary's embedding or head) may
     cost less host memory kept in RAM than spilled through a ring its width: each width is tried as
     the widest that spills, and the placement that stops earliest in the spill order (then spills the
-    fewest bytes) wins. (None, 0, total) when nothing fits: least_host says what would."""
+    fewest bytes) wins. `first`: the kind order (SPILL_ORDERS). (None, 0, total) when nothing fits: least_host
+    says what would."""
     total = sum(cost(n * b) for n in numels for b in kb.values()) + fixed
     if total <= host_budget:
         return place(numels, kb), 0, total
-    fits, _ = _walk(numels, kb, total, cost, host_budget)
+    fits, _ = _walk(numels, kb, total, cost, host_budget, first)
     if not fits:
         return None, 0, total
     _, cap, j = min(fits)
     where = place(numels, kb)
-    where.update({uk: Home.NVME for uk in _spill_sequence(numels, kb, cap)[:j]})
+    where.update({uk: Home.NVME for uk in _spill_sequence(numels, kb, cap, first)[:j]})
     return where, ring_bytes(ring_widths(numels, where), kb, cost), total
 
 
