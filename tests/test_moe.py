@@ -329,6 +329,46 @@ def test_the_experts_compile_only_where_that_is_safe(monkeypatch):
     assert moe._COMPILED[moe._glu] is moe._glu
 
 
+def test_a_slot_sum_kernel_that_fails_to_build_leaves_the_sums_eager(monkeypatch):
+    """The Triton slot sum's first call failing (no ptxas, no triton) warns once and sums eagerly from then on."""
+    from tiertrain.model import moe, slot_sum
+
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("no ptxas for this GPU")
+
+    monkeypatch.setattr(slot_sum, "sum_slots", broken)
+    monkeypatch.setattr(moe, "_COMPILED", {})
+    y, inv = torch.randn(12, 5), torch.randperm(12)
+    with pytest.warns(UserWarning, match="no ptxas"):
+        out = moe._slot_sums(True, y, inv, 3)
+    assert torch.equal(out, moe._sum_slots(y, inv, 3)) and torch.equal(moe._slot_sums(True, y, inv, 3), out)
+    assert len(calls) == 1 and moe._COMPILED[moe._sum_slots] is moe._sum_slots
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens,k,width", [(4096, 8, 2048), (333, 4, 2880), (0, 2, 64)])
+def test_the_slot_sum_kernel_adds_the_slots_in_order(dtype, tokens, k, width):
+    """model/slot_sum.py's kernel: each token's k rows added in fp32 in slot order, then rounded once: the bits of
+    that sum written in torch, at a hidden size that is and one that is not a multiple of its column block; and the
+    same bits again on a rerun."""
+    from tiertrain.model import slot_sum
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn(tokens * k, width, generator=g, device="cuda").to(dtype)
+    inv = torch.randperm(tokens * k, generator=g, device="cuda")
+    rows = y.index_select(0, inv).view(tokens, k, width).float()
+    want = torch.zeros(tokens, width, device="cuda")
+    for j in range(k):
+        want = want + rows[:, j]
+    got = slot_sum.sum_slots(y, inv, k)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+    assert torch.equal(slot_sum.sum_slots(y, inv, k), got)
+
+
 @pytest.mark.parametrize("case", sorted(MOE))
 def test_expert_groups_train_as_transformers(case, token_file, tmp_path):
     """Blocks in parts (the attention part, then the experts in groups: tiers.expert_groups) train as

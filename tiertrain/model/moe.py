@@ -6,7 +6,7 @@ router's bias) and a softmax over those. The experts' compute grows with the rou
 pairs are sorted by expert, each projection is one grouped GEMM over the sorted rows (torch's grouped matmul on a
 Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
 its routing weight before the down projection, and the rows go back to their tokens, each token's k summed. On a
-GPU the activation and that sum are kernels torch.compile writes. An expert that received no token takes no part
+GPU the activation is a kernel torch.compile writes and that sum a Triton kernel (model/slot_sum.py). An expert that received no token takes no part
 in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
@@ -25,6 +25,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from . import slot_sum
 
 ROUTER, GPT_OSS_ROUTER = "mlp.gate.weight", "mlp.router.weight"  # a block with experts has one of them
 # torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
@@ -140,13 +142,30 @@ class _Spread(torch.autograd.Function):
     @staticmethod
     def backward(fn, g):
         (inv,) = fn.saved_tensors
-        return _fused(fn.fused, _sum_slots, g, inv, fn.k), None, None, None, None
+        return _slot_sums(fn.fused, g, inv, fn.k), None, None, None, None
 
 
 def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
     """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed (fp32 inside, y's dtype
-    out); on a GPU one kernel that gathers as it sums (_fused)."""
+    out); on a GPU one kernel that gathers as it sums (_slot_sums)."""
     return y.index_select(0, inv).view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(y.dtype)
+
+
+def _slot_sums(on: bool, y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+    """_sum_slots: where `on` (_fusing), model/slot_sum.py's Triton kernel, else eager. Where the kernel's first
+    build fails (as _fused's compile may), the sums run eagerly from then on, with one warning."""
+    if not on:
+        return _sum_slots(y, inv, k)
+    fn = _COMPILED.get(_sum_slots)
+    if fn is not None:
+        return fn(y, inv, k)
+    try:
+        fn, out = slot_sum.sum_slots, slot_sum.sum_slots(y, inv, k)
+    except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the kernel's
+        warnings.warn(f"the experts' Triton slot sum failed, and runs eagerly: {e}", stacklevel=2)
+        fn, out = _sum_slots, _sum_slots(y, inv, k)
+    _COMPILED[_sum_slots] = fn
+    return out
 
 
 class _Combine(torch.autograd.Function):
@@ -156,7 +175,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(fn, y, src, inv, k, fused):
         fn.save_for_backward(src)
-        return _fused(fused, _sum_slots, y, inv, k)
+        return _slot_sums(fused, y, inv, k)
 
     @staticmethod
     def backward(fn, g):
@@ -176,7 +195,7 @@ def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: 
 
 # dev/moe_gemm.py turns it off to time the eager ops (a failed compile leaves only its own function eager: _fused)
 COMPILE = True
-_COMPILED: dict = {}  # torch.compile's versions of _glu and _sum_slots, built on a GPU's first call
+_COMPILED: dict = {}  # the GPU's versions of _glu (torch.compile's) and _sum_slots (slot_sum's), on a first call
 
 
 @functools.cache
@@ -191,9 +210,9 @@ def _can_compile() -> bool:
 
 
 def _fusing(h: torch.Tensor, ctx) -> bool:
-    """Whether the experts' activation and slot sums run compiled: on a GPU where torch.compile has triton, unless
-    the run is deterministic (triton's autotuning picks its tile shapes by timing them, so another process may sum
-    in another order)."""
+    """Whether the experts' activation runs compiled and their slot sums as a Triton kernel: on a GPU where
+    torch.compile has triton, unless the run is deterministic (triton's autotuning picks its tile shapes by timing
+    them, so another process may sum in another order; the slot sum's own order is fixed, but it goes with them)."""
     return COMPILE and h.is_cuda and not ctx.deterministic and _can_compile()
 
 
