@@ -88,7 +88,7 @@ def _predict(tr, B: int) -> dict:
     job = Job(c.model, B, c.train.seq_len, c.train.compute_dtype, name="bench")
     p = evaluate(
         job,
-        Choice(rp.micro_batch, rp.stream, rp.activations, keep=0),
+        Choice(rp.micro_batch, rp.stream, rp.activations, keep=0, spill=rp.spill_first),
         Budgets(t.host_gb, hw.gpu_mem_gb, 1e9),
         hw,
     )

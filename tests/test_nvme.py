@@ -87,6 +87,42 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io, first):
     assert arr.shape[0] == len(sizes) and float(abs(arr[u, : sizes[u]]).max()) > 0
 
 
+def test_the_spill_order_goes_back_to_the_moments_where_only_they_leave_the_checkpoints_room(
+    token_file, tmp_path, monkeypatch
+):
+    """A last save takes spilled moments from the NVMe store by rename, never gradients. On a disk shared with the
+    NVMe tier that holds the checkpoints only so, the plan's "auto" order gives up the gradients first; a config
+    that fixes the gradients first is refused, naming what would fit."""
+    from tiertrain import rundir
+    from tiertrain.plan.saves import checkpoint_bytes
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    sets = [*DEEP, f"tiers.host_gb={budget_for(tiny_config(token_file, *DEEP))}", f'tiers.nvme_dir="{nvme}"']
+    plans = {}
+    for first in ("auto", "moments"):
+        tr = Trainer(tiny_config(token_file, *sets, f'tiers.spill_first="{first}"'))
+        plans[first] = tr.run_plan
+        numels, kb = [lay.numel for lay in tr.layouts], tr.kind_bytes()
+        tr.close()
+    assert plans["auto"].spill_first == "gradients" and plans["moments"].spill_first == "moments"
+    taken = {
+        k: sum(numels[u] * 4 for (u, kind), h in rp.where().items() if h == Home.NVME and kind != Kind.GRAD)
+        for k, rp in plans.items()
+    }
+    store, full = disk_bytes(numels, kb, plans["auto"].where()), checkpoint_bytes(numels, "full")
+    assert taken["auto"] < taken["moments"]
+    # room for the last save less the moments' chunks, not for it less the gradients-first plan's
+    monkeypatch.setattr(
+        rundir, "disk_free", lambda p: (full + store - (taken["auto"] + taken["moments"]) // 2, 1)
+    )
+    tr = Trainer(tiny_config(token_file, *sets), out=tmp_path / "run")
+    assert tr.run_plan.spill_first == "moments"
+    tr.close()
+    with pytest.raises(ConfigError, match="checkpoints need"):
+        Trainer(tiny_config(token_file, *sets, 'tiers.spill_first="gradients"'), out=tmp_path / "run2")
+
+
 def test_spilled_master_is_bit_identical(token_file, tmp_path):
     """With a bf16 copy streaming, the fp32 master is only the optimizer's: it goes to NVMe after the
     moments, and the run is still bit-identical (bf16 compute on the CPU)."""

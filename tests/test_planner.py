@@ -15,7 +15,7 @@ import pytest
 
 from conftest import SLOW_HOST, cli
 from tiertrain.config import load_config
-from tiertrain.modes import Kind, Update
+from tiertrain.modes import Home, Kind, Update
 from tiertrain.plan.advice import explain
 from tiertrain.plan.hardware import REFERENCE, HardwareSpec
 from tiertrain.plan.planner import evaluate, plan
@@ -174,12 +174,19 @@ def test_everything_spilled_by_hand():
     )
     r, w = hw.disk_read_gbs * 1e9, hw.disk_write_gbs * 1e9
     ahead = 12 * (sizes[0] + sizes[1])
+    late = 4 * sizes[0]  # the embedding's gradient, drained last: written after the norm, then read
+    assert p.memory.nvme_late == late
     assert p.prediction.times["NVMe read"] == pytest.approx((18 * n - ahead) / r) and p.prediction.times[
         "NVMe write"
     ] == pytest.approx(14 * n / w)
-    assert p.prediction.times["NVMe bwd"] == pytest.approx((2 * sum(sizes[1:25]) + ahead) / r + 4 * n / w)
+    assert p.prediction.times["NVMe bwd"] == pytest.approx(
+        (2 * sum(sizes[1:25]) + ahead) / r + (4 * n - late) / w
+    )
     assert p.prediction.step_s == pytest.approx(
-        p.prediction.times["NVMe bwd"] + p.prediction.times["NVMe read"] + p.prediction.times["NVMe write"]
+        p.prediction.times["NVMe bwd"]
+        + p.prediction.times["NVMe read"]
+        + p.prediction.times["NVMe write"]
+        + late / w
     )
     assert p.prediction.bottleneck == "NVMe"
     # a probed rate of reads and writes at once: each phase's bytes within it, each direction within its own
@@ -190,10 +197,14 @@ def test_everything_spilled_by_hand():
         dataclasses.replace(hw, disk_mixed_gbs=3.0),
     )
     assert q.prediction.times["NVMe"] == pytest.approx(
-        max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9)
+        max((18 * n - ahead) / r, 14 * n / w, (32 * n - ahead) / 3e9) + late / w
     )
     assert q.prediction.times["NVMe bwd"] == pytest.approx(
-        max((2 * sum(sizes[1:25]) + ahead) / r, 4 * n / w, (2 * sum(sizes[1:25]) + ahead + 4 * n) / 3e9)
+        max(
+            (2 * sum(sizes[1:25]) + ahead) / r,
+            (4 * n - late) / w,
+            (2 * sum(sizes[1:25]) + ahead + 4 * n - late) / 3e9,
+        )
     )
     assert (
         q.prediction.step_s == pytest.approx(q.prediction.times["NVMe bwd"] + q.prediction.times["NVMe"])
@@ -357,3 +368,25 @@ def test_the_plan_spills_gradients_first_where_faster():
         for s in ("moments", "gradients")
     ]
     assert short.prediction.step_s == min(b.prediction.step_s for b in both)
+
+
+def test_a_first_unit_gradient_on_disk_is_waited_for_after_the_norm():
+    """The first unit's gradient is drained last in the backward pass: spilled, its write ends as the norm comes and
+    the update reads it back at once. The plan prices that write beside the forward pass, not the backward one."""
+    spec = load_config("llama-3b").model
+    job, b = Job(spec, 4, 2048), Budgets(host_gb=36, gpu_gb=80, nvme_gb=100)
+    fixed = Choice(4, "master", "gpu", keep=0, gpu_updates=0, speculate=0)
+    g = evaluate(job, replace(fixed, spill="gradients"), b, REFERENCE)
+    m = evaluate(job, replace(fixed, spill="moments"), b, REFERENCE)
+    first = g.run_plan.numels[0]
+    assert g.run_plan.where()[(0, Kind.GRAD)] == Home.NVME and g.memory.nvme_late == first * 4
+    assert m.run_plan.where()[(0, Kind.GRAD)] == Home.HOST and m.memory.nvme_late == 0
+    free = replace(g.memory, nvme_late=0)  # the same plan, the wait left out
+    from tiertrain.plan.times import _disk
+
+    with_wait, without = (
+        _disk(g.memory, g.run_plan.kind_bytes(), 0, REFERENCE),
+        _disk(free, g.run_plan.kind_bytes(), 0, REFERENCE),
+    )
+    assert with_wait["NVMe"] - without["NVMe"] == pytest.approx(first * 4 / (REFERENCE.disk_write_gbs * 1e9))
+    assert with_wait["NVMe bwd"] < without["NVMe bwd"]

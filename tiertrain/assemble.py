@@ -5,7 +5,7 @@ RunPlan; what builds them settles nothing: the plan has (plan_run, before anythi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
+from .errors import ConfigError
 from .model.llama import Context
 from .model.parts import unit_parts
 from .model.spec import UnitSpec
@@ -29,7 +30,7 @@ from .plan.runplan import RunPlan
 from .plan.saves import Saves, check_disk, checkpoint_bytes, saves
 from .plan.values import Plan
 from .probe import available_ram, run_hardware
-from .sections import fixed
+from .sections import AUTO, fixed
 from .state import State
 from .tiers.host import HostStore
 from .tiers.nvme import NvmeStore, check_backend, discard, make_io, new_scratch
@@ -124,9 +125,21 @@ def plan_run(
     ranks.barrier()  # every rank of the host has seen its RAM before any allocates
     ram = None if hw.unified else avail * 0.9 / 1e9  # the host's, for its ranks
     p, rp, chosen = resolve(cfg, hw, micro, ram, ranks.size, ranks.local_size)
+    if (
+        out is not None
+        and ranks.size == 1
+        and rp.spill_first == "gradients"
+        and cfg.tiers.spill_first == AUTO
+    ):
+        # a last save takes the spilled master and moments from the NVMe store by rename, never gradients: where
+        # the disk is short for the checkpoints with the gradients first, the order goes back to the moments (the
+        # same memory, a slower step); where it is short either way, the check below says so
+        moments = replace(cfg, tiers=replace(cfg.tiers, spill_first="moments"))
+        try:
+            _check_saves(cfg, p, [lay.numel for lay in layouts], ranks, resume, out)
+        except ConfigError:
+            p, rp, _ = resolve(moments, hw, micro, ram, ranks.size, ranks.local_size)
     if updates:
-        from dataclasses import replace
-
         p = replace(p, run_plan=rp.with_updates(updates))
     rp = p.run_plan
     if Home.NVME in rp.where().values():

@@ -128,7 +128,8 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
     # the splits first: where anything fits, a split nearly always does (the searches' fits then cost one or two
     # tries); a miss tries every choice, so the answer does not depend on the order
     for acts, stream in product(("split", "gpu", "host"), streams):
-        least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0)
+        # either spill order takes the same memory: one is enough to say whether it fits
+        least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0, spill="moments")
 
         def at(b: Budgets) -> Plan | Miss:
             return evaluate(job, least, b, hw)

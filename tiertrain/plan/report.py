@@ -294,10 +294,9 @@ def _memory(p: Plan) -> list[str]:
             "optimizer's only), then gradients (written during the backward pass), and last the weights "
             "that stream (read twice a step)"
             if p.run_plan.spill_first == "moments"
-            else "Spill order: gradients first (the plan's choice, tiers.spill_first: written in the backward pass "
-            "and read once after the norm, where spilled moments would be read and written beside the next "
-            "forward pass), then the Adam moments, then the fp32 master when a bf16 copy is what streams, and last "
-            "the weights that stream"
+            else "Spill order: gradients first (tiers.spill_first: written in the backward pass and read once after "
+            "the norm, where spilled moments would be read and written beside the next forward pass), then the "
+            "Adam moments, then the fp32 master when a bf16 copy is what streams, and last the weights that stream"
         )
         + "; a unit whose ring buffers would cost more than its slabs "
         "stays in RAM. Host slabs take whole pages. --host-gb is the process's whole host memory: the process's "

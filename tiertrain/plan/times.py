@@ -202,10 +202,12 @@ def _disk(mem: Memory, kb: dict, ck_disk: float, hw: HardwareSpec) -> dict[str, 
     reads, writes, bwd_writes = (sum(n[i] * b for n, b in io.values()) for i in range(3))
     reads -= mem.nvme_ahead  # read ahead of the optimizer as the backward pass starts (Staging.start)
     writes += ck_disk
+    # the first updated unit's spilled gradient, drained last: its write ends after the norm, before its read
+    late = mem.nvme_late / (hw.disk_write_gbs * 1e9)
     return {
         "NVMe read": reads / (hw.disk_read_gbs * 1e9),
         "NVMe write": writes / (hw.disk_write_gbs * 1e9),
-        "NVMe": disk_time(reads, writes, hw),
-        "NVMe bwd": disk_time(mem.nvme_bwd_reads + ck_disk + mem.nvme_ahead, bwd_writes, hw),
+        "NVMe": disk_time(reads, writes, hw) + late,
+        "NVMe bwd": disk_time(mem.nvme_bwd_reads + ck_disk + mem.nvme_ahead, bwd_writes - mem.nvme_late, hw),
         "NVMe checkpoints fwd": ck_disk / ((hw.ck_write_gbs or hw.disk_write_gbs) * 1e9),
     }

@@ -1,6 +1,6 @@
 """Where each (unit, kind) slab lives when the host budget is smaller than the state.
 
-Policy: spill what each step touches least, first. Adam moments (`exp_avg`, then `exp_avg_sq`: read
+Policy (SPILL_ORDER): spill what each step touches least, first. Adam moments (`exp_avg`, then `exp_avg_sq`: read
 and written once per step, by the optimizer only), then the fp32 master when a compute-dtype copy
 streams (then only the optimizer reads and writes it), then gradients (written by the D2H, read by
 the optimizer), and last the weights that stream (read by the forward and the backward pass, written
@@ -224,6 +224,16 @@ def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[in
         for (u, k), t in where.items()
         if t == Home.NVME and u in units and k not in (Kind.GRAD, Kind.WEIGHTS)
     )
+
+
+def late_gradient_bytes(numels: list[int], where: dict[tuple[int, str], str], resident=()) -> int:
+    """Disk bytes the optimizer waits for at the norm: the spilled gradient of the first unit it updates (the first
+    not resident), if spilled. The backward pass drains that unit last, so its write to disk ends as the norm comes
+    and the update reads it back at once, with the next forward pass waiting for the unit."""
+    first = next((u for u in range(len(numels)) if u not in resident), None)
+    if first is None or where.get((first, Kind.GRAD)) != Home.NVME:
+        return 0
+    return numels[first] * 4
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
