@@ -134,10 +134,10 @@ def plan_run(
         # a last save takes the spilled master and moments from the NVMe store by rename, never gradients: where
         # the disk is short for the checkpoints with the gradients first, the order goes back to the moments (the
         # same memory, a slower step); where it is short either way, the check below says so
-        moments = replace(cfg, tiers=replace(cfg.tiers, spill_first="moments"))
         try:
             _check_saves(cfg, p, [lay.numel for lay in layouts], ranks, resume, out)
         except ConfigError:
+            moments = replace(cfg, tiers=replace(cfg.tiers, spill_first="moments"))
             p, rp, _ = resolve(moments, hw, micro, ram, ranks.size, ranks.local_size)
     if updates:
         p = replace(p, run_plan=rp.with_updates(updates))

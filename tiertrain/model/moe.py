@@ -6,8 +6,8 @@ router's bias) and a softmax over those. The experts' compute grows with the rou
 pairs are sorted by expert, each projection is one grouped GEMM over the sorted rows (torch's grouped matmul on a
 Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
 its routing weight before the down projection, and the rows go back to their tokens, each token's k summed. On a
-GPU the activation is a kernel torch.compile writes and that sum a Triton kernel (model/slot_sum.py). An expert that received no token takes no part
-in the graph, so its gradient is exactly zero.
+GPU the activation is a kernel torch.compile writes and that sum a Triton kernel (model/slot_sum.py). An expert
+that received no token takes no part in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
     aux = E * sum_e (c_e / N) * (P_e / N)
