@@ -341,7 +341,9 @@ def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, 
         f"- date: {date}",
         f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs"
         if probe
-        else f"- hardware: {meta.get('gpu') or 'not probed'}, as the probe file says (no `probe` system in this run)",
+        else f"- hardware: {meta['gpu']}, as the probe file says (no `probe` system in this run)"
+        if meta.get("gpu")
+        else "- hardware: not probed in this run (no `probe` system)",
         f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
         f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
         f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median; gradient clipping "
