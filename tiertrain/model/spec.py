@@ -132,8 +132,13 @@ class ModelSpec:
             return self.intermediate_size
         k = self.num_experts_per_tok
         moe = k * (self.expert_size + self.hidden_size) + self.shared_expert_intermediate_size
-        dense = any(not self.has_experts(b) for b in range(self.num_hidden_layers))
+        dense = self.moe_blocks < self.num_hidden_layers
         return max(moe, self.intermediate_size if dense else 0)
+
+    @property
+    def moe_blocks(self) -> int:
+        """How many blocks are mixtures of experts (has_experts)."""
+        return sum(self.has_experts(b) for b in range(self.num_hidden_layers))
 
     def has_experts(self, layer: int) -> bool:
         """Whether block `layer` is a mixture of experts (qwen's mlp_only_layers and decoder_sparse_step)."""
@@ -413,7 +418,7 @@ class ModelSpec:
         per = 3 * h * i + (
             3 * i + h if self.model_type == "gpt_oss" else 0
         )  # an expert's weights (and biases)
-        return sum((e - k) * per for b in range(self.num_hidden_layers) if self.has_experts(b))
+        return (e - k) * per * self.moe_blocks
 
     @property
     def n_params(self) -> int:

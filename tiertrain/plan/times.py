@@ -123,9 +123,8 @@ def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) ->
     # a block in parts runs its attention part's forward twice in the backward pass (engine/groups.py)
     again = 0.0
     if rp.expert_groups > 1:
-        moe = sum(spec.has_experts(b) for b in range(L))
-        matmuls += 2 * moe * _attention_part_params(spec)
-        again = A / 3 * moe / L
+        matmuls += 2 * spec.moe_blocks * _attention_part_params(spec)
+        again = A / 3 * spec.moe_blocks / L
     return {
         "matmul fwd": T * (M / 3 + ex_fwd),
         "matmul bwd": T * (matmuls + ex_fwd * (L - kept) / L + ex_bwd),  # a kept block recomputes no expert
@@ -148,9 +147,8 @@ def group_seconds(job: Job, rp) -> float:
     if rp.expert_groups <= 1:
         return 0.0
     spec = job.spec
-    moe = sum(spec.has_experts(b) for b in range(spec.num_hidden_layers))
     rows = job.rows * job.seq_len * spec.num_experts_per_tok * spec.hidden_size * rp.compute_width
-    return moe * rp.expert_groups * rows / (GROUP_ROWS_GBS * 1e9)
+    return spec.moe_blocks * rp.expert_groups * rows / (GROUP_ROWS_GBS * 1e9)
 
 
 def _attention_part_params(spec) -> int:
