@@ -536,10 +536,10 @@ def main() -> None:
     REFERENCE.save(hardware)
     meta = {**commit(), "hardware": "the reference figures"}
     if a.hardware_file:
-        HardwareSpec.load(a.hardware_file).save(hardware)
-        meta["hardware"] = f"the probe file {a.hardware_file}"
-        # names the result where the run has no probe of its own
-        meta["gpu"] = HardwareSpec.load(a.hardware_file).gpu
+        probed = HardwareSpec.load(a.hardware_file)
+        probed.save(hardware)
+        # the GPU names the result where the run has no probe of its own
+        meta |= {"hardware": f"the probe file {a.hardware_file}", "gpu": probed.gpu}
     base = [
         "--config",
         a.config,

@@ -233,9 +233,8 @@ class Accumulators:
         self._at: dict = {}  # unit, or (unit, part) -> its accumulator
         self.ready: dict[int, object] = {}  # unit -> event: its gradient has left the accumulator
         self.d2h_bytes = 0
-        self._sinks: dict[
-            int, tuple
-        ] = {}  # a block in parts: its sink, from its first part's drain to its last
+        # a block in parts: its sink, from its first part's drain to its last
+        self._sinks: dict[int, tuple] = {}
 
     def zero_own(self) -> None:
         """The embedding's and the head's accumulators, zeroed for a new step."""

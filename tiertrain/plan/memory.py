@@ -303,7 +303,7 @@ def _host_and_disk(s: Shape, mem: Memory, host_ck: float) -> tuple[Memory, dict]
         nvme_checkpoints=ck_disk,
         nvme_bwd_reads=bwd_reads,
         nvme_ahead=read_ahead_bytes(numels, kb, where),
-        nvme_late=late_gradient_bytes(numels, where, set(s.resident)),
+        nvme_late=late_gradient_bytes(numels, kb, where, set(s.resident)),
     )
     disk = disk_bytes(numels, kb, where) + ck_disk
     if nvme_on and disk > s.budgets.nvme_gb * 1e9:

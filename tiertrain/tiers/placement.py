@@ -226,14 +226,16 @@ def read_ahead_bytes(numels: list[int], kb: dict[str, int], where: dict[tuple[in
     )
 
 
-def late_gradient_bytes(numels: list[int], where: dict[tuple[int, str], str], resident=()) -> int:
+def late_gradient_bytes(
+    numels: list[int], kb: dict[str, int], where: dict[tuple[int, str], str], resident=()
+) -> int:
     """Disk bytes the optimizer waits for at the norm: the spilled gradient of the first unit it updates (the first
     not resident), if spilled. The backward pass drains that unit last, so its write to disk ends as the norm comes
     and the update reads it back at once, with the next forward pass waiting for the unit."""
     first = next((u for u in range(len(numels)) if u not in resident), None)
     if first is None or where.get((first, Kind.GRAD)) != Home.NVME:
         return 0
-    return numels[first] * 4
+    return numels[first] * kb[Kind.GRAD]
 
 
 def least_host(numels: list[int], kb: dict[str, int], fixed: float, cost) -> float:
