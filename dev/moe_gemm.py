@@ -4,8 +4,10 @@ intermediate size k x I on the same tokens, with the parts timed alone. Qwen3-30
 
     python dev/moe_gemm.py [--tokens 8192] [--baseline OLD_MOE.py] [--out FILE.json]
 
-The experts are timed with their activation compiled (the default on a GPU) and eager; --baseline times another
-version of model/moe.py (a file) beside them, in the same process.
+The experts are timed with their Triton kernels (the default on a GPU) and eager; --baseline times another
+version of model/moe.py (a file) beside them, in the same process. Each pass is timed two ways: one call from an
+idle GPU (events around it, so the CPU's launches count where it falls behind), and calls queued back to back
+(the GPU's time where the CPU keeps ahead of it, as it does in a step); `*_issue_s` is the CPU's time to issue one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +33,32 @@ def timed(fn, reps: int = 10) -> float:
     fn()
     fn()
     return _timed_cuda(fn, reps)
+
+
+def queued(fn, reps: int = 20) -> float:
+    """Mean seconds of fn() with reps calls queued back to back, after two warm-up calls."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def issue(fn, reps: int = 10) -> float:
+    """Median seconds the CPU takes to issue fn() to an idle GPU."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -125,16 +154,22 @@ def main() -> None:
     y = moe.experts(leaves, hx, ctx)
     grads = torch.autograd.grad(y, [hx, *leaves.values()], gy)[1:]
     r["grad_contiguous"] = {n: g.is_contiguous() for n, g in zip(leaves, grads)}
-    moe.COMPILE = False
+    r["experts_fwd_bwd_queued_s"], r["dense_fwd_bwd_queued_s"] = queued(experts_fb), queued(dense_fb)
+    r["experts_fwd_bwd_issue_s"], r["dense_fwd_bwd_issue_s"] = issue(experts_fb), issue(dense_fb)
+    r["queued_ratio"] = r["experts_fwd_bwd_queued_s"] / r["dense_fwd_bwd_queued_s"]
+    moe.KERNELS = False
     r["eager_fwd_s"], r["eager_fwd_bwd_s"] = timed(experts_fwd), timed(experts_fb)
-    moe.COMPILE = True
-    if a.baseline:
-        spec_ = importlib.util.spec_from_file_location("moe_baseline", a.baseline)
+    moe.KERNELS = True
+    if a.baseline:  # a module of the package, so that its relative imports resolve
+        spec_ = importlib.util.spec_from_file_location("tiertrain.model._moe_baseline", a.baseline)
         base = importlib.util.module_from_spec(spec_)
         spec_.loader.exec_module(base)
         r["baseline_fwd_s"] = timed(lambda: experts_fwd(base))
         r["baseline_fwd_bwd_s"] = timed(lambda: experts_fb(base))
         r["baseline_fwd_bwd_ratio"] = r["baseline_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
+        r["baseline_fwd_bwd_queued_s"] = queued(lambda: experts_fb(base))
+        r["baseline_fwd_bwd_issue_s"] = issue(lambda: experts_fb(base))
+        r["baseline_queued_ratio"] = r["baseline_fwd_bwd_queued_s"] / r["dense_fwd_bwd_queued_s"]
     r["eager_fwd_bwd_ratio"] = r["eager_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
     r["fwd_ratio"] = r["experts_fwd_s"] / r["dense_fwd_s"]
     r["fwd_bwd_ratio"] = r["experts_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
@@ -142,10 +177,12 @@ def main() -> None:
     r["dense_tflops_fwd_bwd"] = 3 * flops / r["dense_fwd_bwd_s"] / 1e12
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        experts_fb_acc()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # one pass, no accumulation: its kernels' time
+        experts_fb()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    kernels = prof.key_averages()
+    r["experts_fwd_bwd_kernels_s"] = sum(e.self_device_time_total for e in kernels) / 1e6
+    table = kernels.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
     r["profile"] = table.splitlines()
     print(table)
     print(json.dumps({k: v for k, v in r.items() if k != "profile"}, indent=1))

@@ -48,7 +48,7 @@ def test_training_matches_transformers_and_adamw(case, token_file, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_grouped_gemm_equals_the_expert_loop(case, tmp_path, monkeypatch):
-    """On the GPU in bf16 the experts run as torch's grouped matmul with a compiled activation: the same outputs
+    """On the GPU in bf16 the experts run as torch's grouped matmul with the Triton activation: the same outputs
     and gradients as the loop over experts with the eager one (to bf16's rounding), an idle expert's gradient
     exactly zero."""
     from tiertrain.model import llama, moe
@@ -69,7 +69,7 @@ def test_grouped_gemm_equals_the_expert_loop(case, tmp_path, monkeypatch):
     outs = {}
     for grouped in (True, False):
         monkeypatch.setattr(moe, "_GROUPED", moe._GROUPED if grouped else None)
-        monkeypatch.setattr(moe, "COMPILE", grouped)
+        monkeypatch.setattr(moe, "KERNELS", grouped)
         y = moe.experts(w, h, ctx)
         grads = torch.autograd.grad(y, list(w.values()), g, allow_unused=True)
         outs[grouped] = (y, dict(zip(w, grads)))
@@ -99,7 +99,7 @@ def test_the_gpu_trains_as_the_cpu(case, token_file, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
 def test_blocks_in_parts_train_on_the_gpu_as_whole_blocks(case, token_file, tmp_path):
-    """bf16 on the GPU (grouped matmuls, the compiled activation and sums): blocks in parts give the losses of
+    """bf16 on the GPU (grouped matmuls, the Triton activation and sums): blocks in parts give the losses of
     whole blocks, within bf16's rounding."""
     moe_model(case).save_pretrained(tmp_path / "hf")
     runs = []
@@ -299,39 +299,30 @@ def test_the_pairs_spread_and_combine_as_indexing_does():
         torch.testing.assert_close((spread * y).sum(), (h * combined).sum())
 
 
-def test_the_experts_compile_only_where_that_is_safe(monkeypatch):
-    """torch.compile on a GPU with triton, never in a deterministic run (autotuned sums: another process may add
-    in another order); a compile that fails leaves the function eager, with one warning and no second try."""
+def test_the_experts_kernels_run_on_a_gpu_with_triton(monkeypatch):
+    """The Triton activation and slot sums on a GPU with triton, deterministic runs included (fixed tiles, sums in a
+    fixed order); elsewhere eager."""
     from types import SimpleNamespace
 
     from tiertrain.model import moe
 
-    gpu, run = SimpleNamespace(is_cuda=True), SimpleNamespace(deterministic=False)
-    monkeypatch.setattr(moe, "_can_compile", lambda: True)
-    assert moe._fusing(gpu, run)
-    assert not moe._fusing(gpu, SimpleNamespace(deterministic=True))
-    assert not moe._fusing(torch.zeros(1), run)
-    monkeypatch.setattr(moe, "_can_compile", lambda: False)
-    assert not moe._fusing(gpu, run)
-
-    def broken(fn):
-        def compiled(*args):
-            raise RuntimeError("no ptxas for this GPU")
-
-        return compiled
-
-    monkeypatch.setattr(torch, "compile", broken)
-    monkeypatch.setattr(moe, "_COMPILED", {})
-    y, ws = torch.randn(6, 8), torch.rand(6, 1)
-    with pytest.warns(UserWarning, match="no ptxas"):
-        out = moe._fused(True, moe._glu, y, ws, False, 7.0, 1.702)
-    assert torch.equal(out, moe._glu(y, ws, False, 7.0, 1.702))
-    assert moe._COMPILED[moe._glu] is moe._glu
+    gpu = SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(moe, "_has_triton", lambda: True)
+    assert moe._kernels(gpu) and not moe._kernels(torch.zeros(1))
+    monkeypatch.setattr(moe, "KERNELS", False)
+    assert not moe._kernels(gpu)
+    monkeypatch.setattr(moe, "KERNELS", True)
+    monkeypatch.setattr(moe, "_has_triton", lambda: False)
+    assert not moe._kernels(gpu)
 
 
-def test_a_slot_sum_kernel_that_fails_to_build_leaves_the_sums_eager(monkeypatch):
-    """The Triton slot sum's first call failing (no ptxas, no triton) warns once and sums eagerly from then on."""
-    from tiertrain.model import moe, slot_sum
+@pytest.mark.parametrize("kernel", ["activation", "slot_sum"])
+def test_a_kernel_that_fails_to_build_leaves_its_op_eager(kernel, monkeypatch):
+    """A Triton kernel's first call failing (no ptxas, no triton) warns once and leaves that op eager from then
+    on: the eager op's value, and no second try."""
+    from types import SimpleNamespace
+
+    from tiertrain.model import glu, moe, slot_sum
 
     calls = []
 
@@ -339,13 +330,57 @@ def test_a_slot_sum_kernel_that_fails_to_build_leaves_the_sums_eager(monkeypatch
         calls.append(1)
         raise RuntimeError("no ptxas for this GPU")
 
-    monkeypatch.setattr(slot_sum, "sum_slots", broken)
-    monkeypatch.setattr(moe, "_COMPILED", {})
-    y, inv = torch.randn(12, 5), torch.randperm(12)
+    monkeypatch.setattr(moe, "_BUILT", {})
+    if kernel == "slot_sum":
+        monkeypatch.setattr(slot_sum, "sum_slots", broken)
+        y, inv = torch.randn(12, 5), torch.randperm(12)
+        eager, want = moe._sum_slots, moe._sum_slots(y, inv, 3)
+        run = lambda: moe._slot_sums(True, y, inv, 3)  # noqa: E731
+    else:
+        monkeypatch.setattr(glu, "activation", broken)
+        y, ws = torch.randn(6, 8), torch.rand(6, 1)
+        spec = SimpleNamespace(model_type="qwen3_moe", swiglu_limit=7.0, swiglu_alpha=1.702)
+        eager, want = moe._glu, moe._glu(y, ws, False, 7.0, 1.702)
+        run = lambda: moe._act(True, y, ws, spec)  # noqa: E731
     with pytest.warns(UserWarning, match="no ptxas"):
-        out = moe._slot_sums(True, y, inv, 3)
-    assert torch.equal(out, moe._sum_slots(y, inv, 3)) and torch.equal(moe._slot_sums(True, y, inv, 3), out)
-    assert len(calls) == 1 and moe._COMPILED[moe._sum_slots] is moe._sum_slots
+        out = run()
+    assert torch.equal(out, want) and torch.equal(run(), out)
+    assert len(calls) == 1 and moe._BUILT[eager] is eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "gpt_oss,rows,inter", [(False, 4096, 768), (False, 77, 2500), (True, 333, 2880), (True, 0, 64)]
+)
+def test_the_activation_kernels_give_the_eager_values_and_gradients(dtype, gpt_oss, rows, inter):
+    """model/glu.py's kernels against moe._glu under autograd: the activation, the gate/up gradient and the routing
+    weights' gradient, at an intermediate size of one block and two that take several (the last partial);
+    gpt-oss's clamps cut some gradients to zero; a rerun gives the same bits."""
+    from tiertrain.model import glu, moe
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y = (torch.randn(rows, 2 * inter, generator=g, device="cuda") * 4).to(
+        dtype
+    )  # some beyond gpt-oss's limit
+    ws = torch.rand(rows, 1, generator=g, device="cuda")
+    da = torch.randn(rows, inter, generator=g, device="cuda").to(dtype)
+
+    def run(fn):
+        y_, ws_ = y.clone().requires_grad_(), ws.clone().requires_grad_()
+        a = fn(y_, ws_, gpt_oss, 7.0, 1.702)
+        return (a, *torch.autograd.grad(a, [y_, ws_], da))
+
+    got, want = run(glu.activation), run(moe._glu)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for x, z in zip(got, want):
+        assert x.dtype == z.dtype
+        torch.testing.assert_close(x, z, **tol)
+    if gpt_oss and rows:
+        assert (got[1] == 0).float().mean() > 0.1 and torch.equal(
+            got[1] == 0, want[1] == 0
+        )  # the clamps' zeros
+    assert all(torch.equal(x, z) for x, z in zip(run(glu.activation), got))
 
 
 @pytest.mark.gpu

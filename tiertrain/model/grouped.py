@@ -35,7 +35,7 @@ class Routed:
 
     @classmethod
     def of(cls, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int) -> "Routed":
-        order = torch.argsort(chosen.reshape(-1), stable=True)
+        order = moe.sort_pairs(chosen, n_experts)
         per = moe._counts(chosen, n_experts).tolist()  # one sync a micro-batch: the groups' rows are sliced
         return cls(h.detach(), chosen, weights.detach(), order, [0, *accumulate(per)])
 
@@ -60,6 +60,12 @@ def _pairs(r: Routed, first: int, n: int, k: int):
     return sel, sel // k, None, counts
 
 
+def _experts(s, r: Routed, sel: torch.Tensor, first: int) -> torch.Tensor | None:
+    """The expert of each of the group's pairs `sel`, counted from its first (gpt-oss's gate/up bias), else None."""
+    e = moe._experts_of(s, r.chosen, sel)
+    return None if e is None else e - first
+
+
 def _slot_sum(y: torch.Tensor, sel: torch.Tensor, t: int, k: int) -> torch.Tensor:
     """Pair rows y at slots `sel` (the others zero) summed over each token's k slots: fp32 (t, D)."""
     buf = y.new_zeros(t * k, y.shape[-1])
@@ -82,9 +88,10 @@ def share(w: dict[str, torch.Tensor], r: Routed, ctx: Context, first: int, n: in
     sel, src, ends, counts = _pairs(r, first, n, k)
     if not sel.numel():
         return None
-    ws = r.weights.reshape(-1)[sel, None]
-    experts = r.chosen.reshape(-1)[sel] - first
-    y = moe._rows(w, r.h.index_select(0, src), ws, experts, ends, counts, moe._fusing(r.h, ctx), s)
+    ws = r.weights.reshape(-1).index_select(0, sel)[:, None]
+    y = moe._rows(
+        w, r.h.index_select(0, src), ws, _experts(s, r, sel, first), ends, counts, moe._kernels(r.h), s
+    )
     out = _slot_sum(y, sel, r.h.shape[0], k)
     if s.model_type == "gpt_oss":
         out += _down_bias(w, r.chosen, r.weights, first, n)
@@ -110,9 +117,10 @@ def share_backward(
         return None
     xs = r.h.index_select(0, src).requires_grad_()
     wl = r.weights.detach().requires_grad_()
-    experts = r.chosen.reshape(-1)[sel] - first
+    experts = _experts(s, r, sel, first)
     with torch.enable_grad():
-        y = moe._rows(leaves, xs, wl.reshape(-1)[sel, None], experts, ends, counts, moe._fusing(r.h, ctx), s)
+        ws = wl.reshape(-1).index_select(0, sel)[:, None]
+        y = moe._rows(leaves, xs, ws, experts, ends, counts, moe._kernels(r.h), s)
         # each pair row's gradient is its token's, in the rows' dtype (moe._Combine's backward)
         outs, grads = [y], [g.to(y.dtype).index_select(0, src)]
         if s.model_type == "gpt_oss":

@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from . import slot_sum
+from . import glu, slot_sum
 
 ROUTER, GPT_OSS_ROUTER = "mlp.gate.weight", "mlp.router.weight"  # a block with experts has one of them
 # torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
@@ -134,15 +134,15 @@ class _Spread(torch.autograd.Function):
     repeated rows one by one."""
 
     @staticmethod
-    def forward(fn, h, src, inv, k, fused):
+    def forward(fn, h, src, inv, k, kernels):
         fn.save_for_backward(inv)
-        fn.k, fn.fused = k, fused
+        fn.k, fn.kernels = k, kernels
         return h.index_select(0, src)
 
     @staticmethod
     def backward(fn, g):
         (inv,) = fn.saved_tensors
-        return _slot_sums(fn.fused, g, inv, fn.k), None, None, None, None
+        return _slot_sums(fn.kernels, g, inv, fn.k), None, None, None, None
 
 
 def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
@@ -152,20 +152,8 @@ def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _slot_sums(on: bool, y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
-    """_sum_slots: where `on` (_fusing), model/slot_sum.py's Triton kernel, else eager. Where the kernel's first
-    build fails (as _fused's compile may), the sums run eagerly from then on, with one warning."""
-    if not on:
-        return _sum_slots(y, inv, k)
-    fn = _COMPILED.get(_sum_slots)
-    if fn is not None:
-        return fn(y, inv, k)
-    try:
-        fn, out = slot_sum.sum_slots, slot_sum.sum_slots(y, inv, k)
-    except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the kernel's
-        warnings.warn(f"the experts' Triton slot sum failed, and runs eagerly: {e}", stacklevel=2)
-        fn, out = _sum_slots, _sum_slots(y, inv, k)
-    _COMPILED[_sum_slots] = fn
-    return out
+    """_sum_slots: where `on` (_kernels), model/slot_sum.py's Triton kernel, else eager."""
+    return _gpu(on, _sum_slots, slot_sum.sum_slots, y, inv, k)
 
 
 class _Combine(torch.autograd.Function):
@@ -173,9 +161,9 @@ class _Combine(torch.autograd.Function):
     backward hands each pair its token's gradient (a gather, no accumulation)."""
 
     @staticmethod
-    def forward(fn, y, src, inv, k, fused):
+    def forward(fn, y, src, inv, k, kernels):
         fn.save_for_backward(src)
-        return _slot_sums(fused, y, inv, k)
+        return _slot_sums(kernels, y, inv, k)
 
     @staticmethod
     def backward(fn, g):
@@ -193,14 +181,14 @@ def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: 
     return (F.silu(g) * u * ws).to(y.dtype)
 
 
-# dev/moe_gemm.py turns it off to time the eager ops (a failed compile leaves only its own function eager: _fused)
-COMPILE = True
-_COMPILED: dict = {}  # the GPU's versions of _glu (torch.compile's) and _sum_slots (slot_sum's), on a first call
+# dev/moe_gemm.py turns it off to time the eager ops
+KERNELS = True
+_BUILT: dict = {}  # each eager function's GPU version (its Triton kernel, or itself where that failed to build)
 
 
 @functools.cache
-def _can_compile() -> bool:
-    """Whether torch.compile has its GPU backend here (triton and a GPU it supports)."""
+def _has_triton() -> bool:
+    """Whether triton runs here, on a GPU it supports."""
     try:
         from torch.utils._triton import has_triton
 
@@ -209,61 +197,77 @@ def _can_compile() -> bool:
         return False
 
 
-def _fusing(h: torch.Tensor, ctx) -> bool:
-    """Whether the experts' activation runs compiled and their slot sums as a Triton kernel: on a GPU where
-    torch.compile has triton, unless the run is deterministic (triton's autotuning picks its tile shapes by timing
-    them, so another process may sum in another order; the slot sum's own order is fixed, but it goes with them)."""
-    return COMPILE and h.is_cuda and not ctx.deterministic and _can_compile()
+def _kernels(h: torch.Tensor) -> bool:
+    """Whether the experts' activation and slot sums run as Triton kernels (model/glu.py, model/slot_sum.py): on a
+    GPU with triton. Their tile shapes are fixed and their sums run in a fixed order, so deterministic runs take
+    them too: a rerun gives the same bits."""
+    return KERNELS and h.is_cuda and _has_triton()
 
 
-def _fused(on: bool, fn, *args):
-    """fn(*args), compiled by torch.compile where `on` (_fusing): its chain of elementwise ops (or gather and sum)
-    a kernel or two each way instead of a pass over memory per op. Where the first compile fails (a machine whose
-    inductor lacks a C compiler or a ptxas for its GPU), fn runs eagerly from then on, with one warning."""
+def _gpu(on: bool, eager, kernel, *args):
+    """eager(*args), or where `on` (_kernels) kernel(*args), its Triton version. Where the kernel's first call fails
+    (a machine without a ptxas for its GPU), eager runs from then on, with one warning."""
     if not on:
+        return eager(*args)
+    fn = _BUILT.get(eager)
+    if fn is not None:
         return fn(*args)
-    compiled = _COMPILED.get(fn)
-    if compiled is not None:
-        return compiled(*args)
     try:
-        import torch._inductor.config as inductor
-
-        # a few small kernels: no pool of compile workers beside the run's host memory
-        inductor.compile_threads = 1
-        compiled = torch.compile(fn)
-        out = compiled(*args)
-    except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the compiler's
-        warnings.warn(
-            f"torch.compile failed on the experts' {fn.__name__}, which runs eagerly: {e}", stacklevel=2
-        )
-        compiled, out = fn, fn(*args)
-    _COMPILED[fn] = compiled
+        fn, out = kernel, kernel(*args)
+    except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the kernel's
+        warnings.warn(f"the experts' Triton {eager.__name__} failed, and runs eagerly: {e}", stacklevel=2)
+        fn, out = eager, eager(*args)
+    _BUILT[eager] = fn
     return out
 
 
 def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
-    """The experts' gated activation (_glu) of the gate/up rows y, weighted by ws, compiled where `on`."""
-    return _fused(on, _glu, y, ws, s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
+    """The experts' gated activation (_glu) of the gate/up rows y, weighted by ws: model/glu.py's kernels where
+    `on`."""
+    return _gpu(
+        on,
+        _glu,
+        glu.activation,
+        y,
+        ws,
+        s.model_type == "gpt_oss",
+        float(s.swiglu_limit),
+        float(s.swiglu_alpha),
+    )
+
+
+def sort_pairs(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The (token, slot) pairs of the chosen experts (T, k), sorted by expert, stably. The key is one byte where
+    the experts fit (two elsewhere): a GPU's radix sort takes a pass per byte of it, eight over int64."""
+    key = chosen.reshape(-1)
+    if n_experts <= 1 << 15:
+        key = key.to(torch.uint8 if n_experts <= 1 << 8 else torch.int16)
+    return torch.argsort(key, stable=True)
+
+
+def _experts_of(s, chosen: torch.Tensor, sel: torch.Tensor) -> torch.Tensor | None:
+    """The expert of each sorted pair `sel` (ids in the (T k) slots), for gpt-oss's gate/up bias; None elsewhere."""
+    return chosen.reshape(-1).index_select(0, sel) if s.model_type == "gpt_oss" else None
 
 
 def _rows(
     w: dict[str, torch.Tensor],
     xs: torch.Tensor,
     ws: torch.Tensor,
-    experts: torch.Tensor,
+    experts: torch.Tensor | None,
     ends,
     counts,
-    fused: bool,
+    kernels: bool,
     s,
 ) -> torch.Tensor:
-    """The routed rows xs (sorted by expert; `experts`: each row's expert among w's) through their experts: the
+    """The routed rows xs (sorted by expert; `experts`: each row's expert among w's, for gpt-oss) through their experts: the
     gate/up projection, the gated activation weighted by each row's routing weight ws, the down projection."""
     gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
-        a = _act(fused, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
+        a = _act(kernels, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
         return _mm(a, down, ends, counts)
     # F.linear's layout, [gate; up] in the rows
-    a = _act(fused, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
+    a = _act(kernels, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
     return _mm(a, down.transpose(1, 2), ends, counts)
 
 
@@ -298,17 +302,16 @@ def experts(
     if "mlp.experts.down_proj" not in w:
         ctx.routed.append((h, chosen, weights))
         return shared(w, h) if s.shared_expert_intermediate_size else None
-    flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
+    order = sort_pairs(chosen, s.num_experts)
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     src = order // k  # each sorted pair's token
     per = _counts(chosen, s.num_experts)
     ends, counts = (per.cumsum(0).to(torch.int32), None) if _grouped(h) else (None, per.tolist())
-    fused = _fusing(h, ctx)
-    xs = _Spread.apply(h, src, inv, k, fused)
-    ws = weights.reshape(-1)[order, None]  # fp32 (T k, 1)
-    y = _rows(w, xs, ws, flat[order], ends, counts, fused, s)
-    out = _Combine.apply(y, src, inv, k, fused).float()
+    on = _kernels(h)
+    xs = _Spread.apply(h, src, inv, k, on)
+    ws = weights.reshape(-1).index_select(0, order)[:, None]  # fp32 (T k, 1)
+    y = _rows(w, xs, ws, _experts_of(s, chosen, order), ends, counts, on, s)
+    out = _Combine.apply(y, src, inv, k, on).float()
     if s.model_type == "gpt_oss":  # the down projection's bias, each token's k rows weighted and summed
         b = w["mlp.experts.down_proj_bias"]
         out = out + F.embedding_bag(chosen, b.float(), per_sample_weights=weights, mode="sum")
