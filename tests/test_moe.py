@@ -334,8 +334,8 @@ def test_a_kernel_that_fails_to_build_leaves_its_op_eager(kernel, monkeypatch):
     if kernel == "slot_sum":
         monkeypatch.setattr(slot_sum, "sum_slots", broken)
         y, inv = torch.randn(12, 5), torch.randperm(12)
-        eager, want = moe._sum_slots, moe._sum_slots(y, inv, 3)
-        run = lambda: moe._slot_sums(True, y, inv, 3)  # noqa: E731
+        eager, want = moe._sum_slots, moe._sum_slots(y, inv, 3, torch.float32)
+        run = lambda: moe._slot_sums(True, y, inv, 3, torch.float32)  # noqa: E731
     else:
         monkeypatch.setattr(glu, "activation", broken)
         y, ws = torch.randn(6, 8), torch.rand(6, 1)
@@ -387,8 +387,8 @@ def test_the_activation_kernels_give_the_eager_values_and_gradients(dtype, gpt_o
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,k,width", [(4096, 8, 2048), (333, 4, 2880), (0, 2, 64)])
 def test_the_slot_sum_kernel_adds_the_slots_in_order(dtype, tokens, k, width):
-    """model/slot_sum.py's kernel: each token's k rows added in fp32 in slot order, then rounded once: the bits of
-    that sum written in torch, at a hidden size that is and one that is not a multiple of its column block; and the
+    """model/slot_sum.py's kernel: each token's k rows added in fp32 in slot order, then rounded once (or not): the
+    bits of that sum written in torch, at a hidden size that is and one that is not a multiple of its column block; and the
     same bits again on a rerun."""
     from tiertrain.model import slot_sum
 
@@ -399,9 +399,10 @@ def test_the_slot_sum_kernel_adds_the_slots_in_order(dtype, tokens, k, width):
     want = torch.zeros(tokens, width, device="cuda")
     for j in range(k):
         want = want + rows[:, j]
-    got = slot_sum.sum_slots(y, inv, k)
-    assert got.dtype == dtype and torch.equal(got, want.to(dtype))
-    assert torch.equal(slot_sum.sum_slots(y, inv, k), got)
+    for out in (dtype, torch.float32):  # a gradient in the rows' dtype, the residual's share in fp32
+        got = slot_sum.sum_slots(y, inv, k, out)
+        assert got.dtype == out and torch.equal(got, want.to(out))
+        assert torch.equal(slot_sum.sum_slots(y, inv, k, out), got)
 
 
 @pytest.mark.parametrize("case", sorted(MOE))

@@ -5,9 +5,9 @@ mixtral and qwen with norm_topk_prob rescale them to sum to one; gpt_oss takes t
 router's bias) and a softmax over those. The experts' compute grows with the routed tokens: the (token, expert)
 pairs are sorted by expert, each projection is one grouped GEMM over the sorted rows (torch's grouped matmul on a
 Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
-its routing weight before the down projection, and the rows go back to their tokens, each token's k summed. On a
-GPU the activation is a kernel torch.compile writes and that sum a Triton kernel (model/slot_sum.py). An expert
-that received no token takes no part in the graph, so its gradient is exactly zero.
+its routing weight before the down projection, and the rows go back to their tokens, each token's k summed in
+fp32. On a GPU the activation and that sum are Triton kernels (model/glu.py, model/slot_sum.py). An expert that
+received no token takes no part in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
     aux = E * sum_e (c_e / N) * (P_e / N)
@@ -142,33 +142,35 @@ class _Spread(torch.autograd.Function):
     @staticmethod
     def backward(fn, g):
         (inv,) = fn.saved_tensors
-        return _slot_sums(fn.kernels, g, inv, fn.k), None, None, None, None
+        return _slot_sums(fn.kernels, g, inv, fn.k, g.dtype), None, None, None, None
 
 
-def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
-    """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed (fp32 inside, y's dtype
-    out); on a GPU one kernel that gathers as it sums (_slot_sums)."""
-    return y.index_select(0, inv).view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(y.dtype)
+def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed in fp32, in `dtype` (T, D);
+    on a GPU one kernel that gathers as it sums (_slot_sums)."""
+    return y.index_select(0, inv).view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(dtype)
 
 
-def _slot_sums(on: bool, y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
+def _slot_sums(on: bool, y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     """_sum_slots: where `on` (_kernels), model/slot_sum.py's Triton kernel, else eager."""
-    return _gpu(on, _sum_slots, slot_sum.sum_slots, y, inv, k)
+    return _gpu(on, _sum_slots, slot_sum.sum_slots, y, inv, k, dtype)
 
 
 class _Combine(torch.autograd.Function):
-    """The adjoint of _Spread: sorted pair rows y (T k, H) back to their tokens, summed over the k slots; its
-    backward hands each pair its token's gradient (a gather, no accumulation)."""
+    """The adjoint of _Spread: sorted pair rows y (T k, H) back to their tokens, summed over the k slots in fp32
+    and left in fp32 (the residual's dtype: no rounding to y's between); its backward hands each pair its token's
+    gradient in y's dtype (a gather, no accumulation)."""
 
     @staticmethod
     def forward(fn, y, src, inv, k, kernels):
         fn.save_for_backward(src)
-        return _slot_sums(kernels, y, inv, k)
+        fn.dtype = y.dtype
+        return _slot_sums(kernels, y, inv, k, torch.float32)
 
     @staticmethod
     def backward(fn, g):
         (src,) = fn.saved_tensors
-        return g.index_select(0, src), None, None, None, None
+        return g.to(fn.dtype).index_select(0, src), None, None, None, None
 
 
 def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: float) -> torch.Tensor:
@@ -291,7 +293,7 @@ def experts(
 
     Every (token, expert) pair's row is weighted by its routing weight before the down projection (linear, so
     the same sum as transformers' weighting after it) and goes back to its token summed over its k slots in one
-    pass, in the compute dtype as a dense MLP's output is: no (T k, H) tensor in fp32 or gathered twice.
+    pass, in fp32 and left there for the fp32 residual: no (T k, H) tensor in fp32 or gathered twice.
 
     A block's attention part alone (expert groups, model/parts.py: w holds no experts) routes the tokens, hands
     (h, chosen experts, routing weights) to ctx.routed for its groups (model/grouped.py) and returns the shared
@@ -311,7 +313,7 @@ def experts(
     xs = _Spread.apply(h, src, inv, k, on)
     ws = weights.reshape(-1).index_select(0, order)[:, None]  # fp32 (T k, 1)
     y = _rows(w, xs, ws, _experts_of(s, chosen, order), ends, counts, on, s)
-    out = _Combine.apply(y, src, inv, k, on).float()
+    out = _Combine.apply(y, src, inv, k, on)
     if s.model_type == "gpt_oss":  # the down projection's bias, each token's k rows weighted and summed
         b = w["mlp.experts.down_proj_bias"]
         out = out + F.embedding_bag(chosen, b.float(), per_sample_weights=weights, mode="sum")

@@ -1,9 +1,10 @@
 """Each token's k slots summed from the experts' pair rows (model/moe.py's _sum_slots), as one Triton kernel on a
 GPU. A program takes one token and a block of columns: it loads the block of each of the token's k rows by their
-index (contiguous, 2 KB in bf16), adds them in fp32 in slot order, and writes the block once. torch.compile's
-version of the same gather and sum read at about 1 TB/s on an H100 (bench/results/2026-11-25-issue40-experts.md);
-this one reads each pair row once near the memory's rate (bench/results/2026-11-26-issue40-slot-sum.md). The sum's
-order is the slots', whatever the launch: a rerun gives the same bits."""
+index (contiguous, 2 KB in bf16), adds them in fp32 in slot order, and writes the block once: in fp32 for the
+residual, in the rows' dtype for a gradient. torch.compile's version of the same gather and sum read at about
+1 TB/s on an H100 (bench/results/2026-11-25-issue40-experts.md); this one reads each pair row once near the
+memory's rate (bench/results/2026-11-26-issue40-slot-sum.md). The sum's order is the slots', whatever the launch:
+a rerun gives the same bits."""
 
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ def _kernel():
     return sum_slots
 
 
-def sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows y (T k, D) on a GPU back to their T tokens: out[t] = sum over j < k of y[inv[t k + j]] (fp32 inside,
-    y's dtype out)."""
+def sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows y (T k, D) on a GPU back to their T tokens: out[t] = sum over j < k of y[inv[t k + j]], added in fp32
+    and written in `dtype`."""
     y, inv = y.contiguous(), inv.contiguous()
     width = y.shape[-1]
-    out = torch.empty(inv.numel() // k, width, dtype=y.dtype, device=y.device)
+    out = torch.empty(inv.numel() // k, width, dtype=dtype, device=y.device)
     if out.numel():
         grid = (out.shape[0], -(-width // BLOCK))
         _kernel()[grid](y, inv, out, width, K=k, BLOCK=BLOCK, num_warps=4)
