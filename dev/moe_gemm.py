@@ -2,10 +2,11 @@
 sort, the grouped GEMMs, the pairs summed back to their tokens) forward and backward, in bf16, beside a SwiGLU MLP of
 intermediate size k x I on the same tokens, with the parts timed alone. Qwen3-30B-A3B's shape by default.
 
-    python dev/moe_gemm.py [--tokens 8192] [--baseline OLD_MOE.py] [--out FILE.json]
+    python dev/moe_gemm.py [--tokens 8192] [--root TREE] [--out FILE.json]
 
-The experts are timed with their Triton kernels (the default on a GPU) and eager; --baseline times another
-version of model/moe.py (a file) beside them, in the same process. Each pass is timed two ways: one call from an
+The experts are timed with their Triton kernels (the default on a GPU) and eager. --root times the tiertrain of
+another tree (an older commit's: `git archive REV | tar -x -C TREE`) with this script; run both in one call and
+compare each one's ratio to its own dense MLP. Each pass is timed two ways: one call from an
 idle GPU (events around it, so the CPU's launches count where it falls behind), and calls queued back to back
 (the GPU's time where the CPU keeps ahead of it, as it does in a step); `*_issue_s` is the CPU's time to issue one.
 """
@@ -13,7 +14,6 @@ idle GPU (events around it, so the CPU's launches count where it falls behind), 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_root = (
+    sys.argv[sys.argv.index("--root") + 1] if "--root" in sys.argv else Path(__file__).resolve().parent.parent
+)
+sys.path.insert(0, str(_root))
 from tiertrain.model import llama, moe  # noqa: E402
 from tiertrain.model.spec import ModelSpec  # noqa: E402
 from tiertrain.probe import _timed_cuda  # noqa: E402
@@ -68,7 +71,7 @@ def main() -> None:
     p.add_argument("--expert-size", type=int, default=768)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--k", type=int, default=8)
-    p.add_argument("--baseline", default=None, help="another model/moe.py to time beside this one")
+    p.add_argument("--root", default=None, help="the tree whose tiertrain to time (default: this script's)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     H, I, E, k, T = a.hidden, a.expert_size, a.experts, a.k, a.tokens
@@ -103,12 +106,12 @@ def main() -> None:
     dl = {n: v.requires_grad_() for n, v in dense.items()}
     hx = h.clone().requires_grad_()
 
-    def experts_fwd(m=moe):
+    def experts_fwd():
         with torch.no_grad():
-            m.experts(w, h, ctx)
+            moe.experts(w, h, ctx)
 
-    def experts_fb(m=moe):
-        y = m.experts(leaves, hx, ctx)
+    def experts_fb():
+        y = moe.experts(leaves, hx, ctx)
         torch.autograd.grad(y, [hx, *leaves.values()], gy)
 
     accs = {n: torch.zeros(v.shape, device=dev) for n, v in w.items()}
@@ -141,6 +144,7 @@ def main() -> None:
     r = {
         "shape": dict(tokens=T, hidden=H, expert_size=I, experts=E, k=k),
         "torch": torch.__version__,
+        "root": str(_root),
         "gpu": torch.cuda.get_device_name(),
         "grouped": moe._GROUPED is not None,
         "experts_fwd_s": timed(experts_fwd),
@@ -157,19 +161,10 @@ def main() -> None:
     r["experts_fwd_bwd_queued_s"], r["dense_fwd_bwd_queued_s"] = queued(experts_fb), queued(dense_fb)
     r["experts_fwd_bwd_issue_s"], r["dense_fwd_bwd_issue_s"] = issue(experts_fb), issue(dense_fb)
     r["queued_ratio"] = r["experts_fwd_bwd_queued_s"] / r["dense_fwd_bwd_queued_s"]
-    moe.KERNELS = False
+    switch = "KERNELS" if hasattr(moe, "KERNELS") else "COMPILE"  # the older trees' name
+    setattr(moe, switch, False)
     r["eager_fwd_s"], r["eager_fwd_bwd_s"] = timed(experts_fwd), timed(experts_fb)
-    moe.KERNELS = True
-    if a.baseline:  # a module of the package, so that its relative imports resolve
-        spec_ = importlib.util.spec_from_file_location("tiertrain.model._moe_baseline", a.baseline)
-        base = importlib.util.module_from_spec(spec_)
-        spec_.loader.exec_module(base)
-        r["baseline_fwd_s"] = timed(lambda: experts_fwd(base))
-        r["baseline_fwd_bwd_s"] = timed(lambda: experts_fb(base))
-        r["baseline_fwd_bwd_ratio"] = r["baseline_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
-        r["baseline_fwd_bwd_queued_s"] = queued(lambda: experts_fb(base))
-        r["baseline_fwd_bwd_issue_s"] = issue(lambda: experts_fb(base))
-        r["baseline_queued_ratio"] = r["baseline_fwd_bwd_queued_s"] / r["dense_fwd_bwd_queued_s"]
+    setattr(moe, switch, True)
     r["eager_fwd_bwd_ratio"] = r["eager_fwd_bwd_s"] / r["dense_fwd_bwd_s"]
     r["fwd_ratio"] = r["experts_fwd_s"] / r["dense_fwd_s"]
     r["fwd_bwd_ratio"] = r["experts_fwd_bwd_s"] / r["dense_fwd_bwd_s"]

@@ -373,13 +373,13 @@ def test_the_activation_kernels_give_the_eager_values_and_gradients(dtype, gpt_o
 
     got, want = run(glu.activation), run(moe._glu)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    for x, z in zip(got, want):
+    for x, z in zip(got[:2], want[:2]):
         assert x.dtype == z.dtype
         torch.testing.assert_close(x, z, **tol)
-    if gpt_oss and rows:
-        assert (got[1] == 0).float().mean() > 0.1 and torch.equal(
-            got[1] == 0, want[1] == 0
-        )  # the clamps' zeros
+    # the weights' gradient sums I products of up to about 100 each, in another order than eager's
+    torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=2e-3)
+    if gpt_oss and rows:  # the clamps' zero gradients (about 6% of the gate/up gradient here)
+        assert (got[1] == 0).float().mean() > 0.03 and torch.equal(got[1] == 0, want[1] == 0)
     assert all(torch.equal(x, z) for x, z in zip(run(glu.activation), got))
 
 
