@@ -5,8 +5,9 @@ row's gate and up halves (SwiGLU's [gate; up], or gpt-oss's interleaved pairs, c
 times the row's routing weight. The backward kernel reads them again with the activation's gradient, writes the
 gate/up gradient, and sums the routing weight's gradient over the row in the same pass. torch.compile's version
 took two kernels for that backward (a pointwise one, then a reduction over the row), and its guards and autograd
-wrappers cost the CPU more than the kernels took at 8k tokens. Everything is fp32 inside, rounded once to the
-rows' dtype; the sum runs in a fixed order, so a rerun gives the same bits."""
+wrappers cost the CPU more than the kernels took at 8k tokens (bench/results/2026-11-26-issue40-glu.md).
+Everything is fp32 inside, rounded once to the rows' dtype; the sum runs in a fixed order, so a rerun gives the
+same bits."""
 
 from __future__ import annotations
 
