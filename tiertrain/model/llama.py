@@ -115,7 +115,11 @@ class Context:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32 (transformers' arithmetic); on a GPU torch's fused kernel, one pass each way where the
+    composite took six."""
     x = x.float()
+    if x.is_cuda:
+        return F.rms_norm(x, x.shape[-1:], w.float(), eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
 
 
@@ -238,11 +242,13 @@ def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 
     if s.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps).to(dt)
         k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps).to(dt)
-    if ctx.docs is not None:  # positions restart at each segment
-        cos, sin = ctx.docs.rope(start, t)
+    if ctx.docs is not None:  # positions restart at each segment: (B, 1, t, hd) to (B, t, 1, hd)
+        cos, sin = (c.transpose(1, 2) for c in ctx.docs.rope(start, t))
     else:
-        cos, sin = ctx.cos[start : start + t], ctx.sin[start : start + t]
-    return _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin), v
+        cos, sin = ctx.cos[start : start + t, None], ctx.sin[start : start + t, None]
+    # RoPE over (B, t, heads, hd) as the projections lay it out: the tables broadcast over contiguous heads, where
+    # over the transposed view each op ran strided
+    return _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2), v
 
 
 def block_out(
@@ -251,7 +257,8 @@ def block_out(
     """The block after its attention, on the slice of tokens at positions start..start+t of every row: x (B, t, H)
     and the attention's output o (B, t, heads x hd) give x1 = x + o_proj(o), then x1 + MLP(norm(x1)); the MLP a
     mixture of experts where the block has them (its routers' statistics over the slice's samples' tokens)."""
-    x = x + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias")).float()
+    # fp32 + bf16 adds in fp32 in one pass: the value of adding .float()'s copy (x is fp32: .float() is x)
+    x = x.float() + F.linear(o, w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
     h = rms_norm(x, w["post_attention_layernorm.weight"], ctx.spec.rms_norm_eps).to(ctx.dtype)
     # a mixture of experts, or its attention part alone (model/parts.py): the router is there
     if moe.ROUTER in w or moe.GPT_OSS_ROUTER in w:
@@ -259,7 +266,7 @@ def block_out(
         out = moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid)
         return x if out is None else x + out.view_as(x)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
-    return x + F.linear(m, w["mlp.down_proj.weight"]).float()
+    return x + F.linear(m, w["mlp.down_proj.weight"])
 
 
 def attend(q, k, v, ctx: Context, sinks: torch.Tensor | None = None) -> torch.Tensor:
