@@ -51,7 +51,7 @@ def test_grouped_gemm_equals_the_expert_loop(case, tmp_path, monkeypatch):
     """On the GPU in bf16 the experts run as torch's grouped matmul with the Triton activation: the same outputs
     and gradients as the loop over experts with the eager one (to bf16's rounding), an idle expert's gradient
     exactly zero."""
-    from tiertrain.model import llama, moe
+    from tiertrain.model import kernels, llama, moe
     from tiertrain.model.hf import open_weights, spec_from_hf
 
     assert moe._GROUPED is not None, "this torch has no grouped matmul"
@@ -69,7 +69,7 @@ def test_grouped_gemm_equals_the_expert_loop(case, tmp_path, monkeypatch):
     outs = {}
     for grouped in (True, False):
         monkeypatch.setattr(moe, "_GROUPED", moe._GROUPED if grouped else None)
-        monkeypatch.setattr(moe, "KERNELS", grouped)
+        monkeypatch.setattr(kernels, "ENABLED", grouped)
         y = moe.experts(w, h, ctx)
         grads = torch.autograd.grad(y, list(w.values()), g, allow_unused=True)
         outs[grouped] = (y, dict(zip(w, grads)))
@@ -297,55 +297,6 @@ def test_the_pairs_spread_and_combine_as_indexing_does():
         )
     with torch.no_grad():
         torch.testing.assert_close((spread * y).sum(), (h * combined).sum())
-
-
-def test_the_experts_kernels_run_on_a_gpu_with_triton(monkeypatch):
-    """The Triton activation and slot sums on a GPU with triton, deterministic runs included (fixed tiles, sums in a
-    fixed order); elsewhere eager."""
-    from types import SimpleNamespace
-
-    from tiertrain.model import moe
-
-    gpu = SimpleNamespace(is_cuda=True)
-    monkeypatch.setattr(moe, "_has_triton", lambda: True)
-    assert moe._kernels(gpu) and not moe._kernels(torch.zeros(1))
-    monkeypatch.setattr(moe, "KERNELS", False)
-    assert not moe._kernels(gpu)
-    monkeypatch.setattr(moe, "KERNELS", True)
-    monkeypatch.setattr(moe, "_has_triton", lambda: False)
-    assert not moe._kernels(gpu)
-
-
-@pytest.mark.parametrize("kernel", ["activation", "slot_sum"])
-def test_a_kernel_that_fails_to_build_leaves_its_op_eager(kernel, monkeypatch):
-    """A Triton kernel's first call failing (no ptxas, no triton) warns once and leaves that op eager from then
-    on: the eager op's value, and no second try."""
-    from types import SimpleNamespace
-
-    from tiertrain.model import glu, moe, slot_sum
-
-    calls = []
-
-    def broken(*args):
-        calls.append(1)
-        raise RuntimeError("no ptxas for this GPU")
-
-    monkeypatch.setattr(moe, "_BUILT", {})
-    if kernel == "slot_sum":
-        monkeypatch.setattr(slot_sum, "sum_slots", broken)
-        y, inv = torch.randn(12, 5), torch.randperm(12)
-        eager, want = moe._sum_slots, moe._sum_slots(y, inv, 3, torch.float32)
-        run = lambda: moe._slot_sums(True, y, inv, 3, torch.float32)  # noqa: E731
-    else:
-        monkeypatch.setattr(glu, "activation", broken)
-        y, ws = torch.randn(6, 8), torch.rand(6, 1)
-        spec = SimpleNamespace(model_type="qwen3_moe", swiglu_limit=7.0, swiglu_alpha=1.702)
-        eager, want = moe._glu, moe._glu(y, ws, False, 7.0, 1.702)
-        run = lambda: moe._act(True, y, ws, spec)  # noqa: E731
-    with pytest.warns(UserWarning, match="no ptxas"):
-        out = run()
-    assert torch.equal(out, want) and torch.equal(run(), out)
-    assert len(calls) == 1 and moe._BUILT[eager] is eager
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from . import llama, moe
+from . import kernels, llama, moe
 from .llama import Context
 
 
@@ -90,7 +90,7 @@ def share(w: dict[str, torch.Tensor], r: Routed, ctx: Context, first: int, n: in
         return None
     ws = r.weights.reshape(-1).index_select(0, sel)[:, None]
     y = moe._rows(
-        w, r.h.index_select(0, src), ws, _experts(s, r, sel, first), ends, counts, moe._kernels(r.h), s
+        w, r.h.index_select(0, src), ws, _experts(s, r, sel, first), ends, counts, kernels.on(r.h), s
     )
     out = _slot_sum(y, sel, r.h.shape[0], k)
     if s.model_type == "gpt_oss":
@@ -120,7 +120,7 @@ def share_backward(
     experts = _experts(s, r, sel, first)
     with torch.enable_grad():
         ws = wl.reshape(-1).index_select(0, sel)[:, None]
-        y = moe._rows(leaves, xs, ws, experts, ends, counts, moe._kernels(r.h), s)
+        y = moe._rows(leaves, xs, ws, experts, ends, counts, kernels.on(r.h), s)
         # each pair row's gradient is its token's, in the rows' dtype (moe._Combine's backward)
         outs, grads = [y], [g.to(y.dtype).index_select(0, src)]
         if s.model_type == "gpt_oss":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import moe
+from . import kernels, moe, rope
 from .attention import attention as causal
 from .spec import ModelSpec
 
@@ -128,9 +128,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + _rotate_half(x) * sin
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x (B, t, heads, hd), the tables broadcast over its heads: in bf16 on a GPU model/rope.py's kernel,
+    one pass each way with the eager ops' bits (they took five passes and a cat)."""
+    if x.dtype != torch.bfloat16:
+        return _rope_eager(x, cos, sin)
+    return kernels.run(kernels.on(x), _rope_eager, rope.apply, x, cos, sin)
 
 
 def attention(

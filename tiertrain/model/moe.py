@@ -20,13 +20,10 @@ forward pass counts c (RouterLog.observe), and each block's recompute adds that 
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 import torch.nn.functional as F
 
-from . import glu, slot_sum
+from . import glu, kernels, slot_sum
 
 ROUTER, GPT_OSS_ROUTER = "mlp.gate.weight", "mlp.router.weight"  # a block with experts has one of them
 # torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
@@ -152,8 +149,8 @@ def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -
 
 
 def _slot_sums(on: bool, y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """_sum_slots: where `on` (_kernels), model/slot_sum.py's Triton kernel, else eager."""
-    return _gpu(on, _sum_slots, slot_sum.sum_slots, y, inv, k, dtype)
+    """_sum_slots: where `on` (kernels.on), model/slot_sum.py's Triton kernel, else eager."""
+    return kernels.run(on, _sum_slots, slot_sum.sum_slots, y, inv, k, dtype)
 
 
 class _Combine(torch.autograd.Function):
@@ -183,50 +180,10 @@ def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: 
     return (F.silu(g) * u * ws).to(y.dtype)
 
 
-# dev/moe_gemm.py turns it off to time the eager ops
-KERNELS = True
-_BUILT: dict = {}  # each eager function's GPU version (its Triton kernel, or itself where that failed to build)
-
-
-@functools.cache
-def _has_triton() -> bool:
-    """Whether triton runs here, on a GPU it supports."""
-    try:
-        from torch.utils._triton import has_triton
-
-        return has_triton()
-    except ImportError:
-        return False
-
-
-def _kernels(h: torch.Tensor) -> bool:
-    """Whether the experts' activation and slot sums run as Triton kernels (model/glu.py, model/slot_sum.py): on a
-    GPU with triton. Their tile shapes are fixed and their sums run in a fixed order, so deterministic runs take
-    them too: a rerun gives the same bits."""
-    return KERNELS and h.is_cuda and _has_triton()
-
-
-def _gpu(on: bool, eager, kernel, *args):
-    """eager(*args), or where `on` (_kernels) kernel(*args), its Triton version. Where the kernel's first call fails
-    (a machine without a ptxas for its GPU), eager runs from then on, with one warning."""
-    if not on:
-        return eager(*args)
-    fn = _BUILT.get(eager)
-    if fn is not None:
-        return fn(*args)
-    try:
-        fn, out = kernel, kernel(*args)
-    except Exception as e:  # noqa: BLE001 - the eager call below raises again what is not the kernel's
-        warnings.warn(f"the experts' Triton {eager.__name__} failed, and runs eagerly: {e}", stacklevel=2)
-        fn, out = eager, eager(*args)
-    _BUILT[eager] = fn
-    return out
-
-
 def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
     """The experts' gated activation (_glu) of the gate/up rows y, weighted by ws: model/glu.py's kernels where
     `on`."""
-    return _gpu(
+    return kernels.run(
         on,
         _glu,
         glu.activation,
@@ -309,7 +266,7 @@ def experts(
     src = order // k  # each sorted pair's token
     per = _counts(chosen, s.num_experts)
     ends, counts = (per.cumsum(0).to(torch.int32), None) if _grouped(h) else (None, per.tolist())
-    on = _kernels(h)
+    on = kernels.on(h)
     xs = _Spread.apply(h, src, inv, k, on)
     ws = weights.reshape(-1).index_select(0, order)[:, None]  # fp32 (T k, 1)
     y = _rows(w, xs, ws, _experts_of(s, chosen, order), ends, counts, on, s)
