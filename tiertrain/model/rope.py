@@ -17,38 +17,9 @@ import torch
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
+    from . import rope_kernel  # imports triton
 
-    @triton.jit
-    def rope(x, cos, sin, y, t, heads, cs_b, cs_t, HALF: tl.constexpr, NH: tl.constexpr, BH: tl.constexpr,
-             BACKWARD: tl.constexpr):  # fmt: skip
-        tok = tl.program_id(0).to(tl.int64)
-        b, pos = tok // t, tok % t
-        h = tl.arange(0, NH)[:, None]
-        c = tl.arange(0, BH)[None, :]
-        inside = (h < heads) & (c < HALF)
-        at = x + tok * heads * 2 * HALF + h * 2 * HALF + c
-        x1 = tl.load(at, mask=inside, other=0.0).to(tl.float32)
-        x2 = tl.load(at + HALF, mask=inside, other=0.0).to(tl.float32)
-        row = b * cs_b + pos * cs_t + c
-        half = c < HALF
-        c1 = tl.load(cos + row, mask=half, other=0.0).to(tl.bfloat16).to(tl.float32)
-        c2 = tl.load(cos + row + HALF, mask=half, other=0.0).to(tl.bfloat16).to(tl.float32)
-        s1 = tl.load(sin + row, mask=half, other=0.0).to(tl.bfloat16).to(tl.float32)
-        s2 = tl.load(sin + row + HALF, mask=half, other=0.0).to(tl.bfloat16).to(tl.float32)
-        a1, a2 = (x1 * c1).to(tl.bfloat16).to(tl.float32), (x2 * c2).to(tl.bfloat16).to(tl.float32)
-        if BACKWARD:
-            y1 = a1 + (x2 * s2).to(tl.bfloat16).to(tl.float32)
-            y2 = a2 - (x1 * s1).to(tl.bfloat16).to(tl.float32)
-        else:
-            y1 = a1 + (-x2 * s1).to(tl.bfloat16).to(tl.float32)
-            y2 = a2 + (x1 * s2).to(tl.bfloat16).to(tl.float32)
-        out = y + tok * heads * 2 * HALF + h * 2 * HALF + c
-        tl.store(out, y1.to(tl.bfloat16), mask=inside)
-        tl.store(out + HALF, y2.to(tl.bfloat16), mask=inside)
-
-    return rope
+    return rope_kernel.rope
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
