@@ -6,7 +6,9 @@ pass over q; the kernel reads x once and writes once, and rounds where the eager
 both ways:
     forward   y1 = r(r(x1 c1) + r(-x2 s1))        y2 = r(r(x2 c2) + r(x1 s2))
     backward  dx1 = r(r(g1 c1) + r(g2 s2))        dx2 = r(r(g2 c2) - r(g1 s1))
-with r() the rounding to bf16, c and s the tables rounded to bf16, 1 and 2 the halves of the head dimension."""
+with r() the rounding to bf16, c and s the tables rounded to bf16, 1 and 2 the halves of the head dimension.
+llama-5b's block at 8k on an H100: 0.10 ms forward where the eager ops took about 0.8
+(bench/results/2026-11-26-dense-kernels.md)."""
 
 from __future__ import annotations
 
