@@ -61,7 +61,9 @@ def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device):
     dt = getattr(torch, dtype)
     # constants aside
     per_token = (_saved_bytes(spec, dt, 512, device) - _saved_bytes(spec, dt, 256, device)) / 256
-    assert per_token == kept_bytes_per_token(spec, dtype)
+    # the plan prices a GPU's graph: on a CPU the composite RMSNorm also saves each norm's x * scale (fp32)
+    composite = 8 * H if device == "cpu" else 0
+    assert per_token == kept_bytes_per_token(spec, dtype) + composite
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

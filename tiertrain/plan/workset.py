@@ -20,13 +20,14 @@ KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding
 
 def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """GPU bytes a block's autograd graph saves per token (what keeping its activations costs): the fp32
-    residual and norms (16 H), four H-wide and four FF-wide matmul inputs or outputs in the compute dtype,
-    K and V, the attention's log-sum-exp per head, the RoPE tables cast per call. Counted exactly with
-    saved-tensor hooks on llama.block (tests/test_keep.py checks it)."""
+    residual into each norm (8 H: torch's fused RMSNorm on a GPU saves its input and a scale per token), four
+    H-wide and four FF-wide matmul inputs or outputs in the compute dtype, K and V, the attention's log-sum-exp
+    per head, the RoPE tables. Counted exactly with saved-tensor hooks on llama.block on a GPU
+    (tests/test_keep.py checks it; on a CPU the composite norms save 8 H more)."""
     w = WIDTH[dtype]
     kv = spec.n_kv_heads * spec.hd
     return (
-        16 * spec.hidden_size
+        8 * spec.hidden_size
         + 4 * w * spec.hidden_size
         + 4 * w * spec.mlp_width
         + 2 * w * kv
