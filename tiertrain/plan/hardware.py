@@ -63,8 +63,11 @@ class HardwareSpec:
     # the next forward pass (the updates after the norm ran at 1.0-1.3x the probe's rate, and a step's host AdamW
     # at 0.98-1.0x it in all; 1.18 before, which made the plan take GPU updates at 8k that ran 11-16% slower than
     # the host's: bench/results/2026-11-23-H200-llama3b-gpu-updates-8k.md). The host DRAM term still prices its
-    # sharing of DRAM with the PCIe copies.
-    compute_efficiency: float = 0.57
+    # sharing of DRAM with the PCIe copies. 0.57 was the fit; 0.70 since the dense block's kernels of 2026-11-26
+    # (RoPE, RMSNorm, the residual adds), which cut a block's time outside attention 1.26x at 8k and 1.19x at 131k
+    # (per token: the same scale at every length); llama-5b at 8k alone asks 0.72
+    # (bench/results/2026-11-26-dense-kernels.md). Attention's kernels did not change: attention_efficiency stays.
+    compute_efficiency: float = 0.70
     adam_contention: float = 1.0
     # a mixture of experts' routed matmuls (sorted rows, grouped GEMMs, the fused activation and slot sums) run
     # at these fractions of the rest's rate, forward and backward: fitted with compute_efficiency on the two
@@ -73,8 +76,9 @@ class HardwareSpec:
     # that disagree on the backward pass, bench/results/2026-11-25-issue40-experts.md). The backward's figure is
     # below dev/moe_gemm.py's (the experts' backward with its fp32 accumulation there runs at 0.35 of a dense
     # MLP's rate at 8k tokens): a whole block's backward pass costs more around the experts than the
-    # microbenchmark holds, and this prices what the runs measured
-    experts_speed: tuple[float, float] = (0.52, 0.17)
+    # microbenchmark holds, and this prices what the runs measured. (0.52, 0.17) as fitted; scaled by 0.57 / 0.70
+    # with compute_efficiency's rise, since they are relative to it and the experts' kernels did not change there
+    experts_speed: tuple[float, float] = (0.42, 0.14)
     # causal attention's kernels (model/attention.py), as `tiertrain probe` measures them: {kernel: [forward,
     # backward, deterministic backward]} TFLOP/s at head size 128 (32 query and 8 key/value heads, 16,384 tokens,
     # bf16) in the model's FLOPs (spec.attention_flops_per_token: the backward counted as twice the forward); 0: no
