@@ -196,8 +196,9 @@ def test_the_chart_of_a_miss_shows_each_budget(tmp_path):
 def test_host_gb_is_the_whole_process():
     """--host-gb 36 plans 36 GB in all, the process's own 3 GB in it (before: 39), and the help and the report
     say so."""
+    # no state resident on the GPU, so that the host's budget is the one that binds
     p = json.loads(plan_cli("--config", "llama-3b", "--host-gb", "36", "--nvme-gb", "100", "--gpu", "h100",
-                            "--format", "json")[1])  # fmt: skip
+                            "--set", "tiers.gpu_resident_gb=0", "--format", "json")[1])  # fmt: skip
     assert p["host_total_bytes"] <= 36e9 and p["host_fixed"]["process"] == REFERENCE.process_gb * 1e9
     assert p["host_total_bytes"] > 0.9 * 36e9  # the budget was used: the plan filled it
     _, md = plan_cli("--config", "llama-3b", "--host-gb", "60", "--nvme-gb", "100", "--gpu", "h100")
