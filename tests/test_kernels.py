@@ -86,3 +86,7 @@ def test_the_rope_kernel_gives_the_eager_bits_both_ways(heads, hd, tables):
 
     (y, dx), (y0, dx0) = run(rope.apply), run(llama._rope_eager)
     assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    x[0, 3, 0, 5] = float("nan")  # a NaN stays one where the eager ops make one
+    (y, dx), (y0, dx0) = run(rope.apply), run(llama._rope_eager)
+    assert torch.equal(y.isnan(), y0.isnan()) and y.isnan().any()
+    assert torch.equal(y.nan_to_num(), y0.nan_to_num())

@@ -332,6 +332,10 @@ def test_the_activation_kernels_give_the_eager_values_and_gradients(dtype, gpt_o
     if gpt_oss and rows:  # the clamps' zero gradients (about 6% of the gate/up gradient here)
         assert (got[1] == 0).float().mean() > 0.03 and torch.equal(got[1] == 0, want[1] == 0)
     assert all(torch.equal(x, z) for x, z in zip(run(glu.activation), got))
+    if rows:  # a NaN in a row stays one, through the clamps too
+        y[1, 3] = float("nan")
+        got, want = run(glu.activation), run(moe._glu)
+        assert torch.equal(got[0].isnan(), want[0].isnan()) and got[0].isnan().any()
 
 
 @pytest.mark.gpu

@@ -33,7 +33,10 @@ def _kernels():
             if GPT_OSS:  # gate and up interleaved, clamped; (u + 1) * glu(g), glu(g) = g * sigmoid(alpha g)
                 g = tl.load(y + row * 2 * inter + 2 * cols, mask=inside, other=0.0).to(tl.float32)
                 u = tl.load(y + row * 2 * inter + 2 * cols + 1, mask=inside, other=0.0).to(tl.float32)
-                g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
+                # clamped as torch's clamp does: a NaN stays one
+                g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+                u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
+                u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
                 a = (u + 1) * (g * tl.sigmoid(g * alpha)) * w
             else:  # [gate; up]: silu(g) * u
                 g = tl.load(y + row * 2 * inter + cols, mask=inside, other=0.0).to(tl.float32)
@@ -55,7 +58,10 @@ def _kernels():
                 g = tl.load(y + row * 2 * inter + 2 * cols, mask=inside, other=0.0).to(tl.float32)
                 u = tl.load(y + row * 2 * inter + 2 * cols + 1, mask=inside, other=0.0).to(tl.float32)
                 keep_g, keep_u = g <= limit, (u >= -limit) & (u <= limit)  # where clamp passes a gradient
-                g, u = tl.minimum(g, limit), tl.minimum(tl.maximum(u, -limit), limit)
+                # clamped as torch's clamp does: a NaN stays one
+                g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+                u = tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL)
+                u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
                 s = tl.sigmoid(g * alpha)
                 glu = g * s
                 acc += d * ((u + 1) * glu)

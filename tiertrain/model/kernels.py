@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-ENABLED = True  # the dev scripts turn it off to time the eager ops
+ENABLED = True  # dev/moe_gemm.py turns it off to time the eager ops
 _BUILT: dict = {}  # each eager op's GPU version: its Triton kernel, or itself where that failed to build
 
 
@@ -33,8 +33,9 @@ def on(x: torch.Tensor) -> bool:
 
 
 def run(gpu: bool, eager, kernel, *args):
-    """eager(*args), or where `gpu` (on) kernel(*args), its Triton version; a kernel whose first call fails is
-    replaced by its eager op from then on, with one warning."""
+    """eager(*args), or where `gpu` (on) kernel(*args), its Triton version; a kernel whose first call fails (its
+    forward pass's build) is replaced by its eager op from then on, with one warning. A backward kernel's build
+    failing later raises: the two are built by the same compiler, so the first call is the test."""
     if not gpu:
         return eager(*args)
     fn = _BUILT.get(eager)

@@ -114,11 +114,15 @@ class Context:
         return bool(self.tile) and x.shape[0] * x.shape[1] > self.tile
 
 
+# torch's fused RMSNorm kernel (torch 2.8+): the plan prices what its graph saves (plan.workset)
+_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm")
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in fp32 (transformers' arithmetic); on a GPU torch's fused kernel, one pass each way where the
     composite took six."""
     x = x.float()
-    if x.is_cuda:
+    if x.is_cuda and _FUSED_RMS_NORM:
         return F.rms_norm(x, x.shape[-1:], w.float(), eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.float()
 
@@ -134,11 +138,9 @@ def _rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x (B, t, heads, hd), the tables broadcast over its heads: in bf16 on a GPU model/rope.py's kernel,
-    one pass each way with the eager ops' bits (they took five passes and a cat)."""
-    if x.dtype != torch.bfloat16:
-        return _rope_eager(x, cos, sin)
-    return kernels.run(kernels.on(x), _rope_eager, rope.apply, x, cos, sin)
+    """RoPE on x (B, t, heads, hd) in bf16 on a GPU, the tables (t, 1, hd) or (B, t, 1, hd): model/rope.py's kernel,
+    one pass each way with the eager ops' bits (they took five passes and a cat), or those ops where it fails."""
+    return kernels.run(True, _rope_eager, rope.apply, x, cos, sin)
 
 
 def attention(
@@ -250,13 +252,16 @@ def qkv(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context, start: int = 
     if s.qk_norm:
         q = rms_norm(q, w["self_attn.q_norm.weight"], s.rms_norm_eps).to(dt)
         k = rms_norm(k, w["self_attn.k_norm.weight"], s.rms_norm_eps).to(dt)
-    if ctx.docs is not None:  # positions restart at each segment: (B, 1, t, hd) to (B, t, 1, hd)
-        cos, sin = (c.transpose(1, 2) for c in ctx.docs.rope(start, t))
+    if ctx.docs is not None:  # positions restart at each segment: (B, 1, t, hd)
+        cos, sin = ctx.docs.rope(start, t)
     else:
-        cos, sin = ctx.cos[start : start + t, None], ctx.sin[start : start + t, None]
-    # RoPE over (B, t, heads, hd) as the projections lay it out: the tables broadcast over contiguous heads, where
-    # over the transposed view each op ran strided
-    return _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2), v
+        cos, sin = ctx.cos[start : start + t], ctx.sin[start : start + t]
+    if q.dtype == torch.bfloat16 and kernels.on(q):
+        # model/rope.py's kernel over (B, t, heads, hd) as the projections lay it out, the tables over the heads
+        cos, sin = (c.transpose(1, 2) if c.dim() == 4 else c[:, None] for c in (cos, sin))
+        return _rope(q, cos, sin).transpose(1, 2), _rope(k, cos, sin).transpose(1, 2), v
+    # eager over the transposed view, as before: its sums (the q/k norms' weight gradients) in the same order
+    return _rope_eager(q.transpose(1, 2), cos, sin), _rope_eager(k.transpose(1, 2), cos, sin), v
 
 
 def block_out(

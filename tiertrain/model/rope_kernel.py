@@ -7,10 +7,11 @@ import triton.language as tl
 @triton.jit
 def _bf16(v):
     """v (fp32) rounded to bf16's nearest, ties to even, in fp32: integer arithmetic on the bits, which the
-    compiler can neither fold away with the cast back nor fuse with the product before or the sum after."""
+    compiler can neither fold away with the cast back nor fuse with the product before or the sum after. A NaN
+    stays one (its bits would carry into the sign)."""
     bits = v.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
