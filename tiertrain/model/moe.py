@@ -131,15 +131,15 @@ class _Spread(torch.autograd.Function):
     repeated rows one by one."""
 
     @staticmethod
-    def forward(fn, h, src, inv, k, kernels):
+    def forward(fn, h, src, inv, k, on):
         fn.save_for_backward(inv)
-        fn.k, fn.kernels = k, kernels
+        fn.k, fn.on = k, on
         return h.index_select(0, src)
 
     @staticmethod
     def backward(fn, g):
         (inv,) = fn.saved_tensors
-        return _slot_sums(fn.kernels, g, inv, fn.k, g.dtype), None, None, None, None
+        return _slot_sums(fn.on, g, inv, fn.k, g.dtype), None, None, None, None
 
 
 def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -159,10 +159,10 @@ class _Combine(torch.autograd.Function):
     gradient in y's dtype (a gather, no accumulation)."""
 
     @staticmethod
-    def forward(fn, y, src, inv, k, kernels):
+    def forward(fn, y, src, inv, k, on):
         fn.save_for_backward(src)
         fn.dtype = y.dtype
-        return _slot_sums(kernels, y, inv, k, torch.float32)
+        return _slot_sums(on, y, inv, k, torch.float32)
 
     @staticmethod
     def backward(fn, g):
@@ -216,17 +216,18 @@ def _rows(
     experts: torch.Tensor | None,
     ends,
     counts,
-    kernels: bool,
+    on: bool,
     s,
 ) -> torch.Tensor:
-    """The routed rows xs (sorted by expert; `experts`: each row's expert among w's, for gpt-oss) through their experts: the
-    gate/up projection, the gated activation weighted by each row's routing weight ws, the down projection."""
+    """The routed rows xs (sorted by expert; `experts`: each row's expert among w's, for gpt-oss) through their
+    experts: the gate/up projection, the gated activation weighted by each row's routing weight ws (model/glu.py's
+    kernels where `on`), the down projection."""
     gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
-        a = _act(kernels, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
+        a = _act(on, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
         return _mm(a, down, ends, counts)
     # F.linear's layout, [gate; up] in the rows
-    a = _act(kernels, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
+    a = _act(on, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
     return _mm(a, down.transpose(1, 2), ends, counts)
 
 

@@ -158,9 +158,8 @@ class Memory:
     nvme_checkpoints: int = 0  # disk bytes of the activation checkpoints on NVMe
     nvme_bwd_reads: int = 0  # bytes of streamed weights the backward pass reads from NVMe
     nvme_ahead: int = 0  # of the update's disk reads, the bytes read ahead as the backward pass starts
-    nvme_late: int = (
-        0  # a spilled gradient written as the norm comes, then read: the update waits (placement)
-    )
+    # a spilled gradient written as the norm comes, then read: the update waits (placement.late_gradient_bytes)
+    nvme_late: int = 0
 
     def host_fixed(self) -> dict[str, float]:
         """The host's bytes beside the state slabs, in a user's words ("update copies" where any; none before the
