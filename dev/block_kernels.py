@@ -38,6 +38,17 @@ def kind(name: str) -> str:
     return "rest"
 
 
+def block_weights(spec, dev: torch.device, dt: torch.dtype) -> tuple[dict, dict]:
+    """A block's random weights (matrices at 0.02, norms at 1) in dt, and zeroed fp32 gradient accumulators; also
+    dev/workset.py's."""
+    shapes = {t.name: t.shape for t in spec.units()[1].tensors}
+    w = {
+        n: (torch.randn(s, device=dev) * 0.02).to(dt) if len(s) > 1 else torch.ones(s, device=dev, dtype=dt)
+        for n, s in shapes.items()
+    }
+    return w, {n: torch.zeros(s, device=dev) for n, s in shapes.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("config")
@@ -49,12 +60,7 @@ def main() -> None:
     a = p.parse_args()
     spec = load_config(a.config).model
     dev, dt = torch.device("cuda"), torch.bfloat16
-    shapes = {t.name: t.shape for t in spec.units()[1].tensors}
-    w = {
-        n: (torch.randn(s, device=dev) * 0.02).to(dt) if len(s) > 1 else torch.ones(s, device=dev, dtype=dt)
-        for n, s in shapes.items()
-    }
-    accs = {n: torch.zeros(s, device=dev) for n, s in shapes.items()}
+    w, accs = block_weights(spec, dev, dt)
     from torch.profiler import ProfilerActivity, profile
 
     out = []

@@ -6,6 +6,7 @@ not, the input and its gradient allocated before. One line per (config, tokens).
 import sys
 
 import torch
+from block_kernels import block_weights  # dev/, the script's own directory
 
 from tiertrain.config import load_config
 from tiertrain.model import llama, tiled
@@ -15,12 +16,7 @@ from tiertrain.plan.workset import working_set
 cfg_path, tile = sys.argv[1], int(sys.argv[2])
 spec = load_config(cfg_path).model
 dev, dt = torch.device("cuda"), torch.bfloat16
-shapes = {t.name: t.shape for t in spec.units()[1].tensors}
-w = {
-    n: (torch.randn(s, device=dev) * 0.02).to(dt) if len(s) > 1 else torch.ones(s, device=dev, dtype=dt)
-    for n, s in shapes.items()
-}
-accs = {n: torch.zeros(s, device=dev) for n, s in shapes.items()}
+w, accs = block_weights(spec, dev, dt)
 for tokens in map(int, sys.argv[3:]):
     spec.max_position_embeddings = max(spec.max_position_embeddings, tokens)
     ctx = Context.build(spec, tokens, dt, dev, tile)
