@@ -116,7 +116,7 @@ def test_checkpoint_homes_give_the_same_bits(token_file, tmp_path, home, device,
     assert set(tr.run_plan.checkpoints().values()) == {Home(acts)} and len(tr.run_plan.checkpoints()) == 5
     # the order a split plan gives: NVMe for the first blocks, then the host, the GPU last
     if home == "split":
-        tr.run.activations.homes = {1: Home.NVME, 2: Home.NVME, 3: Home.HOST, 4: Home.GPU, 5: Home.GPU}
+        tr.run.activations.place({1: Home.NVME, 2: Home.NVME, 3: Home.HOST, 4: Home.GPU, 5: Home.GPU})
     recs = [tr.train_step() for _ in range(3)]
     sd = tr.state_dict()
     store = tr.run.activations.store
@@ -219,3 +219,52 @@ def test_long_runs_plan_under_the_issues_budgets(config, seq):
         ],
     )
     assert not search(longer, REFERENCE, 115, 141, 55, config, advise=False).fits
+
+
+def test_nvme_checkpoints_run_ahead_within_the_gpus_room(tmp_path, monkeypatch):
+    """Eight blocks' checkpoints in a split plan's homes (3 on NVMe, 3 on the GPU, 2 in RAM) through a slow disk,
+    in Step's order: the forward pass has more than two blocks on their way down where the room allows, the
+    backward pass reads an NVMe checkpoint several blocks ahead, the GPU never holds more checkpoints than the
+    plan's room (its GPU ones and one), and every block comes back bit for bit."""
+    from test_attention import SlowIO
+
+    from tiertrain.engine import activations
+    from tiertrain.engine.activations import ActivationStore
+    from tiertrain.engine.streams import StallClock, Streams
+    from tiertrain.plan.planner import checkpoint_homes
+    from tiertrain.tiers import pieces as piece_store
+    from tiertrain.tiers.pieces import PieceStore
+
+    for mod in (activations, piece_store):
+        monkeypatch.setattr(mod, "CK_PIECE_BYTES", 8192)
+    homes = checkpoint_homes(8, {Home.NVME: 3, Home.GPU: 3, Home.HOST: 2})
+    nvme = sorted(u for u, h in homes.items() if h == Home.NVME)
+    assert nvme == [1, 3, 6] and sorted(u for u, h in homes.items() if h == Home.GPU) == [5, 7, 8]
+    cpu = torch.device("cpu")
+    streams = Streams(cpu)
+    xs = {u: [torch.randn(4 * 2048)] for u in range(1, 9)}  # 4 pieces a block
+    io = SlowIO()
+    acts = ActivationStore(homes, streams, StallClock(streams), cpu, False, PieceStore(tmp_path, nvme, 4, io))
+    assert acts.room == 4
+
+    def held():  # checkpoints holding GPU memory: those saved, those whose copies down have not ended
+        return len(acts.saved) + sum(not f.done() for f in acts.on_way)
+
+    most_on_way = 0
+    for u in range(1, 9):
+        acts.save(u, xs[u])
+        most_on_way = max(most_on_way, sum(not f.done() for f in acts.on_way))
+        assert held() <= acts.room
+    assert most_on_way == 3  # blocks 1, 3 and 6: room for them beside block 5's
+    acts.prefetch(8)
+    issued = {}
+    for i in range(8, 0, -1):
+        if i > 1:
+            acts.prefetch(i - 1)
+        issued |= {u: i for u in nvme if u in acts.saved and u not in issued}
+        assert len(acts.saved) <= acts.room
+        assert all(torch.equal(a, b) for a, b in zip(acts.get(i), xs[i]))
+        acts.drop(i)
+    assert issued == {6: 8, 3: 7, 1: 6}  # one block ahead would read them at blocks 7, 4 and 2
+    acts.close()
+    io.close()

@@ -6,9 +6,17 @@ unit ahead of the backward pass that needs them, so the copies overlap compute.
 nvme: the same copies, in pieces through a ring of pinned buffers, and a disk write or read per piece (a
 PieceStore). The writer thread copies a block's inputs down piece by piece and starts each piece's disk write as its
 copy lands: as many pieces in flight as the ring has buffers (RunPlan.ck_pieces: the fewest with which the
-probe's writes reached the disk's rate, tiertrain probe's ck_writer_rate). The forward pass waits only when two blocks'
-inputs are still on their way down (GPU memory stays bounded). The reader thread reads a block's pieces, a few at
-a time, one unit ahead of the backward pass, after that block's writes landed.
+probe's writes reached the disk's rate, tiertrain probe's ck_writer_rate). The reader thread reads a block's pieces,
+a few at a time, after that block's writes landed.
+
+The GPU holds at most the checkpoints the plan gave it room for: one per block with its checkpoint on the GPU, and
+one more (at least two), the room of the block whose checkpoint comes back from the host or NVMe beside the one
+the backward pass is differentiating (plan.memory's checkpoint split). Within that room the disk runs ahead of the
+compute: the forward pass waits for a block on its way down only when the blocks saved and those on their way
+would not fit (early in the pass, when few GPU checkpoints are saved yet, several blocks may be on their way), and
+the backward pass reads the next NVMe checkpoints as soon as the blocks it has finished left room for them. One
+block ahead was too little: at 131k tokens on an H100 a block's checkpoint (2.1 GB) takes longer to read beside
+the spilled gradients' writes than a block's backward pass (bench/results/2026-11-26-issue42-read-ahead.md).
 """
 
 from __future__ import annotations
@@ -27,10 +35,6 @@ from ..tiers.slab import alloc_slab
 from .streams import StallClock, Streams
 
 READ_WINDOW = 4  # pieces the reader has in flight (at most the ring's)
-IN_FLIGHT = 2  # blocks whose inputs may be on their way to NVMe at once
-COPIES_AHEAD = (
-    2  # pieces the writer copies down ahead of the one whose copy it waits for (fewer than the ring's)
-)
 
 
 class ActivationStore:
@@ -78,7 +82,14 @@ class ActivationStore:
             self._out = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-out")
             self._in = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-in")
             self.written: dict[int, Future] = {}  # block -> its writer job (-> the disk writes of its pieces)
-            self.on_way: deque[Future] = deque()
+            self.on_way: deque[Future] = deque()  # writer jobs whose block still holds its GPU memory
+        self.place(homes)
+
+    def place(self, homes: dict[int, str]) -> None:
+        """Each block's checkpoint home, and so the GPU's room: the checkpoints it may hold at once, in blocks."""
+        self.homes = homes
+        self.room = max(sum(h == Home.GPU for h in homes.values()) + 1, 2)
+        self.nvme_desc = sorted((u for u, h in homes.items() if h == Home.NVME), reverse=True)
 
     def close(self) -> None:
         if self.store is not None:
@@ -98,16 +109,25 @@ class ActivationStore:
             self._host.clear()
             self._shape = shape
         if home == Home.GPU:
+            self._make_room()
             self.saved[unit] = xs
         elif home == Home.HOST:
             self._save_host(unit, xs)
         else:
-            while len(self.on_way) >= IN_FLIGHT:
-                self._wait(self.on_way.popleft())
+            self._make_room()
             job = self._out.submit(self._write, unit, xs, self.s.record(self.s.compute))
             self.written[unit] = job
             self.on_way.append(job)
             self.d2h_bytes += sum(x.numel() * x.element_size() for x in xs)
+
+    def _make_room(self) -> None:
+        """Waits for blocks on their way down until one more checkpoint fits the GPU's room with those saved."""
+        if self.store is None:
+            return
+        while self.on_way and self.on_way[0].done():
+            self.on_way.popleft()
+        while self.on_way and len(self.saved) + len(self.on_way) + 1 > self.room:
+            self._wait(self.on_way.popleft())
 
     def _save_host(self, unit: int, xs: list[torch.Tensor]) -> None:
         if unit not in self._host:  # page-rounded (torch's pinned allocator rounds up to a power of two)
@@ -170,6 +190,16 @@ class ActivationStore:
 
     # ---- the backward pass -------------------------------------------------------------------
     def prefetch(self, unit: int) -> None:
+        """The block's checkpoint on its way back to the GPU, and the next NVMe ones below it as far as the GPU's
+        room allows (the blocks the backward pass finished have left theirs)."""
+        self._fetch(unit)
+        for u in self.nvme_desc:
+            if len(self.saved) >= self.room:
+                break
+            if u < unit and u not in self.saved:
+                self._fetch(u)
+
+    def _fetch(self, unit: int) -> None:
         home = self.homes.get(unit, Home.GPU)
         if home == Home.GPU or unit in self.saved:
             return
@@ -217,7 +247,7 @@ class ActivationStore:
         return last
 
     def get(self, unit: int) -> list[torch.Tensor]:
-        self.prefetch(unit)
+        self._fetch(unit)
         if unit in self.reads:
             self.ready[unit] = self._wait(self.reads.pop(unit))
         self.clock.wait("h2d_wait", self.ready.pop(unit, None))
