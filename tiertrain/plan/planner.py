@@ -342,8 +342,8 @@ def _bottleneck(t: dict, bwd: float, fwd: float) -> str:
 def checkpoint_homes(blocks: int, counts: dict[Home, int]) -> dict[int, Home]:
     """The home of each recomputed block's checkpoint (blocks 1..`blocks`), `counts` of them per home: NVMe's
     spread evenly from the first block (each write and read then has the blocks between to hide behind; a run of
-    first blocks made the forward pass wait for the disk, at most two blocks on their way down at once), then the
-    GPU's from the last block back (the first the backward pass needs), the host's for the rest."""
+    first blocks made the forward pass wait for the disk, with two blocks on their way down at most, as it then
+    allowed), then the GPU's from the last block back (the first the backward pass needs), the host's for the rest."""
     n = min(counts.get(Home.NVME, 0), blocks)
     nvme = {1 + i * blocks // n for i in range(n)}
     rest = [b for b in range(blocks, 0, -1) if b not in nvme]
