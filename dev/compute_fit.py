@@ -4,7 +4,8 @@ bench/results measured: each run's forward and backward seconds against plan.tim
 same shape (its micro-batch, tile, kept blocks and kernel, read from its result file), least squares on the
 relative error. Head size 128 only (the llama-1b run at 64 checks attention_head_scale). Needs no GPU.
 
-    python dev/compute_fit.py          # the table, the fit, and each run's planned compute at the fit
+    python dev/compute_fit.py            # the table, the fit, and each run's planned compute at the fit
+    python dev/compute_fit.py --kernels  # the same on the runs of the dense kernels' code (2026-11-26)
 """
 
 from __future__ import annotations
@@ -43,23 +44,40 @@ RUNS = (
 # the Qwen3-30B-A3B cuts on the H100, on the experts of 2026-11-25's fused activation and slot sums, cuDNN's
 # attention (bench/results/2026-11-25-issue40-experts.md): (config, --set, measured forward and backward s); their
 # shape is the plan's
+# the runs of the code with the dense block's kernels (2026-11-26: RoPE, fused RMSNorm), H100s, each planned with
+# its machine's probe (bench/results/2026-11-26-issue42-read-ahead.md); they check the rescale to 0.70
+PROBE_A, PROBE_B = RESULTS / "2026-11-26-H100-probe-a.json", RESULTS / "2026-11-26-H100-probe-b.json"
+KERNEL_RUNS = (
+    ("2026-11-26-H100-llama5b-8k-kernels-after", "cli", 16, H100),
+    ("2026-11-26-H10080GBHBM3-llama3b-32768-32k-batch1", "tiertrain", 1, PROBE_A),
+    ("2026-11-26-H10080GBHBM3-llama3.1-8b-131072-long-131072", "long", 1, PROBE_A),
+    ("2026-11-26-H10080GBHBM3-llama3.1-8b-131072-ahead-after-131072", "after", 1, PROBE_B),
+    ("2026-11-26-H10080GBHBM3-llama3.1-8b-262144-long-262144", "long", 1, PROBE_A),
+)
 MOE_RUNS = (
     ("bench/configs/qwen3-30b-a3b-6l.toml", ["train.batch_size=8"], 0.280, 1.660),
     ("qwen3-30b-a3b", ["model.num_hidden_layers=18", "train.batch_size=4"], 0.404, 1.789),
 )
 MOE_KERNEL = "cudnn"
-# the CLI run of llama-5b at 8k (bench/results/2026-11-25-issues41-43.md): its log's measured forward and backward,
-# its plan file's shape
-CLI_8K = {"forward_s": 3.224, "backward_s": 10.200, "seq_len": 8192}
+# the CLI runs of llama-5b at 8k: their logs' measured forward and backward, their shape (the plan file's of
+# bench/results/2026-11-25-issues41-43.md; the later run's log says micro-batches of 2 and 23 of its 24 blocks
+# recomputed, bench/results/2026-11-26-dense-kernels.md)
+PLAN_8K = json.loads((RESULTS / "2026-11-25-H100-llama5b-8k-plan.json").read_text())
+CLI_8K = {
+    "2026-11-25-H100-llama5b-8k": {"forward_s": 3.224, "backward_s": 10.200, "plan": PLAN_8K},
+    "2026-11-26-H100-llama5b-8k-kernels-after": {
+        "forward_s": 2.668,
+        "backward_s": 8.732,
+        "plan": {"micro_batch": 2, "tile": 0, "kept": 1},
+    },
+}
 
 
 def load(name: str, system: str, batch: int) -> tuple[dict, object]:
     """(the run's row: forward_s, backward_s, plan), its config."""
     if system == "cli":
-        p = json.loads((RESULTS / "2026-11-25-H100-llama5b-8k-plan.json").read_text())
-        row = CLI_8K | {"plan": p}
-        sets = [f"train.seq_len={row['seq_len']}", f"model.max_position_embeddings={row['seq_len']}"]
-        return row, load_config("llama-5b", sets + [f"train.batch_size={batch}"])
+        sets = ["train.seq_len=8192", "model.max_position_embeddings=8192", f"train.batch_size={batch}"]
+        return CLI_8K[name], load_config("llama-5b", sets)
     d = json.loads((RESULTS / f"{name}.json").read_text())
     row = next(r for r in d["rows"] if r["system"] == system and r["batch"] == batch)
     config = d["args"]["config"]
@@ -147,8 +165,9 @@ def experts(e: float, a: float) -> None:
 
 
 def main() -> None:
+    kernels = "--kernels" in sys.argv
     rows, A, b, names = [], [], [], []
-    for name, system, batch, probe in RUNS:
+    for name, system, batch, probe in KERNEL_RUNS if kernels else RUNS:
         row, cfg = load(name, system, batch)
         hw = HardwareSpec.load(probe) if probe else REFERENCE
         head = cfg.model.hd
@@ -175,8 +194,9 @@ def main() -> None:
             f"| {name}{' (head 64)' if head != 128 else ''} | {seq:,} | {m[0]:.3f} / {m[1]:.3f} | "
             f"{p0[0] / m[0]:.2f}x / {p0[1] / m[1]:.2f}x | {p1[0] / m[0]:.2f}x / {p1[1] / m[1]:.2f}x |"
         )
-    print()
-    experts(REFERENCE.compute_efficiency, REFERENCE.attention_efficiency)
+    if not kernels:  # the experts' runs are of the code before the dense kernels
+        print()
+        experts(REFERENCE.compute_efficiency, REFERENCE.attention_efficiency)
 
 
 if __name__ == "__main__":
