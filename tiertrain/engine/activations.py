@@ -82,7 +82,7 @@ class ActivationStore:
             self._out = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-out")
             self._in = ThreadPoolExecutor(1, thread_name_prefix="tiertrain-ck-in")
             self.written: dict[int, Future] = {}  # block -> its writer job (-> the disk writes of its pieces)
-            self.on_way: deque[Future] = deque()  # writer jobs whose block still holds its GPU memory
+            self.on_way: deque[Future] = deque()  # writer jobs not seen to end: their blocks' GPU memory
         self.place(homes)
 
     def place(self, homes: dict[int, str]) -> None:
@@ -120,13 +120,20 @@ class ActivationStore:
             self.on_way.append(job)
             self.d2h_bytes += sum(x.numel() * x.element_size() for x in xs)
 
-    def _make_room(self) -> None:
-        """Waits for blocks on their way down until one more checkpoint fits the GPU's room with those saved."""
+    def _held(self) -> int:
+        """The checkpoints holding GPU memory: those saved or read back, and those whose copies down have not ended
+        (the writer ends them in order)."""
         if self.store is None:
-            return
+            return len(self.saved)
         while self.on_way and self.on_way[0].done():
             self.on_way.popleft()
-        while self.on_way and len(self.saved) + len(self.on_way) + 1 > self.room:
+        return len(self.saved) + len(self.on_way)
+
+    def _make_room(self) -> None:
+        """Waits for blocks on their way down until one more checkpoint fits the GPU's room."""
+        if self.store is None:
+            return
+        while self._held() + 1 > self.room and self.on_way:
             self._wait(self.on_way.popleft())
 
     def _save_host(self, unit: int, xs: list[torch.Tensor]) -> None:
@@ -194,7 +201,7 @@ class ActivationStore:
         room allows (the blocks the backward pass finished have left theirs)."""
         self._fetch(unit)
         for u in self.nvme_desc:
-            if len(self.saved) >= self.room:
+            if self._held() >= self.room:
                 break
             if u < unit and u not in self.saved:
                 self._fetch(u)

@@ -150,6 +150,7 @@ class Step:
                 saved = ck.get(i)  # waits for its H2D outside the timed compute
                 with clock.computing("backward"):
                     gx = self.block_backward(i, leaves, pairs, saved, gx)
+                del saved  # its memory is the room the next checkpoints are read into
             self.release(i)
             ck.drop(i)
             norms[i] = grads.drain(i)

@@ -269,8 +269,9 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
         if n_host < nl - n_gpu:
             n_host = max(0, int((room - ck_ring_bytes(s.run_plan.ck_pieces)) // host_cost(ck_unit)))
     split = {Home.GPU: n_gpu, Home.HOST: n_host, Home.NVME: nl - n_gpu - n_host}
-    # the backward pass holds the block's checkpoint and the next one's: of the others, two in flight
-    # the block's, cast back
+    # the GPU's room for checkpoints: its own and one more, at least two (the backward pass holds the block's and
+    # the next one's); the store's reads and writes run ahead within it (engine/activations.py); and the block's,
+    # cast back
     on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit + (
         s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0
     )
