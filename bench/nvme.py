@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from bench.baselines import run_deepspeed
 from bench.common import batch, commit, peak_rss_gb, run_worker
-from bench.pipeline import run_deepspeed
 
 OVERHEAD_GB = 3.0  # tiertrain's RSS beyond its --host-gb: Python, torch, the CUDA context (measured: 1.4-2.6)
 STAGES = ("probe", "deepspeed", "tiertrain", "checkpoint", "big", "least")

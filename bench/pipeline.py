@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from statistics import median
 
-from bench import dram, timeline
-from bench.common import batch, commit, peak_rss_gb, reference_model, run_worker
+from bench import timeline
+from bench.baselines import BASELINES, result_row, run_deepspeed, run_gpu
+from bench.common import batch, commit, run_worker
+from bench.pipeline_report import report, write
 
 TIERTRAIN = {
     "tiertrain": [],  # what `tiertrain run` does with the config's defaults: the plan chooses
@@ -39,11 +40,6 @@ TIERTRAIN = {
         "optim.speculate_gpu_updates=false",
     ],
 }
-BASELINES = {
-    "gpu": "all-in-GPU PyTorch",
-    "gpu-nockpt": "all-in-GPU PyTorch, no activation checkpointing",
-    "deepspeed": "DeepSpeed ZeRO-3 offload CPU",
-}
 SYSTEMS = ("probe", "deepspeed", "tiertrain", "gpu")
 
 
@@ -58,31 +54,6 @@ def common(a, B: int) -> list[str]:
         "optim.min_lr=0.0",
         f"optim.grad_clip={a.grad_clip}",
     ]
-
-
-def _row(
-    system: str,
-    kind: str,
-    B: int,
-    S: int,
-    times: list[float],
-    gpu_peak: float,
-    flops_per_token: float,
-    **extra,
-) -> dict:
-    t = median(times)
-    return {
-        "system": system,
-        "kind": kind,
-        "batch": B,
-        "tokens": B * S,
-        "step_s": t,
-        "tokens_per_s": B * S / t,
-        "model_tflops": flops_per_token * B * S / t / 1e12,
-        "gpu_peak_gb": gpu_peak,
-        "host_peak_rss_gb": peak_rss_gb(),
-        **extra,
-    }
 
 
 def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
@@ -116,7 +87,7 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
     }
     kept = [r.get("speculation_kept", 0) for r in recs]
     redone = [r.get("speculation_redone", 0) for r in recs]
-    row = _row(
+    row = result_row(
         system,
         "tiertrain",
         B,
@@ -149,155 +120,6 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
     return [row]
 
 
-def _timed(a, B: int, S: int, V: int, step) -> tuple[list[float], float]:
-    """Runs step(inputs, targets) on the GPU warm-up + timed times; (timed seconds, peak GPU GB of those)."""
-    import torch
-
-    times, peaks = [], []
-    for k in range(a.warmup + a.steps):
-        inp, tgt = (t.cuda() for t in batch(B, S, V, k))
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(inp, tgt)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        peaks.append(torch.cuda.max_memory_allocated() / 1e9)
-    return times[a.warmup :], max(peaks[a.warmup :])
-
-
-def attention_kernel(a, cfg) -> str:
-    """The attention kernel tiertrain's plan takes for this config on this GPU, with the figures it plans with
-    (--hardware): the one the all-in-GPU baseline runs too, so that the ratio compares the rest."""
-    import torch
-
-    from tiertrain.plan.attention import choose
-    from tiertrain.probe import run_hardware
-    from tiertrain.sections import fixed
-
-    tc = cfg.train
-    hw = run_hardware(
-        torch.device("cuda"), a.hardware and Path(a.hardware), "auto", cfg.model, "bfloat16", tc.attention
-    )
-    return choose(fixed(tc.attention), tc.deterministic, "bfloat16", hw)
-
-
-def run_gpu(a, checkpointing: bool = True) -> list[dict]:
-    import torch
-
-    from tiertrain.config import load_config
-    from tiertrain.model.attention import backends
-
-    cfg = load_config(a.config)
-    spec, S = cfg.model, cfg.train.seq_len
-    kernel = attention_kernel(a, cfg)
-    kernel = "" if kernel == "flash_attn" else kernel  # SDPA's only: ReferenceLM calls SDPA
-    with torch.device("cuda"):
-        model = reference_model(spec, checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-
-    def step(inp, tgt):
-        opt.zero_grad(set_to_none=True)
-        for m in range(0, inp.shape[0], a.micro):
-            # the backward pass recomputes checkpointed layers: the kernel holds there too
-            with backends(kernel):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = model(inp[m : m + a.micro], tgt[m : m + a.micro]) / tgt.numel()
-                loss.backward()
-        if a.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
-        opt.step()
-
-    rows = []
-    for B in a.batches:
-        times, peak = _timed(a, B, S, spec.vocab_size, step)
-        kind = "gpu" if checkpointing else "gpu-nockpt"
-        rows.append(_row(BASELINES[kind], kind, B, S, times, peak, spec.flops_per_token(S), attention=kernel))
-    return rows
-
-
-def deepspeed_config(a, nvme_dir: str | None = None) -> dict:
-    pin = not getattr(a, "ds_unpinned", False)  # bench.nvme has no such flag
-    opt_off = {"device": "cpu", "pin_memory": pin}
-    if nvme_dir:
-        opt_off = {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": True, "buffer_count": 4}
-    return {
-        "train_batch_size": max(a.batches),
-        "train_micro_batch_size_per_gpu": a.micro,
-        "gradient_accumulation_steps": max(a.batches) // a.micro,
-        "bf16": {"enabled": True},
-        "gradient_clipping": getattr(a, "grad_clip", 1.0),
-        "steps_per_print": 10**9,
-        # the engine switches off an outer torch.autocast unless its own section asks for one
-        "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-        },
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": pin},
-            "offload_optimizer": opt_off,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            # ZeRO-3's own F.linear ignores autocast; the plain one runs the same math
-            # as the other systems
-            "memory_efficient_linear": False,
-        },
-    }
-
-
-def run_deepspeed(a, nvme_dir: str | None = None) -> list[dict]:
-    for k, v in (
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", "29533"),
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-    ):
-        os.environ.setdefault(k, v)
-    import deepspeed
-    import torch
-
-    from tiertrain.config import load_config
-
-    spec = load_config(a.config).model
-    S = load_config(a.config).train.seq_len
-    deepspeed.init_distributed()
-    conf = deepspeed_config(a, nvme_dir)
-    t0 = time.perf_counter()
-    # each parameter partitioned to the host as it is made: a whole fp32 model beside ZeRO's own copies
-    # does not fit the host's RAM from about 5B parameters on a 128 GiB machine
-    pin = conf["zero_optimization"]["offload_param"]["pin_memory"]
-    with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=pin):
-        model = reference_model(spec, checkpointing=True)
-    if spec.is_moe:  # ZeRO-3 gathers an MoE block's experts whole: its hooks never wait on an idle expert
-        from deepspeed.utils import set_z3_leaf_modules
-
-        set_z3_leaf_modules(
-            model, [type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
-        )
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
-    setup_s = time.perf_counter() - t0
-
-    def step(inp, tgt):
-        for m in range(0, inp.shape[0], a.micro):
-            # DeepSpeed's bf16 holds the weights in bf16 but does not cast activations: autocast does
-            # (configured in torch_autocast), so all three systems run the same mixed-precision math
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = engine(inp[m : m + a.micro], tgt[m : m + a.micro]) / (a.micro * S)
-            engine.backward(loss)
-            engine.step()
-
-    rows = []
-    for B in a.batches:
-        engine.set_train_batch_size(B)
-        times, peak = _timed(a, B, S, spec.vocab_size, step)
-        name = "DeepSpeed ZeRO-3 offload " + ("optimizer->NVMe" if nvme_dir else "CPU")
-        rows.append(_row(name, "deepspeed", B, S, times, peak, spec.flops_per_token(S), setup_s=setup_s))
-    return rows
-
-
 def worker(a) -> None:
     if a.worker == "probe":
         from tiertrain.probe import probe
@@ -310,160 +132,6 @@ def worker(a) -> None:
     else:
         out = run_deepspeed(a)
     Path(a.json).write_text(json.dumps(out))
-
-
-def systems_table(rows: list[dict]) -> list[str]:
-    """Each tiertrain row's overrides and what its RunPlan resolved: the settings behind every number."""
-    lines = [
-        "| system | batch | --set | micro | stream | checkpoints | resident GB | updates |",
-        "| --- " * 8 + "|",
-    ]
-    for r in rows:
-        if r["kind"] == "tiertrain":
-            p = r["plan"]
-            modes = [u["update"] for u in p["units"]]
-            counts = ", ".join(f"{modes.count(m)} {m}" for m in dict.fromkeys(modes))
-            lines.append(
-                f"| {r['system']} | {r['batch']} | {' '.join(r['sets']) or '(defaults)'} | {p['micro_batch']} | "
-                f"{p['stream']} | {p['activations']} | {p['resident_gb']:g} | {counts} |"
-            )
-    return lines + [""] if len(lines) > 2 else []
-
-
-def report(a, probe: dict, rows: list[dict], errors: dict[str, str], date: str, meta: dict) -> str:
-    from tiertrain.config import load_config
-
-    cfg = load_config(a.config)
-    n = cfg.model.n_params
-    lines = [
-        f"# {Path(a.config).name.removesuffix('.toml')}: tiertrain vs all-in-GPU vs DeepSpeed ZeRO-3 CPU offload",
-        "",
-        f"- date: {date}",
-        f"- hardware: {probe.get('gpu')} ({probe.get('gpu_mem_gb', 0):.0f} GB), {probe.get('cpu_count')} CPUs"
-        if probe
-        else f"- hardware: {meta['gpu']}, as the probe file says (no `probe` system in this run)"
-        if meta.get("gpu")
-        else "- hardware: not probed in this run (no `probe` system)",
-        f"- command: `python -m bench.pipeline {' '.join(sys.argv[1:])}`",
-        f"- model: {n / 1e9:.2f} B parameters, seq {cfg.train.seq_len}, micro-batch {a.micro}, bf16 compute, "
-        f"random tokens; {a.warmup} warm-up + {a.steps} timed steps per point, median; gradient clipping "
-        f"{a.grad_clip:g} in every system (0: off)",
-        f"- ceilings measured in this run: H2D {probe.get('h2d_gbs', 0):.1f} GB/s, D2H {probe.get('d2h_gbs', 0):.1f} "
-        f"GB/s, both {probe.get('bidir_gbs', 0):.1f} GB/s, pageable H2D {probe.get('pageable_h2d_gbs', 0):.1f} GB/s, "
-        f"bf16 matmul {probe.get('bf16_tflops', 0):.0f} TFLOP/s, host AdamW "
-        f"{probe.get('host_adam_fp32_stream_params_per_s', 0) / 1e9:.2f} G params/s (with the rounding into a "
-        f"bf16 copy: {probe.get('host_adam_params_per_s', 0) / 1e9:.2f}; into a speculative update's copies: "
-        f"{probe.get('host_adam_into_copies_params_per_s', 0) / 1e9:.2f}, kernel {probe.get('host_kernel', 'torch')})",
-        "",
-    ]
-    if not probe:  # no ceilings measured: say so rather than print zeros
-        lines.pop(-2)
-    lines.insert(
-        3,
-        f"- commit: {meta.get('commit')}{' (with uncommitted changes)' if meta.get('dirty') else ''}; "
-        f"tiertrain planned with {meta.get('hardware', 'the reference figures')}",
-    )
-    for name, err in errors.items():
-        lines.append(f"- **{name}**: {err}" if err.startswith("skipped") else f"- **{name} failed**: `{err}`")
-    lines += systems_table(rows)
-    lines += [
-        "| system | batch | tokens/step | tokens/s | model TFLOP/s | GPU peak GB | host peak RSS GB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    rows = sorted(rows, key=lambda r: (r["batch"], r["system"]))  # every table in this order
-    for r in rows:
-        lines.append(
-            f"| {r['system']} | {r['batch']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['model_tflops']:.0f} | {r['gpu_peak_gb']:.1f} | {r['host_peak_rss_gb']:.1f} |"
-        )
-    lines += [
-        "",
-        "## tiertrain against baselines and its floor",
-        "",
-        "floor = max(compute, H2D bytes / H2D rate, D2H bytes / D2H rate, params / host AdamW rate), with "
-        "the AdamW rate of the variant (fp32 stream: no bf16 rounding): the probe's, or, marked *, the rate "
-        "the step's own host updates after the norm reached (resident units' GPU updates left out) where higher "
-        "(a ceiling is at least what was reached; 'AdamW G/s'); "
-        "compute is tiertrain's own measured GPU compute time (forward + recompute + backward). "
-        "sched floor = backward + max(forward, AdamW): exact clipping needs the global norm, so the "
-        "update can only overlap the next forward pass (speculated units' updates overlap the backward pass: "
-        "'spec.' = units speculated, +Ng: and N GPU-updated units speculated on the GPU; and of the warm-up and timed steps those kept / redone).",
-        "",
-        "AdamW s counts the parameters the host updates (not those of units updated on the GPU, "
-        "'GPU upd.'); their state's bytes are in H2D and D2H.",
-        "",
-        "| system | batch | step s | vs all-in-GPU | vs DeepSpeed | GPU upd. | fwd s | bwd s | H2D s | D2H s "
-        "| AdamW G/s | AdamW s | floor s | step/floor | sched floor s | step/sched | waits h2d/d2h/opt s | plan s | spec. |",
-        "| --- | " + "--- | " * 18,
-    ]
-    by = {(r["kind"], r["batch"]): r for r in rows if r["kind"] != "tiertrain"}
-    for r in rows:
-        if r["kind"] != "tiertrain":
-            continue
-        rate, reached = dram.adam_rate(r, probe)
-        adam = r.get("host_adam_params", n) / rate if rate else float("nan")
-        B = r["batch"]
-        gpu = by.get(("gpu-nockpt", B)) or by.get(("gpu", B))  # the faster all-in-GPU run where it fits
-        ds = by.get(("deepspeed", B))
-        h2d = r["h2d_gb"] / probe["h2d_gbs"] if probe.get("h2d_gbs") else float("nan")
-        d2h = r["d2h_gb"] / probe["d2h_gbs"] if probe.get("d2h_gbs") else float("nan")
-        comp = r["forward_s"] + r["backward_s"]
-        floor = max(comp, h2d, d2h, adam)
-        sched = r["backward_s"] + max(r["forward_s"], adam)
-        ratio = lambda o: f"{r['tokens_per_s'] / o['tokens_per_s']:.2f}x" if o else "n/a"
-        pred = f"{r['pred_step_s']:.3f}" if r.get("pred_step_s") else "n/a"
-        lines.append(
-            f"| {r['system']} | {B} | {r['step_s']:.3f} | {ratio(gpu)} | {ratio(ds)} | {r.get('gpu_updates', 0)} | "
-            f"{r['forward_s']:.3f} | {r['backward_s']:.3f} | {h2d:.3f} | {d2h:.3f} | {rate / 1e9:.2f}{'*' if reached else ''} | "
-            f"{adam:.3f} | {floor:.3f} | "
-            f"{r['step_s'] / floor:.2f} | {sched:.3f} | {r['step_s'] / sched:.2f} | "
-            f"{r['h2d_wait_s']:.3f}/{r['d2h_wait_s']:.3f}/{r['opt_wait_s']:.3f} | {pred} | "
-            + (
-                f"{r['speculated']}{'+%dg' % r['gpu_speculated'] if r.get('gpu_speculated') else ''}: "
-                f"{r['kept']}/{r['redone']} |"
-                if r.get("speculated") or r.get("gpu_speculated")
-                else "0 |"
-            )
-        )
-    mem = [
-        f"| {r['system']} | {r['batch']} | {r['gpu_peak_gb']:.1f} | "
-        f"{r['gpu_peak_gb'] / by[('gpu', r['batch'])]['gpu_peak_gb']:.2f} |"
-        for r in rows
-        if r["kind"] == "tiertrain" and ("gpu", r["batch"]) in by
-    ]
-    if mem:
-        lines += [
-            "",
-            "| system | batch | GPU peak GB | / all-in-GPU peak |",
-            "| --- | --- | --- | --- |",
-        ] + mem
-    lines += dram.table(rows, probe)
-    lines += timeline.table(rows)
-    return "\n".join(lines) + "\n"
-
-
-def _write(a, out: Path, probe: dict, results: list[dict], errors: dict[str, str], meta: dict) -> str:
-    # the machine, where the probe ran
-    gpu = (probe.get("gpu") or meta.get("gpu") or "unprobed").replace("NVIDIA ", "").replace(" ", "")
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-{Path(a.config).name.removesuffix('.toml').replace('llama-', 'llama')}{a.tag}"
-    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    text = report(a, probe, results, errors, date, meta)
-    (out / f"{stem}.md").write_text(text)
-    args = {
-        "batches": a.batches,
-        "micro": a.micro,
-        "warmup": a.warmup,
-        "steps": a.steps,
-        "argv": sys.argv,
-        "grad_clip": a.grad_clip,
-        "config": a.config,
-    }
-    (out / f"{stem}.json").write_text(
-        json.dumps(
-            {"probe": probe, "rows": results, "errors": errors, "date": date, "args": args, **meta}, indent=1
-        )
-    )
-    return text
 
 
 def main() -> None:
@@ -585,7 +253,7 @@ def main() -> None:
                     or []
                 )
                 # after every worker: a lost machine keeps what ran
-                _write(a, out, probe, results, errors, meta)
+                write(a, out, probe, results, errors, meta)
             continue
         if system != "probe" and system not in BASELINES:
             raise SystemExit(f"--systems: unknown system {system!r}; define it with --define {system} SET...")
@@ -608,8 +276,8 @@ def main() -> None:
                 meta["hardware"] = "this run's probe"
         else:
             results += data or []
-        _write(a, out, probe, results, errors, meta)
-    print(_write(a, out, probe, results, errors, meta))
+        write(a, out, probe, results, errors, meta)
+    print(write(a, out, probe, results, errors, meta))
 
 
 if __name__ == "__main__":

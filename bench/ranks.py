@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from bench.baselines import deepspeed_config
 from bench.common import batch, commit, peak_rss_gb
-from bench.pipeline import deepspeed_config
 
 
 def _rows(B: int) -> slice:

@@ -152,7 +152,8 @@ def test_a_bench_system_is_overrides_and_its_rows_record_the_plan(tmp_path):
     RunPlan they resolved to, and the report's systems table reads the plan, not the name."""
     import argparse
 
-    from bench.pipeline import TIERTRAIN, run_tiertrain, systems_table
+    from bench.pipeline import TIERTRAIN, run_tiertrain
+    from bench.pipeline_report import systems_table
     from tiertrain.plan.hardware import REFERENCE
 
     hw = tmp_path / "hw.json"
