@@ -244,7 +244,10 @@ def test_nvme_checkpoints_run_ahead_within_the_gpus_room(tmp_path, monkeypatch):
     streams = Streams(cpu)
     xs = {u: [torch.randn(4 * 2048)] for u in range(1, 9)}  # 4 pieces a block
     io = SlowIO()
-    acts = ActivationStore(homes, streams, StallClock(streams), cpu, False, PieceStore(tmp_path, nvme, 4, io))
+    # a ring of 2 buffers: a block's copies down wait for its first writes (20 ms each), so blocks 1 and 3 are
+    # still on their way when block 6 is saved, whatever the threads' timing
+    store = PieceStore(tmp_path, nvme, 4, io)
+    acts = ActivationStore(homes, streams, StallClock(streams), cpu, False, store, pieces=2)
     assert acts.room == 4
 
     def held():  # checkpoints holding GPU memory: those saved, those whose copies down have not ended
