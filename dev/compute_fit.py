@@ -41,9 +41,6 @@ RUNS = (
     ("2026-11-24-H200-llama3b-512k", "long", 1, None),
     ("2026-11-24-H200-llama1b-1m", "long", 1, None),
 )
-# the Qwen3-30B-A3B cuts on the H100, on the experts of 2026-11-25's fused activation and slot sums, cuDNN's
-# attention (bench/results/2026-11-25-issue40-experts.md): (config, --set, measured forward and backward s); their
-# shape is the plan's
 # the runs of the code with the dense block's kernels (2026-11-26: RoPE, fused RMSNorm), H100s, each planned with
 # its machine's probe (bench/results/2026-11-26-issue42-read-ahead.md); they check the rescale to 0.70
 PROBE_A, PROBE_B = RESULTS / "2026-11-26-H100-probe-a.json", RESULTS / "2026-11-26-H100-probe-b.json"
@@ -54,6 +51,9 @@ KERNEL_RUNS = (
     ("2026-11-26-H10080GBHBM3-llama3.1-8b-131072-ahead-after-131072", "after", 1, PROBE_B),
     ("2026-11-26-H10080GBHBM3-llama3.1-8b-262144-long-262144", "long", 1, PROBE_A),
 )
+# the Qwen3-30B-A3B cuts on the H100, on the experts of 2026-11-25's fused activation and slot sums, cuDNN's
+# attention (bench/results/2026-11-25-issue40-experts.md): (config, --set, measured forward and backward s); their
+# shape is the plan's
 MOE_RUNS = (
     ("bench/configs/qwen3-30b-a3b-6l.toml", ["train.batch_size=8"], 0.280, 1.660),
     ("qwen3-30b-a3b", ["model.num_hidden_layers=18", "train.batch_size=4"], 0.404, 1.789),
