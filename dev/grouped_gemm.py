@@ -3,8 +3,9 @@ torch's (CUTLASS) pads each expert's rows to 128-row tiles (about 12% of the wor
 expert) and needs the rows gathered first (model/moe.py's index_select, 7% of the experts' GPU time). This is a
 Triton kernel with shorter tiles and the gather inside: out[r] = x[src[r]] @ w[e] for the rows r of expert e
 (sorted by expert, expert e's ending at ends[e]), timed against index_select + torch's grouped matmul on the
-forward projections of Qwen3-30B-A3B's experts. Not used by tiertrain: an experiment to decide whether the
-backward's GEMMs are worth writing too.
+forward projections of Qwen3-30B-A3B's experts. Not used by tiertrain: on an H100 every configuration below ran
+1.17-1.79x slower than torch's (bench/results/2026-11-26-issue40-own-kernels.md), so the backward's GEMMs were not
+written.
 
     python dev/grouped_gemm.py [--tokens 8192] [--out FILE.json]   # on a Hopper GPU: every tile config, timed
     TRITON_INTERPRET=1 python dev/grouped_gemm.py --check            # anywhere with triton: values on a small case
