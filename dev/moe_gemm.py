@@ -2,13 +2,14 @@
 sort, the grouped GEMMs, the pairs summed back to their tokens) forward and backward, in bf16, beside a SwiGLU MLP of
 intermediate size k x I on the same tokens, with the parts timed alone. Qwen3-30B-A3B's shape by default.
 
-    python dev/moe_gemm.py [--tokens 8192] [--root TREE] [--out FILE.json]
+    python dev/moe_gemm.py [--tokens 8192] [--root TREE] [--graph] [--out FILE.json]
 
 The experts are timed with their Triton kernels (the default on a GPU) and eager. --root times the tiertrain of
 another tree (an older commit's: `git archive REV | tar -x -C TREE`) with this script; run both in one call and
 compare each one's ratio to its own dense MLP. Each pass is timed two ways: one call from an
 idle GPU (events around it, so the CPU's launches count where it falls behind), and calls queued back to back
 (the GPU's time where the CPU keeps ahead of it, as it does in a step); `*_issue_s` is the CPU's time to issue one.
+--graph also replays each pass as one CUDA graph (`*_graph_s`): the GPU's time without the launches' gaps.
 """
 
 from __future__ import annotations
@@ -52,6 +53,26 @@ def queued(fn, reps: int = 20) -> float:
     return a.elapsed_time(b) / 1e3 / reps
 
 
+def graphed(fn, reps: int = 20) -> float | str:
+    """Mean seconds of fn() replayed as one CUDA graph, reps replays back to back (no launch gaps: what a graph of
+    the experts' pass would buy); the error's text where fn cannot be captured."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up on a side stream, as torch.cuda.graphs asks
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        # thread_local: autograd's own thread runs the backward, and another thread's calls must not end the capture
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            fn()
+    except Exception as e:  # noqa: BLE001 - the measurement says why it is missing
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}: {e}"[:300]
+    return queued(g.replay, reps)
+
+
 def issue(fn, reps: int = 10) -> float:
     """Median seconds the CPU takes to issue fn() to an idle GPU."""
     times = []
@@ -72,6 +93,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--root", default=None, help="the tree whose tiertrain to time (default: this script's)")
+    p.add_argument("--graph", action="store_true", help="also time each pass replayed as one CUDA graph")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     H, I, E, k, T = a.hidden, a.expert_size, a.experts, a.k, a.tokens
@@ -141,6 +163,12 @@ def main() -> None:
             moe.route(w, h, ctx)
 
     flops = 2 * 3 * T * k * H * I  # forward matmul FLOPs of the active experts (= the dense MLP's)
+    # the graphs first: captured after the passes below had run eagerly, the experts' capture failed on an H100
+    graphs = (
+        {"experts_fwd_bwd_graph_s": graphed(experts_fb), "dense_fwd_bwd_graph_s": graphed(dense_fb)}
+        if a.graph
+        else {}
+    )
     r = {
         "shape": dict(tokens=T, hidden=H, expert_size=I, experts=E, k=k),
         "torch": torch.__version__,
@@ -161,6 +189,9 @@ def main() -> None:
     r["experts_fwd_bwd_queued_s"], r["dense_fwd_bwd_queued_s"] = queued(experts_fb), queued(dense_fb)
     r["experts_fwd_bwd_issue_s"], r["dense_fwd_bwd_issue_s"] = issue(experts_fb), issue(dense_fb)
     r["queued_ratio"] = r["experts_fwd_bwd_queued_s"] / r["dense_fwd_bwd_queued_s"]
+    r.update(graphs)
+    if graphs and all(isinstance(v, float) for v in graphs.values()):
+        r["graph_ratio"] = r["experts_fwd_bwd_graph_s"] / r["dense_fwd_bwd_graph_s"]
     try:  # the switch: model/kernels.py's, or the older trees' in model/moe.py
         from tiertrain.model import kernels as owner
 
