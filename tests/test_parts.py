@@ -20,7 +20,12 @@ from tiertrain.errors import ConfigError
 from tiertrain.model.parts import EXPERTS, gaps, group_options, unit_parts
 from tiertrain.tiers.slab import SlabLayout
 
-MOE = ['model.model_type="qwen3_moe"', "model.num_experts=4", "model.num_experts_per_tok=2"]
+MOE = [
+    'model.model_type="qwen3_moe"',
+    "model.qk_norm=true",
+    "model.num_experts=4",
+    "model.num_experts_per_tok=2",
+]
 BLOCK = [  # a gpt-oss block's tensors, tiny: biases on the experts, 4 experts
     ("self_attn.q_proj.weight", (8, 4)),
     ("mlp.router.weight", (4, 4)),

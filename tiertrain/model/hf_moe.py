@@ -28,13 +28,31 @@ _FUSED = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_
 FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+# transformers' defaults (its config classes') of the MoE keys a config.json may leave out: a hand-written one
+# then describes the model transformers would build from it ("experts": num_experts or num_local_experts)
+DEFAULTS = {
+    "qwen3_moe": dict(experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen2_moe": dict(
+        experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632
+    ),
+    "mixtral": dict(experts=8, num_experts_per_tok=2),
+    "gpt_oss": dict(
+        experts=128, num_experts_per_tok=4, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702
+    ),
+}
+
+
 def spec_fields(c: dict, mt: str) -> dict:
     """ModelSpec's fields of an MoE config.json beyond the dense ones (transformers' defaults where absent)."""
-    n = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    c = {**DEFAULTS[mt], **c}
+    named = [
+        c[k] for k in ("num_experts", "num_local_experts") if k in c
+    ]  # either name: transformers maps them
+    n = next((v for v in named if v), 0) if named else c["experts"]
     qwen = mt in ("qwen3_moe", "qwen2_moe")
     f = dict(
-        num_experts=n,
-        num_experts_per_tok=c.get("num_experts_per_tok", 2),
+        num_experts=int(n or 0),
+        num_experts_per_tok=c["num_experts_per_tok"],
         moe_intermediate_size=c.get("moe_intermediate_size") if qwen else None,
         norm_topk_prob=bool(c.get("norm_topk_prob", False)),
         decoder_sparse_step=c.get("decoder_sparse_step", 1) if qwen else 1,
@@ -52,7 +70,9 @@ def spec_fields(c: dict, mt: str) -> dict:
         f.update(attention_bias=bias, attention_out_bias=bias)
     f.update(qk_norm=mt == "qwen3_moe")
     if mt == "gpt_oss":
-        f.update(attention_sinks=True, swiglu_limit=float(c.get("swiglu_limit", 7.0)))
+        f.update(
+            attention_sinks=True, swiglu_limit=float(c["swiglu_limit"]), swiglu_alpha=float(c["swiglu_alpha"])
+        )
     n_layers = c.get("num_hidden_layers", 0)
     if mt == "gpt_oss":
         f.update(layer_types=list(c.get("layer_types") or _alternating(n_layers)))
@@ -101,7 +121,7 @@ def config_fields(spec: ModelSpec) -> dict:
     else:
         c.update(attention_bias=spec.attention_bias)
     if mt == "gpt_oss":
-        c.update(swiglu_limit=spec.swiglu_limit, layer_types=spec.layer_types)
+        c.update(swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha, layer_types=spec.layer_types)
     if mt == "qwen3_moe":
         c.update(use_sliding_window=spec.sliding_window is not None)
     if spec.sliding_window is not None:

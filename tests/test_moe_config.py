@@ -1,0 +1,110 @@
+"""The mixtures of experts' config.json as transformers reads it: a key the file leaves out takes transformers'
+default, gpt-oss's swiglu_alpha goes both ways, and a model the family's transformers class could not hold is
+refused with one line before anything is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+from moe_cases import BASE, MOE
+
+from conftest import tiny_config
+from tiertrain.errors import ConfigError
+from tiertrain.model import hf
+
+# a config.json key the importer reads, and the spec field it becomes
+KEYS = {
+    "num_experts": "num_experts",
+    "num_local_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "attention_bias": "attention_bias",
+    "qkv_bias": "attention_bias",
+    "swiglu_limit": "swiglu_limit",
+    "swiglu_alpha": "swiglu_alpha",
+    "router_aux_loss_coef": "router_aux_loss_coef",
+    "norm_topk_prob": "norm_topk_prob",
+}
+
+
+def _spec(c: dict, d):
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(c))
+    return hf.spec_from_hf(d)
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_a_key_left_out_takes_transformers_default(case, tmp_path):
+    """Each MoE key, left out of a family's config.json, is read as transformers' config class reads it."""
+    cfg_cls, _, extra = MOE[case]
+    full = getattr(transformers, cfg_cls)(**{**BASE, **extra}).to_dict()
+    for key in ("num_experts", "num_local_experts"):  # as many as any default top k takes
+        if key in full:
+            full[key] = 128
+    default = getattr(transformers, cfg_cls)()
+    tried = 0
+    for key, field in KEYS.items():
+        if key not in full:
+            continue
+        c = {k: v for k, v in full.items() if k != key}
+        spec = _spec(c, tmp_path / key)
+        want = getattr(default, key)
+        assert getattr(spec, field) == want, f"{case}: {key} left out"
+        tried += 1
+    assert tried >= 3  # mixtral has three of them
+    if case in ("qwen3_moe", "gpt_oss"):  # the o_proj bias goes with q/k/v's there
+        spec = _spec({k: v for k, v in full.items() if k != "attention_bias"}, tmp_path / "out")
+        assert spec.attention_out_bias == default.attention_bias
+
+
+def test_gpt_oss_swiglu_alpha_is_imported_and_exported(tmp_path):
+    """gpt-oss's activation constant: read from config.json, written back on export, as transformers reads it."""
+    cfg_cls, _, extra = MOE["gpt_oss"]
+    c = getattr(transformers, cfg_cls)(**{**BASE, **extra}, swiglu_alpha=1.5, swiglu_limit=5.0).to_dict()
+    spec = _spec(c, tmp_path / "in")
+    assert (spec.swiglu_alpha, spec.swiglu_limit) == (1.5, 5.0)
+    out = hf.hf_config(spec, "float32")
+    back = getattr(transformers, cfg_cls)(**out)
+    assert (back.swiglu_alpha, back.swiglu_limit) == (1.5, 5.0)
+
+
+QWEN3_MOE = ['model.model_type="qwen3_moe"', "model.num_experts=4", "model.num_experts_per_tok=2"]
+GPT_OSS = ['model.model_type="gpt_oss"', "model.num_experts=4", "model.num_experts_per_tok=2"]
+
+
+@pytest.mark.parametrize(
+    "sets,key",
+    [
+        (QWEN3_MOE, "qk_norm"),  # Qwen3MoeAttention always has q_norm and k_norm
+        (GPT_OSS, "attention_sinks"),  # GptOssAttention always has sinks
+        (GPT_OSS + ["model.attention_sinks=true", "model.attention_bias=true"], "attention_out_bias"),
+        (
+            ['model.model_type="mixtral"', "model.num_experts=4", "model.attention_bias=true"],
+            "attention_bias",
+        ),
+        (
+            ['model.model_type="qwen2_moe"', "model.num_experts=4", "model.attention_sinks=true"],
+            "attention_sinks",
+        ),
+    ],
+)
+def test_a_model_its_family_cannot_hold_gets_one_line(token_file, sets, key):
+    """Attention the family's transformers class does not build (an export would load without it, or with it
+    initialised afresh) is refused by name, before anything is built; the same set made whole passes."""
+    with pytest.raises(ConfigError, match=rf"model\.{key} = \S+ is not allowed"):
+        tiny_config(token_file, *sets)
+
+
+def test_the_families_attention_as_transformers_builds_it_passes(token_file):
+    tiny_config(token_file, *QWEN3_MOE, "model.qk_norm=true")
+    tiny_config(token_file, *GPT_OSS, "model.attention_sinks=true")
+    tiny_config(
+        token_file,
+        *GPT_OSS,
+        "model.attention_sinks=true",
+        "model.attention_bias=true",
+        "model.attention_out_bias=true",
+    )
