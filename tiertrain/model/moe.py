@@ -20,6 +20,8 @@ forward pass counts c (RouterLog.observe), and each block's recompute adds that 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -232,8 +234,15 @@ def _rows(
 
 
 def _grouped(h: torch.Tensor) -> bool:
-    """Whether the experts' projections are torch's grouped matmuls (else a loop over the experts with tokens)."""
-    return _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16
+    """Whether the experts' projections are torch's grouped matmuls (else a loop over the experts with tokens):
+    bf16 on a Hopper GPU. On Blackwell its backward gives an expert without rows a gradient that is not zero
+    (pytorch/pytorch#172439), so other GPUs take the loop until that is fixed."""
+    return _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16 and _hopper(h.device.index)
+
+
+@functools.cache
+def _hopper(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def shared(w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
