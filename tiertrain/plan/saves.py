@@ -45,8 +45,11 @@ class Saves:
     @property
     def at_once(self) -> int:
         """New checkpoints on the disk at the busiest moment: up to `keep` beside the one being written, the
-        existing ones counting towards `keep`."""
-        return max(0, min(self.existing + self.count - 1, self.keep) + 1 - self.existing) if self.count else 0
+        existing ones counting towards `keep`; at least the first one, written beside every existing one (a run
+        prunes only once a save is whole, so existing ones beyond `keep` are still there then)."""
+        if not self.count:
+            return 0
+        return max(1, min(self.existing + self.count - 1, self.keep) + 1 - self.existing)
 
     @property
     def need(self) -> int:
