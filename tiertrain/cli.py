@@ -10,7 +10,7 @@ import click
 
 from . import __version__
 from .cli_prepare import prepare as prepare_command
-from .errors import UserError
+from .errors import UserError, why
 
 
 def _fail(err: Exception, ranks=None) -> None:
@@ -209,6 +209,10 @@ def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
         files = export_hf(source, to, dtype, int(float(m.group(1)) * scale))
     except UserError as e:
         _fail(e)
+    except OSError as e:  # the --to path's disk: full, read-only, or a file where a directory goes
+        _fail(
+            UserError(f"cannot write --to {to}: {why(e)}; pass a new directory on a writable disk with room")
+        )
     click.echo(f"wrote {to}: config.json and {len(files)} safetensors file(s) in {dtype}")
 
 

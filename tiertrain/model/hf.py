@@ -333,6 +333,8 @@ def write_hf(
     import tempfile
 
     out = Path(out_dir)
+    if out.is_symlink():
+        raise HFError(f"--to {out} is a symbolic link; pass a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFError(f"--to {out} already exists and is not empty; pass a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)

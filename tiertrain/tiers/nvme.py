@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -148,8 +149,11 @@ def make_io(backend: str = "auto", threads: int = 16):
         try:
             io = KvikioIO(threads)
             probe = torch.zeros(4096, dtype=torch.uint8)
-            tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f".tiertrain-kvikio-{os.getpid()}"
-            tmp.write_bytes(bytes(4096))
+            # a new file of its own: no link followed, nothing clobbered
+            fd, name = tempfile.mkstemp(prefix=".tiertrain-kvikio-")
+            tmp = Path(name)
+            with os.fdopen(fd, "wb") as f:
+                f.write(bytes(4096))
             try:
                 io.read(tmp, probe).result()
             except BaseException:
