@@ -14,7 +14,7 @@ import pytest
 
 from conftest import DEEP, STEPS, cli, least_budget, refused, stale_store, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
-from tiertrain import rundir
+from tiertrain import runclaim, rundir
 from tiertrain.metrics import read_metrics
 from tiertrain.modes import Home, Kind
 
@@ -259,7 +259,7 @@ def test_a_live_run_directory_is_refused_to_a_second_process(token_file, tmp_pat
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; "
-            "from tiertrain.rundir import RunLock; RunLock(Path(sys.argv[1])).acquire(); "
+            "from tiertrain.runclaim import RunLock; RunLock(Path(sys.argv[1])).acquire(); "
             "print('locked', flush=True); time.sleep(60)",
             str(out),
         ],
@@ -277,7 +277,7 @@ def test_a_live_run_directory_is_refused_to_a_second_process(token_file, tmp_pat
         refused(cli("run", *tiny(token_file), "--out", str(out)), "already holds a run")
         assert tree_hash(out) == holding
         fresh = tmp_path / "fresh"
-        rundir.claim(fresh)  # another process's new run: its lock taken, its marker written
+        runclaim.claim(fresh)  # another process's new run: its lock taken, its marker written
         refused(cli("run", *tiny(token_file), "--out", str(fresh)), "in use by a live run")
     finally:
         holder.kill()
@@ -338,3 +338,103 @@ def test_every_stale_scratch_store_of_the_run_goes_and_links_are_not_followed(to
     assert r.returncode == 0, r.stderr
     assert not any(d.exists() for d in stale) and other.is_dir() and mine.is_dir()
     assert (nvme / "tiertrain-run-link").is_symlink()
+
+
+# ---- the data-safety review's cases (2026-11-26) ---------------------------------------------------
+def test_links_in_a_run_are_refused_and_their_targets_untouched(token_file, tmp_path):
+    """A file tiertrain writes in --out replaced by a link to a file elsewhere: the resume is refused in one line
+    and the file elsewhere keeps its bytes (the lock, the plan and the config would have been written through)."""
+    run, precious = tmp_path / "a", tmp_path / "precious.txt"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    precious.write_text("mine\n")
+    for name in ("plan.json", "tiertrain-run.lock"):
+        (run / name).unlink()
+        (run / name).symlink_to(precious)
+        refused(cli("run", "--resume", "latest", "--out", str(run)), name, "symbolic link")
+        assert precious.read_text() == "mine\n"
+        (run / name).unlink()
+
+
+def test_a_marker_naming_a_directory_tiertrain_did_not_make_is_refused(token_file, tmp_path):
+    """A run marker whose checkpoint directory carries no mark of tiertrain's: refused in one line, and nothing in
+    that directory is written or deleted (a save would have cleaned its temporaries there)."""
+    out, elsewhere = tmp_path / "f", tmp_path / "elsewhere"
+    (elsewhere / ".step_7.tmp").mkdir(parents=True)
+    (elsewhere / ".step_7.tmp" / "userfile").write_text("mine\n")
+    out.mkdir()
+    ckpt.write_json(out / rundir.MARKER, {"format": "tiertrain-run/1", "checkpoints": str(elsewhere)})
+    before = tree_hash(elsewhere)
+    refused(cli("run", *tiny(token_file), *STEPS, "--out", str(out)), rundir.CKPT_MARKER)
+    assert tree_hash(elsewhere) == before
+
+
+def test_a_run_killed_before_its_first_step_is_started_afresh(token_file, tmp_path, monkeypatch):
+    """A run with checkpoint.dir killed before its first step leaves a marker naming its directory there; a new
+    run into that --out without checkpoint.dir saves into its own checkpoints/, and the empty directory goes. The
+    directory checkpoint.dir made is absolute, so the marker means the same from any working directory."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "r"
+    lock, _ = runclaim.claim(out, "ck")  # relative to the working directory
+    lock.release()  # as a kill leaves it
+    made = Path(rundir._marker(out)["checkpoints"])
+    assert made.is_absolute() and made.parent == tmp_path / "ck"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(out)).returncode == 0
+    assert rundir.checkpoint_dir(out) == out / "checkpoints" and _steps(out)
+    assert not made.exists()
+
+
+def test_the_disk_check_counts_the_first_save_beside_more_than_keep():
+    """Existing checkpoints beyond checkpoint.keep stay until a save is whole: the first one still needs room."""
+    from tiertrain.plan.saves import Saves
+
+    assert Saves(10, 10, 3, existing=2, keep=1).at_once == 1
+    assert Saves(10, 10, 3, existing=2, keep=1).need == 10
+    assert Saves(10, 10, 3, existing=1, keep=2).at_once == 2  # as before where the existing fit keep
+    assert Saves(10, 10, 0, existing=2, keep=1).at_once == 0
+
+
+def test_an_export_it_cannot_write_is_one_line(token_file, tmp_path):
+    """`export --to` under a file, or a link to an empty directory: one line each, and the link's target stays."""
+    run = tmp_path / "a"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    (tmp_path / "afile").write_text("x")
+    refused(cli("export", str(run), "--to", str(tmp_path / "afile" / "sub")), "cannot write")
+    target, link = tmp_path / "empty", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    refused(cli("export", str(run), "--to", str(link)), "symbolic link")
+    assert target.is_dir() and not any(target.iterdir())
+
+
+def test_a_save_killed_between_its_renames_still_counts(token_file, tmp_path):
+    """A run whose newest checkpoint is whole but still `.step_N.new` (a kill between a save's two renames): a new
+    run into it is told to resume, not to delete it; `export` writes it; the resume finishes the rename."""
+    run = tmp_path / "a"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    steps = rundir.checkpoints(run)
+    for p in steps[:-1]:
+        shutil.rmtree(p)
+    last = steps[-1]
+    os.rename(last, last.with_name(f".{last.name}.new"))
+    line = refused(cli("run", *tiny(token_file), *STEPS, "--out", str(run)), "--resume latest")
+    assert "saved no checkpoint" not in line
+    r = cli("export", str(run), "--to", str(tmp_path / "hf"))
+    assert r.returncode == 0, r.stderr
+    r = cli("run", "--resume", "latest", "--out", str(run), "--set", "train.steps=9")
+    assert r.returncode == 0, r.stderr
+    assert last.is_dir()
+
+
+@pytest.mark.parametrize("journal", ['{"step": 1}', '{"step": 1, "to": "/tmp/elsewhere"}', "{"])
+def test_a_cut_journal_tiertrain_did_not_write_is_refused(token_file, tmp_path, journal):
+    """A timeline-cut journal without its destination, with one outside the run, or torn: one line, nothing
+    moved."""
+    run = tmp_path / "a"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    (run / rundir.CUT).write_text(journal)
+    before = tree_hash(run)
+    refused(cli("run", "--resume", "latest", "--out", str(run), "--set", "train.steps=9"), rundir.CUT)
+    after = tree_hash(run)
+    for h in (before, after):  # the lock says who held it last: the refused process did
+        h.pop(rundir.LOCK)
+    assert after == before

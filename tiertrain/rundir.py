@@ -7,24 +7,21 @@ A run directory holds `tiertrain-run.json` (the marker: the format, and where th
 (the checkpoints and metrics of a timeline a resume from an older checkpoint left). A new run takes an `--out`
 that does not exist or is empty; a resume writes into the run it resumes, or into a new empty `--out`. Directories
 of runs written before the marker existed (metrics.jsonl or checkpoints/ without it) count as runs too. Every
-refusal happens before anything large is allocated, and names what to change.
+refusal happens before anything large is allocated, and names what to change. Claiming a directory for the
+process that writes it (the lock, the marker) is runclaim.py's.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
+import re
 import shutil
-import socket
-import tempfile
 import time
 from pathlib import Path
 
-from . import __version__
-from .checkpoint import STEP, CheckpointError, fsync, read_meta, recover, write_json
-from .errors import UserError, why
+from .checkpoint import LEFT, STEP, CheckpointError, fsync, read_meta, recover, write_json
+from .errors import UserError
 from .metrics import read_metrics, truncate_metrics
 
 MARKER = "tiertrain-run.json"
@@ -43,15 +40,41 @@ def _marker(run: Path) -> dict:
 
 
 def checkpoint_dir(run: Path) -> Path:
-    """The directory of the run's checkpoints: `<run>/checkpoints`, or the one checkpoint.dir gave it."""
-    return Path(_marker(run).get("checkpoints") or Path(run) / "checkpoints")
+    """The directory of the run's checkpoints: `<run>/checkpoints`, or the one checkpoint.dir gave it, which must
+    carry the mark tiertrain made it with (a marker naming any other directory is refused: the run would write
+    and delete there)."""
+    ck = _marker(run).get("checkpoints")
+    if not ck:
+        return Path(run) / "checkpoints"
+    if not (Path(ck) / CKPT_MARKER).is_file():
+        raise UserError(
+            f"{Path(run) / MARKER} names {ck} as the run's checkpoint directory, and {ck} has no {CKPT_MARKER}: "
+            "not the directory tiertrain made for it (moved or not mounted?); put it back, or pass a new --out"
+        )
+    return Path(ck)
 
 
 def _cut(run: Path) -> dict | None:
+    """The journal of a cut of the timeline under way (cut_timeline), None where there is none; one tiertrain did
+    not write (its destination not a plain name of its own) is refused: it would move checkpoints elsewhere."""
     try:
-        return json.loads((Path(run) / CUT).read_text())
-    except (OSError, ValueError):
+        text = (Path(run) / CUT).read_text()
+    except FileNotFoundError:
         return None
+    try:
+        c = json.loads(text)
+    except ValueError:
+        c = None
+    if not (
+        isinstance(c, dict)
+        and isinstance(c.get("step"), int)
+        and re.fullmatch(r"resumed-at-step_\d+[\w-]*", str(c.get("to")))  # a name in abandoned/, nothing more
+    ):
+        raise UserError(
+            f"{Path(run) / CUT} is not a journal tiertrain wrote; if no resume of this run is under way, "
+            "remove it, then resume"
+        )
+    return c
 
 
 def _steps(d: Path) -> list[tuple[int, Path]]:
@@ -67,6 +90,19 @@ def checkpoints(run: Path) -> list[Path]:
     and the newer ones a resume from an older checkpoint is moving aside, are not listed)."""
     cut = _cut(run)
     return [p for s, p in _steps(checkpoint_dir(run)) if cut is None or s <= cut["step"]]
+
+
+def interrupted(run: Path) -> list[Path]:
+    """Whole checkpoints a save killed mid-way left under a temporary name (`.step_N.new`, or `.step_N.old` where
+    step_N is gone), oldest first: the run's next process renames them (heal); until then they count as saved."""
+    d = checkpoint_dir(run)
+    found = [
+        (int(m.group(1)[5:]), p)
+        for p in (d.iterdir() if d.is_dir() else ())
+        if (m := LEFT.match(p.name))
+        and (m.group(2) == "new" or m.group(2) == "old" and not (d / m.group(1)).exists())
+    ]
+    return [p for _, p in sorted(found)]
 
 
 def step_path(run: Path, step: int) -> Path:
@@ -112,7 +148,14 @@ def resolve(arg: str, out: Path | None, what: str = "--resume") -> Path:
     if not run.is_dir():
         raise CheckpointError(f"{run} does not exist; pass {what} a run directory or a checkpoint")
     found = checkpoints(run)
+    if not found and what == "export":  # read only: a whole save the run has not renamed yet will do
+        found = interrupted(run)
     if not found:
+        if is_run(run) and interrupted(run):
+            raise CheckpointError(
+                f"{run}'s last save was interrupted before its checkpoint got its name; {what} latest "
+                f"--out {run} finishes it"
+            )
         if is_run(run):
             raise CheckpointError(
                 f"{run} is a run that saved no checkpoint ({_stopped(run)}): there is nothing to "
@@ -136,7 +179,7 @@ def _stopped(run: Path) -> str:
 # ---- new runs and resumes --------------------------------------------------------------------
 def _empty_run(d: Path) -> bool:
     """A marked run that logged no step and saved no checkpoint (stopped before its first step): reusable."""
-    if not (d / MARKER).is_file() or checkpoints(d):
+    if not (d / MARKER).is_file() or checkpoints(d) or interrupted(d):
         return False
     try:
         return not read_metrics(d / "metrics.jsonl") if (d / "metrics.jsonl").is_file() else True
@@ -150,7 +193,7 @@ def check_new(out: Path) -> None:
         raise UserError(f"--out {out} is a file; pass a directory")
     if not out.is_dir() or not any(out.iterdir()) or _empty_run(out):
         return
-    if is_run(out) and not checkpoints(out):
+    if is_run(out) and not checkpoints(out) and not interrupted(out):
         raise UserError(
             f"--out {out} holds a run that saved no checkpoint ({_stopped(out)}): nothing to resume. "
             "Pass a new --out directory (or delete that one to start over in it)"
@@ -223,120 +266,6 @@ def check_paths(out: Path, nvme_dir: str, ckpt_parent: str) -> None:
         for p in (path, *path.parents) if path else ():
             if (p / SCRATCH_MARKER).is_file():
                 raise UserError(f"{what} {path} is inside tiertrain's scratch store {p}; pass one outside it")
-
-
-# ---- one writer: the run's lock --------------------------------------------------------------
-class RunLock:
-    """An exclusive lock on a run directory, held by the process that writes it for the run's life: the kernel's
-    lock on `tiertrain-run.lock` (flock), which goes with its process however that ends, so the lock of a killed
-    run is free to take; the file says who holds it."""
-
-    def __init__(self, out: Path):
-        self.path, self.fd = Path(out) / LOCK, -1
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise
-            raise UserError(
-                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to "
-                "end, or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(
-            fd,
-            (
-                json.dumps(
-                    {
-                        "host": socket.gethostname(),
-                        "pid": os.getpid(),
-                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    }
-                )
-                + "\n"
-            ).encode(),
-        )
-        self.fd = fd
-
-    def _holder(self) -> str:
-        try:
-            h = json.loads(self.path.read_text())
-            return f"process {h['pid']} on {h['host']}, since {h['started']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "another process"
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # the lock goes with the descriptor
-            self.fd = -1
-
-
-def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
-    """Creates `out` (or takes the empty one checked), locks it for this process, and marks it as a run; a run
-    whose checkpoints go to checkpoint.dir (`ckpt_parent`) gets a new directory of its own there, which the marker
-    names. A full or read-only disk is one line. Returns (the lock, what it made for release(): "dir" (the directory
-    and the marker), "marker", or "")."""
-    made = "dir" if not out.exists() else "" if (out / MARKER).is_file() else "marker"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = RunLock(out)
-        lock.acquire()  # before the marker: a run that finds the lock taken leaves what the live run made
-    except OSError as e:
-        raise UserError(
-            f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
-        ) from None
-    try:
-        if not (out / MARKER).is_file():
-            marker = {
-                "format": "tiertrain-run/1",
-                "tiertrain_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            if ckpt_parent:
-                marker["checkpoints"] = str(_new_checkpoint_dir(Path(ckpt_parent), out))
-            write_json(out / MARKER, marker)
-    except OSError as e:
-        lock.release()
-        raise UserError(
-            f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
-        ) from None
-    return lock, made
-
-
-def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
-    """A new directory for the run's checkpoints inside the user's checkpoint.dir, marked as the run's."""
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        d = Path(tempfile.mkdtemp(prefix=f"{out.resolve().name or 'run'}-", dir=parent))
-        write_json(d / CKPT_MARKER, {"format": "tiertrain-checkpoints/1", "run": str(out.resolve())})
-    except OSError as e:
-        raise UserError(
-            f"cannot make the checkpoint directory in checkpoint.dir {parent}: {why(e)}; pass a "
-            "writable directory"
-        ) from None
-    return d
-
-
-def release(out: Path, made: str, lock: RunLock | None = None) -> None:
-    """Takes back what claim() made (`made`) for a run refused before its first step, then the lock."""
-    if made:
-        ck = _marker(out).get("checkpoints")
-        if ck and (Path(ck) / CKPT_MARKER).is_file() and not _steps(Path(ck)):
-            # the directory claim() made there, still without a checkpoint
-            shutil.rmtree(ck, ignore_errors=True)
-        (out / MARKER).unlink(missing_ok=True)
-    if made == "dir":
-        (out / LOCK).unlink(missing_ok=True)
-        try:
-            out.rmdir()  # only if empty: anything else in it stays
-        except OSError:
-            pass
-    if lock is not None:
-        lock.release()
 
 
 # ---- one timeline -------------------------------------------------------------------------------

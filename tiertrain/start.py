@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from . import checkpoint, rundir
+from . import checkpoint, runclaim, rundir
 from .checkpoint import read_meta, whole
 from .config import config_from_dict, load_config
 from .errors import UserError
@@ -51,7 +51,7 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
             trainer.close()
             trainer.discard_scratch()
         if ranks.first:
-            rundir.release(out_dir, made, lock)
+            runclaim.release(out_dir, made, lock)
         agreed.raise_any(ranks.rank)
     source = rundir.run_of(ckpt) if ckpt is not None else None  # a run started from another run's checkpoint
     hf_from = source / "hf" if source is not None and not rundir.same(source, out_dir) else None
@@ -85,14 +85,14 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
 
 def claim(resume: str | None, out: Path | None, config_path: str | None, overrides) -> tuple:
     """Rank 0's part of `run` before anything is read or allocated: the run directory it writes (checked, locked and
-    marked: rundir.claim), and the checkpoint it resumes from (after what a killed process of the same run left
+    marked: runclaim.claim), and the checkpoint it resumes from (after what a killed process of the same run left
     half done is finished). Returns (run directory, its lock, what claim made, the checkpoint or None)."""
     if not resume:
         stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
         target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         rundir.check_new(target)
         ckpt_parent = load_config(config_path, list(overrides)).checkpoint.dir  # its refusals come first
-        lock, made = rundir.claim(target, ckpt_parent)
+        lock, made = runclaim.claim(target, ckpt_parent)
         return target, lock, made, None
     given = Path(resume) if resume != "latest" else None
     if given is None and out is None:
@@ -112,7 +112,7 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
             f"{target} holds no tiertrain run to resume; pass --resume a run directory or one of its "
             "checkpoints"
         )
-    lock, made = rundir.claim(target)
+    lock, made = runclaim.claim(target)
     try:
         if mine:
             rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
@@ -124,6 +124,6 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
         meta = read_meta(ckpt)
         rundir.check_resume(ckpt, target, new_run=not whole(meta))
     except BaseException:
-        rundir.release(target, made, lock)
+        runclaim.release(target, made, lock)
         raise
     return target, lock, made, ckpt

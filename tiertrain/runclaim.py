@@ -1,0 +1,175 @@
+"""Claiming a run directory for the process that writes it (rundir.py says what a run directory holds): the lock
+that one live process holds, the marker that says the directory is a run, the directory of its checkpoints under
+checkpoint.dir, and the names a run writes refused where they are links. What claim() made is taken back by
+release() when the run is refused before its first step."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from . import __version__
+from .checkpoint import write_json
+from .errors import UserError, why
+from .rundir import CKPT_MARKER, CUT, LOCK, MARKER, _empty_run, _marker, _steps
+
+
+class RunLock:
+    """An exclusive lock on a run directory, held by the process that writes it for the run's life: the kernel's
+    lock on `tiertrain-run.lock` (flock), which goes with its process however that ends, so the lock of a killed
+    run is free to take; the file says who holds it."""
+
+    def __init__(self, out: Path):
+        self.path, self.fd = Path(out) / LOCK, -1
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise
+            raise UserError(
+                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to "
+                "end, or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(
+            fd,
+            (
+                json.dumps(
+                    {
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    }
+                )
+                + "\n"
+            ).encode(),
+        )
+        self.fd = fd
+
+    def _holder(self) -> str:
+        try:
+            h = json.loads(self.path.read_text())
+            return f"process {h['pid']} on {h['host']}, since {h['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "another process"
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the lock goes with the descriptor
+            self.fd = -1
+
+
+# what a run writes in its --out: none of them may be a link, through which it would write or delete elsewhere
+OWN = (
+    MARKER,
+    LOCK,
+    CUT,
+    "config.toml",
+    "plan.json",
+    "metrics.jsonl",
+    "train.log",
+    "checkpoints",
+    "abandoned",
+)
+OWN += ("hf", "tensorboard")
+
+
+def check_links(out: Path) -> None:
+    links = [n for n in OWN if (out / n).is_symlink()]
+    if links:
+        raise UserError(
+            f"--out {out}: {', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}"
+            "; tiertrain writes only its own files in --out and would write through it: remove "
+            f"{'it' if len(links) == 1 else 'them'}, or pass a new --out"
+        )
+
+
+def _forget_checkpoint_dir(out: Path) -> None:
+    """The directory claim() made in checkpoint.dir for the run in `out`, removed where it is still without a
+    checkpoint: its mark, then the directory if nothing else is in it."""
+    ck = _marker(out).get("checkpoints")
+    if ck and (Path(ck) / CKPT_MARKER).is_file() and not _steps(Path(ck)):
+        (Path(ck) / CKPT_MARKER).unlink()
+        try:
+            Path(ck).rmdir()
+        except OSError:
+            pass
+
+
+def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
+    """Creates `out` (or takes the empty one checked), locks it for this process, and marks it as a run; a run
+    whose checkpoints go to checkpoint.dir (`ckpt_parent`) gets a new directory of its own there, which the marker
+    names. A full or read-only disk is one line. Returns (the lock, what it made for release(): "dir" (the directory
+    and the marker), "marker", or "")."""
+    check_links(out)
+    made = "dir" if not out.exists() else "" if (out / MARKER).is_file() else "marker"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(out)
+        lock.acquire()  # before the marker: a run that finds the lock taken leaves what the live run made
+    except OSError as e:
+        raise UserError(
+            f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
+        ) from None
+    try:
+        if not made and _empty_run(
+            out
+        ):  # a run that never took a step: this one starts afresh, its marker new
+            _forget_checkpoint_dir(out)
+            (out / MARKER).unlink()
+            made = "marker"
+        if not (out / MARKER).is_file():
+            marker = {
+                "format": "tiertrain-run/1",
+                "tiertrain_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            if ckpt_parent:
+                marker["checkpoints"] = str(_new_checkpoint_dir(Path(ckpt_parent), out))
+            write_json(out / MARKER, marker)
+    except OSError as e:
+        lock.release()
+        raise UserError(
+            f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
+        ) from None
+    return lock, made
+
+
+def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
+    """A new directory for the run's checkpoints inside the user's checkpoint.dir, marked as the run's."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        # absolute: the marker names it for runs started from any working directory
+        d = Path(tempfile.mkdtemp(prefix=f"{out.resolve().name or 'run'}-", dir=parent.resolve()))
+        write_json(d / CKPT_MARKER, {"format": "tiertrain-checkpoints/1", "run": str(out.resolve())})
+    except OSError as e:
+        raise UserError(
+            f"cannot make the checkpoint directory in checkpoint.dir {parent}: {why(e)}; pass a "
+            "writable directory"
+        ) from None
+    return d
+
+
+def release(out: Path, made: str, lock: RunLock | None = None) -> None:
+    """Takes back what claim() made (`made`) for a run refused before its first step, then the lock."""
+    if made:
+        _forget_checkpoint_dir(out)
+        (out / MARKER).unlink(missing_ok=True)
+    if made == "dir":
+        (out / LOCK).unlink(missing_ok=True)
+        try:
+            out.rmdir()  # only if empty: anything else in it stays
+        except OSError:
+            pass
+    if lock is not None:
+        lock.release()
