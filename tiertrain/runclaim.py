@@ -70,18 +70,8 @@ class RunLock:
 
 
 # what a run writes in its --out: none of them may be a link, through which it would write or delete elsewhere
-OWN = (
-    MARKER,
-    LOCK,
-    CUT,
-    "config.toml",
-    "plan.json",
-    "metrics.jsonl",
-    "train.log",
-    "checkpoints",
-    "abandoned",
-)
-OWN += ("hf", "tensorboard")
+OWN = (MARKER, LOCK, CUT, "config.toml", "plan.json", "metrics.jsonl", "train.log")
+OWN += ("checkpoints", "abandoned", "hf", "tensorboard")  # the last two where asked for
 
 
 def check_links(out: Path) -> None:
@@ -122,9 +112,8 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
             f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
         ) from None
     try:
-        if not made and _empty_run(
-            out
-        ):  # a run that never took a step: this one starts afresh, its marker new
+        if not made and _empty_run(out):
+            # a run that never took a step: this one starts afresh in it, with a marker of its own
             _forget_checkpoint_dir(out)
             (out / MARKER).unlink()
             made = "marker"
