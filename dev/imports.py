@@ -45,6 +45,7 @@ FLOORS = [
             "tiertrain.charts",
             "tiertrain.launch",
             "tiertrain.rundir",
+            "tiertrain.runclaim",
             "tiertrain.export",
         ],
     ),

@@ -20,12 +20,6 @@ _ATTENTION = {
     "mixtral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
     "gpt_oss": dict(qk_norm=False, attention_sinks=True, attention_out_bias="attention_bias"),
 }
-_WHAT = dict(
-    qk_norm="q_norm and k_norm",
-    attention_sinks="attention sinks",
-    attention_bias="q, k and v biases",
-    attention_out_bias="an o_proj bias",
-)
 
 
 def _number(v: object) -> bool:
@@ -260,16 +254,13 @@ class ModelSpec:
         for key in ("swiglu_limit", "swiglu_alpha"):
             self._need(_finite(getattr(self, key)), key, "must be a positive finite number")
         mt = self.model_type
-        for key, want in _ATTENTION[mt].items():  # the attention the family's transformers class holds
-            if want == "attention_bias":
-                ok = self.attention_out_bias == self.attention_bias
-                why = f"must equal model.attention_bias ({str(self.attention_bias).lower()}) for model_type {mt!r}"
-                why += ": its transformers class has an o_proj bias where q, k and v have theirs"
-            else:
-                ok = getattr(self, key) == want
-                why = f"must be {str(want).lower()} for model_type {mt!r}: its transformers class "
-                why += f"{'always has' if want else 'has no'} {_WHAT[key]}"
-            self._need(ok, key, why)
+        # what the family's transformers class builds, so that the export loads as trained; "attention_bias":
+        # an o_proj bias where q, k and v have theirs (gpt_oss, qwen3_moe)
+        for key, want in _ATTENTION[mt].items():
+            tied = want == "attention_bias"
+            want = self.attention_bias if tied else want
+            why = f"must be {str(want).lower()}{' (as model.attention_bias)' if tied else ''} for model_type {mt!r}"
+            self._need(getattr(self, key) == want, key, why + ", as in transformers")
 
     def _validate_layers(self) -> None:
         w = self.sliding_window
