@@ -1,6 +1,6 @@
 """The mixtures of experts' config.json as transformers reads it: a key the file leaves out takes transformers'
-default, gpt-oss's swiglu_alpha goes both ways, and a model the family's transformers class could not hold is
-refused with one line before anything is built."""
+default, gpt-oss's swiglu_alpha goes both ways, and a model the family's transformers class could not hold
+trains but is not exported (one line)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import transformers
 from moe_cases import BASE, MOE
 
 from conftest import tiny_config
-from tiertrain.errors import ConfigError
-from tiertrain.model import hf
+from tiertrain.model import hf, hf_moe
+from tiertrain.model.hf import HFError
 
 # a config.json key the importer reads, and the spec field it becomes
 KEYS = {
@@ -91,20 +91,27 @@ GPT_OSS = ['model.model_type="gpt_oss"', "model.num_experts=4", "model.num_exper
         ),
     ],
 )
-def test_a_model_its_family_cannot_hold_gets_one_line(token_file, sets, key):
-    """Attention the family's transformers class does not build (an export would load without it, or with it
-    initialised afresh) is refused by name, before anything is built; the same set made whole passes."""
-    with pytest.raises(ConfigError, match=rf"model\.{key} = \S+ is not allowed"):
-        tiny_config(token_file, *sets)
+def test_a_model_its_family_cannot_hold_trains_but_is_not_exported(token_file, tmp_path, sets, key):
+    """Attention the family's transformers class does not build validates (a model of one's own may train), but
+    its export, which would load without it or with it initialised afresh, is refused by name in one line,
+    before anything is written."""
+    spec = tiny_config(token_file, *sets).model
+    assert [u.split(" = ")[0] for u in hf_moe.unlike_family(spec)] == [f"model.{key}"]
+    out = tmp_path / "export" / "hf"
+    with pytest.raises(HFError, match=rf"model\.{key} = \S+ \(transformers' {spec.model_type} needs"):
+        hf.write_hf(out, spec, iter(()), "float32")
+    assert not out.parent.exists()
 
 
-def test_the_families_attention_as_transformers_builds_it_passes(token_file):
-    tiny_config(token_file, *QWEN3_MOE, "model.qk_norm=true")
-    tiny_config(token_file, *GPT_OSS, "model.attention_sinks=true")
-    tiny_config(
-        token_file,
-        *GPT_OSS,
-        "model.attention_sinks=true",
-        "model.attention_bias=true",
-        "model.attention_out_bias=true",
-    )
+def test_the_families_attention_as_transformers_builds_it_is_theirs(token_file):
+    for sets in (
+        [*QWEN3_MOE, "model.qk_norm=true"],
+        [*GPT_OSS, "model.attention_sinks=true"],
+        [
+            *GPT_OSS,
+            "model.attention_sinks=true",
+            "model.attention_bias=true",
+            "model.attention_out_bias=true",
+        ],
+    ):
+        assert hf_moe.unlike_family(tiny_config(token_file, *sets).model) == []

@@ -20,6 +20,7 @@ from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count, tensorboard_writer
+from .model import hf_moe
 from .model.docs import Docs
 from .model.hf import HFReader, open_weights, spec_from_hf
 from .modes import Home
@@ -415,6 +416,10 @@ class Trainer:
             + (f" ({human_count(spec.n_active_params)} active)" if spec.is_moe else "")
             + f", {len(self.units)} units "
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
+            *(
+                f"note: {u}; this model trains, but `tiertrain export` refuses it"
+                for u in hf_moe.unlike_family(spec)
+            ),
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.describe()}",
             f"host tier: {human_bytes(sum(host.values()))} ("

@@ -337,6 +337,12 @@ def write_hf(
         raise HFError(f"--to {out} is a symbolic link; pass a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFError(f"--to {out} already exists and is not empty; pass a new directory")
+    unlike = hf_moe.unlike_family(spec)
+    if unlike:
+        raise HFError(
+            f"this {spec.model_type} model has {'; '.join(unlike)}: transformers would load its export with "
+            "attention tensors missing or new; train a model with those keys as transformers builds them"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -13,13 +13,6 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # mixtures of expe
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 ROPE_TYPES = ("default", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# each mixture of experts' attention as its transformers class builds it ("attention_bias": as that key says)
-_ATTENTION = {
-    "qwen3_moe": dict(qk_norm=True, attention_sinks=False, attention_out_bias="attention_bias"),
-    "qwen2_moe": dict(qk_norm=False, attention_sinks=False, attention_out_bias=False),
-    "mixtral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
-    "gpt_oss": dict(qk_norm=False, attention_sinks=True, attention_out_bias="attention_bias"),
-}
 
 
 def _number(v: object) -> bool:
@@ -253,14 +246,6 @@ class ModelSpec:
         )
         for key in ("swiglu_limit", "swiglu_alpha"):
             self._need(_finite(getattr(self, key)), key, "must be a positive finite number")
-        mt = self.model_type
-        # what the family's transformers class builds, so that the export loads as trained; "attention_bias":
-        # an o_proj bias where q, k and v have theirs (gpt_oss, qwen3_moe)
-        for key, want in _ATTENTION[mt].items():
-            tied = want == "attention_bias"
-            want = self.attention_bias if tied else want
-            why = f"must be {str(want).lower()}{' (as model.attention_bias)' if tied else ''} for model_type {mt!r}"
-            self._need(getattr(self, key) == want, key, why + ", as in transformers")
 
     def _validate_layers(self) -> None:
         w = self.sliding_window
