@@ -241,3 +241,24 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp
         resume=rundir.resolve("latest", out),
     )
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, 7))
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["step_2", ".step_4.new"],
+        [".step_4.new", ".step_4.old"],  # killed between a re-save's two renames
+        ["step_4", ".step_4.old", ".step_6.tmp"],
+        [".step_4.old", "step_2", ".step_9.new", ".step_10.old"],
+    ],
+)
+def test_the_temporaries_counted_whole_are_those_recover_keeps(tmp_path, names):
+    """rundir.interrupted counts as saved exactly the checkpoints recover makes of a killed save's temporaries."""
+    for n in names:
+        (tmp_path / n).mkdir()
+        (tmp_path / n / "who").write_text(n)
+    counted = [p.name for p in ckpt.left_whole(tmp_path)]
+    before = {n for n in names if n.startswith("step_")}
+    ckpt.recover(tmp_path)
+    made = {p.name: (p / "who").read_text() for p in tmp_path.iterdir() if p.name not in before}
+    assert made == {n.split(".")[1]: n for n in counted}  # each step recover made, from the temporary counted

@@ -122,6 +122,21 @@ def checkpoints(d: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def left_whole(d: Path) -> list[Path]:
+    """The whole checkpoints a killed save left in `d` under a temporary name, oldest step first: those recover makes
+    step_N (`.step_N.new`, else `.step_N.old` where step_N is gone). Until then they count as saved."""
+    d = Path(d)
+    left = {
+        (m.group(1), m.group(2)): p for p in (d.iterdir() if d.is_dir() else ()) if (m := LEFT.match(p.name))
+    }
+    whole = {
+        name: p
+        for (name, kind), p in left.items()
+        if kind == "new" or kind == "old" and (name, "new") not in left and not (d / name).exists()
+    }
+    return [whole[n] for n in sorted(whole, key=lambda n: int(n[5:]))]
+
+
 def recover(d: Path) -> None:
     """Finishes what a save killed mid-way left in the checkpoint directory `d` (only the run's own process may call
     this: it deletes a save's temporaries). `.step_N.tmp`: a write that may be partial, deleted (the

@@ -20,7 +20,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .checkpoint import LEFT, STEP, CheckpointError, fsync, read_meta, recover, write_json
+from .checkpoint import STEP, CheckpointError, fsync, left_whole, read_meta, recover, write_json
 from .errors import UserError
 from .metrics import read_metrics, truncate_metrics
 
@@ -93,16 +93,9 @@ def checkpoints(run: Path) -> list[Path]:
 
 
 def interrupted(run: Path) -> list[Path]:
-    """Whole checkpoints a save killed mid-way left under a temporary name (`.step_N.new`, or `.step_N.old` where
-    step_N is gone), oldest first: the run's next process renames them (heal); until then they count as saved."""
-    d = checkpoint_dir(run)
-    found = [
-        (int(m.group(1)[5:]), p)
-        for p in (d.iterdir() if d.is_dir() else ())
-        if (m := LEFT.match(p.name))
-        and (m.group(2) == "new" or m.group(2) == "old" and not (d / m.group(1)).exists())
-    ]
-    return [p for _, p in sorted(found)]
+    """Whole checkpoints a save killed mid-way left under a temporary name (checkpoint.left_whole), oldest first:
+    the run's next process renames them (heal); until then they count as saved."""
+    return left_whole(checkpoint_dir(run))
 
 
 def step_path(run: Path, step: int) -> Path:
