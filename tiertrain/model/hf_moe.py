@@ -72,13 +72,12 @@ def unlike_family(spec: ModelSpec) -> list[str]:
 def spec_fields(c: dict, mt: str) -> dict:
     """ModelSpec's fields of an MoE config.json beyond the dense ones (transformers' defaults where absent)."""
     c = {**DEFAULTS[mt], **c}
-    named = [
-        c[k] for k in ("num_experts", "num_local_experts") if k in c
-    ]  # either name: transformers maps them
+    # either name: transformers maps one onto the other
+    named = [c[k] for k in ("num_experts", "num_local_experts") if k in c]
     n = next((v for v in named if v), 0) if named else c["experts"]
     qwen = mt in ("qwen3_moe", "qwen2_moe")
     f = dict(
-        num_experts=int(n or 0),
+        num_experts=int(n),
         num_experts_per_tok=c["num_experts_per_tok"],
         moe_intermediate_size=c.get("moe_intermediate_size") if qwen else None,
         norm_topk_prob=bool(c.get("norm_topk_prob", False)),
