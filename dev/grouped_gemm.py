@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import commit  # noqa: E402
 from tiertrain.model import moe  # noqa: E402
 
 # (rows, columns, depth) a tile, warps, pipeline stages: the configs timed (--check runs the first)
@@ -187,7 +188,13 @@ def main() -> None:
     down = torch.randn(E, H, inter, device=dev, dtype=dt) * 0.02
     act = torch.randn(src.numel(), inter, device=dev, dtype=dt)
     shapes = {"gate_up (gathered)": (x, gu.transpose(1, 2), src), "down": (act, down.transpose(1, 2), None)}
-    r = {"tokens": a.tokens, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": {}}
+    r = {
+        "code": commit(),
+        "tokens": a.tokens,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": {},
+    }
     for name, (xin, w, s) in shapes.items():
         flops = 2 * src.numel() * w.shape[1] * w.shape[2]
 

@@ -31,6 +31,9 @@ from tiertrain.model import llama, moe  # noqa: E402
 from tiertrain.model.spec import ModelSpec  # noqa: E402
 from tiertrain.probe import _timed_cuda  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import commit  # noqa: E402
+
 
 def timed(fn, reps: int = 10) -> float:
     """Median seconds of fn() on the GPU: the probe's timer, after two more warm-up calls (three in all)."""
@@ -170,6 +173,7 @@ def main() -> None:
         else {}
     )
     r = {
+        "code": commit(),  # this script's commit (BENCH_COMMIT on the device); --root's tree is "root"
         "shape": dict(tokens=T, hidden=H, expert_size=I, experts=E, k=k),
         "torch": torch.__version__,
         "root": str(_root),
