@@ -20,9 +20,8 @@ from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count, tensorboard_writer
-from .model import hf_moe
 from .model.docs import Docs
-from .model.hf import HFReader, open_weights, spec_from_hf
+from .model.hf import HFReader, open_weights, spec_from_hf, unlike_family
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
@@ -418,7 +417,7 @@ class Trainer:
             f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
             *(
                 f"note: {u}; this model trains, but `tiertrain export` refuses it"
-                for u in hf_moe.unlike_family(spec)
+                for u in unlike_family(spec)
             ),
             f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
             f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.describe()}",

@@ -165,6 +165,35 @@ def _rope(c: dict, d: Path) -> tuple[object, dict | None]:
     return theta, rp if rp.get("rope_type", "default") != "default" else None
 
 
+# each family's attention as its transformers class builds it ("attention_bias": as that key says)
+ATTENTION = {
+    "llama": dict(qk_norm=False, attention_sinks=False, attention_out_bias="attention_bias"),
+    "mistral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
+    "qwen2": dict(qk_norm=False, attention_sinks=False, attention_bias=True, attention_out_bias=False),
+    "qwen3": dict(qk_norm=True, attention_sinks=False, attention_out_bias="attention_bias"),
+    "qwen3_moe": dict(qk_norm=True, attention_sinks=False, attention_out_bias="attention_bias"),
+    "qwen2_moe": dict(qk_norm=False, attention_sinks=False, attention_out_bias=False),
+    "mixtral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
+    "gpt_oss": dict(qk_norm=False, attention_sinks=True, attention_out_bias="attention_bias"),
+}
+
+
+def unlike_family(spec: ModelSpec) -> list[str]:
+    """The attention fields that differ from what the family's transformers class builds, each as "model.KEY =
+    VALUE (transformers' FAMILY needs WANT)". Such a model of one's own trains; `export` refuses it, since
+    transformers would load the export with tensors missing or initialised afresh."""
+    out = []
+    for key, want in ATTENTION[spec.model_type].items():
+        tied = want == "attention_bias"  # an o_proj bias where q, k and v have theirs
+        want = spec.attention_bias if tied else want
+        if getattr(spec, key) != want:
+            out.append(
+                f"model.{key} = {str(getattr(spec, key)).lower()} (transformers' {spec.model_type} needs "
+                f"{str(want).lower()}{', as model.attention_bias' if tied else ''})"
+            )
+    return out
+
+
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
     """config.json for `spec`, in the keys transformers 4.x and 5.x both read."""
     c = {
@@ -187,8 +216,10 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if spec.model_type in ("llama", "qwen3"):  # q, k, v and o biases, or none
+        c.update(attention_bias=spec.attention_bias)
     if spec.model_type == "llama":
-        c.update(attention_bias=False, mlp_bias=False)
+        c.update(mlp_bias=False)
     if spec.model_type in ("qwen2", "qwen3"):
         c.update(use_sliding_window=spec.sliding_window is not None, sliding_window=spec.sliding_window)
     if spec.model_type in ("mistral",):
@@ -337,7 +368,7 @@ def write_hf(
         raise HFError(f"--to {out} is a symbolic link; pass a new directory")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise HFError(f"--to {out} already exists and is not empty; pass a new directory")
-    unlike = hf_moe.unlike_family(spec)
+    unlike = unlike_family(spec)
     if unlike:
         raise HFError(
             f"this {spec.model_type} model has {'; '.join(unlike)}: transformers would load its export with "

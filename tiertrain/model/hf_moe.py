@@ -28,15 +28,6 @@ _FUSED = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate\.weight|experts\.gate_up_
 FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-# each mixture of experts' attention as its transformers class builds it ("attention_bias": as that key says)
-ATTENTION = {
-    "qwen3_moe": dict(qk_norm=True, attention_sinks=False, attention_out_bias="attention_bias"),
-    "qwen2_moe": dict(qk_norm=False, attention_sinks=False, attention_out_bias=False),
-    "mixtral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
-    "gpt_oss": dict(qk_norm=False, attention_sinks=True, attention_out_bias="attention_bias"),
-}
-
-
 # transformers' defaults (its config classes') of the MoE keys a config.json may leave out: a hand-written one
 # then describes the model transformers would build from it ("experts": num_experts or num_local_experts)
 DEFAULTS = {
@@ -49,24 +40,6 @@ DEFAULTS = {
         experts=128, num_experts_per_tok=4, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702
     ),
 }
-
-
-def unlike_family(spec: ModelSpec) -> list[str]:
-    """The attention fields of a mixture of experts that differ from what its family's transformers class builds,
-    each as "model.KEY = VALUE (transformers' FAMILY needs WANT)". Such a model trains; `export` refuses it, since
-    transformers would load the export with tensors missing or initialised afresh."""
-    if not spec.is_moe:
-        return []
-    out = []
-    for key, want in ATTENTION[spec.model_type].items():
-        tied = want == "attention_bias"  # an o_proj bias where q, k and v have theirs
-        want = spec.attention_bias if tied else want
-        if getattr(spec, key) != want:
-            out.append(
-                f"model.{key} = {str(getattr(spec, key)).lower()} (transformers' {spec.model_type} needs "
-                f"{str(want).lower()}{', as model.attention_bias' if tied else ''})"
-            )
-    return out
 
 
 def spec_fields(c: dict, mt: str) -> dict:
