@@ -250,6 +250,8 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp
         [".step_4.new", ".step_4.old"],  # killed between a re-save's two renames
         ["step_4", ".step_4.old", ".step_6.tmp"],
         [".step_4.old", "step_2", ".step_9.new", ".step_10.old"],
+        ["step_4", ".step_4.new"],  # a re-save killed before it moved the step's earlier save aside
+        ["step_3", ".step_3.tmp\n", ".step_٣.new", "step_3\n"],  # not a save's names: left alone
     ],
 )
 def test_the_temporaries_counted_whole_are_those_recover_keeps(tmp_path, names):
@@ -258,7 +260,10 @@ def test_the_temporaries_counted_whole_are_those_recover_keeps(tmp_path, names):
         (tmp_path / n).mkdir()
         (tmp_path / n / "who").write_text(n)
     counted = [p.name for p in ckpt.left_whole(tmp_path)]
-    before = {n for n in names if n.startswith("step_")}
     ckpt.recover(tmp_path)
-    made = {p.name: (p / "who").read_text() for p in tmp_path.iterdir() if p.name not in before}
+    after = {p.name: (p / "who").read_text() for p in tmp_path.iterdir()}
+    made = {n: who for n, who in after.items() if who != n}
     assert made == {n.split(".")[1]: n for n in counted}  # each step recover made, from the temporary counted
+    # no temporary of a save is left, and what is not one is untouched
+    assert {n for n in after if ckpt.LEFT.fullmatch(n)} == set()
+    assert {n for n in names if not ckpt.LEFT.fullmatch(n)} <= set(after)

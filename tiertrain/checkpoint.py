@@ -23,7 +23,6 @@ ranks. The run directory must then be one every rank sees (a shared filesystem a
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -47,8 +46,9 @@ FORMATS = (FORMAT, "tiertrain-checkpoint/1")
 KINDS = STATE  # the optimizer's state, whole
 WEIGHTS = (STATE[0],)  # the fp32 master alone (checkpoint.state = "weights")
 SAVED = {"full": KINDS, "weights": WEIGHTS}  # the kinds each checkpoint.state saves
-STEP = re.compile(r"step_(\d+)$")
-LEFT = re.compile(r"\.(step_\d+)\.(tmp|new|old)$")  # what a killed save leaves (see save and recover)
+# names in full (fullmatch): ASCII digits, nothing after them (a "$" would pass a trailing newline)
+STEP = re.compile(r"step_([0-9]+)")
+LEFT = re.compile(r"\.(step_[0-9]+)\.(tmp|new|old)")  # what a killed save leaves (see save and recover)
 
 # (unit, kind) -> a context manager giving (the element offset of this rank's part of the slab, that part)
 Source = Callable[[int, str], AbstractContextManager[tuple[int, torch.Tensor]]]
@@ -115,7 +115,7 @@ class CheckpointError(UserError):
 def checkpoints(d: Path) -> list[Path]:
     """The whole checkpoints in the directory `d`, oldest first (not the temporaries of a save)."""
     found = (
-        [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir()]
+        [(int(m.group(1)), p) for p in d.iterdir() if (m := STEP.fullmatch(p.name)) and p.is_dir()]
         if Path(d).is_dir()
         else []
     )
@@ -127,7 +127,9 @@ def left_whole(d: Path) -> list[Path]:
     step_N (`.step_N.new`, else `.step_N.old` where step_N is gone). Until then they count as saved."""
     d = Path(d)
     left = {
-        (m.group(1), m.group(2)): p for p in (d.iterdir() if d.is_dir() else ()) if (m := LEFT.match(p.name))
+        (m.group(1), m.group(2)): p
+        for p in (d.iterdir() if d.is_dir() else ())
+        if (m := LEFT.fullmatch(p.name))
     }
     whole = {
         name: p
@@ -149,17 +151,21 @@ def recover(d: Path) -> None:
     left = sorted(
         (("tmp", "new", "old").index(m.group(2)), m.group(1), p)
         for p in d.iterdir()
-        if (m := LEFT.match(p.name))
+        if (m := LEFT.fullmatch(p.name))
     )
-    for _, name, p in left:
+    for kind, name, p in left:
         final, old = d / name, d / f".{name}.old"
-        if p.name.endswith(".tmp"):
+        if kind == 0:  # .tmp
             shutil.rmtree(p)
-        elif p.name.endswith(".new"):
+        elif kind == 1:  # .new
             if final.exists():
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(final, old)
             os.rename(p, final)
+            fsync(d)
+            shutil.rmtree(old, ignore_errors=True)  # the step's earlier save, replaced (as save does)
+        elif not p.exists():  # .old, deleted above when its step's .new took the name
+            continue
         elif final.exists():
             shutil.rmtree(p)
         else:
@@ -465,25 +471,3 @@ def load_all(
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     for i, (u, kind) in enumerate(keys):
         _verify(path, kind, u, numels[u] * 4, combined(crcs, i))
-
-
-def rng_state(device: torch.device) -> dict:
-    """torch's generator states (base64): nothing in a step draws random numbers today, but a resumed
-    run must continue any that does."""
-
-    def enc(t: torch.Tensor) -> str:
-        return base64.b64encode(t.numpy().tobytes()).decode()
-
-    out = {"torch": enc(torch.get_rng_state())}
-    if device.type == "cuda":
-        out["cuda"] = enc(torch.cuda.get_rng_state(device))
-    return out
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    def dec(s: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-
-    torch.set_rng_state(dec(state["torch"]))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(dec(state["cuda"]), device)

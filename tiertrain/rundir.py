@@ -68,7 +68,9 @@ def _cut(run: Path) -> dict | None:
     if not (
         isinstance(c, dict)
         and isinstance(c.get("step"), int)
-        and re.fullmatch(r"resumed-at-step_\d+[\w-]*", str(c.get("to")))  # a name in abandoned/, nothing more
+        and re.fullmatch(
+            r"resumed-at-step_[0-9]+[\w-]*", str(c.get("to"))
+        )  # a name in abandoned/, nothing more
     ):
         raise UserError(
             f"{Path(run) / CUT} is not a journal tiertrain wrote; if no resume of this run is under way, "
@@ -79,7 +81,7 @@ def _cut(run: Path) -> dict | None:
 
 def _steps(d: Path) -> list[tuple[int, Path]]:
     return (
-        sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.match(p.name)) and p.is_dir())
+        sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.fullmatch(p.name)) and p.is_dir())
         if d.is_dir()
         else []
     )

@@ -5,6 +5,7 @@ Hugging Face import, checkpoints, state_dict. Main thread only, between steps (t
 
 from __future__ import annotations
 
+import base64
 import zlib
 from contextlib import contextmanager
 from typing import Iterator
@@ -142,3 +143,25 @@ class State:
                 views = lay.views(flat)
                 for t in unit.tensors:
                     views[t.name].copy_(get(t.hf_name, t.shape))
+
+
+def rng_state(device: torch.device) -> dict:
+    """torch's generator states (base64): nothing in a step draws random numbers today, but a resumed
+    run must continue any that does."""
+
+    def enc(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    out = {"torch": enc(torch.get_rng_state())}
+    if device.type == "cuda":
+        out["cuda"] = enc(torch.cuda.get_rng_state(device))
+    return out
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    def dec(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    torch.set_rng_state(dec(state["torch"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(dec(state["cuda"]), device)

@@ -29,6 +29,7 @@ from .plan.gpus import from_smi
 from .rows import IGNORE
 from .sections import fixed
 from .sizes import num
+from .state import rng_state, set_rng_state
 from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
@@ -165,7 +166,7 @@ class Trainer:
                 "rows": self.loader.rows,
                 "identity": self.data_identity,
             },
-            "rng": ckpt.rng_state(self.device),
+            "rng": rng_state(self.device),
             "optimizer": {
                 "type": "AdamW",
                 "step_count": self.run.updates.opt.step_count,
@@ -239,7 +240,7 @@ class Trainer:
         if whole:
             self.step = meta["step"]
             self.run.updates.opt.step_count = meta["optimizer"]["step_count"]
-            ckpt.set_rng_state(meta["rng"], self.device)
+            set_rng_state(meta["rng"], self.device)
         self.restore_gbs = (
             sum(sh.stored for sh in self.shards) * 4 * len(kinds) / 1e9 / (time.perf_counter() - t0)
         )

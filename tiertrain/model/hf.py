@@ -90,7 +90,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
         spec.validate()
     except UserError as e:
         raise HFError(f"{d}/config.json: {e}") from None
-    except (TypeError, ValueError) as e:  # a number given as a string, a table where a number belongs
+    # a number given as a string, a table where a number belongs, an Infinity where an integer does
+    except (TypeError, ValueError, OverflowError) as e:
         raise HFError(wrong.format(e)) from None
     return spec
 
