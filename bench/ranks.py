@@ -63,9 +63,9 @@ def run_tiertrain(a) -> dict:
         "step_s": median(r["step_s"] for r in timed),
         "losses": [r["loss"] for r in timed],
         "grad_norms": [r["grad_norm"] for r in timed],
-        "pred_step_s": tr.plan.step_s,
+        "pred_step_s": tr.plan.prediction.step_s,
         "plan": tr.run_plan.to_dict(),
-        "bottleneck": tr.plan.bottleneck,
+        "bottleneck": tr.plan.prediction.bottleneck,
         "gpu_peak_gb": max(r.get("gpu_peak_gb", 0.0) for r in timed),
         "host_peak_rss_gb": peak_rss_gb(),
         **{
