@@ -183,3 +183,24 @@ def test_chat_bench_data_is_conversations_and_the_same_tokens_as_text(tmp_path):
     assert n["conversations"] == 30 and lengths.min() >= 200 and lengths.max() <= 4000
     assert (c.tokens[:] == t.tokens[:]).all() and t.mask is None and (t.starts == c.starts).all()
     assert 0.3 < n["trained_tokens"] / n["tokens"] < 0.9 and c.mask[: c.starts[1]][:20].sum() == 0
+
+
+def test_a_bench_ranks_row_records_the_plan_it_ran(tmp_path):
+    """bench.ranks' tiertrain worker, one rank on the CPU: its row carries the step, the plan's prediction of it
+    and the RunPlan (the row's keys are read by its report)."""
+    import argparse
+
+    from bench.ranks import run_tiertrain
+
+    a = argparse.Namespace(
+        config="configs/debug.toml",
+        batch=2,
+        warmup=1,
+        steps=1,
+        grad_clip=1.0,
+        set=['train.compute_dtype="float32"', 'train.device="cpu"', "train.micro_batch_size=1"],
+    )
+    row = run_tiertrain(a)
+    assert row["gpus"] == 1 and row["batch"] == 2 and len(row["losses"]) == 1
+    assert row["step_s"] > 0 and row["pred_step_s"] > 0 and row["bottleneck"] == "compute"
+    assert row["plan"]["micro_batch"] == 1 and row["plan"]["compute_dtype"] == "float32"
