@@ -90,8 +90,9 @@ def run_deepspeed(a) -> dict:
 
     cfg = load_config(a.config)
     spec, S, n = cfg.model, cfg.train.seq_len, int(os.environ.get("WORLD_SIZE", "1"))
-    deepspeed.init_distributed()
+    # the rank's GPU first: NCCL's communicator binds to the device current when it is made
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed()
     conf = deepspeed_config(argparse.Namespace(batches=[a.batch], micro=a.micro, grad_clip=a.grad_clip))
     conf["gradient_accumulation_steps"] = a.batch // (a.micro * n)
     with deepspeed.zero.Init(config_dict_or_path=conf, remote_device="cpu", pin_memory=True):
