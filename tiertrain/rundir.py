@@ -68,9 +68,8 @@ def _cut(run: Path) -> dict | None:
     if not (
         isinstance(c, dict)
         and isinstance(c.get("step"), int)
-        and re.fullmatch(
-            r"resumed-at-step_[0-9]+[\w-]*", str(c.get("to"))
-        )  # a name in abandoned/, nothing more
+        # a name in abandoned/, nothing more
+        and re.fullmatch(r"resumed-at-step_[0-9]+[\w-]*", str(c.get("to")))
     ):
         raise UserError(
             f"{Path(run) / CUT} is not a journal tiertrain wrote; if no resume of this run is under way, "
