@@ -154,16 +154,11 @@ def recover(d: Path) -> None:
         if (m := LEFT.fullmatch(p.name))
     )
     for kind, name, p in left:
-        final, old = d / name, d / f".{name}.old"
+        final = d / name
         if kind == 0:  # .tmp
             shutil.rmtree(p)
         elif kind == 1:  # .new
-            if final.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(final, old)
-            os.rename(p, final)
-            fsync(d)
-            shutil.rmtree(old, ignore_errors=True)  # the step's earlier save, replaced (as save does)
+            _swap_in(p, final)  # as the save would have finished
         elif not p.exists():  # .old, deleted above when its step's .new took the name
             continue
         elif final.exists():
@@ -311,11 +306,19 @@ def _write_parts(tmp: Path, keys: list, source: Source, taken: dict, threads: in
 def _publish(path: Path) -> None:
     """The whole temporary of a save becomes the checkpoint `path`: fsynced, renamed `.new`, then `path` (a step
     saved again moves the old one aside as `.old` in between): a kill at any moment leaves recover() the rest."""
-    tmp, new, old = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new", "old"))
+    tmp, new = (path.with_name(f".{path.name}.{s}") for s in ("tmp", "new"))
     _fsync_tree(tmp)
     os.rename(tmp, new)  # whole from here on
     fsync(path.parent)
-    if path.exists():  # a resumed run redoing a step it had saved: the new one replaces it whole
+    _swap_in(new, path)
+
+
+def _swap_in(new: Path, path: Path) -> None:
+    """The whole `new` becomes `path`. A `path` already there (a resumed run redoing a step it had saved) is moved
+    aside as `.old` first, and deleted once `new` has the name. The save's last part, and recover()'s of a `.new`."""
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)  # one a killed swap left beside it
         os.rename(path, old)
     os.rename(new, path)
     fsync(path.parent)
