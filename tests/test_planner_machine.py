@@ -152,6 +152,29 @@ def test_resident_auto_holds_what_host_and_disk_cannot():
     ).fits
 
 
+def test_the_search_of_any_choice_finds_the_largest_each_choice_fits():
+    """The largest-model and longest-sequence searches: the largest n that some choice fits, each choice's fits
+    monotone in n, found with one choice's search and one try of each other (more where one fits further), as
+    a search asking every choice at every n finds it; and at most ~log(n) tries a choice."""
+    import random
+
+    from tiertrain.plan.advice import _most, _most_of_any
+
+    rng = random.Random(0)
+    for _ in range(300):
+        edges = [rng.choice([0, 1, rng.randrange(1, 5000), 4096, 5000]) for _ in range(rng.randrange(1, 7))]
+        cap, start, step = 4096, rng.randrange(-5, 6000), rng.randrange(1, 300)
+        tries = []
+
+        def fits(c, n, edges=edges, tries=tries):
+            tries.append(c)
+            return n <= edges[c]
+
+        got = _most_of_any(fits, list(range(len(edges))), start, cap, step)
+        assert got == _most(lambda n: any(n <= e for e in edges), start, cap, step) == min(max(edges), cap)
+        assert len(tries) <= 2 * len(edges) * (4 + 2 * cap.bit_length()), (edges, start, step)
+
+
 @pytest.mark.parametrize(
     "name,params",
     [("llama3.1-8b", 8.03e9), ("qwen2.5-7b", 7.62e9), ("qwen3-8b", 8.19e9), ("mistral-7b", 7.25e9)],

@@ -80,23 +80,42 @@ def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
 
 
 def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
-    """The most decoder layers of this shape that still fit the budgets (binary search, up to
-    LARGEST_LAYERS). Memory alone decides, so each try plans the plan's micro-batch with nothing
-    speculated or updated on the GPU (what costs the least memory), with a resident budget "auto" at all
-    the GPU memory left: a few candidates, O(layers) each."""
+    """The most decoder layers of this shape that still fit the budgets (up to LARGEST_LAYERS). Memory alone
+    decides, so each try plans the plan's micro-batch in one of the least-memory choices (_least), with a
+    resident budget "auto" at all the GPU memory left: O(layers) each."""
     spec = job.spec
 
-    def fits(n: int) -> bool:
-        return _fits(replace(job, spec=spec.with_layers(n)), p, p.run_plan.micro_batch, budgets, hw)[0]
+    def fits(c: Choice, n: int) -> bool:
+        return _fits_in(replace(job, spec=spec.with_layers(n)), p, c, budgets, hw).fits
 
-    # a little short of where the state's bytes would fill the host and the disk: where the search starts, with
-    # steps of a 32nd of it (any start gives the same answer; one that fits costs the fewest plans)
-    state = sum(p.memory.host.values()) + sum(p.memory.nvme.values())
+    # a little short of where the whole state's bytes, resident ones included, would fill the host and the disk:
+    # where the search starts, with steps of a 32nd of it (any start gives the same answer; one that fits costs
+    # the fewest plans)
+    mem = p.memory
+    state = sum(mem.host.values()) + sum(mem.nvme.values()) + mem.gpu.resident
     host = budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb  # None: the machine's RAM
     room = (host + (budgets.nvme_gb or 0)) * 1e9
     guess = int(0.9 * spec.num_hidden_layers * room / state) if state and room else spec.num_hidden_layers
-    lo = _most(fits, guess, LARGEST_LAYERS, max(1, guess // 32))
+    lo = _most_of_any(fits, _least(job, p.run_plan.micro_batch), guess, LARGEST_LAYERS, max(1, guess // 32))
     return lo, spec.with_layers(max(lo, 1)).n_params if lo else 0
+
+
+def _most_of_any(fits, choices: list[Choice], start: int, cap: int, step: int = 1) -> int:
+    """The largest n <= cap that some choice fits (fits(choice, n), monotone in n for each), 0 if none: the first
+    choice's largest (_most), then each other choice's where it fits one more. A choice that does not costs one
+    try, where asking every choice at each n of one search costs them all at each miss."""
+    memo: dict[tuple[Choice, int], bool] = {}
+
+    def once(c: Choice, n: int) -> bool:
+        if (c, n) not in memo:
+            memo[c, n] = fits(c, n)
+        return memo[c, n]
+
+    best = _most(lambda n: once(choices[0], n), start, cap, step)
+    for c in choices[1:]:
+        if best < cap and once(c, best + 1):
+            best = _most(lambda n, c=c: once(c, n), best + 1, cap, step)
+    return best
 
 
 def _most(fits, start: int, cap: int, step: int = 1) -> int:
@@ -119,26 +138,38 @@ def _most(fits, start: int, cap: int, step: int = 1) -> int:
     return lo
 
 
+def _least(job: Job, micro: int) -> list[Choice]:
+    """The choices that take the least memory at this micro-batch: nothing speculated or updated on the GPU,
+    either stream, any checkpoint home or their split; the splits first (where anything fits, a split nearly
+    always does: the searches then cost one try a step), the master stream first (no compute-dtype copy on the
+    host: where the host or the disk bounds a search, it fits the most)."""
+    streams = ("master", "compute") if job.dtype == "bfloat16" else ("master",)
+    # either spill order takes the same memory: one is enough to say whether it fits
+    return [
+        Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0, spill="moments")
+        for acts, stream in product(("split", "gpu", "host"), streams)
+    ]
+
+
+def _fits_in(job: Job, p: Plan, least: Choice, budgets: Budgets, hw: HardwareSpec) -> Plan | Miss:
+    """The plan of `job` in the choice `least`, with a resident budget "auto" at all the GPU memory left (the
+    most memory resident state can add), else the plan's."""
+
+    def at(b: Budgets) -> Plan | Miss:
+        return evaluate(job, least, b, hw)
+
+    resident = (
+        int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.run_plan.resident_gb
+    )
+    return at(replace(budgets, resident_gb=resident))
+
+
 def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> tuple[bool, str]:
-    """(whether `job` fits the budgets in the least memory: nothing speculated or updated on the GPU, either
-    stream, any checkpoint home or their split, a resident budget "auto" at all the GPU memory left; the budget
-    the misses are short of, each named once: "GPU", "host", "NVMe")."""
+    """(whether `job` fits the budgets in one of the least-memory choices (_least); the budgets the misses are
+    short of, each named once: "GPU", "host", "NVMe")."""
     short: list[str] = []
-    streams = ("compute", "master") if job.dtype == "bfloat16" else ("master",)
-    # the splits first: where anything fits, a split nearly always does (the searches' fits then cost one or two
-    # tries); a miss tries every choice, so the answer does not depend on the order
-    for acts, stream in product(("split", "gpu", "host"), streams):
-        # either spill order takes the same memory: one is enough to say whether it fits
-        least = Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0, spill="moments")
-
-        def at(b: Budgets) -> Plan | Miss:
-            return evaluate(job, least, b, hw)
-
-        # "auto": all the GPU leaves (the most memory resident state can add)
-        resident = (
-            int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.run_plan.resident_gb
-        )
-        q = at(replace(budgets, resident_gb=resident))
+    for c in _least(job, micro):  # a miss tries every choice, so the answer does not depend on the order
+        q = _fits_in(job, p, c, budgets, hw)
         if q.fits:
             return True, ""
         short.append({Short.RING: "host", Short.COPIES: "host"}.get(q.short, q.short.value))
@@ -151,11 +182,12 @@ def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     what bounds it (the budgets the next 1024 tokens miss, comma-separated: "GPU": its memory for the working set
     and activations; "host"; "NVMe"; or "positions"); and the budgets' longest."""
 
-    def fits(n: int) -> tuple[bool, str]:
-        return _fits(replace(job, batch=job.gpus, seq_len=n * 1024), p, 1, budgets, hw)  # one row per rank
+    def at(n: int) -> Job:
+        return replace(job, batch=job.gpus, seq_len=n * 1024)  # one row per rank
 
-    n, cap = _most(lambda n: fits(n)[0], 1, LONGEST_SEQ // 1024), LONGEST_SEQ // 1024
+    cap = LONGEST_SEQ // 1024
+    n = _most_of_any(lambda c, n: _fits_in(at(n), p, c, budgets, hw).fits, _least(job, 1), 1, cap)
     positions = job.spec.max_position_embeddings
     if positions < n * 1024:
         return positions, "positions", n * 1024
-    return n * 1024, "" if n == cap else fits(n + 1)[1], n * 1024
+    return n * 1024, "" if n == cap else _fits(at(n + 1), p, 1, budgets, hw)[1], n * 1024
