@@ -64,7 +64,7 @@ def _prepare_build() -> None:
         log.warning("tiertrain: removing %s, left by a build of the host AdamW that was stopped", lock)
         lock.unlink(missing_ok=True)
     if not any(d.glob(f"{NAME}*.so")):
-        log.warning("tiertrain: building the one-pass host AdamW (once, about 30-45 s; cached in %s)", d)
+        log.warning("tiertrain: building the one-pass host AdamW (once, about 20 s; cached in %s)", d)
 
 
 def reason() -> str:
