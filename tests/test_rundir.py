@@ -376,7 +376,7 @@ def test_a_run_killed_before_its_first_step_is_started_afresh(token_file, tmp_pa
     out = tmp_path / "r"
     lock, _ = runclaim.claim(out, "ck")  # relative to the working directory
     lock.release()  # as a kill leaves it
-    made = Path(rundir._marker(out)["checkpoints"])
+    made = Path(rundir.run_marker(out)["checkpoints"])
     assert made.is_absolute() and made.parent == tmp_path / "ck"
     assert cli("run", *tiny(token_file), *STEPS, "--out", str(out)).returncode == 0
     assert rundir.checkpoint_dir(out) == out / "checkpoints" and _steps(out)

@@ -17,7 +17,7 @@ from pathlib import Path
 from . import __version__
 from .checkpoint import write_json
 from .errors import UserError, why
-from .rundir import CKPT_MARKER, CUT, LOCK, MARKER, _empty_run, _marker, _steps
+from .rundir import CKPT_MARKER, CUT, LOCK, MARKER, empty_run, run_marker, saved_steps
 
 
 class RunLock:
@@ -87,8 +87,8 @@ def check_links(out: Path) -> None:
 def _forget_checkpoint_dir(out: Path) -> None:
     """The directory claim() made in checkpoint.dir for the run in `out`, removed where it is still without a
     checkpoint: its mark, then the directory if nothing else is in it."""
-    ck = _marker(out).get("checkpoints")
-    if ck and (Path(ck) / CKPT_MARKER).is_file() and not _steps(Path(ck)):
+    ck = run_marker(out).get("checkpoints")
+    if ck and (Path(ck) / CKPT_MARKER).is_file() and not saved_steps(Path(ck)):
         (Path(ck) / CKPT_MARKER).unlink()
         try:
             Path(ck).rmdir()
@@ -112,7 +112,7 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
             f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
         ) from None
     try:
-        if not made and _empty_run(out):
+        if not made and empty_run(out):
             # a run that never took a step: this one starts afresh in it, with a marker of its own
             _forget_checkpoint_dir(out)
             (out / MARKER).unlink()

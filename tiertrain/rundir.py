@@ -31,7 +31,8 @@ CKPT_MARKER = "tiertrain-checkpoints.json"  # in a checkpoint directory a run ma
 
 
 # ---- where a run's checkpoints are ---------------------------------------------------------------
-def _marker(run: Path) -> dict:
+def run_marker(run: Path) -> dict:
+    """The run's marker (what tiertrain wrote when it made the run: where its checkpoints are), {} where none."""
     try:
         m = json.loads((Path(run) / MARKER).read_text())
     except (OSError, ValueError):
@@ -43,7 +44,7 @@ def checkpoint_dir(run: Path) -> Path:
     """The directory of the run's checkpoints: `<run>/checkpoints`, or the one checkpoint.dir gave it, which must
     carry the mark tiertrain made it with (a marker naming any other directory is refused: the run would write
     and delete there)."""
-    ck = _marker(run).get("checkpoints")
+    ck = run_marker(run).get("checkpoints")
     if not ck:
         return Path(run) / "checkpoints"
     if not (Path(ck) / CKPT_MARKER).is_file():
@@ -78,7 +79,8 @@ def _cut(run: Path) -> dict | None:
     return c
 
 
-def _steps(d: Path) -> list[tuple[int, Path]]:
+def saved_steps(d: Path) -> list[tuple[int, Path]]:
+    """(step, path) of each whole checkpoint in the checkpoint directory d, oldest first, whatever the timeline."""
     return (
         sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.fullmatch(p.name)) and p.is_dir())
         if d.is_dir()
@@ -90,7 +92,7 @@ def checkpoints(run: Path) -> list[Path]:
     """The run's whole checkpoints on its current timeline, oldest first (temporaries of an interrupted save,
     and the newer ones a resume from an older checkpoint is moving aside, are not listed)."""
     cut = _cut(run)
-    return [p for s, p in _steps(checkpoint_dir(run)) if cut is None or s <= cut["step"]]
+    return [p for s, p in saved_steps(checkpoint_dir(run)) if cut is None or s <= cut["step"]]
 
 
 def interrupted(run: Path) -> list[Path]:
@@ -171,7 +173,7 @@ def _stopped(run: Path) -> str:
 
 
 # ---- new runs and resumes --------------------------------------------------------------------
-def _empty_run(d: Path) -> bool:
+def empty_run(d: Path) -> bool:
     """A marked run that logged no step and saved no checkpoint (stopped before its first step): reusable."""
     if not (d / MARKER).is_file() or checkpoints(d) or interrupted(d):
         return False
@@ -185,7 +187,7 @@ def check_new(out: Path) -> None:
     """`out` may start a run: absent, an empty directory, or a marked run that never took a step."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
-    if not out.is_dir() or not any(out.iterdir()) or _empty_run(out):
+    if not out.is_dir() or not any(out.iterdir()) or empty_run(out):
         return
     if is_run(out) and not checkpoints(out) and not interrupted(out):
         raise UserError(
@@ -231,7 +233,7 @@ def check_resume(checkpoint: Path, out: Path | None, new_run: bool = False) -> P
 
 def check_fork(out: Path, source: Path) -> None:
     """A resume from `source` (a run, or a checkpoint outside any) into `out`, another directory: new or empty."""
-    if out.is_dir() and any(out.iterdir()) and not _empty_run(out):
+    if out.is_dir() and any(out.iterdir()) and not empty_run(out):
         what = "another run" if is_run(out) else "files that are not a tiertrain run"
         raise UserError(
             f"--out {out} holds {what}; a resume writes only into the run it resumes ({source}) or into "
@@ -268,7 +270,7 @@ def cut_timeline(run: Path, step: int) -> str | None:
     move aside into `abandoned/` (renamed, nothing deleted), so that `latest` and `export` mean the last step of
     the timeline the run is on. A kill at any moment leaves a journal (CUT) that finish_cut() completes, and until
     then the newer checkpoints do not count. Returns the line that reports what moved (None: nothing newer)."""
-    newer = [p for s, p in _steps(checkpoint_dir(run)) if s > step]
+    newer = [p for s, p in saved_steps(checkpoint_dir(run)) if s > step]
     if not newer:
         # records a killed process logged after its last checkpoint: redone alike
         truncate_metrics(Path(run) / "metrics.jsonl", step)
@@ -299,7 +301,7 @@ def finish_cut(run: Path) -> str | None:
         os.replace(tmp, dest / "metrics.jsonl")
     truncate_metrics(Path(run) / "metrics.jsonl", step)
     moved = []
-    for s, p in _steps(ck):
+    for s, p in saved_steps(ck):
         if s > step:
             os.rename(p, dest_ck / p.name)
             moved.append(p.name)
