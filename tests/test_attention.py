@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -329,26 +328,30 @@ def test_a_gpu_run_takes_the_plans_kernel_and_deterministic_runs_repeat_their_bi
 
 # ---- the NVMe checkpoints' writer -------------------------------------------------------------------------------
 class SlowIO:
-    """POSIX I/O whose writes each take 20 ms more, counting how many are in flight at once."""
+    """POSIX I/O whose writes each wait until `target` writes are in flight (at most a second: the last ones of a
+    save), counting how many are in flight at once; a busy machine cannot make the writer look shallower."""
 
-    def __init__(self):
+    def __init__(self, target: int):
         from concurrent.futures import ThreadPoolExecutor
 
         from tiertrain.tiers.nvme import PosixIO
 
         self.inner, self.pool = PosixIO(4), ThreadPoolExecutor(16)
         self.now = self.most = 0
-        self.lock = threading.Lock()
+        self.target = target
+        self.cond = threading.Condition()
 
     def write(self, path, buf):
-        with self.lock:
+        with self.cond:
             self.now += 1
             self.most = max(self.most, self.now)
+            self.cond.notify_all()
 
         def slow():
-            time.sleep(0.02)
+            with self.cond:
+                self.cond.wait_for(lambda: self.now >= self.target, timeout=1.0)
             self.inner.write(path, buf).result()
-            with self.lock:
+            with self.cond:
                 self.now -= 1
 
         return self.pool.submit(slow)
@@ -377,9 +380,9 @@ def test_the_checkpoint_writer_keeps_its_pieces_in_flight_and_the_bits(tmp_path,
     cpu = torch.device("cpu")
     streams = Streams(cpu)
     for dtype in (torch.float32, torch.bfloat16):
-        io = SlowIO()
         xs = [torch.randn(2, 5 * 2048 // 2).float() for _ in range(2)]  # 2 micro-batches of 5 pieces in fp32
         per_row = -(-xs[0].numel() * dtype.itemsize // 8192)
+        io = SlowIO(min(pieces, 2 * per_row))
         store = PieceStore(tmp_path / str(dtype), [1], 2 * per_row, io)
         acts = ActivationStore({1: Home.NVME}, streams, StallClock(streams), cpu, False, store, dtype, pieces)
         acts.save(1, xs)
