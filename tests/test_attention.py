@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -328,10 +329,11 @@ def test_a_gpu_run_takes_the_plans_kernel_and_deterministic_runs_repeat_their_bi
 
 # ---- the NVMe checkpoints' writer -------------------------------------------------------------------------------
 class SlowIO:
-    """POSIX I/O whose writes each wait until `target` writes are in flight (at most a second: the last ones of a
-    save), counting how many are in flight at once; a busy machine cannot make the writer look shallower."""
+    """POSIX I/O whose writes each take 20 ms more, or with a `target` wait until that many writes are in flight
+    (at most a second: the last ones of a save), counting how many are in flight at once; with a target a busy
+    machine cannot make the writer look shallower."""
 
-    def __init__(self, target: int):
+    def __init__(self, target: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
         from tiertrain.tiers.nvme import PosixIO
@@ -348,8 +350,11 @@ class SlowIO:
             self.cond.notify_all()
 
         def slow():
-            with self.cond:
-                self.cond.wait_for(lambda: self.now >= self.target, timeout=1.0)
+            if self.target is None:
+                time.sleep(0.02)
+            else:
+                with self.cond:
+                    self.cond.wait_for(lambda: self.now >= self.target, timeout=1.0)
             self.inner.write(path, buf).result()
             with self.cond:
                 self.now -= 1
