@@ -3,6 +3,7 @@ model of its shape that fits the same budgets, and with an NVMe tier the least h
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from itertools import product
 
@@ -85,8 +86,12 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     resident budget "auto" at all the GPU memory left: O(layers) each."""
     spec = job.spec
 
+    @functools.cache  # one spec of n layers for every choice tried there: its units and slabs are built once
+    def at(n: int) -> Job:
+        return replace(job, spec=spec.with_layers(n))
+
     def fits(c: Choice, n: int) -> bool:
-        return _fits_in(replace(job, spec=spec.with_layers(n)), p, c, budgets, hw).fits
+        return _fits_in(at(n), p, c, budgets, hw).fits
 
     # a little short of where the whole state's bytes, resident ones included, would fill the host and the disk:
     # where the search starts, with steps of a 32nd of it (any start gives the same answer; one that fits costs
