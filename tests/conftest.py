@@ -8,15 +8,13 @@ import dataclasses
 import hashlib
 import json
 import os
-import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import zarr
+from forkcli import cli, python_c  # noqa: F401 - the tests' processes, imported from here
 
 from tiertrain import checkpoint as ckpt
 from tiertrain.config import Config, load_config
@@ -152,19 +150,6 @@ def reference_train(
 # ---- the command line, as a user runs it --------------------------------------------------------
 SETS = [a for s in TINY for a in ("--set", s)]
 STEPS = ["--set", "train.steps=8", "--set", "checkpoint.every=3", "--set", "checkpoint.keep=5"]
-
-
-def cli(*args, cwd=None, fsize: int | None = None, env=None):
-    """`tiertrain ARGS` in a subprocess; `fsize`: a file size limit (bytes) standing in for a full disk."""
-    limit = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))) if fsize is not None else None
-    return subprocess.run(
-        [sys.executable, "-m", "tiertrain", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        preexec_fn=limit,
-        env=env,
-    )
 
 
 def tiny(token_file, *more):

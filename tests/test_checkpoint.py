@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import DEEP, VARIANTS, budget_for, least_budget, same_run, tiny_config
+from conftest import DEEP, VARIANTS, budget_for, cli, least_budget, same_run, tiny_config
 from tiertrain import checkpoint as ckpt
 from tiertrain import rundir
 from tiertrain.loop import fit
@@ -186,17 +186,13 @@ def test_sigint_saves_and_exits_zero(tmp_path):
     assert [p.name for p in rundir.checkpoints(out)] == [f"step_{last}"]
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True)
-
-
 def test_bad_checkpoints_are_refused_with_one_line(token_file, tmp_path):
     out = tmp_path / "run"
     _fit(tiny_config(token_file, "train.steps=2"), out)
     path = out / "checkpoints" / "step_2"
     before = (out / "metrics.jsonl").read_text()
 
-    other = _cli("run", "--resume", str(path), "--out", str(tmp_path / "x"), "--set", "model.hidden_size=32")
+    other = cli("run", "--resume", str(path), "--out", str(tmp_path / "x"), "--set", "model.hidden_size=32")
     assert other.returncode == 2 and "different model (hidden_size differ)" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
 
@@ -204,14 +200,14 @@ def test_bad_checkpoints_are_refused_with_one_line(token_file, tmp_path):
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    bad = _cli("run", "--resume", "latest", "--out", str(out))
+    bad = cli("run", "--resume", "latest", "--out", str(out))
     assert bad.returncode == 2 and "corrupt: exp_avg/1 fails its checksum" in bad.stderr
 
     chunk.unlink()
-    gone = _cli("run", "--resume", "latest", "--out", str(out))
+    gone = cli("run", "--resume", "latest", "--out", str(out))
     assert gone.returncode == 2 and "chunk exp_avg/1 is missing" in gone.stderr
     assert (out / "metrics.jsonl").read_text() == before  # nothing was overwritten
-    assert _cli("run", "--resume", "latest").returncode == 2  # latest of what: --out is required
+    assert cli("run", "--resume", "latest").returncode == 2  # latest of what: --out is required
 
 
 def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp_path, monkeypatch):

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tomllib
 
 import numpy as np
 import pytest
 
+from conftest import cli
 from tiertrain.metrics import read_metrics
 
 FAST = ["--set", "train.steps=12", "--set", "train.seq_len=64", "--set", "train.log_every=4"]
-
-
-def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True, cwd=cwd)
 
 
 def test_run_writes_metrics_and_config(tmp_path):

@@ -20,6 +20,7 @@ from conftest import (
     STEPS,
     cli,
     least_gb,
+    python_c,
     refused,
     same_run,
     same_state,
@@ -311,9 +312,7 @@ def test_a_save_killed_at_any_moment_resumes_bit_identically(whole_run, tmp_path
         args = ["run", "--resume", str(cut / "checkpoints" / "step_3"), "--out", str(cut)]
     else:
         args = ["run", *tiny(token_file), *STEPS, "--out", str(cut)]
-    r = subprocess.run(
-        [sys.executable, "-c", KILLER, what, str(nth), "step_6", *args], capture_output=True, text=True
-    )
+    r = python_c(KILLER, what, nth, "step_6", *args)
     assert r.returncode == -9, r.stderr  # killed where asked
     r = cli("run", "--resume", "latest", "--out", str(cut))
     assert r.returncode == 0, r.stderr

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import COMMON, hf_dir, reference_train, tiny_config
+from conftest import COMMON, cli, hf_dir, reference_train, tiny_config
 from tiertrain.errors import ConfigError, UserError
 from tiertrain.export import export_hf
 from tiertrain.trainer import Trainer
@@ -91,10 +89,6 @@ def trains_as_transformers(cfg, tmp_path, load, loss) -> None:
         assert _rel(p.detach(), want[name].detach()) < 1e-4, name
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tiertrain", *args], capture_output=True, text=True)
-
-
 def test_bad_model_directories_are_refused(token_file, tmp_path):
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
@@ -105,7 +99,7 @@ def test_bad_model_directories_are_refused(token_file, tmp_path):
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[1]
     (tmp_path / "sharded" / gone).unlink()
-    r = _cli(
+    r = cli(
         "run",
         "--init-from",
         str(tmp_path / "sharded"),
@@ -117,7 +111,7 @@ def test_bad_model_directories_are_refused(token_file, tmp_path):
     assert r.returncode == 2 and f"shard {gone} listed in model.safetensors.index.json is missing" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
-    r = _cli(
+    r = cli(
         "run", "--config", "debug", "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run")
     )
     assert r.returncode == 2 and "not a directory" in r.stderr
@@ -129,12 +123,12 @@ def test_export_refuses_to_overwrite(token_file, tmp_path):
     tr.close()
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "taken"))
+    r = cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "taken"))
     assert r.returncode == 2 and "already exists and is not empty" in r.stderr
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine" and len(
         list((tmp_path / "taken").iterdir())
     ) == 1
-    r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--dtype", "bfloat16")
+    r = cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "bf16"), "--dtype", "bfloat16")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert _load(tmp_path / "bf16").model.embed_tokens.weight.abs().sum() > 0
@@ -150,7 +144,7 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.7, "do_sample": True})
     )
     (tmp_path / "hf" / "tokenizer.json").write_text('{"not": "read by the test"}')
-    r = _cli(
+    r = cli(
         "run",
         "--init-from",
         str(tmp_path / "hf"),
@@ -173,7 +167,7 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "warning: --set model.hidden_size not used: with --init-from" in r.stdout
-    r = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "out"), "--max-shard-size", "30KB")
+    r = cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "out"), "--max-shard-size", "30KB")
     assert r.returncode == 0, r.stderr
     out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert src["sliding_window"] == out["sliding_window"] == 4096
@@ -185,7 +179,7 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) > 1
     assert _load(tmp_path / "out").generation_config.temperature == 0.7
     # a run resumed from that run's checkpoint into another directory exports the same files
-    r = _cli(
+    r = cli(
         "run",
         "--resume",
         str(tmp_path / "run" / "checkpoints" / "step_2"),
@@ -195,7 +189,7 @@ def test_export_keeps_what_came_in(token_file, tmp_path):
         str(tmp_path / "fork"),
     )
     assert r.returncode == 0, r.stderr
-    assert _cli("export", str(tmp_path / "fork"), "--to", str(tmp_path / "out2")).returncode == 0
+    assert cli("export", str(tmp_path / "fork"), "--to", str(tmp_path / "out2")).returncode == 0
     for name in ("generation_config.json", "tokenizer.json"):
         assert (tmp_path / "out2" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
 

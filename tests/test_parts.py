@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, cli, tiny_config
 from tiertrain.config import load_config
 from tiertrain.engine.buffers import Accumulators
 from tiertrain.engine.streams import StallClock, Streams
@@ -139,21 +137,8 @@ def test_bad_expert_groups_get_one_line(token_file, sets, why):
 
 
 def test_plan_json_says_the_groups():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tiertrain",
-            "plan",
-            "--config",
-            "gpt-oss-20b",
-            "--set",
-            "tiers.expert_groups=4",
-        ]
-        + ["--gpu-gb", "80", "--host-gb", "512", "--format", "json"],
-        capture_output=True,
-        text=True,
-    )
+    args = ["--config", "gpt-oss-20b", "--set", "tiers.expert_groups=4", "--gpu-gb", "80", "--host-gb", "512"]
+    r = cli("plan", *args, "--format", "json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["expert_groups"] == 4
 
