@@ -33,7 +33,7 @@ from ..tiers.slab import host_cost
 from .hardware import HardwareSpec
 from .memory import GPU_RESERVE, Fit, gpu_candidates, memory_fit
 from .runplan import unit_plans
-from .times import step_times
+from .times import links, step_times, with_updates
 from .values import Budgets, Choice, Job, Memory, Miss, Plan, Prediction, Short, frozen
 
 # the plan speculates this many times the parameters it finds room for in the backward pass: the host's
@@ -259,8 +259,10 @@ def _speculation(
     most = max(n for n in range(len(copies)) if copies[n] <= fit.room)
     on_gpu = sum(numels[u] for u in gpu)
 
+    base = links(job, mem, fit, on_gpu, gpu_speculated=ge)  # what the number speculated does not change
+
     def timed(n: int) -> tuple[float, Candidate]:
-        t, bwd, fwd = step_times(job, mem, fit, on_gpu, params[n], gpu_speculated=ge)
+        t, bwd, fwd = with_updates(base, params[n])
         return bwd + fwd, Candidate(k, ge, n, copies[n], sets, t, bwd, fwd)
 
     if speculate is not None and copies[min(speculate, len(host))] > fit.room:

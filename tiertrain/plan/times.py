@@ -3,6 +3,7 @@ Pure Python."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..modes import Home, Kind
@@ -45,6 +46,30 @@ def step_times(
     hw.out_of_place_dram_bytes more DRAM traffic), as many as that pass has room for (the rest after the norm:
     "host AdamW" counts them). `gpu_speculated`: the GPU updates run in the backward pass too, their state's
     copies with them. Several GPUs: the sums are this rank's shards (_peers prices the collectives)."""
+    return with_updates(links(job, mem, fit, on_gpu, gpu_speculated), speculated)
+
+
+@dataclass(frozen=True)
+class Links:
+    """What of step_times does not depend on the speculated updates: the update search asks it once for each way
+    of updating on the GPU, then with_updates for each number speculated."""
+
+    job: Job
+    fit: Fit
+    t: dict  # seconds per link: compute, collectives, PCIe, disk
+    on_gpu: int
+    bwd_gpu: int  # of those, updated in the backward pass
+    bwd: float  # the backward pass before the host's DRAM
+    h2d_fwd: float
+    d2h_fwd: float
+    h2d_bwd: float
+    d2h_bwd: float
+    adam_rate: float  # host AdamW parameters/s
+    adam_bytes: int  # its DRAM bytes per parameter
+
+
+def links(job: Job, mem: Memory, fit: Fit, on_gpu: int, gpu_speculated: bool = False) -> Links:
+    """step_times' seconds per link and backward pass, before the host's updates."""
     s, hw, kb = fit.shape, fit.shape.hw, fit.shape.kb
     sw = 2 if Kind.WEIGHTS in kb else 4  # bytes per parameter that stream
     ck_unit = job.spec.num_hidden_layers * s.ck_unit / job.spec.num_hidden_layers
@@ -59,7 +84,6 @@ def step_times(
     h2d_bwd = sw * reloaded + host_ck_io + 12 * bwd_gpu
     d2h_bwd = 4 * streamed + 12 * bwd_gpu
     adam_bytes = 28 + 2 * (sw == 2)  # per parameter: master, moments read and written, the gradient read
-    dram = hw.host_dram_gbs * 1e9
     spec = hw.spec_copy_efficiency if bwd_gpu else 1.0
     pcie = {
         "H2D fwd": h2d_fwd / (hw.h2d_gbs * 1e9),
@@ -71,21 +95,29 @@ def step_times(
     }
     t = _compute(job, mem, fit) | _peers(job, fit) | pcie | _disk(mem, kb, ck_disk, hw)
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"], t["peer bwd"])
+    return Links(job, fit, t, on_gpu, bwd_gpu, bwd, h2d_fwd, d2h_fwd, h2d_bwd, d2h_bwd, adam_rate, adam_bytes)
+
+
+def with_updates(k: Links, speculated: int) -> tuple[dict[str, float], float, float]:
+    """step_times from its links, with `speculated` parameters queued for the host in the backward pass."""
+    job, hw, bwd = k.job, k.fit.shape.hw, k.bwd
+    streamed = k.fit.sums[0]
+    dram = hw.host_dram_gbs * 1e9
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
     # (Updates.after_norm): those left run after it with the others
     copies = job.clipping
-    spec_rate = adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
-    spec_bytes = adam_bytes + hw.out_of_place_dram_bytes * copies
-    room = min(bwd * spec_rate, max(0.0, bwd * dram - h2d_bwd - d2h_bwd) / spec_bytes)
+    spec_rate = k.adam_rate * (hw.out_of_place if copies else 1.0) / hw.adam_contention
+    spec_bytes = k.adam_bytes + hw.out_of_place_dram_bytes * copies
+    room = min(bwd * spec_rate, max(0.0, bwd * dram - k.h2d_bwd - k.d2h_bwd) / spec_bytes)
     queued, speculated = speculated, min(speculated, room)
-    on_host = streamed - on_gpu - speculated
-    t |= {
-        "host AdamW": on_host / adam_rate * hw.adam_contention,
+    on_host = streamed - k.on_gpu - speculated
+    t = k.t | {
+        "host AdamW": on_host / k.adam_rate * hw.adam_contention,
         "host AdamW bwd": speculated / spec_rate,
         # the copies and the host AdamW share the host's DRAM
-        "host DRAM fwd": (h2d_fwd + d2h_fwd + adam_bytes * on_host) / dram,
-        "host DRAM bwd": (h2d_bwd + d2h_bwd + spec_bytes * speculated) / dram,
+        "host DRAM fwd": (k.h2d_fwd + k.d2h_fwd + k.adam_bytes * on_host) / dram,
+        "host DRAM bwd": (k.h2d_bwd + k.d2h_bwd + spec_bytes * speculated) / dram,
     }
     fwd = max(
         t["compute fwd"],
@@ -96,7 +128,7 @@ def step_times(
         t["peer fwd"],
         t["NVMe checkpoints fwd"],
     )
-    if queued or bwd_gpu:  # the copies alone may fill the host's DRAM
+    if queued or k.bwd_gpu:  # the copies alone may fill the host's DRAM
         bwd = max(bwd, t["host DRAM bwd"])
     update = max(t["host AdamW"], t["NVMe"])
     t["exposed update"] = max(0.0, update - fwd)
