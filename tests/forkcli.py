@@ -6,10 +6,10 @@ is the import of torch and tiertrain's modules, 3-4 s a run on CI's two cores, o
 
 The server is one process per test process, started on first use and closed at its exit. It only imports: no
 tensor op has run in it, so no OpenMP pool or thread of its own is lost in a fork (a DataLoader forks its workers
-from far busier processes). A run whose environment differs from the
-server's in what a process reads at start or import (PYTHONPATH, the OpenMP and MKL thread counts, CUDA's and
-torch's settings, the loader's paths) runs in a fresh interpreter instead, as does every run when TIERTRAIN_TEST_FORK
-is 0.
+from far busier processes). It checks that a fork of it may use CUDA; where one may not, every run is a fresh
+interpreter. So is a run whose environment differs from the server's in what a process reads at start or import
+(PYTHONPATH, the OpenMP and MKL thread counts, CUDA's and torch's settings, the loader's paths), and every run
+when TIERTRAIN_TEST_FORK is 0.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from pathlib import Path
 # read by the interpreter, the loader, OpenMP, MKL, CUDA or torch at start or import: a fork would not see them
 AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "TORCH_", "LD_", "NVIDIA_", "PYTORCH_")
 
-# what a run imports at 20 ms or more (python -X importtime), imported by the server before it forks
+# what a run imports at 20 ms or more (python -X importtime), imported by the server before it forks; not
+# torch.utils.cpp_extension, which asks CUDA for its devices as it is imported: a fork of a process that has may
+# not use CUDA (the server checks that none of these did)
 PRELOAD = (
     "torch",
     "torch.fx.experimental.symbolic_shapes",
-    "torch.utils.cpp_extension",
     "zarr",
     "tiertrain.cli",
     "tiertrain.parallel",
@@ -40,10 +41,17 @@ PRELOAD = (
 # output goes through pipes, as subprocess.run's does (a file size limit does not hold them)
 SERVER = r"""
 import json, os, resource, runpy, selectors, sys
-import gc, importlib
+import torch
+import gc, importlib, warnings
 for name in PRELOAD:
     importlib.import_module(name)
 gc.freeze()  # the child's collections and exit then leave the server's objects alone: no copy on write
+# torch's own thread from its import: Python 3.12 warns of any fork beside a thread (a DataLoader's too)
+warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+pid = os.fork()  # whether a child may use CUDA (torch poisons a fork where the parent asked CUDA anything)
+if pid == 0:
+    os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+print(json.dumps({"fork": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0}), flush=True)
 reply = os.fdopen(os.dup(1), "w")
 null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 1)
@@ -98,6 +106,7 @@ class _Server:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
+        self.usable = False  # whether its forks may use CUDA (all may where torch has none)
 
     def start(self) -> None:
         self.env = dict(os.environ)
@@ -108,6 +117,8 @@ class _Server:
             text=True,
         )
         atexit.register(self.close)
+        line = self.proc.stdout.readline()  # nothing: it failed to start (its error is on stderr)
+        self.usable = bool(line) and json.loads(line)["fork"]  # else every run is a fresh interpreter
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -121,7 +132,7 @@ class _Server:
         if self.proc is None or self.proc.poll() is not None:
             self.start()
         keys = {k for k in {*env, *self.env} if k.startswith(AT_START)}
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        return self.usable and all(env.get(k) == self.env.get(k) for k in keys)
 
     def run(self, code: str | None, args: list[str], cwd: str, env: dict[str, str], fsize: int | None):
         """(exit status, stdout, stderr) of one run in a forked child: `python -c code ARGS`, or where code is
