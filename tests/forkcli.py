@@ -79,7 +79,9 @@ sys.stdout.flush()
 sys.stderr.flush()
 os.dup2(null, 1)
 os.dup2(saved_err, 2)
+os.close(saved_err)
 quiet = os.fstat(said.fileno()).st_size == 0
+said.close()
 gc.freeze()  # the children's collections leave the server's objects alone
 filters = warnings.filters[:]  # each child's, as a fresh process has them
 # the thread numpy's OpenBLAS starts at import: Python 3.12 warns of any fork beside a thread (a DataLoader's too)
@@ -133,6 +135,7 @@ for line in sys.stdin:
             else:
                 sel.unregister(key.fd)
                 os.close(key.fd)
+    sel.close()
     _, status = os.waitpid(pid, 0)
     # the bytes as they came (surrogates for what is not UTF-8): the client decodes them as subprocess.run would
     out, err = (b"".join(got[fd]).decode(errors="surrogateescape") for fd in (out_r, err_r))
