@@ -55,8 +55,9 @@ class Links:
     of updating on the GPU, then with_updates for each number speculated."""
 
     job: Job
-    fit: Fit
+    hw: HardwareSpec
     t: dict  # seconds per link: compute, collectives, PCIe, disk
+    streamed: int  # parameters that stream (Fit.sums)
     on_gpu: int
     bwd_gpu: int  # of those, updated in the backward pass
     bwd: float  # the backward pass before the host's DRAM
@@ -95,13 +96,14 @@ def links(job: Job, mem: Memory, fit: Fit, on_gpu: int, gpu_speculated: bool = F
     }
     t = _compute(job, mem, fit) | _peers(job, fit) | pcie | _disk(mem, kb, ck_disk, hw)
     bwd = max(t["compute bwd"], t["H2D bwd"], t["D2H"], t["NVMe bwd"], t["PCIe both bwd"], t["peer bwd"])
-    return Links(job, fit, t, on_gpu, bwd_gpu, bwd, h2d_fwd, d2h_fwd, h2d_bwd, d2h_bwd, adam_rate, adam_bytes)
+    return Links(
+        job, hw, t, streamed, on_gpu, bwd_gpu, bwd, h2d_fwd, d2h_fwd, h2d_bwd, d2h_bwd, adam_rate, adam_bytes
+    )
 
 
 def with_updates(k: Links, speculated: int) -> tuple[dict[str, float], float, float]:
     """step_times from its links, with `speculated` parameters queued for the host in the backward pass."""
-    job, hw, bwd = k.job, k.fit.shape.hw, k.bwd
-    streamed = k.fit.sums[0]
+    job, hw, bwd = k.job, k.hw, k.bwd
     dram = hw.host_dram_gbs * 1e9
     # of the `speculated` parameters, those the host gets through within the backward pass: at its rate into
     # copies, in the DRAM the pass's copies leave. The runtime starts no speculated update after the norm
@@ -111,7 +113,7 @@ def with_updates(k: Links, speculated: int) -> tuple[dict[str, float], float, fl
     spec_bytes = k.adam_bytes + hw.out_of_place_dram_bytes * copies
     room = min(bwd * spec_rate, max(0.0, bwd * dram - k.h2d_bwd - k.d2h_bwd) / spec_bytes)
     queued, speculated = speculated, min(speculated, room)
-    on_host = streamed - k.on_gpu - speculated
+    on_host = k.streamed - k.on_gpu - speculated
     t = k.t | {
         "host AdamW": on_host / k.adam_rate * hw.adam_contention,
         "host AdamW bwd": speculated / spec_rate,
