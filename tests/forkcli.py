@@ -19,6 +19,7 @@ import io
 import json
 import locale
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -243,8 +244,6 @@ def _python(
     # `plan`, --help and --version import no torch: a fresh interpreter starts faster than a fork exits
     light = code is None and (not args or args[0] == "plan" or args[0].startswith("-"))
     if fresh or light or not _SERVER.forks(env):
-        import resource
-
         limit = None if fsize is None else (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize)))
         return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, preexec_fn=limit, env=env)
     rc, out, err = _SERVER.run(code, args, str(Path(cwd or os.getcwd()).resolve()), env, fsize)
