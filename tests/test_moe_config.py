@@ -12,7 +12,7 @@ import transformers
 from moe_cases import BASE, MOE
 
 from conftest import tiny_config
-from tiertrain.model import hf
+from tiertrain.model import families, hf
 from tiertrain.model.hf import HFError
 
 # a config.json key the importer reads, and the spec field it becomes
@@ -97,7 +97,7 @@ def test_a_model_its_family_cannot_hold_trains_but_is_not_exported(token_file, t
     its export, which would load without it or with it initialised afresh, is refused by name in one line,
     before anything is written."""
     spec = tiny_config(token_file, *sets).model
-    assert [u.split(" = ")[0] for u in hf.unlike_family(spec)] == [f"model.{key}"]
+    assert [u.split(" = ")[0] for u in families.unlike_family(spec)] == [f"model.{key}"]
     out = tmp_path / "export" / "hf"
     with pytest.raises(HFError, match=rf"model\.{key} = \S+ \(transformers' {spec.model_type} needs"):
         hf.write_hf(out, spec, iter(()), "float32")
@@ -115,16 +115,16 @@ def test_the_families_attention_as_transformers_builds_it_is_theirs(token_file):
             "model.attention_out_bias=true",
         ],
     ):
-        assert hf.unlike_family(tiny_config(token_file, *sets).model) == []
+        assert families.unlike_family(tiny_config(token_file, *sets).model) == []
 
 
-@pytest.mark.parametrize("family", sorted(hf.ATTENTION))
+@pytest.mark.parametrize("family", sorted(families.ATTENTION))
 @pytest.mark.parametrize("bias", [False, True])
 def test_each_family_s_attention_is_what_its_transformers_class_builds(family, bias):
-    """hf.ATTENTION against the attention module each family's transformers class builds, with and without
+    """families.ATTENTION against the attention module each family's transformers class builds, with and without
     attention_bias: a spec of that structure passes unlike_family, and each of its fields turned over does not
     (but the q/k/v biases where the family's config.json says them)."""
-    arch = getattr(transformers, hf.ARCHITECTURES[family])
+    arch = getattr(transformers, families.ARCHITECTURES[family])
     extra = MOE[family][2] if family in MOE else {}
     # qwen2_moe's q/k/v biases go by qkv_bias
     cfg = arch.config_class(
@@ -137,10 +137,13 @@ def test_each_family_s_attention_is_what_its_transformers_class_builds(family, b
         attention_bias=attn.q_proj.bias is not None,
         attention_out_bias=attn.o_proj.bias is not None,
     )
-    spec = SimpleNamespace(model_type=family, **built)
-    assert hf.unlike_family(spec) == []
-    free = "attention_bias" not in hf.ATTENTION[family]  # a config key says it, and the export writes it
+    # no window, so that only the attention's fields are tested here (windows: test_hf_families.py)
+    spec = SimpleNamespace(model_type=family, num_hidden_layers=1, window=lambda i: None, **built)
+    assert families.unlike_family(spec) == []
+    free = (
+        "attention_bias" not in families.ATTENTION[family]
+    )  # a config key says it, and the export writes it
     assert built["attention_bias"] == bias or not free
     for key in [k for k in built if not (free and k == "attention_bias")]:
         turned = SimpleNamespace(**{**vars(spec), key: not built[key]})
-        assert hf.unlike_family(turned), f"{family}: {key} = {not built[key]} passes"
+        assert families.unlike_family(turned), f"{family}: {key} = {not built[key]} passes"

@@ -21,7 +21,8 @@ from .data import loaders
 from .errors import ConfigError, DataError
 from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.docs import Docs
-from .model.hf import HFReader, open_weights, spec_from_hf, unlike_family
+from .model.families import unlike_family
+from .model.hf import HFReader, open_weights, spec_from_hf
 from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks

@@ -16,18 +16,12 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 from ..errors import UserError
 from . import hf_moe
+from .families import ARCHITECTURES, FAMILY_DEFAULTS, WINDOWS, unlike_family
 from .spec import MODEL_TYPES, MOE_TYPES, ModelSpec
 
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    **hf_moe.ARCHITECTURES,
-}
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -51,7 +45,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     d = Path(model_dir)
     c, mt = _config(d)
     window = _implemented(c, d, mt, seq_len)
-    theta, scaling = _rope(c, d)
+    theta, scaling = _rope(c, d, mt)
+    fam = FAMILY_DEFAULTS[mt]
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if k not in c]
     if missing:
@@ -66,19 +61,24 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
         heads = c["num_attention_heads"]
         fields = dict(attention_bias=mt == "qwen2", qk_norm=mt == "qwen3")
         fields.update(hf_moe.spec_fields(c, mt) if mt in MOE_TYPES else {})
+        if window is not None and mt in ("qwen2", "qwen3"):  # the blocks that window, for the export
+            lim = c.get("max_window_layers", 28)
+            n = c["num_hidden_layers"]
+            every = ["sliding_attention" if i >= lim else "full_attention" for i in range(n)]
+            fields.update(layer_types=list(c.get("layer_types") or every))
         spec = ModelSpec(
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
             num_hidden_layers=c["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            head_dim=c.get("head_dim") or fam.get("head_dim") or c["hidden_size"] // heads,
             vocab_size=c["vocab_size"],
             rope_theta=float(theta),
             rope_scaling=scaling,
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(c.get("rms_norm_eps", fam["rms_norm_eps"])),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            max_position_embeddings=c.get("max_position_embeddings", fam["max_position_embeddings"]),
             initializer_range=float(c.get("initializer_range", 0.02)),
             model_type=mt,
             sliding_window=fields.pop("sliding_window", window),
@@ -151,48 +151,25 @@ def open_weights(model_dir: str | os.PathLike, spec: ModelSpec) -> "HFReader | h
     return hf_moe.MoEReader(reader, spec, q.get("quant_method") == "mxfp4")
 
 
-def _rope(c: dict, d: Path) -> tuple[object, dict | None]:
-    """(rope_theta, the scaling table or None) from transformers 5's rope_parameters or 4's fields."""
+def _rope(c: dict, d: Path, mt: str) -> tuple[object, dict | None]:
+    """(rope_theta, the scaling table or None) from transformers 5's rope_parameters or 4's fields, the family's
+    defaults where they leave them out (gpt-oss's YaRN where they are null too, as transformers reads it)."""
+    fam = FAMILY_DEFAULTS[mt]
     if "rope_parameters" not in c:
-        return c.get("rope_theta", 10000.0), c.get("rope_scaling")
-    rp = c["rope_parameters"] or {}
+        rs = c.get("rope_scaling") or fam.get("rope_scaling")
+        named = isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "default"
+        return c.get("rope_theta", fam["rope_theta"]), None if named else rs
+    if c["rope_parameters"] is None:
+        return fam["rope_theta"], fam.get("rope_scaling")
+    rp = c["rope_parameters"]
     if not isinstance(rp, dict):
         raise HFError(
             f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
             'like {"rope_type": "default", "rope_theta": 500000.0}'
         )
     rp = dict(rp)
-    theta = rp.pop("rope_theta", 10000.0)
+    theta = rp.pop("rope_theta", fam["rope_theta"])
     return theta, rp if rp.get("rope_type", "default") != "default" else None
-
-
-# each family's attention as its transformers class builds it ("attention_bias": as that key says)
-ATTENTION = {
-    "llama": dict(qk_norm=False, attention_sinks=False, attention_out_bias="attention_bias"),
-    "mistral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
-    "qwen2": dict(qk_norm=False, attention_sinks=False, attention_bias=True, attention_out_bias=False),
-    "qwen3": dict(qk_norm=True, attention_sinks=False, attention_out_bias="attention_bias"),
-    "qwen3_moe": dict(qk_norm=True, attention_sinks=False, attention_out_bias="attention_bias"),
-    "qwen2_moe": dict(qk_norm=False, attention_sinks=False, attention_out_bias=False),
-    "mixtral": dict(qk_norm=False, attention_sinks=False, attention_bias=False, attention_out_bias=False),
-    "gpt_oss": dict(qk_norm=False, attention_sinks=True, attention_out_bias="attention_bias"),
-}
-
-
-def unlike_family(spec: ModelSpec) -> list[str]:
-    """The attention fields that differ from what the family's transformers class builds, each as "model.KEY =
-    VALUE (transformers' FAMILY needs WANT)". Such a model of one's own trains; `export` refuses it, since
-    transformers would load the export with tensors missing or initialised afresh."""
-    out = []
-    for key, want in ATTENTION[spec.model_type].items():
-        tied = want == "attention_bias"  # an o_proj bias where q, k and v have theirs
-        want = spec.attention_bias if tied else want
-        if getattr(spec, key) != want:
-            out.append(
-                f"model.{key} = {str(getattr(spec, key)).lower()} (transformers' {spec.model_type} needs "
-                f"{str(want).lower()}{', as model.attention_bias' if tied else ''})"
-            )
-    return out
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
@@ -221,12 +198,21 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
         c.update(attention_bias=spec.attention_bias)
     if spec.model_type == "llama":
         c.update(mlp_bias=False)
-    if spec.model_type in ("qwen2", "qwen3"):
-        c.update(use_sliding_window=spec.sliding_window is not None, sliding_window=spec.sliding_window)
     if spec.model_type in ("mistral",):
         c.update(sliding_window=spec.sliding_window)
     if spec.is_moe:
         c.update(hf_moe.config_fields(spec))
+    if spec.model_type == "gpt_oss" and spec.rope_scaling is None:  # null would read as its YaRN default
+        c.update(rope_scaling={"rope_type": "default"})
+    if WINDOWS[spec.model_type] == "per block":  # spelled out: the family's own default differs per class
+        lt = [
+            "sliding_attention" if spec.window(i) else "full_attention" for i in range(spec.num_hidden_layers)
+        ]
+        c.update(layer_types=lt)
+        if spec.model_type != "gpt_oss":
+            c.update(use_sliding_window="sliding_attention" in lt)
+        if "sliding_attention" in lt:
+            c.update(sliding_window=spec.sliding_window)
     c.update(
         {
             k: getattr(spec, k)
@@ -372,8 +358,9 @@ def write_hf(
     unlike = unlike_family(spec)
     if unlike:
         raise HFError(
-            f"this {spec.model_type} model has {'; '.join(unlike)}: transformers would load its export with "
-            "attention tensors missing or new; train a model with those keys as transformers builds them"
+            f"this {spec.model_type} model has {'; '.join(unlike)}: transformers would load its export as "
+            "another model (attention tensors missing or new, or other windows); train a model with those keys "
+            "as transformers builds them"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -113,20 +113,16 @@ def config_fields(spec: ModelSpec) -> dict:
         )
     if mt == "qwen2_moe":
         c.update(
-            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
-            qkv_bias=spec.attention_bias,
-            use_sliding_window=spec.sliding_window is not None,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size, qkv_bias=spec.attention_bias
         )
     else:
         c.update(attention_bias=spec.attention_bias)
     if mt == "gpt_oss":
-        c.update(swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha, layer_types=spec.layer_types)
-    if mt == "qwen3_moe":
-        c.update(use_sliding_window=spec.sliding_window is not None)
-    if spec.sliding_window is not None:
+        c.update(swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha)
+    if mt in ("qwen3_moe", "mixtral"):  # every block alike (qwen2_moe's and gpt-oss's windows: hf.hf_config)
+        if mt == "qwen3_moe":
+            c.update(use_sliding_window=spec.sliding_window is not None)
         c.update(sliding_window=spec.sliding_window)
-    if spec.layer_types is not None:
-        c.update(layer_types=spec.layer_types)
     return c
 
 

@@ -240,6 +240,13 @@ class ModelSpec:
             i for i in self.mlp_only_layers if not (isinstance(i, int) and 0 <= i < self.num_hidden_layers)
         ]
         self._need(not bad, "mlp_only_layers", f"must list blocks 0 to {self.num_hidden_layers - 1}")
+        if not self.model_type.startswith(
+            "qwen"
+        ):  # transformers' mixtral and gpt-oss have experts in every block
+            why = f"a qwen MoE field; transformers' {self.model_type} has none (leave it out)"
+            self._need(not self.mlp_only_layers, "mlp_only_layers", why)
+            self._need(self.decoder_sparse_step == 1, "decoder_sparse_step", why)
+            self._need(m in (None, self.intermediate_size), "moe_intermediate_size", why)
         coef = self.router_aux_loss_coef
         self._need(
             _number(coef) and math.isfinite(coef) and coef >= 0, "router_aux_loss_coef", "must be >= 0"
