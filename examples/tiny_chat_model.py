@@ -1,7 +1,7 @@
 """A tiny chat model to try fine-tuning on conversations offline: `python examples/tiny_chat_model.py DIR` writes a
 randomly initialized Llama (2 blocks, hidden size 64) and a byte-level BPE tokenizer trained on
 examples/conversations.jsonl, with a ChatML chat template like Qwen2.5's, as a Hugging Face directory. It stands in
-for a released model's directory (`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`) in the
+for a released model's directory (`hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR`) in the
 README's example; the tests build their tokenizers with it too.
 """
 

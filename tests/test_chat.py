@@ -311,3 +311,71 @@ def test_the_readme_conversations_example_runs_as_written(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     recs = read_metrics(next(tmp_path.glob("runs/*/metrics.jsonl")))
     assert recs[-1]["loss"] < recs[0]["loss"] - 0.5
+
+
+def test_named_chat_templates_render_with_default_or_the_one_named(tmp_path):
+    """A tokenizer with several named templates (transformers loads them as a dict): prepare renders with the one
+    named "default", as transformers does, or with the one --chat-template names; without a default, or with a
+    name it lacks, one line lists the names."""
+    convs = _conversations(tmp_path / "c.jsonl")
+    plain = prepare_chat(
+        [str(tmp_path / "c.jsonl")],
+        str(tmp_path / "plain.bin"),
+        str(chat_tokenizer_dir(tmp_path / "tok", EX.CHATML)),
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    tok.chat_template = {"default": EX.CHATML, "training": EX.CHATML_TRAINING}
+    tok.save_pretrained(tmp_path / "named")
+    assert isinstance(transformers.AutoTokenizer.from_pretrained(tmp_path / "named").chat_template, dict)
+    by_default = prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "d.bin"), str(tmp_path / "named"))
+    by_name = prepare_chat(
+        [str(tmp_path / "c.jsonl")],
+        str(tmp_path / "n.bin"),
+        str(tmp_path / "named"),
+        chat_template="training",
+    )
+    assert by_default.samples == by_name.samples == plain.samples and len(convs) > plain.samples
+    want = open_tokens(tmp_path / "plain.bin")
+    for name in ("d.bin", "n.bin"):
+        got = open_tokens(tmp_path / name)
+        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.mask, want.mask), name
+    with pytest.raises(
+        DataError, match="cannot read it .*or one of .*named templates \\(default, training\\)"
+    ):
+        prepare_chat(
+            [str(tmp_path / "c.jsonl")],
+            str(tmp_path / "x.bin"),
+            str(tmp_path / "named"),
+            chat_template="tools",
+        )
+    tok.chat_template = {"tools": EX.CHATML, "training": EX.CHATML_TRAINING}
+    tok.save_pretrained(tmp_path / "nodefault")
+    with pytest.raises(
+        DataError, match="named chat templates \\(tools, training\\) and none is named default"
+    ):
+        prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "y.bin"), str(tmp_path / "nodefault"))
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["d.bin", "n.bin", "plain.bin"]
+
+
+def test_flags_prepare_would_ignore_are_refused(tmp_path):
+    """A flag that would do nothing in this command says so in one line, before anything is written: the
+    documents' --eot and --text-field with --chat, --too-long without --seq-len, --messages-field without --chat."""
+    _conversations(tmp_path / "c.jsonl")
+    out = str(tmp_path / "c.bin")
+    chat = [
+        "prepare",
+        str(tmp_path / "c.jsonl"),
+        "--chat",
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--out",
+        out,
+    ]
+    refused(cli(*chat, "--eot", "<|endoftext|>"), "--eot: only for documents, not with --chat")
+    refused(cli(*chat, "--text-field", "text"), "--text-field: only for documents")
+    refused(cli(*chat, "--too-long", "skip"), "--too-long skip: only with --seq-len")
+    refused(
+        cli("prepare", str(tmp_path / "c.jsonl"), "--messages-field", "m", "--out", out),
+        "--messages-field: only with --chat",
+    )
+    assert not list(tmp_path.glob("*.bin"))

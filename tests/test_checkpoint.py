@@ -263,3 +263,37 @@ def test_the_temporaries_counted_whole_are_those_recover_keeps(tmp_path, names):
     # no temporary of a save is left, and what is not one is untouched
     assert {n for n in after if ckpt.LEFT.fullmatch(n)} == set()
     assert {n for n in names if not ckpt.LEFT.fullmatch(n)} <= set(after)
+
+
+def test_a_resume_on_the_same_tokens_with_another_loss_mask_is_refused(tmp_path):
+    """Conversations prepared again with another template or --train-on-prompt: the same tokens, other targets
+    trained. The checkpoint's data identity holds a checksum of the samples and the loss mask too, so such a
+    file is refused by name on resume, and the file it trained on is not."""
+    import numpy as np
+
+    from tiertrain.data import TokenWriter
+    from tiertrain.errors import DataError
+
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(1, 97, 20) for _ in range(8)]
+    for name, trained in (("a", 0.2), ("b", 0.9)):
+        w = TokenWriter(tmp_path / f"{name}.bin", 97, samples=True, masked=True)
+        for t in tokens:
+            w.add(t, (rng.random(20) < trained).astype(np.uint8), start=True)
+        w.close()
+    tr = Trainer(tiny_config(tmp_path / "a.bin"))
+    path, _ = tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    other = Trainer(tiny_config(tmp_path / "b.bin"))
+    try:
+        with pytest.raises(
+            DataError, match=r"b\.bin is not the data .*the same tokens, other samples or loss mask"
+        ):
+            other.restore(path)
+    finally:
+        other.close()
+    same = Trainer(tiny_config(tmp_path / "a.bin"))
+    try:
+        same.restore(path)
+    finally:
+        same.close()

@@ -77,6 +77,12 @@ def test_prepare_byte_level(tmp_path):
     assert toks == list("héllo\n".encode()) + [BYTE_EOS] + list(b"world") + [BYTE_EOS]
     with pytest.raises(DataError, match="not found"):
         prepare([str(tmp_path / "none.txt")], str(tmp_path / "o2.bin"))
+    # --eot '' puts none; its one end-of-text id has no name to pick another by
+    prepare([str(tmp_path / "b.txt")], str(tmp_path / "o3.bin"), eot="")
+    assert read_tokens(tmp_path / "o3.bin").tolist() == list(b"world")
+    with pytest.raises(DataError, match="--eot 'X': the byte-level tokenizer has one end-of-text id"):
+        prepare([str(tmp_path / "b.txt")], str(tmp_path / "o4.bin"), eot="X")
+    assert not (tmp_path / "o4.bin").exists()
 
 
 def _word_tokenizer(path, eot="<|endoftext|>"):

@@ -64,7 +64,8 @@ class ChatReport:
 
 def load_tokenizer(spec: str | None, template: str | None):
     """A fast transformers tokenizer (its offsets map tokens to characters) with a chat template: a model
-    directory's, or the directory of the tokenizer.json given; `template`: a Jinja file replacing its own."""
+    directory's, or the directory of the tokenizer.json given; `template`: a Jinja file replacing its own, or the
+    name of one of its named templates (default: the one named "default")."""
     if spec is None:
         raise DataError("--chat needs --tokenizer DIR: a model directory whose tokenizer has a chat template")
     try:
@@ -85,13 +86,27 @@ def load_tokenizer(spec: str | None, template: str | None):
             f"{d}: its tokenizer is not a tokenizers one (no tokenizer.json), and the assistant's tokens are "
             "found by their offsets; pass a directory with a tokenizer.json"
         )
-    if template is not None:
+    # several named templates (tokenizer_config.json's list, additional_chat_templates/): transformers renders
+    # with "default" where none is named
+    named = tok.chat_template if isinstance(tok.chat_template, dict) else {}
+    names = ", ".join(sorted(named))
+    if template is not None and named and template in named and not Path(template).exists():
+        tok.chat_template = named[template]
+    elif template is not None:
         try:
             tok.chat_template = Path(template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
+            also = f", or one of {d}'s named templates ({names})" if named else ""
             raise DataError(
-                f"--chat-template {template}: cannot read it ({e}); pass a Jinja text file"
+                f"--chat-template {template}: cannot read it ({e}); pass a Jinja text file{also}"
             ) from None
+    elif named:
+        if "default" not in named:
+            raise DataError(
+                f"{d} has named chat templates ({names}) and none is named default; pick one with "
+                "--chat-template NAME"
+            )
+        tok.chat_template = named["default"]
     if not isinstance(tok.chat_template, str) or not tok.chat_template:
         raise DataError(
             f"{d} has no chat template (tokenizer_config.json's chat_template, or chat_template.jinja); "

@@ -68,8 +68,9 @@ def _fail(err: Exception) -> None:
 @click.option(
     "--chat-template",
     default=None,
-    metavar="FILE",
-    help="With --chat: a Jinja chat template to use instead of the tokenizer's own.",
+    metavar="FILE|NAME",
+    help="With --chat: a Jinja chat template to use instead of the tokenizer's own, or the name of one of its "
+    "named templates (default: the one named default).",
 )
 def prepare(
     inputs: tuple[str, ...],
@@ -94,18 +95,35 @@ def prepare(
     try:
         if not out.endswith(".bin"):
             raise UserError(f"--out {out}: token files written by prepare end in .bin")
+        ctx = click.get_current_context()
+
+        def named(param: str) -> bool:  # given on the command line, even as its default
+            return ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
+
         given = [
             f
             for f, v in (
                 ("--train-on-prompt", train_on_prompt),
                 ("--seq-len", seq_len),
                 ("--chat-template", chat_template),
+                ("--messages-field", named("messages_field")),
             )
             if v
         ]
         if given and not chat:
             raise UserError(
                 f"{', '.join(given)}: only with --chat (conversations); add --chat or leave them out"
+            )
+        # documents' flags: a conversation ends where its template says, and its text is its messages
+        plain = [f for f, v in (("--eot", eot is not None), ("--text-field", named("text_field"))) if v]
+        if plain and chat:
+            raise UserError(
+                f"{', '.join(plain)}: only for documents, not with --chat (a conversation's text and end are its "
+                "template's); leave them out"
+            )
+        if named("too_long") and seq_len is None:
+            raise UserError(
+                f"--too-long {too_long}: only with --seq-len S (the rows it cuts to); add --seq-len"
             )
         total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
         bar = (

@@ -289,6 +289,7 @@ class Loader:
         self.tokens, self.S, self.B, self.V = tokens, seq_len, batch_size, vocab_size
         self.shuffle, self.seed, self.name = shuffle, seed, name
         self.segmented = mask is not None or document_mask  # rows of several segments, attended to apart
+        self.marks = None if mask is None else (starts, mask)  # what a prepared file adds to its tokens
         if mask is not None:
             if starts is None:
                 raise DataError(f"{name} has a loss mask but no sample starts; re-run `tiertrain prepare`")
@@ -357,14 +358,15 @@ class Loader:
 
     def identity(self) -> dict:
         """What tells these tokens from others of the same count: their bytes' size and a CRC32C of their first MiB
-        and of 64 KiB at 15 places spread over them (a few MiB read, whatever the file's size)."""
-        import google_crc32c
-
+        and of 64 KiB at 15 places spread over them (a few MiB read, whatever the file's size); for samples with a
+        loss mask, the same of their starts and mask ("marks_crc32c": the same tokens prepared with another
+        template or --train-on-prompt train other targets)."""
         raw = np.ascontiguousarray(self.tokens).view(np.uint8).reshape(-1)  # no copy of a file's memory map
-        crc = 0
-        for at in [0, *(len(raw) * k // 16 for k in range(1, 16))]:
-            crc = google_crc32c.extend(crc, raw[at : at + (1 << 20 if at == 0 else 1 << 16)].tobytes())
-        return {"size": int(len(raw)), "crc32c": int(crc)}
+        out = {"size": int(len(raw)), "crc32c": _sampled_crc(raw)}
+        if self.marks is not None:
+            starts, mask = (np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in self.marks)
+            out["marks_crc32c"] = _sampled_crc(mask, _sampled_crc(starts))
+        return out
 
     def get(self, step: int) -> Batch:
         return Batch(*self.made.batch([self._row(step * self.B + j) for j in range(self.B)]))
@@ -372,6 +374,15 @@ class Loader:
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets) of the step's batch."""
         return self.get(step)[:2]
+
+
+def _sampled_crc(raw: np.ndarray, crc: int = 0) -> int:
+    """CRC32C (continuing `crc`) of bytes `raw`: their first MiB and 64 KiB at 15 places spread over them."""
+    import google_crc32c
+
+    for at in [0, *(len(raw) * k // 16 for k in range(1, 16))]:
+        crc = google_crc32c.extend(crc, raw[at : at + (1 << 20 if at == 0 else 1 << 16)].tobytes())
+    return int(crc)
 
 
 def loaders(data: DataConfig, train: TrainConfig, vocab_size: int) -> tuple[Loader, Loader | None]:

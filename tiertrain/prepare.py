@@ -101,7 +101,12 @@ class Encoder:
     def __init__(self, spec: str | None, eot: str | None):
         self.encode_batch: Callable[[list[str]], list[list[int]]]
         if spec is None:
-            self.vocab, self.eot = BYTE_VOCAB, BYTE_EOS
+            if eot:  # its one special id has no name
+                raise DataError(
+                    f"--eot {eot!r}: the byte-level tokenizer has one end-of-text id ({BYTE_EOS}) and no named "
+                    "tokens; leave --eot out for it, pass --eot '' for none, or pass --tokenizer"
+                )
+            self.vocab, self.eot = BYTE_VOCAB, BYTE_EOS if eot is None else None
             self.encode_batch = lambda texts: [list(t.encode("utf-8")) for t in texts]
             return
         p = Path(spec)

@@ -225,13 +225,19 @@ class Trainer:
                 "differ); resume with the run's own config, or start a new run"
             )
         kinds, whole = ckpt.kinds_of(meta), ckpt.whole(meta)
-        theirs = meta.get("data", {}).get("identity")
-        if whole and theirs and theirs != self.data_identity:
+        theirs, mine = meta.get("data", {}).get("identity"), self.data_identity
+        # the keys both have: a checkpoint from before the loss mask's checksum was kept compares its tokens
+        differ = [k for k in sorted(theirs.keys() & mine.keys()) if theirs[k] != mine[k]] if theirs else []
+        if whole and differ:
             was = meta["data"].get("path") or "the built-in corpus"
+            how = (
+                "the same tokens, other samples or loss mask: prepared with another template or --train-on-prompt"
+                if differ == ["marks_crc32c"]
+                else f"{theirs['size']:,} bytes, another checksum"
+            )
             raise DataError(
-                f"{self.loader.name} is not the data {path} trained on ({was}: {theirs['size']:,} bytes, "
-                "another checksum): set data.path to that file, or export the checkpoint and start a new "
-                "run from it with --init-from"
+                f"{self.loader.name} is not the data {path} trained on ({was}: {how}): set data.path to that "
+                "file, or export the checkpoint and start a new run from it with --init-from"
             )
         self._quiesce()
         t0 = time.perf_counter()
