@@ -379,3 +379,28 @@ def test_flags_prepare_would_ignore_are_refused(tmp_path):
         "--messages-field: only with --chat",
     )
     assert not list(tmp_path.glob("*.bin"))
+
+
+# Phi-3's ending: the end-of-text token after the last message, where no generation prompt follows
+ENDED = "{%- if not add_generation_prompt %}{{- eos_token }}{%- endif %}"
+
+
+def test_a_template_that_ends_the_conversation_with_eos_marks_every_turn(tmp_path):
+    """A template that puts eos_token after the last message only (Phi-3's): each turn's render up to an
+    assistant message ends with it and the whole conversation's goes on, so the prefixes differ there. The
+    assistant's tokens are marked as transformers marks them with the same template in {% generation %} blocks,
+    multi-turn conversations included; the closing eos_token is not a turn's."""
+    convs = _conversations(tmp_path / "c.jsonl")
+    tok = chat_tokenizer_dir(tmp_path / "tok", EX.CHATML + ENDED)
+    report = prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c.bin"), str(tok))
+    assert "prefixes" in report.method
+    ref = EX.chat_tokenizer(EX.conversation_texts(), EX.CHATML_TRAINING + ENDED)
+    want = [ref.apply_chat_template(c, return_dict=True, return_assistant_tokens_mask=True) for c in convs]
+    want = [(o["input_ids"], o["assistant_masks"]) for o in want if sum(o["assistant_masks"][1:])]
+    assert any(sum(m["role"] == "assistant" for m in c) > 1 for c in convs)  # several turns, each checked
+    tf = open_tokens(tmp_path / "c.bin")
+    assert report.samples == len(want)
+    for (ids, mask), a, e in zip(want, tf.starts, np.append(tf.starts[1:], len(tf.tokens))):
+        assert (
+            ids[-1] == ref.eos_token_id and tf.tokens[a:e].tolist() == ids and tf.mask[a:e].tolist() == mask
+        )

@@ -157,7 +157,7 @@ def assistant_spans(tok, conv: list[dict], where: str) -> tuple[str, list[tuple[
         if m["role"] != "assistant":
             continue
         before = _render(tok, conv[:i], where, prompt=True)
-        upto = _render(tok, conv[: i + 1], where)
+        upto = _ended(tok, conv[: i + 1], _render(tok, conv[: i + 1], where), where)
         if not (full.startswith(before) and upto.startswith(before) and full.startswith(upto)):
             raise DataError(
                 f"{where}: the chat template is not prefix-preserving (message {i}, the assistant's: the render of "
@@ -169,6 +169,18 @@ def assistant_spans(tok, conv: list[dict], where: str) -> tuple[str, list[tuple[
         if end > len(before):
             spans.append((len(before), end))
     return full, spans
+
+
+def _ended(tok, conv: list[dict], render: str, where: str) -> str:
+    """The render of `conv` without an end-of-text token the template puts after the last message only (Phi-3's
+    templates: `eos_token` where no generation prompt follows): not part of the turn, and absent where the
+    conversation goes on."""
+    eos = getattr(tok, "eos_token", None)
+    body = render.rstrip()
+    if not eos or not body.endswith(eos):
+        return render
+    cut, prompted = body[: -len(eos)], _render(tok, conv, where, prompt=True)
+    return cut if prompted.startswith(cut) and not prompted.startswith(body) else render
 
 
 def encode(tok, convs: list[list[dict]], wheres: list[str], how: str) -> list[tuple[list[int], list[int]]]:
