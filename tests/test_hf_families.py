@@ -47,7 +47,7 @@ OWN = {  # a model of one's own the family's transformers class builds; windows 
 
 def _own(fields: dict):
     """The spec and random weights (unit by unit, under tiertrain's names) of a model of one's own."""
-    spec = ModelSpec(**SHAPE, **fields)
+    spec = ModelSpec(**{**SHAPE, **fields})
     spec.validate()
     g = torch.Generator().manual_seed(0)
     weights = []
@@ -105,11 +105,14 @@ def test_an_export_loads_as_the_model_trained(case, tmp_path):
             "layer_types",
         ),
         (dict(model_type="mistral", sliding_window=8, layer_types=SLIDE), "layer_types"),
+        # transformers' llama refuses to load a hidden size its heads do not divide, whatever head_dim says
+        (dict(model_type="llama", num_attention_heads=3, num_key_value_heads=1, head_dim=16), "hidden_size"),
     ],
 )
-def test_windows_the_family_cannot_hold_are_refused_at_export(fields, key, tmp_path):
+def test_what_the_family_cannot_hold_is_refused_at_export(fields, key, tmp_path):
     """A model that trains with windows its family's transformers class would not apply (llama has none; mixtral,
-    qwen3_moe and mistral window every block alike) is refused by name, nothing written."""
+    qwen3_moe and mistral window every block alike), or a shape it would not load, is refused by name, nothing
+    written."""
     spec, _ = _own(fields)
     assert [u.split(" = ")[0] for u in families.unlike_family(spec)] == [f"model.{key}"]
     with pytest.raises(hf.HFError, match=rf"model\.{key} = "):
@@ -128,7 +131,8 @@ def test_qwen_moe_fields_are_refused_elsewhere(family, key, value):
         _own(dict(model_type=family, **MOE, **{key: value}))
 
 
-HAND_WRITTEN = [  # config.json fields left out, as a hand-written one may
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+HAND_WRITTEN = [  # config.json fields left out, or given as transformers 5 standardizes them, as one may write them
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=None, rope_theta=1e4)),
@@ -136,6 +140,25 @@ HAND_WRITTEN = [  # config.json fields left out, as a hand-written one may
     ("qwen3", {}),
     ("qwen3", dict(head_dim=16)),
     ("llama", {}),
+    # rope: rope_parameters without its theta (the top level's), rope_scaling over rope_parameters, the legacy
+    # "type", original positions from the top level (Phi-3's), else the table's, else max_position_embeddings
+    ("llama", dict(rope_theta=5e5, rope_parameters={"rope_type": "default"})),
+    ("llama", dict(rope_theta=5e5, rope_parameters=None)),
+    ("llama", dict(rope_scaling={**LLAMA3, "original_max_position_embeddings": 16}, rope_parameters={})),
+    ("llama", dict(rope_parameters={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})),
+    (
+        "llama",
+        dict(
+            original_max_position_embeddings=32,
+            rope_scaling={**LLAMA3, "original_max_position_embeddings": 16},
+        ),
+    ),
+    ("qwen2", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})),
+    # windows where config.json names none: mistral's 4096, and qwen's with use_sliding_window
+    ("mistral", {}),
+    ("mistral", dict(sliding_window=None)),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1)),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, use_sliding_window=True)),
 ]
 
 
@@ -147,10 +170,78 @@ def test_a_hand_written_config_reads_as_transformers_reads_it(family, fields, tm
     c = {"model_type": family, **base, **fields}
     (tmp_path / "config.json").write_text(json.dumps(c))
     spec = hf.spec_from_hf(tmp_path)
-    want = transformers.AutoConfig.from_pretrained(tmp_path)
+    # the config as the model built from it holds it (building it standardizes the rope again: Phi-3's top level)
+    want = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    ).config
     rope = dict(want.rope_parameters)
+    rope.pop("type", None)  # the legacy key, kept beside rope_type
     assert spec.rope_theta == rope.pop("rope_theta")
     assert (spec.rope_scaling or {"rope_type": "default"}) == rope
     assert spec.rms_norm_eps == want.rms_norm_eps
     assert spec.hd == (getattr(want, "head_dim", None) or want.hidden_size // want.num_attention_heads)
     assert spec.max_position_embeddings == want.max_position_embeddings
+    n = want.num_hidden_layers
+    if getattr(want, "layer_types", None):  # each block's window, as the class applies it
+        wins = [want.sliding_window if want.layer_types[i] == "sliding_attention" else None for i in range(n)]
+    else:
+        wins = [getattr(want, "sliding_window", None)] * n
+    assert [spec.window(i) for i in range(n)] == wins
+
+
+def test_rope_kinds_tiertrain_does_not_implement_are_refused_in_any_spelling(tmp_path):
+    """A linear rope under rope_parameters' legacy "type" key was read as no scaling: it is refused, as under
+    rope_type."""
+    base = {k: v for k, v in SHAPE.items() if k != "rms_norm_eps"}
+    for rope in (
+        {"rope_parameters": {"type": "linear", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "linear"}},
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **base, **rope}))
+        with pytest.raises(hf.HFError, match="rope_type must be one of"):
+            hf.spec_from_hf(tmp_path)
+
+
+def test_a_tied_config_with_its_own_head_imports_untied_as_transformers_loads_it(tmp_path):
+    """config.json ties the embeddings but the weights hold an lm_head.weight of their own: transformers 5 loads
+    the model untied, and so does the import, to the same logits; a head equal to the embedding stays tied."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    sd = load_file(f)
+    assert "lm_head.weight" not in sd and hf.spec_from_hf(tmp_path / "m").tie_word_embeddings
+    save_file({**sd, "lm_head.weight": sd["model.embed_tokens.weight"].clone()}, f, metadata={"format": "pt"})
+    assert hf.spec_from_hf(tmp_path / "m").tie_word_embeddings  # the same values: tied as before
+    save_file(
+        {**sd, "lm_head.weight": torch.randn_like(sd["model.embed_tokens.weight"])},
+        f,
+        metadata={"format": "pt"},
+    )
+    spec = hf.spec_from_hf(tmp_path / "m")
+    assert not spec.tie_word_embeddings
+    r = hf.open_weights(tmp_path / "m", spec)
+    weights = [{t.name: r.get(t.hf_name, t.shape).float() for t in u.tensors} for u in spec.units()]
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(spec, weights, tokens), want(input_ids=tokens).logits)
+
+
+def test_an_export_keeps_null_token_ids_and_named_chat_templates(tmp_path):
+    """Token ids the model has none of are written null (left out, the family's defaults would fill them in);
+    the tokenizer's named chat templates (additional_chat_templates/) come out with the export."""
+    spec, weights = _own(dict(model_type="llama"))
+    src = tmp_path / "src"
+    (src / "additional_chat_templates").mkdir(parents=True)
+    (src / "chat_template.jinja").write_text("{{ 'default' }}")
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'tools' }}")
+    tensors = ((t.hf_name, w[t.name]) for u, w in zip(spec.units(), weights) for t in u.tensors)
+    hf.write_hf(tmp_path / "out", spec, tensors, "float32", carried=src)
+    c = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert c["bos_token_id"] is c["eos_token_id"] is c["pad_token_id"] is None
+    got = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert got.bos_token_id is got.eos_token_id is None
+    assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ 'tools' }}"

@@ -138,7 +138,14 @@ def test_each_family_s_attention_is_what_its_transformers_class_builds(family, b
         attention_out_bias=attn.o_proj.bias is not None,
     )
     # no window, so that only the attention's fields are tested here (windows: test_hf_families.py)
-    spec = SimpleNamespace(model_type=family, num_hidden_layers=1, window=lambda i: None, **built)
+    spec = SimpleNamespace(
+        model_type=family,
+        num_hidden_layers=1,
+        window=lambda i: None,
+        hidden_size=64,
+        num_attention_heads=4,
+        **built,
+    )
     assert families.unlike_family(spec) == []
     free = (
         "attention_bias" not in families.ATTENTION[family]

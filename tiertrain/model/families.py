@@ -26,11 +26,24 @@ _YARN32 = dict(
 )
 FAMILY_DEFAULTS = {
     "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072),
-    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, head_dim=128),
-    "qwen2_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "qwen3_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    # sliding_window: where config.json leaves it out (mistral's always applies; qwen's with use_sliding_window)
+    "mistral": dict(
+        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072, sliding_window=4096
+    ),
+    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096),
+    "qwen3": dict(
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        head_dim=128,
+        sliding_window=4096,
+    ),
+    "qwen2_moe": dict(
+        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096
+    ),
+    "qwen3_moe": dict(
+        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096
+    ),
     "mixtral": dict(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
     # gpt-oss: YaRN x32 unless config.json names another rope, a null one included
     "gpt_oss": dict(
@@ -77,6 +90,11 @@ def unlike_family(spec: ModelSpec) -> list[str]:
     mt, how = spec.model_type, WINDOWS[spec.model_type]
     if how == "none" and windows != {None}:
         out.append(f"model.sliding_window = {spec.sliding_window} (transformers' {mt} has no sliding window)")
+    if mt == "llama" and spec.hidden_size % spec.num_attention_heads:  # its config class refuses to load it
+        out.append(
+            f"model.hidden_size = {spec.hidden_size} (transformers' llama needs a multiple of "
+            f"model.num_attention_heads = {spec.num_attention_heads}, whatever model.head_dim)"
+        )
     if how == "alike" and len(windows) > 1:
         out.append(
             f"model.layer_types = {spec.layer_types} (transformers' {mt} windows every block alike: leave it "

@@ -77,7 +77,7 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
             rope_theta=float(theta),
             rope_scaling=scaling,
             rms_norm_eps=float(c.get("rms_norm_eps", fam["rms_norm_eps"])),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)) and not _own_head(d),
             max_position_embeddings=c.get("max_position_embeddings", fam["max_position_embeddings"]),
             initializer_range=float(c.get("initializer_range", 0.02)),
             model_type=mt,
@@ -94,6 +94,21 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     except (TypeError, ValueError, OverflowError) as e:
         raise HFError(wrong.format(e)) from None
     return spec
+
+
+def _own_head(d: Path) -> bool:
+    """Whether the weights hold an lm_head.weight other than the embedding: transformers 5 loads such a model
+    untied, whatever config.json's tie_word_embeddings says (a rare checkpoint: only then are both read)."""
+    if not ((d / INDEX).is_file() or (d / SINGLE).is_file()):
+        return False
+    r = HFReader(d)
+    names = ("lm_head.weight", "model.embed_tokens.weight")
+    if not all(n in r.where for n in names):
+        return False
+    import torch
+
+    head, embed = (r._file(r.where[n]).get_tensor(n) for n in names)
+    return head.shape != embed.shape or not torch.equal(head, embed)
 
 
 def _config(d: Path) -> tuple[dict, str]:
@@ -131,7 +146,11 @@ def _implemented(c: dict, d: Path, mt: str, seq_len: int | None) -> int | None:
     refuse(not c.get("router_jitter_noise", 0.0), "router_jitter_noise (only 0)")
     q = c.get("quantization_config")
     refuse(q is None or mt == "gpt_oss" and q.get("quant_method") == "mxfp4", f"quantization_config {q}")
-    window = c.get("sliding_window") if (mt == "mistral" or c.get("use_sliding_window")) else None
+    window = (
+        c.get("sliding_window", FAMILY_DEFAULTS[mt].get("sliding_window"))
+        if (mt == "mistral" or c.get("use_sliding_window"))
+        else None
+    )
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
         raise HFError(f"{d}/config.json: sliding_window = {window!r}; it must be a positive integer or null")
     if (
@@ -152,24 +171,30 @@ def open_weights(model_dir: str | os.PathLike, spec: ModelSpec) -> "HFReader | h
 
 
 def _rope(c: dict, d: Path, mt: str) -> tuple[object, dict | None]:
-    """(rope_theta, the scaling table or None) from transformers 5's rope_parameters or 4's fields, the family's
-    defaults where they leave them out (gpt-oss's YaRN where they are null too, as transformers reads it)."""
+    """(rope_theta, the scaling table or None) as transformers 5 standardizes them: rope_scaling, else
+    rope_parameters (else the family's: gpt-oss's YaRN, also where both are null), its theta else the top level's
+    else the family's, its kind by rope_type or the legacy type; a scaled kind's original positions from the top
+    level where config.json has them there (Phi-3's), else the table's, else max_position_embeddings."""
     fam = FAMILY_DEFAULTS[mt]
-    if "rope_parameters" not in c:
-        rs = c.get("rope_scaling") or fam.get("rope_scaling")
-        named = isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "default"
-        return c.get("rope_theta", fam["rope_theta"]), None if named else rs
-    if c["rope_parameters"] is None:
-        return fam["rope_theta"], fam.get("rope_scaling")
-    rp = c["rope_parameters"]
+    key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    rp = c.get(key) or fam.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise HFError(
-            f"{d}/config.json: rope_parameters holds a JSON {type(rp).__name__}; it must be an object "
+            f"{d}/config.json: {key} holds a JSON {type(rp).__name__}; it must be an object "
             'like {"rope_type": "default", "rope_theta": 500000.0}'
         )
     rp = dict(rp)
-    theta = rp.pop("rope_theta", fam["rope_theta"])
-    return theta, rp if rp.get("rope_type", "default") != "default" else None
+    theta = rp.pop("rope_theta", c.get("rope_theta", fam["rope_theta"]))
+    kind = rp.pop("rope_type", None) or rp.pop("type", None) or "default"
+    rp.pop("type", None)
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn", "longrope"):
+        orig = c.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
+        rp["original_max_position_embeddings"] = orig or c.get(
+            "max_position_embeddings", fam["max_position_embeddings"]
+        )
+    return theta, {"rope_type": kind, **rp}
 
 
 def hf_config(spec: ModelSpec, dtype: str) -> dict:
@@ -213,13 +238,8 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
             c.update(use_sliding_window="sliding_attention" in lt)
         if "sliding_attention" in lt:
             c.update(sliding_window=spec.sliding_window)
-    c.update(
-        {
-            k: getattr(spec, k)
-            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-            if getattr(spec, k) is not None
-        }
-    )
+    # null too: a key left out would read as the family's default id
+    c.update({k: getattr(spec, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     return c
 
 
@@ -305,6 +325,7 @@ CARRIED = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+CARRIED_DIRS = ("additional_chat_templates",)  # a tokenizer's named chat templates, one .jinja file each
 
 
 def model_root(model_dir: Path) -> Path:
@@ -328,11 +349,13 @@ def _inside(model_dir: Path, name: str) -> bool:
 def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[list[str], list[str]]:
     """Copies the CARRIED files `src` has into the new directory `dst`; (the names copied, those left behind: a
     link that leads out of the model directory is never followed)."""
-    present = [n for n in CARRIED if (Path(src) / n).is_file()]
+    extra = [f"{t}/{f.name}" for t in CARRIED_DIRS for f in sorted((Path(src) / t).glob("*.jinja"))]
+    present = [n for n in (*CARRIED, *extra) if (Path(src) / n).is_file()]
     names = [n for n in present if _inside(Path(src), n)]
     if names:
         Path(dst).mkdir(parents=True, exist_ok=True)
     for n in names:
+        (Path(dst) / n).parent.mkdir(exist_ok=True)
         shutil.copyfile(Path(src) / n, Path(dst) / n)
     return names, [n for n in present if n not in names]
 

@@ -81,7 +81,7 @@ def spec_fields(c: dict, mt: str) -> dict:
         f.update(sliding_window=c.get("sliding_window", 4096))
         f.update(layer_types=c.get("layer_types") or _alternating(n_layers, lim))
     elif qwen:
-        f.update(sliding_window=c.get("sliding_window") if c.get("use_sliding_window") else None)
+        f.update(sliding_window=c.get("sliding_window", 4096) if c.get("use_sliding_window") else None)
     else:
         f.update(sliding_window=c.get("sliding_window"))
     return f
