@@ -232,7 +232,8 @@ def test_a_tied_config_with_its_own_head_imports_untied_as_transformers_loads_it
 
 def test_an_export_keeps_null_token_ids_and_named_chat_templates(tmp_path):
     """Token ids the model has none of are written null (left out, the family's defaults would fill them in);
-    the tokenizer's named chat templates (additional_chat_templates/) come out with the export."""
+    the tokenizer's named chat templates (additional_chat_templates/) come out with the export; every file is
+    readable by other users."""
     spec, weights = _own(dict(model_type="llama"))
     src = tmp_path / "src"
     (src / "additional_chat_templates").mkdir(parents=True)
@@ -245,3 +246,6 @@ def test_an_export_keeps_null_token_ids_and_named_chat_templates(tmp_path):
     got = transformers.AutoConfig.from_pretrained(tmp_path / "out")
     assert got.bos_token_id is got.eos_token_id is None
     assert (tmp_path / "out" / "additional_chat_templates" / "tool_use.jinja").read_text() == "{{ 'tools' }}"
+    # readable by other users, the weights too (safetensors writes 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes

@@ -438,3 +438,19 @@ def test_a_cut_journal_tiertrain_did_not_write_is_refused(token_file, tmp_path, 
     for h in (before, after):  # the lock says who held it last: the refused process did
         h.pop(rundir.LOCK)
     assert after == before
+
+
+def test_an_empty_out_a_refused_run_was_given_is_left_empty(token_file, tmp_path):
+    """A run refused after it claimed an --out that existed empty (its data missing) takes back its marker and
+    its lock file: the directory is as empty as it came, and the next run starts in it. A lock file alone, as an
+    older tiertrain left it, counts as empty."""
+    out = tmp_path / "out"
+    out.mkdir()
+    refused(
+        cli("run", *tiny(token_file), "--set", 'data.path="missing.bin"', "--out", str(out)), "missing.bin"
+    )
+    assert not list(out.iterdir())
+    (out / rundir.LOCK).touch()
+    r = cli("run", *tiny(token_file), *STEPS, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert rundir.is_run(out) and rundir.checkpoints(out)

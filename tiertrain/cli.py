@@ -82,8 +82,8 @@ def main() -> None:
     "--hardware",
     default=None,
     metavar="FILE",
-    help="JSON from `tiertrain probe` for the plan. Default: probe's default file if present, else reference "
-    "figures.",
+    help="JSON from `tiertrain probe` for the plan. Default: probe's default file if present, else the "
+    "published figures of the GPU found (or of --gpu NAME).",
 )
 @click.option(
     "--gpus",

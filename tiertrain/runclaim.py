@@ -151,11 +151,11 @@ def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
 
 def release(out: Path, made: str, lock: RunLock | None = None) -> None:
     """Takes back what claim() made (`made`) for a run refused before its first step, then the lock."""
-    if made:
+    if made:  # the marker and the lock file are tiertrain's: an --out left as it came (or as empty as it was)
         _forget_checkpoint_dir(out)
         (out / MARKER).unlink(missing_ok=True)
-    if made == "dir":
         (out / LOCK).unlink(missing_ok=True)
+    if made == "dir":
         try:
             out.rmdir()  # only if empty: anything else in it stays
         except OSError:

@@ -187,7 +187,8 @@ def check_new(out: Path) -> None:
     """`out` may start a run: absent, an empty directory, or a marked run that never took a step."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
-    if not out.is_dir() or not any(out.iterdir()) or empty_run(out):
+    # a lock file alone: what a refused run of an older tiertrain left in the empty --out it was given
+    if not out.is_dir() or {p.name for p in out.iterdir()} <= {LOCK} or empty_run(out):
         return
     if is_run(out) and not checkpoints(out) and not interrupted(out):
         raise UserError(

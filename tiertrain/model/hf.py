@@ -419,6 +419,7 @@ def _shards(
         nonlocal shard, count
         count += 1
         save_file(shard, tmp / f"part-{count}", metadata={"format": "pt"})
+        os.chmod(tmp / f"part-{count}", 0o644)  # safetensors writes 0600: readable by all, as config.json is
         names.update({k: count for k in shard})
         shard = {}
 
