@@ -454,3 +454,53 @@ def test_an_empty_out_a_refused_run_was_given_is_left_empty(token_file, tmp_path
     r = cli("run", *tiny(token_file), *STEPS, "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert rundir.is_run(out) and rundir.checkpoints(out)
+
+
+def test_the_rename_credit_is_the_final_saves_and_only_where_a_rename_works(
+    token_file, tmp_path, monkeypatch
+):
+    """The disk check lets the last save take the spilled slabs' store chunks by rename (their bytes already on
+    the disk) only for the final save (a run without one writes every periodic save whole), and only where a
+    file does rename from the store's directory into the checkpoints' (two bind mounts of one filesystem share a
+    device id, and rename refuses to cross them)."""
+    from conftest import tiny_config
+    from tiertrain import assemble
+    from tiertrain.trainer import Trainer
+
+    seen = {}
+    monkeypatch.setattr(assemble, "check_disk", lambda saves, *a: seen.update(saves))
+    base = [*DEEP, "train.steps=2", f'tiers.nvme_dir="{tmp_path / "nvme"}"']
+    spill = f"tiers.host_gb={least_budget(tiny_config(token_file, *DEEP))}"
+
+    def full(*sets):
+        Trainer(tiny_config(token_file, *base, spill, *sets), out=tmp_path / "run").close()
+        return seen["full"]
+
+    s = full()  # the final save, on the disk the store is on
+    assert s.count == 1 and 0 < s.last < s.each
+    s = full("checkpoint.final=false", "checkpoint.every=1")  # one periodic save: written whole
+    assert s.count == 1 and s.last == s.each == s.need
+    monkeypatch.setattr(rundir, "renames_between", lambda a, b: False)
+    s = full()
+    assert s.count == 1 and s.last == s.each
+
+
+def test_a_rename_between_two_mounts_of_one_filesystem_is_found_not_to_work(tmp_path):
+    """renames_between: True within a filesystem, False between a directory and a bind mount of another
+    directory of the same filesystem (one device id); its trial file is gone either way."""
+    disk = tmp_path / "disk"
+    prefix = _mounted_tmpfs(disk, 4)
+    code = (
+        "import sys; from pathlib import Path; from tiertrain.rundir import renames_between as r; "
+        "d = Path(sys.argv[1]); print(r(d / 'a', d / 'b'), r(d / 'a', d / 'c'), sorted(p.name for p in d.rglob('*')))"
+    )
+    script = f'mkdir -p {disk}/a {disk}/b {disk}/c && mount --bind {disk}/b {disk}/c && exec "$@"'
+    r = subprocess.run(
+        [*prefix[:-4], "sh", "-c", f"mount -t tmpfs -o size=4m tmpfs {disk} && {script}", "sh"]
+        + [sys.executable, "-c", code, str(disk)],
+        capture_output=True,
+        text=True,
+        cwd=str(Path(__file__).parent.parent),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("[")[0].split() == ["True", "False"] and "rename" not in r.stdout

@@ -177,13 +177,13 @@ def _check_saves(
         else 0
     )
     count = saves(start, cfg.train.steps, c.every, c.final)
+    # the final save takes the store's chunks by rename, where one works between them (not across bind mounts)
+    moves = same and c.final and ranks.size == 1 and rundir.renames_between(Path(t.nvme_dir), where)
     by_state = {}
     for state, kinds in ckpt.SAVED.items():
         each = checkpoint_bytes(numels, state)
         taken = (
-            sum(numels[u] * 4 for (u, k), h in home.items() if h == Home.NVME and k in kinds)
-            if same and ranks.size == 1
-            else 0
+            sum(numels[u] * 4 for (u, k), h in home.items() if h == Home.NVME and k in kinds) if moves else 0
         )
         by_state[state] = Saves(each, each - taken, count, existing, c.keep)
     check_disk(by_state, free, store, str(where), c.state)

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -330,6 +331,35 @@ def disk_free(path: Path) -> tuple[int, int]:
         p = p.parent
     st = os.statvfs(p)
     return st.f_bavail * st.f_frsize, os.stat(p).st_dev
+
+
+def renames_between(a: Path, b: Path) -> bool:
+    """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
+    filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
+    Tried with a file of its own, removed at once."""
+
+    def near(p: Path) -> Path:
+        p = Path(p).absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return p
+
+    src, dst = near(a), near(b)
+    if os.stat(src).st_dev != os.stat(dst).st_dev:
+        return False
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tiertrain-rename-", dir=src)
+        os.close(fd)
+    except OSError:
+        return False
+    moved = dst / Path(tmp).name
+    try:
+        os.rename(tmp, moved)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        return False
+    moved.unlink(missing_ok=True)
+    return True
 
 
 def same(a: Path, b: Path) -> bool:

@@ -203,7 +203,7 @@ class Trainer:
         """take() for a last save into `where`: the NVMe store's chunk file of a spilled slab, where the store and
         the checkpoints share a filesystem (None: the slab is written)."""
         nvme, where_ = self.run.nvme, self.run_plan.where()
-        if nvme is None or rundir.disk_free(where)[1] != rundir.disk_free(nvme.store.root)[1]:
+        if nvme is None or not rundir.renames_between(nvme.store.root, where):
             return None
         return lambda u, k: nvme.store.path(k, u) if where_.get((u, k)) == Home.NVME else None
 
