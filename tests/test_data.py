@@ -83,6 +83,13 @@ def test_prepare_byte_level(tmp_path):
     with pytest.raises(DataError, match="--eot 'X': the byte-level tokenizer has one end-of-text id"):
         prepare([str(tmp_path / "b.txt")], str(tmp_path / "o4.bin"), eot="X")
     assert not (tmp_path / "o4.bin").exists()
+    # --out replaces a token file prepare wrote, never another file
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "o3.bin"))
+    assert read_tokens(tmp_path / "o3.bin").tolist()[:5] == list("héllo".encode())[:5]
+    (tmp_path / "mine.bin").write_bytes(b"MY PRECIOUS DATA")
+    with pytest.raises(DataError, match="mine.bin exists and is not a token file tiertrain wrote"):
+        prepare([str(tmp_path / "b.txt")], str(tmp_path / "mine.bin"))
+    assert (tmp_path / "mine.bin").read_bytes() == b"MY PRECIOUS DATA"
 
 
 def _word_tokenizer(path, eot="<|endoftext|>"):

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .data import BYTE_EOS, BYTE_VOCAB, TokenWriter
+from .data import BYTE_EOS, BYTE_VOCAB, MAGIC, TokenWriter
 from .errors import DataError
 
 KINDS = (".txt", ".jsonl", ".parquet")
@@ -203,6 +203,16 @@ def check_paths(inputs: list[str], out: str) -> list[Path]:
             f"--out {out}: the directory {target.parent} does not exist; create it or pass a file in an "
             "existing directory"
         )
+    if target.exists() or target.is_symlink():  # replaced only where it is a token file prepare wrote
+        try:
+            ours = not target.is_symlink() and target.is_file() and target.open("rb").read(8) == MAGIC
+        except OSError:
+            ours = False
+        if not ours:
+            raise DataError(
+                f"--out {out} exists and is not a token file tiertrain wrote; pass a new file name (prepare "
+                "replaces only its own .bin files)"
+            )
     for p in paths:
         if not p.is_file():
             raise DataError(f"input file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
