@@ -276,7 +276,7 @@ class Accumulators:
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
             part = self.ranks.reduce_scatter(self._at[unit].t[: sh.padded], sh.start, sh.numel)
-            norm = torch.linalg.vector_norm(part)
+            norm = _norm(part)
             if norm.is_cuda:
                 norm.record_stream(self.s.compute)  # read there after norms_ready()
             dst.copy_(part, non_blocking=True)
@@ -301,7 +301,7 @@ class Accumulators:
         buf = self._at[(unit, part)]
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
-            norm = torch.linalg.vector_norm(buf.t[: p.numel])
+            norm = _norm(buf.t[: p.numel])
             if norm.is_cuda:
                 norm.record_stream(self.s.compute)
             for pc in p.pieces:
@@ -321,3 +321,9 @@ class Accumulators:
 
     def nbytes(self) -> int:
         return sum(b.t.numel() * 4 for b in self.blocks + list(self.res.values()))
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """A unit's gradient norm: on a CPU summed in fp64, where fp32's sums over a whole slab drift (1e-5 at 1M
+    elements, more beyond; clip_grad_norm_'s, per tensor, stay within 1e-7); a GPU's reduction is a tree."""
+    return torch.linalg.vector_norm(t, dtype=None if t.is_cuda else torch.float64)
