@@ -16,10 +16,29 @@ def test_schedules_by_hand():
     c = OptimConfig(lr=1.0, schedule="cosine", warmup_steps=4, min_lr=0.1)
     assert [lr_at(k, c, 14) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(4, c, 14) == 1.0
-    assert lr_at(13, c, 14) == pytest.approx(0.1)  # the last step reaches min_lr
-    assert lr_at(4 + 9 / 2, c, 14) == pytest.approx(0.55)  # halfway: the mean of lr and min_lr
+    assert lr_at(14, c, 14) == pytest.approx(0.1)  # min_lr: the step after the last's
+    assert lr_at(13, c, 14) > 0.1  # so the last step updates too
+    assert lr_at(4 + 10 / 2, c, 14) == pytest.approx(0.55)  # halfway: the mean of lr and min_lr
     c = OptimConfig(lr=0.5, schedule="constant", warmup_steps=0)
     assert {lr_at(k, c, 10) for k in range(10)} == {0.5}
+
+
+def test_the_cosine_is_transformers_after_the_warmup():
+    """After the warmup, the cosine to 0 is transformers' get_cosine_schedule_with_warmup's, step for step (its
+    warmup starts at 0, a step that does not move; this one's at lr / W)."""
+    transformers = pytest.importorskip("transformers")
+    for warmup, steps in ((0, 10), (3, 12), (0, 1)):
+        p = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([p], lr=2e-3)
+        sched = transformers.get_cosine_schedule_with_warmup(opt, warmup, steps)
+        want = []
+        for _ in range(steps):
+            want.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        c = OptimConfig(lr=2e-3, schedule="cosine", warmup_steps=warmup, min_lr=0.0)
+        got = [lr_at(k, c, steps) for k in range(steps)]
+        assert got[warmup:] == pytest.approx(want[warmup:], rel=1e-12, abs=0) and min(got) > 0
 
 
 def test_clip_like_torch():

@@ -32,12 +32,14 @@ NO_COPY = torch.empty(0, dtype=torch.bfloat16)  # the one-pass kernel's "no bf16
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (from 0): linear warmup, then constant or cosine to min_lr."""
+    """Learning rate of optimizer step `step` (from 0): linear warmup (lr (k + 1) / W: its first step moves too),
+    then constant or a cosine toward min_lr over the remaining steps, min_lr being the step after the last's (as
+    transformers' get_cosine_schedule_with_warmup: every step updates, with min_lr 0 too)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    span = max(1, total_steps - cfg.warmup_steps - 1)
+    span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
