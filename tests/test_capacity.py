@@ -239,3 +239,26 @@ def test_labels_in_a_users_words_and_digits_for_a_small_model():
     assert p.fits and p.memory.nvme_checkpoints > 0
     assert bars["NVMe"]["activation checkpoints"] == p.memory.nvme_checkpoints
     assert "fp32 master weights" in bars["host"] and "master" not in bars["host"]
+
+
+def test_the_shuffled_order_of_the_rows_counts_in_the_host_memory_check(token_file, monkeypatch):
+    """The loader makes the rows' shuffled order (an int64 a row) at the first step, after the check: the check
+    counts it, so a host that holds the plan but not it is refused before anything is allocated."""
+    from conftest import tiny_config
+    from tiertrain import assemble
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan.resolve import check_ram, host_need
+    from tiertrain.trainer import Trainer
+
+    seen = []
+    real = assemble.check_ram
+    monkeypatch.setattr(assemble, "check_ram", lambda *a: seen.append(a) or real(*a))
+    for shuffle in (True, False):
+        tr = Trainer(tiny_config(token_file, f"data.shuffle={str(shuffle).lower()}"))
+        rows, rp = tr.loader.rows, tr.run_plan
+        tr.close()
+        assert seen.pop()[-1] == (8 * rows if shuffle else 0)
+    need = host_need(rp, frozenset())
+    check_ram(rp, frozenset(), need + 8 * rows, 0, "", 0.0, 1, 8 * rows)
+    with pytest.raises(ConfigError, match="host memory"):
+        check_ram(rp, frozenset(), need + 8 * rows - 1, 0, "", 0.0, 1, 8 * rows)

@@ -106,11 +106,12 @@ def plan_run(
     updates: dict[int, str] | None,
     hardware: Path | None,
     out: Path | None,
+    data_bytes: int = 0,
 ):
     """(the figures the run plans with, its Plan with the RunPlan it obeys, the settings the plan chose): what the
     config leaves "auto" settled for this machine and this rank, and what cannot run here refused, before anything
     is allocated, naming the setting to change: the GPU's memory (the plan), the host's RAM, the checkpoints' disk
-    (`out`: the run directory; None: no checkpoints planned)."""
+    (`out`: the run directory; None: no checkpoints planned); `data_bytes`: what the data loader will add."""
     tc = cfg.train
     # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
     micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
@@ -152,6 +153,7 @@ def plan_run(
         cfg.tiers.nvme_dir,
         p.memory.gpu.total if hw.unified else 0.0,
         ranks.local_size,
+        data_bytes,
     )
     if out is not None and ranks.first:
         _check_saves(cfg, p, [lay.numel for lay in layouts], ranks, resume, out)

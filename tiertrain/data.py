@@ -347,6 +347,12 @@ class Loader:
                 "model.vocab_size or tokenize with a matching tokenizer"
             )
 
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the batches will take beyond what the loader holds now: the shuffled order of the rows, an
+        int64 each, made at the first step of an epoch."""
+        return 8 * self.rows if self.shuffle else 0
+
     def _row(self, sample: int) -> int:
         epoch, r = divmod(sample, self.rows)
         if not self.shuffle:

@@ -102,7 +102,7 @@ class Trainer:
         self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.hw, self.plan, self.chosen = plan_run(
-            cfg, self.device, self.ranks, self.layouts, resume, updates, hardware, out
+            cfg, self.device, self.ranks, self.layouts, resume, updates, hardware, out, self.loader.host_bytes
         )
         self.run_plan = self.plan.run_plan
         # on a CPU the plan settles the choices; its times are rough

@@ -231,18 +231,20 @@ def check_ram(
     nvme_dir: str,
     device: float = 0.0,
     share: int = 1,
+    data: int = 0,
 ) -> None:
     """Refuses, before anything is allocated, a run whose host memory (host_need, and `device` bytes: on a CPU
     the working set, in the same RAM) is more than the `avail` bytes this process may take (one of `share` ranks
     of a host: its share, measured before any of them allocated), naming the --host-gb and --nvme-dir that would
     fit: the kernel would kill it mid-run otherwise. The refusal names the host's figures (--host-gb is the
-    host's); `host_gb`, `nvme_dir`: the run's (0 and "": none given)."""
-    need = host_need(rp, copied) + device
+    host's); `host_gb`, `nvme_dir`: the run's (0 and "": none given); `data`: the data loader's bytes to come
+    (its shuffled order)."""
+    need = host_need(rp, copied) + device + data
     if need <= avail:
         return
     where, kb = rp.where(), rp.kind_bytes()
     rest = [0 if where.get((u, Kind.MASTER)) == Home.GPU else n for u, n in enumerate(rp.numels)]
-    least = least_host(rest, kb, host_checkpoints(rp), host_cost) + device
+    least = least_host(rest, kb, host_checkpoints(rp), host_cost) + device + data
     need, least, device, avail = need * share, least * share, device * share, avail * share  # the host's
     have = f"this machine has {gb(avail)} of RAM available"
     if least > avail * 0.9:
