@@ -394,7 +394,8 @@ def test_the_disk_check_counts_the_first_save_beside_more_than_keep():
 
 
 def test_an_export_it_cannot_write_is_one_line(token_file, tmp_path):
-    """`export --to` under a file, or a link to an empty directory: one line each, and the link's target stays."""
+    """`export --to` under a file, or a link to an empty directory, or on a disk that fills: one line each, the
+    link's target untouched, nothing left of the export."""
     run = tmp_path / "a"
     assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
     (tmp_path / "afile").write_text("x")
@@ -404,6 +405,9 @@ def test_an_export_it_cannot_write_is_one_line(token_file, tmp_path):
     link.symlink_to(target)
     refused(cli("export", str(run), "--to", str(link)), "symbolic link")
     assert target.is_dir() and not any(target.iterdir())
+    # a disk that fills (a file size limit of 64 KiB: the weights' shard does not fit): one line, nothing left
+    refused(cli("export", str(run), "--to", str(tmp_path / "full"), fsize=1 << 16), "cannot write the export")
+    assert not [p for p in tmp_path.iterdir() if "full" in p.name]
 
 
 def test_a_save_killed_between_its_renames_still_counts(token_file, tmp_path):
@@ -443,7 +447,8 @@ def test_a_cut_journal_tiertrain_did_not_write_is_refused(token_file, tmp_path, 
 def test_an_empty_out_a_refused_run_was_given_is_left_empty(token_file, tmp_path):
     """A run refused after it claimed an --out that existed empty (its data missing) takes back its marker and
     its lock file: the directory is as empty as it came, and the next run starts in it. A lock file alone, as an
-    older tiertrain left it, counts as empty."""
+    older tiertrain left it, counts as empty; a user's file of that name, or a metrics.jsonl of another program,
+    is refused in one line and left as it was."""
     out = tmp_path / "out"
     out.mkdir()
     refused(
@@ -454,6 +459,13 @@ def test_an_empty_out_a_refused_run_was_given_is_left_empty(token_file, tmp_path
     r = cli("run", *tiny(token_file), *STEPS, "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert rundir.is_run(out) and rundir.checkpoints(out)
+    # a file of that name that is not a lock tiertrain wrote, or a metrics.jsonl of another program: refused, kept
+    for name, text in ((rundir.LOCK, "mine"), ("metrics.jsonl", '{"mine": 1}\n')):
+        other = tmp_path / name.replace(".", "-")
+        other.mkdir()
+        (other / name).write_text(text)
+        refused(cli("run", *tiny(token_file), "--out", str(other)), f"--out {other}")
+        assert [p.name for p in other.iterdir()] == [name] and (other / name).read_text() == text
 
 
 def test_the_rename_credit_is_the_final_saves_and_only_where_a_rename_works(

@@ -170,7 +170,8 @@ def _stopped(run: Path) -> str:
         records = read_metrics(run / "metrics.jsonl")
     except (OSError, ValueError):
         records = []
-    return f"it stopped after step {records[-1]['step']}" if records else "it logged no step"
+    steps = [r["step"] for r in records if isinstance(r, dict) and "step" in r]  # not another program's lines
+    return f"it stopped after step {steps[-1]}" if steps else "it logged no step"
 
 
 # ---- new runs and resumes --------------------------------------------------------------------
@@ -184,12 +185,26 @@ def empty_run(d: Path) -> bool:
         return False
 
 
+def _a_lock(p: Path) -> bool:
+    """Whether `p` (absent, or a lock file's name) is tiertrain's: empty, or who held it as RunLock writes it."""
+    try:
+        text = p.read_text() if p.is_file() and not p.is_symlink() else ("" if not p.exists() else "x")
+        return not text or {"host", "pid", "started"} <= set(json.loads(text))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def check_new(out: Path) -> None:
     """`out` may start a run: absent, an empty directory, or a marked run that never took a step."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a directory")
     # a lock file alone: what a refused run of an older tiertrain left in the empty --out it was given
-    if not out.is_dir() or {p.name for p in out.iterdir()} <= {LOCK} or empty_run(out):
+    if (
+        not out.is_dir()
+        or {p.name for p in out.iterdir()} <= {LOCK}
+        and _a_lock(out / LOCK)
+        or empty_run(out)
+    ):
         return
     if is_run(out) and not checkpoints(out) and not interrupted(out):
         raise UserError(

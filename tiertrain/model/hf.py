@@ -396,8 +396,14 @@ def write_hf(
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        # a full or read-only disk: safetensors raises its own error for what the OS said
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+            raise HFError(
+                f"cannot write the export to {out}: {str(e).splitlines()[0][:160]}; pass a --to on a disk with "
+                "room for it (nothing was left there)"
+            ) from None
         raise
     return files
 
