@@ -491,3 +491,24 @@ def test_a_gpu_runs_plan_says_when_it_prices_an_unmeasured_disk(token_file, tmp_
         tr.hw = dataclasses.replace(tr.hw, disk_read_gbs=1.69)
         assert not any("tiertrain probe --nvme-dir" in line for line in tr.describe())
         tr.close()
+
+
+def test_the_nvme_tier_is_budgeted_at_its_directorys_free_space(token_file, tmp_path, monkeypatch):
+    """tiers.nvme_gb 0 means the free space of nvme_dir for `run` too (as --nvme-dir for `plan`): a run whose
+    spill does not fit that disk is refused by the plan, naming it, before anything is allocated."""
+    import shutil
+    from collections import namedtuple
+
+    from conftest import DEEP, least_budget, tiny_config
+    from tiertrain.errors import ConfigError
+    from tiertrain.trainer import Trainer
+
+    sets = [*DEEP, f"tiers.host_gb={least_budget(tiny_config(token_file, *DEEP))}"]
+    sets.append(f'tiers.nvme_dir="{tmp_path / "nvme"}"')
+    Trainer(tiny_config(token_file, *sets)).close()  # the disk here holds it
+    before = sorted((tmp_path / "nvme").iterdir())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 0, 10**6))
+    with pytest.raises(ConfigError, match=r"takes .* on disk and --nvme-dir .*nvme has 976\.6 KiB free"):
+        Trainer(tiny_config(token_file, *sets))
+    assert sorted((tmp_path / "nvme").iterdir()) == before  # no store made for the refused run

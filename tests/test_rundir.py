@@ -516,3 +516,36 @@ def test_a_rename_between_two_mounts_of_one_filesystem_is_found_not_to_work(tmp_
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("[")[0].split() == ["True", "False"] and "rename" not in r.stdout
+
+
+def test_bad_nvme_dirs_and_another_models_checkpoint_are_refused_before_allocating(
+    token_file, tmp_path, monkeypatch
+):
+    """An --nvme-dir that is a file, below a file or not writable, and a resume from another model's checkpoint:
+    one line each, before the host state is allocated (nothing was made to be refused later)."""
+    from conftest import tiny_config
+    from tiertrain.checkpoint import CheckpointError
+    from tiertrain.trainer import Trainer
+
+    (tmp_path / "afile").write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for nvme, words in (
+        (tmp_path / "afile", "is a file"),
+        (tmp_path / "afile" / "sub", "a file"),
+        (locked / "sub", "cannot be written"),
+    ):
+        if "written" in words and os.access(locked, os.W_OK):  # root writes anywhere
+            continue
+        refused(cli("run", *tiny(token_file), "--nvme-dir", str(nvme), "--out", str(tmp_path / "r")), words)
+        assert not (tmp_path / "r").exists()
+    tr = Trainer(tiny_config(token_file))
+    path, _ = tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+
+    def allocating(*a, **k):
+        raise AssertionError("allocated before the refusal")
+
+    monkeypatch.setattr("tiertrain.trainer.assemble", allocating)
+    with pytest.raises(CheckpointError, match="different model .*hidden_size"):
+        Trainer(tiny_config(token_file, "model.hidden_size=128"), resume=path)

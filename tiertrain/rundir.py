@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .checkpoint import STEP, CheckpointError, fsync, left_whole, read_meta, recover, write_json
-from .errors import UserError
+from .checkpoint import STEP, CheckpointError, fsync, left_whole, read_meta, recover, whole, write_json
+from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics
 
 MARKER = "tiertrain-run.json"
@@ -185,6 +185,39 @@ def empty_run(d: Path) -> bool:
         return False
 
 
+def check_checkpoint(path: Path, model: dict, numels: list[int], identity: dict, data_name: str) -> dict:
+    """The attributes of the checkpoint `path`, refused where it was written for another model (`model`: the
+    run's [model] section, `numels`: its units' sizes) or, whole, trained on other data (`identity`: the run's
+    data's, named `data_name`)."""
+    meta = read_meta(path)
+    theirs = meta["config"]["model"]
+    if model != theirs or meta["numels"] != numels:
+        diff = sorted(k for k in set(model) | set(theirs) if model.get(k) != theirs.get(k))
+        raise CheckpointError(
+            f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
+            "differ); resume with the run's own config, or start a new run"
+        )
+    was_data = meta.get("data", {}).get("identity")
+    # the keys both have: a checkpoint from before the loss mask's checksum was kept compares its tokens
+    differ = (
+        [k for k in sorted(was_data.keys() & identity.keys()) if was_data[k] != identity[k]]
+        if was_data
+        else []
+    )
+    if whole(meta) and differ:
+        was = meta["data"].get("path") or "the built-in corpus"
+        how = (
+            "the same tokens, other samples or loss mask: prepared with another template or --train-on-prompt"
+            if differ == ["marks_crc32c"]
+            else f"{was_data['size']:,} bytes, another checksum"
+        )
+        raise DataError(
+            f"{data_name} is not the data {path} trained on ({was}: {how}): set data.path to that "
+            "file, or export the checkpoint and start a new run from it with --init-from"
+        )
+    return meta
+
+
 def _a_lock(p: Path) -> bool:
     """Whether `p` (absent, or a lock file's name) is tiertrain's: empty, or who held it as RunLock writes it."""
     try:
@@ -267,6 +300,16 @@ def check_paths(out: Path, nvme_dir: str, ckpt_parent: str) -> None:
     o = out.resolve()
     if nvme_dir:
         d = Path(nvme_dir).resolve()
+        near = next(p for p in (d, *d.parents) if p.exists())
+        if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
+            if not near.is_dir():
+                what = "is a file" if near == d else f"is below {near}, a file"
+            else:
+                what = f"cannot be written ({near} is read-only here)"
+            raise UserError(
+                f"--nvme-dir {nvme_dir} {what}: the NVMe tier makes its scratch store in that directory; pass a "
+                "writable directory on a fast disk"
+            )
         if d == o or o in d.parents:
             raise UserError(
                 f"--nvme-dir {nvme_dir} is inside --out {out}: the run's scratch store would sit in its "

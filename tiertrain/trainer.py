@@ -18,7 +18,7 @@ from . import rundir
 from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
-from .errors import ConfigError, DataError
+from .errors import ConfigError
 from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.docs import Docs
 from .model.families import unlike_family
@@ -101,6 +101,10 @@ class Trainer:
         # this rank's part
         self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
+        if (
+            resume is not None
+        ):  # another model's checkpoint, or other data: refused before anything is allocated
+            self._check_resume(resume)
         self.hw, self.plan, self.chosen = plan_run(
             cfg, self.device, self.ranks, self.layouts, resume, updates, hardware, out, self.loader.host_bytes
         )
@@ -211,34 +215,21 @@ class Trainer:
     def data_identity(self) -> dict:
         return self.loader.identity()
 
+    def _check_resume(self, path: Path) -> tuple[dict, list]:
+        """(the checkpoint's attributes, the kinds it holds), refused where it is another model's or was trained on
+        other data (rundir.check_checkpoint): before the plan allocates anything, and by restore()."""
+        numels = [lay.numel for lay in self.layouts]
+        meta = rundir.check_checkpoint(
+            path, self.cfg.to_dict()["model"], numels, self.data_identity, self.loader.name
+        )
+        return meta, ckpt.kinds_of(meta)
+
     def restore(self, path: Path) -> float:
         """The state of a checkpoint (any placement: slabs go to whichever tier this run put them on); one of the
         weights alone (checkpoint.state = "weights") sets the master and leaves the run new: step 0, zero moments.
         Returns the read rate in GB/s."""
-        meta = ckpt.read_meta(path)
-        mine, theirs = self.cfg.to_dict()["model"], meta["config"]["model"]
-        numels = [lay.numel for lay in self.layouts]
-        if mine != theirs or meta["numels"] != numels:
-            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            raise ckpt.CheckpointError(
-                f"{path} was written for a different model ({', '.join(diff) or 'layout'} "
-                "differ); resume with the run's own config, or start a new run"
-            )
-        kinds, whole = ckpt.kinds_of(meta), ckpt.whole(meta)
-        theirs, mine = meta.get("data", {}).get("identity"), self.data_identity
-        # the keys both have: a checkpoint from before the loss mask's checksum was kept compares its tokens
-        differ = [k for k in sorted(theirs.keys() & mine.keys()) if theirs[k] != mine[k]] if theirs else []
-        if whole and differ:
-            was = meta["data"].get("path") or "the built-in corpus"
-            how = (
-                "the same tokens, other samples or loss mask: prepared with another template or --train-on-prompt"
-                if differ == ["marks_crc32c"]
-                else f"{theirs['size']:,} bytes, another checksum"
-            )
-            raise DataError(
-                f"{self.loader.name} is not the data {path} trained on ({was}: {how}): set data.path to that "
-                "file, or export the checkpoint and start a new run from it with --init-from"
-            )
+        meta, kinds = self._check_resume(path)
+        numels, whole = [lay.numel for lay in self.layouts], ckpt.whole(meta)
         self._quiesce()
         t0 = time.perf_counter()
         ckpt.load_all(

@@ -119,6 +119,16 @@ def search(
     return explain(job, p, budgets, hw, choice) if advise else p
 
 
+def _free_gb(path: str) -> float:
+    import shutil
+    from pathlib import Path
+
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free / 1e9
+
+
 def chosen(cfg: Config) -> tuple[str, ...]:
     """The settings `cfg` leaves to the plan, by name."""
     t, tc, o = cfg.tiers, cfg.train, cfg.optim
@@ -154,7 +164,9 @@ def resolve(
     --host-gb is not given (the RAM free here; None: unbounded, the RAM check after the plan refuses). `gpus`,
     `per_host`: the ranks of the run, and of this host."""
     t = cfg.tiers
-    nvme = t.nvme_gb or (1e9 if t.nvme_dir else None)
+    # tiers.nvme_gb 0: the free space of nvme_dir (its nearest existing parent's disk; this run's stale stores are
+    # gone by now), the host's, as --nvme-dir budgets `plan`
+    nvme = t.nvme_gb or (_free_gb(t.nvme_dir) if t.nvme_dir else None)
     ranks = {"gpus": gpus, "per_host": per_host}
     p = search(
         cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks
@@ -200,6 +212,11 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
             f"the state needs {gb(total)} of host memory and the process {gb(beside)} more, and --host-gb is "
             f"{t.host_gb:g}: raise --host-gb to {budget(p.need)}, or pass --nvme-dir to spill part of it to "
             f"disk (then --host-gb {budget(least)} is the least)"
+        )
+    if p.short == Short.NVME and not t.nvme_gb:  # the budget was the directory's free space
+        return (
+            f"the spilled state takes {gb(p.need)} on disk and --nvme-dir {t.nvme_dir} has {gb(p.have)} free: "
+            "free space there, pass an --nvme-dir on a disk with room, or raise --host-gb to spill less"
         )
     if p.short == Short.RING:
         return (
