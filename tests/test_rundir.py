@@ -549,3 +549,13 @@ def test_bad_nvme_dirs_and_another_models_checkpoint_are_refused_before_allocati
     monkeypatch.setattr("tiertrain.trainer.assemble", allocating)
     with pytest.raises(CheckpointError, match="different model .*hidden_size"):
         Trainer(tiny_config(token_file, "model.hidden_size=128"), resume=path)
+
+
+def test_a_resume_keeps_its_checkpoint_dir(token_file, tmp_path):
+    """checkpoint.dir changed on --resume (the run's marker names where its checkpoints live, and a disk check that
+    finds them short offers a new --out, not checkpoint.dir): refused in one line."""
+    run = tmp_path / "a"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    other = f'checkpoint.dir="{tmp_path / "big"}"'
+    line = refused(cli("run", "--resume", "latest", "--out", str(run), "--set", other), "checkpoint.dir")
+    assert "keeps its checkpoints where they were (in its --out)" in line and not (tmp_path / "big").exists()

@@ -188,7 +188,7 @@ def _check_saves(
             sum(numels[u] * 4 for (u, k), h in home.items() if h == Home.NVME and k in kinds) if moves else 0
         )
         by_state[state] = Saves(each, each - taken, count, existing, c.keep)
-    check_disk(by_state, free, store, str(where), c.state)
+    check_disk(by_state, free, store, str(where), c.state, resume is not None)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,13 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
         )
         cfg.train.init_from = ""  # the checkpoint holds the weights
         cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions
+        was = meta["config"].get("checkpoint", {}).get("dir", "")
+        if cfg.checkpoint.dir != was:  # the run's marker names where its checkpoints live
+            raise UserError(
+                f"checkpoint.dir = {cfg.checkpoint.dir!r}: a resumed run keeps its checkpoints where they were "
+                f"({was or 'in its --out'}); leave checkpoint.dir as it was, or resume into a new --out on a disk "
+                "with room"
+            )
     else:
         cfg = load_config(config_path, list(overrides))
     if ranks.first:

@@ -64,9 +64,12 @@ class Saves:
         return self.at_once * self.each
 
 
-def check_disk(saves: dict[str, Saves], free: int, store: int, where: str, state: str) -> None:
+def check_disk(
+    saves: dict[str, Saves], free: int, store: int, where: str, state: str, resumed: bool = False
+) -> None:
     """Refuses, in one line naming what would fit, a run whose checkpoints (`saves`: by checkpoint.state, the run's
-    under `state`) and NVMe stores on the same disk (`store` bytes) need more than the `free` bytes of `where`."""
+    under `state`) and NVMe stores on the same disk (`store` bytes) need more than the `free` bytes of `where`;
+    a `resumed` run's checkpoints stay where its run keeps them (a new --out moves them, not checkpoint.dir)."""
     s = saves[state]
     need = s.need + store
     if need <= free:
@@ -80,7 +83,11 @@ def check_disk(saves: dict[str, Saves], free: int, store: int, where: str, state
         )
     if s.keep > 1 and Saves(s.each, s.last, s.count, s.existing, 1).need + store <= free:
         fits.append("checkpoint.keep = 1")
-    fits.append(f"checkpoint.dir = a directory on a disk with {gb(s.elsewhere)} free")
+    fits.append(
+        f"--out a new directory on a disk with {gb(s.elsewhere)} free (the run resumed into it)"
+        if resumed
+        else f"checkpoint.dir = a directory on a disk with {gb(s.elsewhere)} free"
+    )
     taken = (
         f", the last taking {gb(s.each - s.last)} of it from the NVMe store by rename"
         if s.last < s.each
@@ -89,5 +96,5 @@ def check_disk(saves: dict[str, Saves], free: int, store: int, where: str, state
     raise ConfigError(
         f"the checkpoints need {gb(need)} on {where}: {s.at_once} of {gb(s.each)} at once "
         f"({state} state, checkpoint.keep = {s.keep}, one being written{taken}){beside}, and it has "
-        f"{gb(free)} free; set " + ", or ".join(fits)
+        f"{gb(free)} free; " + ("pass " if resumed and len(fits) == 1 else "set ") + ", or ".join(fits)
     )
