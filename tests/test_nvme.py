@@ -512,3 +512,26 @@ def test_the_nvme_tier_is_budgeted_at_its_directorys_free_space(token_file, tmp_
     with pytest.raises(ConfigError, match=r"takes .* on disk and --nvme-dir .*nvme has 976\.6 KiB free"):
         Trainer(tiny_config(token_file, *sets))
     assert sorted((tmp_path / "nvme").iterdir()) == before  # no store made for the refused run
+
+
+def test_a_store_deleted_midway_still_says_whose_it_is(tmp_path, monkeypatch):
+    """A process killed while it deletes its scratch store (the launcher stops the other ranks at once) leaves the
+    marker, deleted last, so the run's next start finds and deletes the rest; an unmarked store stayed for good."""
+    from tiertrain.tiers import nvme
+
+    root = nvme.new_scratch(tmp_path, "run")
+    for kind in ("exp_avg", "exp_avg_sq", "grad"):
+        (root / kind / "0").mkdir(parents=True)
+    real = nvme.shutil.rmtree
+
+    def killed(p, *a, **k):  # the kill lands after the first part went
+        real(p, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nvme.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        nvme.discard(root)
+    monkeypatch.setattr(nvme.shutil, "rmtree", real)
+    assert root.is_dir() and (root / nvme.SCRATCH_MARKER).is_file() and nvme._owner(root) is not None
+    nvme.discard(root)
+    assert not root.exists()

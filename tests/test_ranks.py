@@ -443,3 +443,105 @@ def test_more_ranks_than_gpus_is_one_line(token_file, tmp_path):
     )
     refused(r, f"--gpus {n + 1}", f"pass --gpus {n} or fewer")
     assert not (tmp_path / "r").exists()
+
+
+LOADER_HOOK = """
+import os
+if os.environ.get("RANK") == "1":
+    from tiertrain import data, errors, trainer
+
+    def failing(*a, **k):
+        raise errors.DataError("rank 1 cannot read its data file here")
+
+    trainer.loaders = failing
+"""
+
+
+def test_a_refusal_one_rank_meets_before_training_stops_every_rank_with_its_line(plain, tmp_path):
+    """A check one rank alone meets before the first step: rank 1's data file unreadable on its host, and rank 0's
+    disk check of a resume's checkpoints. Every rank stops together with that rank's one line, at once, where the
+    other ranks used to wait in another collective (a hang) or abort gloo."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(LOADER_HOOK)
+    hooked = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")]),
+    }
+    token_file, run = plain[0], tmp_path / "run"
+
+    def tiertrain(*args, env=None):  # a hang fails the test rather than the suite
+        cmd = [sys.executable, "-m", "tiertrain", "run", "--gpus", "2", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+
+    refused(
+        tiertrain(*tiny(token_file), *STEPS, "--out", str(run), env=hooked), "rank 1 cannot read its data"
+    )
+    assert not run.exists()
+    assert tiertrain(*tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    many = [
+        "--set",
+        "train.steps=100000000",
+        "--set",
+        "checkpoint.every=1",
+        "--set",
+        "checkpoint.keep=100000000",
+    ]
+    refused(tiertrain("--resume", "latest", "--out", str(run), *many), "rank 0: the checkpoints need")
+
+
+def test_the_launcher_says_which_rank_died_and_how(capfd):
+    """A rank that exits without a word (os._exit, a signal) stops the others, and the launcher says which rank
+    and how, where the job used to end silently."""
+    import signal
+
+    from tiertrain.launch import launch
+
+    wait = "import os, signal, time\nif os.environ['RANK'] == '1':\n    {}\ntime.sleep(60)"
+    for how, code, words in (
+        ("os._exit(3)", 3, "rank 1 exited with status 3"),
+        ("os.kill(os.getpid(), signal.SIGKILL)", 128 + signal.SIGKILL, "rank 1 was killed by SIGKILL"),
+    ):
+        assert launch(2, ["-c", wait.format(how)], module=None) == code
+        assert words in capfd.readouterr().err
+
+
+def test_a_terminals_ctrl_c_passed_on_by_the_launcher_stops_a_rank_once():
+    """A rank gets a terminal's Ctrl-C twice (the terminal's and the launcher's): within a second the second is
+    the same stop, after its step with a checkpoint; one later interrupts at once."""
+    import os
+    import signal
+    import time
+
+    from tiertrain.loop import StopSignals
+
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal == "SIGINT"
+        time.sleep(1.1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+
+
+def test_a_rendezvous_port_taken_is_one_line(tmp_path):
+    """The launcher picks a free port, which another process may take before rank 0 listens on it: one line
+    naming the address, where the job printed torch's traceback."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        job = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+        env = {**os.environ, **job, "MASTER_PORT": str(s.getsockname()[1])}
+        cmd = [sys.executable, "-m", "tiertrain", "run", "--out", str(tmp_path / "r")]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    refused(r, f"the ranks cannot meet at 127.0.0.1:{env['MASTER_PORT']}", "run it again")
+    assert not (tmp_path / "r").exists()

@@ -17,7 +17,7 @@ from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .model.llama import Context
 from .model.parts import unit_parts
 from .model.spec import UnitSpec
@@ -113,17 +113,37 @@ def plan_run(
     is allocated, naming the setting to change: the GPU's memory (the plan), the host's RAM, the checkpoints' disk
     (`out`: the run directory; None: no checkpoints planned); `data_bytes`: what the data loader will add."""
     tc = cfg.train
-    # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
-    micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
-    if micro and (tc.batch_size // ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
-        micro = None
-    hw = run_hardware(
-        device, hardware, cfg.optim.host_kernel, cfg.model, tc.compute_dtype, tc.attention, cfg.hardware.gpu
-    )
+    with ranks.together(UserError) as agreed:  # this rank's figures and checkpoint, before the barrier
+        # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
+        micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
+        if micro and (tc.batch_size // ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
+            micro = None
+        hw = run_hardware(
+            device,
+            hardware,
+            cfg.optim.host_kernel,
+            cfg.model,
+            tc.compute_dtype,
+            tc.attention,
+            cfg.hardware.gpu,
+        )
+    agreed.raise_any(ranks.rank)
     # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
     # what the host cannot hold goes to the GPU's memory when it has room
     avail = available_ram()
     ranks.barrier()  # every rank of the host has seen its RAM before any allocates
+    # each rank plans and checks its own host (its RAM, its GPU; rank 0 the checkpoints' disk): a refusal on one
+    # stops them all together, before any goes on to the next collective
+    with ranks.together(UserError) as agreed:
+        p, chosen = _planned(cfg, hw, micro, avail, ranks, layouts, resume, updates, out, data_bytes)
+    agreed.raise_any(ranks.rank)
+    return hw, p, chosen
+
+
+def _planned(
+    cfg: Config, hw, micro, avail: int, ranks: Ranks, layouts, resume, updates, out, data_bytes: int
+):
+    """plan_run's plan and checks on this rank, any of which may refuse: (its Plan, the settings it chose)."""
     ram = None if hw.unified else avail * 0.9 / 1e9  # the host's, for its ranks
     p, rp, chosen = resolve(cfg, hw, micro, ram, ranks.size, ranks.local_size)
     if (
@@ -157,7 +177,7 @@ def plan_run(
     )
     if out is not None and ranks.first:
         _check_saves(cfg, p, [lay.numel for lay in layouts], ranks, resume, out)
-    return hw, p, chosen
+    return p, chosen
 
 
 def _check_saves(

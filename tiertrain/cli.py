@@ -126,7 +126,13 @@ def run(
         sys.exit(launch(gpus, _without_gpus(sys.argv[1:])))
     from .parallel import Ranks
 
-    ranks = Ranks.from_env()
+    try:
+        ranks = Ranks.from_env()
+    except Exception as e:  # noqa: BLE001 - torch's own rendezvous errors (a port taken since it was picked)
+        if os.environ.get("WORLD_SIZE", "1") == "1" or "DistNetworkError" not in type(e).__name__:
+            raise
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        _fail(UserError(f"the ranks cannot meet at {where} ({str(e).splitlines()[0][:120]}); run it again"))
     from .start import start
 
     flags = {

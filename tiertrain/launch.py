@@ -2,8 +2,10 @@
 environment (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and its env://
 rendezvous; `torchrun --nproc-per-node N -m tiertrain run ...` is the same job. The first rank to fail stops
 the others at once (SIGKILL: they cannot save without it, and the last checkpoint is whole whatever moment
-they stop at), and its exit status is the job's; SIGINT and SIGTERM are passed on to every
-rank (each then finishes its step, they save a checkpoint together and stop)."""
+they stop at), and its exit status is the job's, with a line saying which rank and how where it said nothing
+itself; a refusal (status 2), which the ranks meet together, lets the others end by themselves (rank 0 takes
+back the run directory it claimed). SIGINT and SIGTERM are passed on to every rank (each then finishes its
+step, they save a checkpoint together and stop)."""
 
 from __future__ import annotations
 
@@ -53,10 +55,23 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = next((c for c in codes if c not in (None, 0)), None)
+            failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
-                _stop(procs, kill=True)
-                return failed if failed > 0 else 128 - failed
+                r, code = failed
+                # a refusal (2) the ranks met together: they stop by themselves, rank 0 taking back the run
+                # directory it claimed; anything else kills them at once
+                _stop(procs, "wait" if code == 2 else "kill")
+                if code < 0:
+                    name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
+                    print(
+                        f"error: rank {r} was killed by {name}; the other ranks were stopped", file=sys.stderr
+                    )
+                elif code not in (1, 2):  # 1: its traceback, 2: its line
+                    print(
+                        f"error: rank {r} exited with status {code}; the other ranks were stopped",
+                        file=sys.stderr,
+                    )
+                return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(0.1)
@@ -66,11 +81,13 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
         _stop(procs)
 
 
-def _stop(procs: list[subprocess.Popen], kill: bool = False) -> None:
+def _stop(procs: list[subprocess.Popen], how: str = "terminate", grace: float = 30.0) -> None:
+    """The ranks still running sent SIGTERM or SIGKILL (`how`; "wait": nothing), then given `grace` seconds to
+    end before they are killed."""
     for p in procs:
-        if p.poll() is None:
-            p.kill() if kill else p.terminate()
-    deadline = time.monotonic() + 30
+        if p.poll() is None and how != "wait":
+            p.kill() if how == "kill" else p.terminate()
+    deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))

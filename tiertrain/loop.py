@@ -208,16 +208,21 @@ class TrainLog:
 
 
 class StopSignals:
-    """SIGINT and SIGTERM set `signal` (the loop stops after its step); a second one interrupts at once."""
+    """SIGINT and SIGTERM set `signal` (the loop stops after its step); a second one interrupts at once, but for
+    one within a second of the first: a rank of `--gpus N` gets a terminal's Ctrl-C twice, from the terminal and
+    from the launcher that passes it on."""
 
     def __init__(self):
         self.signal: str | None = None
+        self._at = 0.0
         self._old: dict = {}
 
     def _on(self, signum, frame) -> None:
         if self.signal:
+            if time.monotonic() - self._at < 1.0:
+                return
             raise KeyboardInterrupt
-        self.signal = signal.Signals(signum).name
+        self.signal, self._at = signal.Signals(signum).name, time.monotonic()
 
     def __enter__(self) -> "StopSignals":
         try:

@@ -163,19 +163,25 @@ class Ranks:
             yield agreed
         except catch as e:
             agreed.error = e
-        agreed.first = self.first_failed(agreed.error is not None)
+        # a rank stopping for another's failure (learned in a block nested inside) fails behind every rank that
+        # failed itself: that one's words are the job's
+        elsewhere = isinstance(agreed.error, ElsewhereError)
+        agreed.first = self.first_failed(agreed.error is not None, behind=elsewhere)
 
     def any_failed(self, failed: bool) -> bool:
         """Whether some rank failed (each says whether it did): every rank learns it together."""
         return self.first_failed(failed) is not None
 
-    def first_failed(self, failed: bool) -> int | None:
-        """The lowest rank that failed (each says whether it did), the same on every rank; None: none did."""
+    def first_failed(self, failed: bool, behind: bool = False) -> int | None:
+        """The lowest rank that failed (each says whether it did), the same on every rank; None: none did. A rank
+        `behind` counts after every rank that failed of itself (the lowest of those is first), as itself where none
+        did."""
         if self.size == 1:
             return 0 if failed else None
-        t = torch.tensor([self.rank if failed else self.size], dtype=torch.int64)
+        n = self.size
+        t = torch.tensor([(n + self.rank if behind else self.rank) if failed else 2 * n], dtype=torch.int64)
         _dist().all_reduce(t, op=_dist().ReduceOp.MIN)
-        return None if t.item() == self.size else int(t.item())
+        return None if t.item() == 2 * n else int(t.item()) % n
 
     def share(self, text: str) -> str:
         """Rank 0's `text` (up to 4 KiB of UTF-8), on every rank."""

@@ -18,7 +18,7 @@ from . import rundir
 from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.docs import Docs
 from .model.families import unlike_family
@@ -95,16 +95,18 @@ class Trainer:
         self.ranks, self.owns_ranks = (ranks or Ranks.from_env(), ranks is None)
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
-        self.loader, self.val = loaders(d, tc, cfg.model.vocab_size)
         self.units = cfg.model.units()
         self.layouts = [SlabLayout.build([(t.name, t.shape) for t in u.tensors]) for u in self.units]
         # this rank's part
         self.shards = [Shard(lay, self.ranks.rank, self.ranks.size) for lay in self.layouts]
+        # what this rank alone reads (its host's data file and checkpoint): a refusal here reaches every rank
+        # before the plan's first collective, and all stop with it
+        with self.ranks.together(UserError) as agreed:
+            self.loader, self.val = loaders(d, tc, cfg.model.vocab_size)
+            if resume is not None:  # another model's checkpoint, or other data: before anything is allocated
+                self._check_resume(resume)
+        agreed.raise_any(self.ranks.rank)
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
-        if (
-            resume is not None
-        ):  # another model's checkpoint, or other data: refused before anything is allocated
-            self._check_resume(resume)
         self.hw, self.plan, self.chosen = plan_run(
             cfg, self.device, self.ranks, self.layouts, resume, updates, hardware, out, self.loader.host_bytes
         )

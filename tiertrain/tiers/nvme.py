@@ -352,6 +352,15 @@ def discard(root: str | os.PathLike) -> None:
     never followed or deleted through): the state is in the checkpoints, and a resumed run makes a new store."""
     root = Path(root)
     if not root.is_symlink() and root.is_dir() and _owner(root) is not None:
+        # the marker last: a process killed midway leaves a store that still says whose it is, which the run's
+        # next start deletes (discard_stale), where an unmarked one would stay on the disk for good
+        for p in root.iterdir():
+            if p.name == SCRATCH_MARKER:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
         shutil.rmtree(root)
 
 
