@@ -195,7 +195,7 @@ def test_a_killed_build_s_lock_is_removed_and_the_build_announced(tmp_path, monk
 
 def test_the_gradient_norm_is_exact_over_a_large_unit_on_a_cpu(token_file):
     """The reported norm (and clipping's) against the fp64 norm of the step's own gradients, with a unit of 4 M
-    elements (the embedding): a CPU's fp32 sum over the whole slab drifted by about 1e-5 there."""
+    elements (the embedding): a CPU's fp32 sum over the whole slab drifted by 2e-5 there."""
     from conftest import tiny_config
     from tiertrain.trainer import Trainer
 
@@ -208,6 +208,6 @@ def test_the_gradient_norm_is_exact_over_a_large_unit_on_a_cpu(token_file):
             with tr.run.state.slab(unit.index, Kind.GRAD, read=True) as flat:
                 squares += float(flat.double().square().sum())
         assert max(lay.numel for lay in tr.layouts) > 4e6
-        assert rec["grad_norm"] == pytest.approx(math.sqrt(squares), rel=1e-7)
+        assert rec["grad_norm"] == pytest.approx(math.sqrt(squares), rel=5e-7)  # fp32 unit norms summed
     finally:
         tr.close()
