@@ -300,7 +300,7 @@ def check_paths(out: Path, nvme_dir: str, ckpt_parent: str) -> None:
     o = out.resolve()
     if nvme_dir:
         d = Path(nvme_dir).resolve()
-        near = next(p for p in (d, *d.parents) if p.exists())
+        near = existing(d)
         if not near.is_dir() or not os.access(near, os.W_OK | os.X_OK):
             if not near.is_dir():
                 what = "is a file" if near == d else f"is below {near}, a file"
@@ -382,11 +382,17 @@ def heal(run: Path) -> None:
     finish_cut(run)
 
 
-def disk_free(path: Path) -> tuple[int, int]:
-    """(free bytes, device id) of the filesystem `path` is on, or would be made on (its nearest existing parent)."""
+def existing(path: Path) -> Path:
+    """`path`, or its nearest existing parent: where it would be made."""
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
+    return p
+
+
+def disk_free(path: Path) -> tuple[int, int]:
+    """(free bytes, device id) of the filesystem `path` is on, or would be made on (its nearest existing parent)."""
+    p = existing(path)
     st = os.statvfs(p)
     return st.f_bavail * st.f_frsize, os.stat(p).st_dev
 
@@ -395,14 +401,7 @@ def renames_between(a: Path, b: Path) -> bool:
     """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
     filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
     Tried with a file of its own, removed at once."""
-
-    def near(p: Path) -> Path:
-        p = Path(p).absolute()
-        while not p.exists() and p != p.parent:
-            p = p.parent
-        return p
-
-    src, dst = near(a), near(b)
+    src, dst = existing(a), existing(b)
     if os.stat(src).st_dev != os.stat(dst).st_dev:
         return False
     try:
