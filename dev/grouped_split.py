@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moe_gemm import queued  # noqa: E402 - dev/'s timer of calls queued back to back
+
 from bench.common import commit  # noqa: E402
 from tiertrain.model.moe import _GROUPED  # noqa: E402
 
@@ -34,20 +36,6 @@ def spread(w: torch.Tensor, ends: torch.Tensor, f: int) -> tuple[torch.Tensor, t
     n = f * (w.shape[0] - 1) + 1
     view = w.as_strided((n, *w.shape[1:]), (w.stride(0) // f, *w.stride()[1:]), w.storage_offset())
     return view, ends.repeat_interleave(f)[:n]
-
-
-def queued(fn, reps: int = 30) -> float:
-    """Mean seconds of fn() with reps calls queued back to back, after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / 1e3 / reps
 
 
 def case(tokens: int, gen: torch.Generator) -> list[dict]:
@@ -77,7 +65,7 @@ def case(tokens: int, gen: torch.Generator) -> list[dict]:
     for name, (m, w) in gemms.items():
         flops = 2 * rows * w.shape[1] * w.shape[2]
         ref = _GROUPED(m, w, offs=ends)
-        t0 = queued(lambda m=m, w=w: _GROUPED(m, w, offs=ends))
+        t0 = queued(lambda m=m, w=w: _GROUPED(m, w, offs=ends), 30)
         row = {
             "tokens": tokens,
             "gemm": name,
@@ -92,7 +80,7 @@ def case(tokens: int, gen: torch.Generator) -> list[dict]:
             continue
         ws, es = spread(w, ends, ff)
         got = _GROUPED(m, ws, offs=es)
-        t1 = queued(lambda m=m, ws=ws, es=es: _GROUPED(m, ws, offs=es))
+        t1 = queued(lambda m=m, ws=ws, es=es: _GROUPED(m, ws, offs=es), 30)
         err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         row |= {"f": ff, "groups": ws.shape[0], "split_s": t1, "split_tflops": flops / t1 / 1e12}
         row |= {"speedup": t0 / t1, "same_bits": bool(torch.equal(got, ref)), "max_rel_diff": err}

@@ -9,22 +9,14 @@ import json
 import pytest
 import torch
 
+from conftest import COMMON
 from tiertrain.errors import ConfigError
 from tiertrain.model import families, hf, llama
 from tiertrain.model.spec import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=97,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-)
+SHAPE = {**COMMON, "num_hidden_layers": 3}
 MOE = dict(num_experts=4, num_experts_per_tok=2)
 SLIDE = ["sliding_attention", "full_attention", "sliding_attention"]
 OWN = {  # a model of one's own the family's transformers class builds; windows of 8 tokens against 40
