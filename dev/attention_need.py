@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.common import commit  # noqa: E402
 from tiertrain.plancmd import PlanCommand, plan_command  # noqa: E402
 
 RES = ROOT / "bench/results"
@@ -126,7 +127,7 @@ def main() -> None:
             f"{r['cudnn_tflops_needed'][1]:.0f} TFLOP/s"
         )
     if args.out:
-        Path(args.out).write_text(json.dumps({"runs": rows}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"code": commit(), "runs": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
