@@ -559,3 +559,23 @@ def test_a_resume_keeps_its_checkpoint_dir(token_file, tmp_path):
     other = f'checkpoint.dir="{tmp_path / "big"}"'
     line = refused(cli("run", "--resume", "latest", "--out", str(run), "--set", other), "checkpoint.dir")
     assert "keeps its checkpoints where they were (in its --out)" in line and not (tmp_path / "big").exists()
+
+
+def test_a_resume_into_a_new_out_saves_where_its_config_says(token_file, tmp_path):
+    """A resume into a new --out is a new run: checkpoint.dir set there (the disk check's advice) takes its
+    checkpoints to a directory of its own in it, the config.toml it records says so, and `latest` finds them; the
+    source run's own checkpoint.dir carries over where it is not set."""
+    run, fork, again = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    big = tmp_path / "big"
+    more = ["--set", "train.steps=10", "--set", f'checkpoint.dir="{big}"']
+    r = cli("run", "--resume", str(run / "checkpoints" / "step_6"), "--out", str(fork), *more)
+    assert r.returncode == 0, r.stderr
+    (made,) = big.iterdir()
+    assert rundir.checkpoint_dir(fork) == made.resolve() and not (fork / "checkpoints").exists()
+    assert [p.name for p in rundir.checkpoints(fork)] == ["step_9", "step_10"]
+    assert f'dir = "{big}"' in (fork / "config.toml").read_text()
+    assert _steps(run) == ["step_3", "step_6", "step_8"]  # the source run is as it was
+    r = cli("run", "--resume", str(fork), "--out", str(again), "--set", "train.steps=11")
+    assert r.returncode == 0, r.stderr
+    assert len(list(big.iterdir())) == 2 and _steps(again) == ["step_11"]

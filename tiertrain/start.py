@@ -67,19 +67,18 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
     stale scratch stores discarded (the first rank of each host; the others wait for it, before they make any)."""
     if ckpt is not None:
         meta = checkpoint.read_meta(ckpt)
-        cfg = (
-            load_config(config_path, list(overrides))
-            if config_path
-            else config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
-        )
+        cfg = _resumed(config_path, overrides, ckpt, meta)
         cfg.train.init_from = ""  # the checkpoint holds the weights
         cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions
         was = meta["config"].get("checkpoint", {}).get("dir", "")
-        if cfg.checkpoint.dir != was:  # the run's marker names where its checkpoints live
+        own = rundir.run_of(ckpt)
+        # the run's marker names where its checkpoints live; a resume into a new --out is a new run, whose
+        # checkpoints go where its config says (claim made the directory)
+        if cfg.checkpoint.dir != was and own is not None and rundir.same(own, out_dir):
             raise UserError(
                 f"checkpoint.dir = {cfg.checkpoint.dir!r}: a resumed run keeps its checkpoints where they were "
-                f"({was or 'in its --out'}); leave checkpoint.dir as it was, or resume into a new --out on a disk "
-                "with room"
+                f"({was or 'in its --out'}); leave checkpoint.dir as it was, or resume into a new --out, whose "
+                "checkpoints go to the checkpoint.dir you set"
             )
     else:
         cfg = load_config(config_path, list(overrides))
@@ -88,6 +87,13 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
     if cfg.tiers.nvme_dir and ranks.local_rank == 0:
         discard_stale(cfg.tiers.nvme_dir, str(out_dir.resolve()))
     return cfg
+
+
+def _resumed(config_path, overrides, ckpt: Path, meta: dict):
+    """A resumed run's config: the file given, else the checkpoint's own, with the --set values."""
+    if config_path:
+        return load_config(config_path, list(overrides))
+    return config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
 
 
 def claim(resume: str | None, out: Path | None, config_path: str | None, overrides) -> tuple:
@@ -119,15 +125,15 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
             f"{target} holds no tiertrain run to resume; pass --resume a run directory or one of its "
             "checkpoints"
         )
-    lock, made = runclaim.claim(target)
+    ckpt_parent = ""
+    if not mine:  # a new run: its checkpoints go where its config says, in a directory of its own
+        ckpt = given if (given / "zarr.json").is_file() else rundir.resolve(resume, None)
+        ckpt_parent = _resumed(config_path, overrides, ckpt, read_meta(ckpt)).checkpoint.dir
+    lock, made = runclaim.claim(target, ckpt_parent)
     try:
         if mine:
             rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
-        ckpt = (
-            rundir.resolve(resume, target if given is None else None)
-            if given is None or not (given / "zarr.json").is_file()
-            else given
-        )
+            ckpt = rundir.resolve(resume, target if given is None else None)
         meta = read_meta(ckpt)
         rundir.check_resume(ckpt, target, new_run=not whole(meta))
     except BaseException:
