@@ -15,6 +15,7 @@ import pytest
 from conftest import DEEP, STEPS, cli, least_budget, refused, stale_store, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
 from tiertrain import runclaim, rundir
+from tiertrain.errors import UserError
 from tiertrain.metrics import read_metrics
 from tiertrain.modes import Home, Kind
 
@@ -408,6 +409,27 @@ def test_an_export_it_cannot_write_is_one_line(token_file, tmp_path):
     # a disk that fills (a file size limit of 64 KiB: the weights' shard does not fit): one line, nothing left
     refused(cli("export", str(run), "--to", str(tmp_path / "full"), fsize=1 << 16), "cannot write the export")
     assert not [p for p in tmp_path.iterdir() if "full" in p.name]
+
+
+def test_an_export_that_cannot_fit_its_disk_is_refused_first(token_file, tmp_path, monkeypatch):
+    """The export's weights (4 B a parameter, 2 in bf16) against the free space of --to's disk: refused in one
+    line before anything is written, bf16 offered where it fits; with room for exactly the weights it writes."""
+    from tiertrain import export
+    from tiertrain.config import config_from_dict
+
+    run = tmp_path / "a"
+    assert cli("run", *tiny(token_file), "--set", "train.steps=1", "--out", str(run)).returncode == 0
+    n = config_from_dict(ckpt.read_meta(rundir.checkpoints(run)[-1])["config"]).model.n_params
+    free = {"bytes": 4 * n - 1}
+    monkeypatch.setattr(export, "disk_free", lambda p: (free["bytes"], 0))
+    with pytest.raises(UserError, match=r"weights need .* GB in float32 .*, or --dtype bfloat16"):
+        export.export_hf(str(run), str(tmp_path / "hf"))
+    free["bytes"] = 2 * n - 1
+    with pytest.raises(UserError, match=r"in bfloat16 .* with room$"):
+        export.export_hf(str(run), str(tmp_path / "hf"), "bfloat16")
+    assert not [p for p in tmp_path.iterdir() if "hf" in p.name]
+    free["bytes"] = 4 * n
+    assert export.export_hf(str(run), str(tmp_path / "hf")) and (tmp_path / "hf" / "config.json").is_file()
 
 
 def test_a_save_killed_between_its_renames_still_counts(token_file, tmp_path):

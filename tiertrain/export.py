@@ -9,9 +9,10 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import config_from_dict
+from .errors import UserError
 from .model.hf import write_hf
 from .modes import Kind
-from .rundir import resolve, run_of
+from .rundir import disk_free, resolve, run_of
 from .tiers.slab import SlabLayout
 
 
@@ -21,6 +22,13 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
     path = resolve(source, None, what="export")
     meta = ckpt.read_meta(path)
     spec = config_from_dict(meta["config"], [], str(path), legacy=True).model
+    need, (free, _) = spec.n_params * (4 if dtype == "float32" else 2), disk_free(Path(to))
+    if need > free:  # before a byte is written: a full disk midway costs the minutes the shards took
+        raise UserError(
+            f"--to {to}: the export's weights need {need / 1e9:.2f} GB in {dtype} and that disk has "
+            f"{free / 1e9:.2f} GB free; pass a --to on a disk with room"
+            + (", or --dtype bfloat16 (half the bytes)" if dtype == "float32" and need / 2 <= free else "")
+        )
     units = spec.units()
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
