@@ -82,6 +82,22 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_gpus_inside_a_job_of_other_ranks_is_refused(tmp_path):
+    """--gpus where WORLD_SIZE is already set (a torchrun rank, or a variable left in the shell) would train on the
+    environment's ranks, not on N: refused in one line, nothing made; the same count as the host's ranks is torchrun's
+    own and goes on."""
+    import os
+
+    env = {**os.environ, "WORLD_SIZE": "1"}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    r = cli("run", "--gpus", "2", "--out", str(tmp_path / "run"), env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "unset WORLD_SIZE" in lines[0], r.stderr
+    assert not (tmp_path / "run").exists()
+    r = cli("run", "--gpus", "1", *FAST, "--set", "train.steps=1", "--out", str(tmp_path / "run"), env=env)
+    assert r.returncode == 0, r.stderr
+
+
 def test_short_help_option():
     for args in (["-h"], ["run", "-h"], ["plan", "-h"]):
         r = cli(*args)

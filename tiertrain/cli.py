@@ -110,6 +110,14 @@ def run(
     """Train a model."""
     import os
 
+    here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
+    if gpus and here is not None and str(gpus) != here:  # torchrun's ranks, or a WORLD_SIZE left in the shell
+        _fail(
+            UserError(
+                f"--gpus {gpus}: this process is one rank of a job that already has {here} on this host "
+                "(WORLD_SIZE is set); unset WORLD_SIZE to launch the ranks, or leave --gpus out under torchrun"
+            )
+        )
     if gpus and gpus > 1 and "WORLD_SIZE" not in os.environ:
         import torch
 
