@@ -491,6 +491,10 @@ def test_a_refusal_one_rank_meets_before_training_stops_every_rank_with_its_line
         "checkpoint.keep=100000000",
     ]
     refused(tiertrain("--resume", "latest", "--out", str(run), *many), "rank 0: the checkpoints need")
+    # what every rank meets alike is the job's line, said once, without a rank's number
+    r = tiertrain(*tiny(token_file), "--set", "train.nope=1", "--out", str(tmp_path / "bad"))
+    line = refused(r, "unknown key train.nope")
+    assert line.startswith("error: unknown key") and not (tmp_path / "bad").exists()
 
 
 def test_the_launcher_says_which_rank_died_and_how(capfd):

@@ -12,13 +12,14 @@ state gathers, flags) to gloo.
 from __future__ import annotations
 
 import os
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from .errors import ConfigError, ElsewhereError
+from .errors import ConfigError, ElsewhereError, Everywhere
 
 
 def _dist():
@@ -38,6 +39,7 @@ class Together:
 
     error: BaseException | None = None  # this rank's, caught in the block
     first: int | None = None  # the lowest rank that failed, the same on every rank; None: none did
+    alike: bool = False  # every rank failed with the same words: the job's error, not one rank's
 
     @property
     def failed(self) -> bool:
@@ -48,6 +50,8 @@ class Together:
         if self.first is None:
             return
         if self.first == rank and self.error is not None:
+            if self.alike and not isinstance(self.error, Everywhere):
+                raise Everywhere(str(self.error)) from self.error  # rank 0 says it, without a rank's number
             raise self.error
         raise ElsewhereError("another rank failed")
 
@@ -167,6 +171,8 @@ class Ranks:
         # failed itself: that one's words are the job's
         elsewhere = isinstance(agreed.error, ElsewhereError)
         agreed.first = self.first_failed(agreed.error is not None, behind=elsewhere)
+        if agreed.first is not None and self.size > 1:
+            agreed.alike = self._alike(None if elsewhere else agreed.error)
 
     def any_failed(self, failed: bool) -> bool:
         """Whether some rank failed (each says whether it did): every rank learns it together."""
@@ -182,6 +188,13 @@ class Ranks:
         t = torch.tensor([(n + self.rank if behind else self.rank) if failed else 2 * n], dtype=torch.int64)
         _dist().all_reduce(t, op=_dist().ReduceOp.MIN)
         return None if t.item() == 2 * n else int(t.item()) % n
+
+    def _alike(self, error: BaseException | None) -> bool:
+        """Whether every rank holds an error of the same class and words (`error`: this rank's own, or None)."""
+        v = -1 if error is None else zlib.crc32(f"{type(error).__name__}: {error}".encode())
+        t = torch.tensor([v, -v], dtype=torch.int64)
+        _dist().all_reduce(t, op=_dist().ReduceOp.MIN)  # the least and (negated) the greatest
+        return int(t[0]) >= 0 and int(t[0]) == -int(t[1])
 
     def share(self, text: str) -> str:
         """Rank 0's `text` (up to 4 KiB of UTF-8), on every rank."""

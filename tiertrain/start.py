@@ -28,6 +28,8 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
             )
         if resume and init_from:
             raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
+        if not resume:  # every rank meets a bad config alike: the job's one line, without a rank's number
+            load_config(config_path, list(overrides))
         if ranks.first:
             out_dir, lock, made, ckpt = claim(resume, Path(out) if out else None, config_path, overrides)
     agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
