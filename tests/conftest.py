@@ -10,6 +10,11 @@ import json
 import os
 from pathlib import Path
 
+# before torch loads OpenMP, which reads it then: the suite runs two workers on CI's two cores, each with as many
+# OpenMP threads as cores, and threads that spin while they wait took the cores of the working ones (the suite ran
+# 1.5-3x slower). Passive waiting changes no result, only how an idle thread waits; the CLI's runs inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import numpy as np
 import pytest
 import torch
