@@ -404,3 +404,44 @@ def test_a_template_that_ends_the_conversation_with_eos_marks_every_turn(tmp_pat
         assert (
             ids[-1] == ref.eos_token_id and tf.tokens[a:e].tolist() == ids and tf.mask[a:e].tolist() == mask
         )
+
+
+# gpt-oss's turns (its released template, tools and thinking left out): the last assistant turn ends with its own
+# <|return|>, which the template writes as <|end|> where the conversation goes on
+HARMONY = (
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|start|>assistant' }}"
+    "{%- if loop.last and not add_generation_prompt -%}"
+    "{%- generation -%}{{- '<|channel|>final<|message|>' + m.content + '<|return|>' }}{%- endgeneration -%}"
+    "{%- else -%}{%- generation -%}{{- '<|channel|>final<|message|>' + m.content }}{%- endgeneration -%}"
+    "{{- '<|end|>' }}{%- endif -%}"
+    "{%- else -%}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+def test_a_template_whose_last_turn_ends_with_its_own_eos_trains_it(tmp_path):
+    """gpt-oss: eos_token <|return|> ends the last assistant turn (the model learns to stop), and the template
+    writes <|end|> there where the conversation goes on. The <|return|> is trained, with or without earlier turns,
+    as transformers marks it with the same template in {% generation %} blocks; the history's <|end|> is not a
+    token the model emits after a final answer, and is not trained."""
+    convs = _conversations(tmp_path / "c.jsonl")
+    specials = ["<|start|>", "<|message|>", "<|channel|>", "<|end|>"]
+    toks = []
+    for name, template in (("tok", re.sub(r"\{%- (end)?generation -%\}", "", HARMONY)), ("ref", HARMONY)):
+        t = EX.chat_tokenizer(EX.conversation_texts(), template)
+        t.add_special_tokens({"eos_token": "<|return|>", "additional_special_tokens": specials})
+        t.save_pretrained(tmp_path / name)
+        toks.append(t)
+    report = prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c.bin"), str(tmp_path / "tok"))
+    assert "prefixes" in report.method
+    want = [
+        toks[1].apply_chat_template(c, return_dict=True, return_assistant_tokens_mask=True) for c in convs
+    ]
+    want = [(o["input_ids"], o["assistant_masks"]) for o in want if sum(o["assistant_masks"][1:])]
+    assert any(sum(m["role"] == "assistant" for m in c) > 1 for c in convs)
+    tf = open_tokens(tmp_path / "c.bin")
+    assert report.samples == len(want)
+    ret = toks[1].convert_tokens_to_ids("<|return|>")
+    for (ids, mask), a, e in zip(want, tf.starts, np.append(tf.starts[1:], len(tf.tokens))):
+        assert ids[-1] == ret and mask[-1] == 1
+        assert tf.tokens[a:e].tolist() == ids and tf.mask[a:e].tolist() == mask
