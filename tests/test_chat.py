@@ -258,6 +258,14 @@ def test_what_prepare_chat_cannot_do_is_one_line(tmp_path):
         cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", str(tmp_path), "--out", out),
         "no chat template",
     )
+    # a tokenizer.json this tokenizers cannot read (a newer version's model type): tokenizers' own error, one line
+    damaged = json.loads((tok / "tokenizer.json").read_text())
+    damaged["model"]["type"] = "BPE2"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(damaged))
+    refused(
+        cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", str(tmp_path), "--out", out),
+        "no tokenizer could be loaded",
+    )
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["c.bin"]  # the one that succeeded
 
 

@@ -78,8 +78,12 @@ def load_tokenizer(spec: str | None, template: str | None):
         raise DataError(f"--tokenizer {spec} not found; pass a model directory (or its tokenizer.json)")
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{d}: no tokenizer could be loaded ({str(e).splitlines()[0][:160]})") from None
+    except Exception as e:  # noqa: BLE001 - tokenizers' own errors too (a tokenizer.json a newer version wrote)
+        first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise DataError(
+            f"{d}: no tokenizer could be loaded ({type(e).__name__}: {first}); pass a model directory whose "
+            "tokenizer this transformers reads"
+        ) from None
     check_vocabulary(tok, d)
     if not getattr(tok, "is_fast", False):
         raise DataError(
