@@ -62,6 +62,33 @@ def test_val_loss_equals_a_plain_evaluation(token_file, tmp_path, variant):
     assert [r["val_loss"] for r in recs if "val_loss" in r] == [got[s][0] for s in (3, 6, 7)]
 
 
+@pytest.mark.parametrize("fraction", [0.004, 0.02])
+def test_every_held_out_row_is_evaluated(token_file, fraction):
+    """Held-out rows that fill no whole batch (5 rows against a batch of 8), or whose last batch is part-filled
+    (25 rows): each is evaluated once, the loss the plain mean over all their targets. Whole batches alone were
+    read before: 5 rows were refused, and of packed conversations, the shortest (packed last) never counted."""
+    cfg = tiny_config(token_file, f"data.val_fraction={fraction}", "train.eval_batches=100", "train.steps=2")
+    tr = Trainer(cfg)
+    S, rows = cfg.train.seq_len, tr.val.rows
+    assert rows % cfg.train.batch_size
+    tr.train_step()
+    mine = tr.evaluate()
+    state = tr.state_dict()
+    tr.close()
+    _, val = held_out(read_tokens(token_file), S, fraction)
+    assert mine == pytest.approx(_plain_mean(cfg, state, val, rows), rel=1e-5, abs=1e-6)
+
+
+def _plain_mean(cfg, state: dict, val: np.ndarray, rows: int) -> float:
+    """nn.Module evaluation of `state`: the mean loss over every target of the first `rows` rows of `val`."""
+    S = cfg.train.seq_len
+    x = torch.from_numpy(np.stack([val[r * S : r * S + S + 1] for r in range(rows)]).astype(np.int64))
+    ref = ReferenceLM(cfg.model)
+    ref.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        return float(ref(x[:, :-1], x[:, 1:])) / (rows * S)
+
+
 def _fit(cfg, out):
     lines = []
     fit(Trainer(cfg), out, echo=lines.append)
@@ -112,11 +139,10 @@ def test_a_separate_validation_file(token_file, tmp_path):
     np.save(val, np.asarray(read_tokens(token_file))[:2000])
     tr = Trainer(tiny_config(token_file, f'data.val_path="{val}"', "train.eval_batches=100"))
     tr.train_step()
-    loss = tr.evaluate()  # as many batches as the file holds: 7 of 8 x 32 tokens
-    cfg = tr.cfg
-    plain = _plain_val_loss(cfg, tr.state_dict(), np.load(val), 7)
+    loss = tr.evaluate()  # every row the file holds: 62 of 32 tokens, 7 batches of 8 and one of 6
+    plain = _plain_mean(tr.cfg, tr.state_dict(), np.load(val), tr.val.rows)
     tr.close()
-    assert tr.val.rows // 8 == 7 and loss == pytest.approx(plain, rel=1e-5)
+    assert tr.val.rows == 62 and loss == pytest.approx(plain, rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import DataError
-from .rows import Documents, Packed, Plain
+from .rows import IGNORE, Documents, Packed, Plain
 from .sections import DataConfig, TrainConfig
 
 MAGIC = b"TTOKENS\0"
@@ -285,8 +285,10 @@ class Loader:
         starts: np.ndarray | None = None,
         mask: np.ndarray | None = None,
         document_mask: bool = False,
+        validation: bool = False,
     ):
         self.tokens, self.S, self.B, self.V = tokens, seq_len, batch_size, vocab_size
+        self.validation = validation  # read in order, each row once: its last batch is filled with empty rows
         self.shuffle, self.seed, self.name = shuffle, seed, name
         self.segmented = mask is not None or document_mask  # rows of several segments, attended to apart
         self.marks = None if mask is None else (starts, mask)  # what a prepared file adds to its tokens
@@ -305,13 +307,27 @@ class Loader:
             self.made = Plain(tokens, seq_len)
         self.rows = self.made.rows
         self.packed = mask is not None
-        if self.rows < batch_size:
+        if validation and self.rows < 1:
+            raise DataError(
+                f"{name} holds no whole row of train.seq_len = {seq_len} to validate on; use a longer file or "
+                "raise data.val_fraction"
+            )
+        if self.rows < batch_size and not validation:
             raise DataError(self.made.few(name, batch_size))
         self._perm: tuple[int, np.ndarray] | None = None
         self._check_ids()
 
     @classmethod
-    def of(cls, tf: TokenFile, train: TrainConfig, shuffle: bool, vocab_size: int, name: str, docs: bool):
+    def of(
+        cls,
+        tf: TokenFile,
+        train: TrainConfig,
+        shuffle: bool,
+        vocab_size: int,
+        name: str,
+        docs: bool,
+        validation: bool = False,
+    ):
         seed = train.seed if shuffle else 0
         return cls(
             tf.tokens,
@@ -324,6 +340,7 @@ class Loader:
             tf.starts,
             tf.mask,
             docs,
+            validation,
         )
 
     def describe(self) -> str:
@@ -374,8 +391,24 @@ class Loader:
             out["marks_crc32c"] = _sampled_crc(mask, _sampled_crc(starts))
         return out
 
+    @property
+    def batches(self) -> int:
+        """Batches that read every row once: of validation rows, the last one part-filled."""
+        return -(-self.rows // self.B) if self.validation else self.rows // self.B
+
     def get(self, step: int) -> Batch:
-        return Batch(*self.made.batch([self._row(step * self.B + j) for j in range(self.B)]))
+        if not self.validation:
+            return Batch(*self.made.batch([self._row(step * self.B + j) for j in range(self.B)]))
+        # validation: each row once; the last batch's missing rows are empty (nothing trains in them, one segment)
+        rows = [r for r in range(step * self.B, (step + 1) * self.B) if r < self.rows]
+        inp, tgt, pos = self.made.batch(rows)
+        n = self.B - len(rows)
+        if n:
+            inp = np.concatenate([inp, np.zeros((n, self.S), inp.dtype)])
+            tgt = np.concatenate([tgt, np.full((n, self.S), IGNORE, tgt.dtype)])
+            if pos is not None:
+                pos = np.concatenate([pos, np.broadcast_to(np.arange(self.S, dtype=pos.dtype), (n, self.S))])
+        return Batch(inp, tgt, pos)
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets) of the step's batch."""
@@ -430,4 +463,4 @@ def loaders(data: DataConfig, train: TrainConfig, vocab_size: int) -> tuple[Load
         val, name = open_tokens(val_path, "data.val_path"), val_path
     elif val is not None:
         name = f"the last {val_fraction:g} of {name} (data.val_fraction)"
-    return loader, Loader.of(val, train, False, vocab_size, name, docs) if val is not None else None
+    return loader, Loader.of(val, train, False, vocab_size, name, docs, True) if val is not None else None

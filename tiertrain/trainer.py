@@ -270,7 +270,7 @@ class Trainer:
         first train.eval_batches batches of the validation data (as many as it holds). The pending update lands
         first (the same bits as when the next forward pass runs it); nothing is saved or updated."""
         self._quiesce()
-        n = min(self.cfg.train.eval_batches, self.val.rows // self.val.B)
+        n = min(self.cfg.train.eval_batches, self.val.batches)
         total, count, mb = torch.zeros((), dtype=torch.float64), 0, self.run_plan.micro_batch
         for k in range(n):
             b = self.val.get(k)
