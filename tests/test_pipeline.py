@@ -107,10 +107,13 @@ def test_auto_on_a_cpu(token_file, sets, stream, acts):
     asked = cfg.to_dict()
     tr = Trainer(cfg)
     t = tr.run_plan
+    said = tr.describe()[-1]
     tr.close()
     assert t == tr.plan.run_plan or "tiers.gpu_update_units=2" in sets  # that one asks for another update
     assert (t.stream, t.activations) == (stream, acts) and cfg.to_dict() == asked
-    assert (Kind.WEIGHTS in tr.run.host.kinds) == (stream == "compute" and "bfloat16" in sets[0])
+    copy = stream == "compute" and "bfloat16" in sets[0]
+    assert (Kind.WEIGHTS in tr.run.host.kinds) == copy
+    assert ("weights stream as the compute-dtype copy" in said) == copy, said  # the run's description says so
     assert {h.value for h in tr.run.activations.homes.values()} == {acts}
     assert bool(tr.run_plan.updated("gpu", "gpu-speculated")) == ("tiers.gpu_update_units=2" in sets)
 

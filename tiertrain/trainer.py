@@ -23,7 +23,7 @@ from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.docs import Docs
 from .model.families import unlike_family
 from .model.hf import HFReader, open_weights, spec_from_hf
-from .modes import Home
+from .modes import Home, Kind
 from .optim.adamw import lr_at
 from .parallel import Ranks
 from .plan.gpus import from_smi
@@ -454,7 +454,7 @@ class Trainer:
             f"GPU updates' state, "
             f"plus activations ({self._checkpoint_homes()}); "
             f"weights stream as "
-            f"{'the compute-dtype copy' if 'weights' in self.run.host.kinds else 'fp32 master'}"
+            f"{'the compute-dtype copy' if Kind.WEIGHTS in self.run.host.kinds else 'fp32 master'}"
             + (f" ({', '.join(self.chosen)}: the plan)" if self.chosen else ""),
         ]
 
