@@ -48,13 +48,13 @@ def attention_part(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) ->
     return y, Routed.of(*ctx.routed[0], ctx.spec.num_experts)
 
 
-def _pairs(r: Routed, first: int, n: int, k: int):
+def _pairs(r: Routed, first: int, n: int, k: int, down: torch.Tensor):
     """The group's pairs (ids in the (T k) slots, sorted by expert), their tokens, and the grouped matmul's ends
-    (on a GPU) or the rows per expert (elsewhere)."""
+    (on a GPU, moe._grouped of `down`, the group's down projections) or the rows per expert (elsewhere)."""
     st = r.starts[first : first + n + 1]
     sel = r.order[st[0] : st[-1]]
     counts = [b - a for a, b in zip(st, st[1:])]
-    if moe._grouped(r.h):
+    if moe._grouped(r.h, down):
         ends = torch.tensor(list(accumulate(counts)), dtype=torch.int32).to(r.h.device, non_blocking=True)
         return sel, sel // k, ends, None
     return sel, sel // k, None, counts
@@ -85,7 +85,7 @@ def share(w: dict[str, torch.Tensor], r: Routed, ctx: Context, first: int, n: in
     """The share of experts first..first+n (w: their weights) in the MoE output of the routed tokens, fp32 (T, H),
     without gradients; None where no token chose any of them."""
     s, k = ctx.spec, ctx.spec.num_experts_per_tok
-    sel, src, ends, counts = _pairs(r, first, n, k)
+    sel, src, ends, counts = _pairs(r, first, n, k, w["mlp.experts.down_proj"])
     if not sel.numel():
         return None
     ws = r.weights.reshape(-1).index_select(0, sel)[:, None]
@@ -112,7 +112,7 @@ def share_backward(
     added into dh (T, H) fp32 and of the routing weights' into dws (T, k) fp32; returns its weights' gradients in
     the order of `leaves` (None: no token chose the group, so they are zero)."""
     s, k = ctx.spec, ctx.spec.num_experts_per_tok
-    sel, src, ends, counts = _pairs(r, first, n, k)
+    sel, src, ends, counts = _pairs(r, first, n, k, leaves["mlp.experts.down_proj"])
     if not sel.numel():
         return None
     xs = r.h.index_select(0, src).requires_grad_()

@@ -233,11 +233,20 @@ def _rows(
     return _mm(a, down.transpose(1, 2), ends, counts)
 
 
-def _grouped(h: torch.Tensor) -> bool:
+def _grouped(h: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the experts' projections are torch's grouped matmuls (else a loop over the experts with tokens):
-    bf16 on a Hopper GPU. On Blackwell its backward gives an expert without rows a gradient that is not zero
-    (pytorch/pytorch#172439), so other GPUs take the loop until that is fixed."""
-    return _GROUPED is not None and h.is_cuda and h.dtype == torch.bfloat16 and _hopper(h.device.index)
+    bf16 on a Hopper GPU, every row of tokens h and of an expert's weights w (E, a, b) 16-byte aligned (its
+    kernel refuses others: a hidden or expert size not a multiple of 8). On Blackwell its backward gives an
+    expert without rows a gradient that is not zero (pytorch/pytorch#172439), so other GPUs take the loop until
+    that is fixed."""
+    aligned = h.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
+    return (
+        _GROUPED is not None
+        and h.is_cuda
+        and h.dtype == torch.bfloat16
+        and aligned
+        and _hopper(h.device.index)
+    )
 
 
 @functools.cache
@@ -275,7 +284,8 @@ def experts(
     inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     src = order // k  # each sorted pair's token
     per = _counts(chosen, s.num_experts)
-    ends, counts = (per.cumsum(0).to(torch.int32), None) if _grouped(h) else (None, per.tolist())
+    grouped = _grouped(h, w["mlp.experts.down_proj"])
+    ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
     on = kernels.on(h)
     xs = _Spread.apply(h, src, inv, k, on)
     ws = weights.reshape(-1).index_select(0, order)[:, None]  # fp32 (T k, 1)

@@ -164,6 +164,11 @@ def resolve(
     --host-gb is not given (the RAM free here; None: unbounded, the RAM check after the plan refuses). `gpus`,
     `per_host`: the ranks of the run, and of this host."""
     t = cfg.tiers
+    if t.nvme_gb and not t.nvme_dir:  # a store in the working directory: outside --out, and unchecked
+        raise ConfigError(
+            f"tiers.nvme_gb = {t.nvme_gb:g} (--nvme-gb) needs tiers.nvme_dir (--nvme-dir DIR), the directory the "
+            "NVMe tier spills into"
+        )
     # tiers.nvme_gb 0: the free space of nvme_dir (its nearest existing parent's disk; this run's stale stores are
     # gone by now), the host's, as --nvme-dir budgets `plan`
     nvme = t.nvme_gb or (_free_gb(t.nvme_dir) if t.nvme_dir else None)
