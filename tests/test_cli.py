@@ -64,7 +64,10 @@ def test_prepare_then_train_on_it(tmp_path):
         (["--hardware", "missing.json"], "tiertrain probe --out"),
         (["--gpu", "v100"], "unknown GPU 'v100'; known GPUs: h100"),
         (["--set", "hardware.gpu=x"], "unknown GPU 'x'"),
-        (["--nvme-gb", "5"], "needs tiers.nvme_dir (--nvme-dir DIR)"),  # it spilled into the working directory
+        (
+            ["--nvme-gb", "5"],
+            "needs tiers.nvme_dir (--nvme-dir DIR)",
+        ),  # it spilled into the working directory
     ],
 )
 def test_bad_input_is_one_line_without_traceback(tmp_path, args, words):

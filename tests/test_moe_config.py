@@ -154,3 +154,16 @@ def test_each_family_s_attention_is_what_its_transformers_class_builds(family, b
     for key in [k for k in built if not (free and k == "attention_bias")]:
         turned = SimpleNamespace(**{**vars(spec), key: not built[key]})
         assert families.unlike_family(turned), f"{family}: {key} = {not built[key]} passes"
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_active_parameters_leave_out_exactly_the_idle_experts(case, tmp_path):
+    """n_active_params (the FLOPs, model TFLOP/s and the plan's figures): every tensor but the experts a token is
+    not routed to, counted from the tensors themselves (gpt-oss's biases: gate/up's 2 I and down's H an expert)."""
+    cfg_cls, _, extra = MOE[case]
+    spec = _spec(getattr(transformers, cfg_cls)(**{**BASE, **extra}).to_dict(), tmp_path)
+    e, k = spec.num_experts, spec.num_experts_per_tok
+    idle = sum(
+        t.numel // e * (e - k) for u in spec.units() for t in u.tensors if t.name.startswith("mlp.experts.")
+    )
+    assert spec.n_params - spec.n_active_params == idle > 0

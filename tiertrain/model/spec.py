@@ -422,9 +422,8 @@ class ModelSpec:
         if not self.is_moe:
             return 0
         h, i, e, k = self.hidden_size, self.expert_size, self.num_experts, self.num_experts_per_tok
-        per = 3 * h * i + (
-            3 * i + h if self.model_type == "gpt_oss" else 0
-        )  # an expert's weights (and biases)
+        # an expert's weights, and gpt-oss's biases: gate/up's 2 I, down's H
+        per = 3 * h * i + (2 * i + h if self.model_type == "gpt_oss" else 0)
         return (e - k) * per * self.moe_blocks
 
     @property
