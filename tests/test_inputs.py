@@ -166,11 +166,20 @@ def test_tokenizer_files_that_link_outside_the_model_stay_behind(tmp_path):
         (["--seq-len", "0"], "--seq-len"),
         (["--chart", "/nonexistent/dir/c.png"], "does not exist"),
         (["--hardware", "HW"], "not a probe file"),
+        (["--host-gb", "1e300"], "--host-gb 1e+300"),  # overflowed the advice's rounding
+        (["--nvme-gb", "1e300"], "--nvme-gb 1e+300"),
+        (["--gpu-gb", "1e300"], "--gpu-gb 1e+300"),
+        (["--hardware", "DIR"], "cannot be read"),
+        (["--gpus", "2", "--gpus-per-host", "4"], "--gpus-per-host 4 is more than"),
+        (
+            ["--gpus", "4", "--set", "train.batch_size=16", "--set", "train.micro_batch_size=8"],
+            "a rank's 4 rows",
+        ),
     ],
 )
 def test_plan_refuses_impossible_budgets_and_files(tmp_path, args, words):
     (tmp_path / "hw.json").write_text(json.dumps({"h2d_gbs": 10}))
-    args = [a.replace("HW", str(tmp_path / "hw.json")) for a in args]
+    args = [a.replace("HW", str(tmp_path / "hw.json")).replace("DIR", str(tmp_path)) for a in args]
     r = cli("plan", "--config", "debug", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from .errors import UserError
 
+MOST_GB = 1e7  # 10 PB: a budget beyond it is a typo, and overflows the plan's arithmetic
+
 
 @dataclass(frozen=True)
 class PlanCommand:
@@ -68,6 +70,12 @@ class PlanCommand:
                 f"train.batch_size {cfg.train.batch_size} does not split over {self.gpus} GPUs: pass a "
                 f"--batch-size that is a multiple of {self.gpus}"
             )
+        micro, rows = cfg.train.micro_batch_size, cfg.train.batch_size // self.gpus
+        if isinstance(micro, int) and rows % micro:  # as `run --gpus` refuses it (parallel.check_batch)
+            raise UserError(
+                f"train.micro_batch_size {micro} does not divide a rank's {rows} rows of the batch: make it a "
+                f'divisor of {rows}, or "auto"'
+            )
         return cfg
 
     def nvme(self) -> float | None:
@@ -102,8 +110,13 @@ class PlanCommand:
 
     def check(self, chart: str | None) -> None:
         for flag, v in (("--host-gb", self.host_gb), ("--gpu-gb", self.gpu_gb), ("--nvme-gb", self.nvme_gb)):
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise UserError(f"{flag} {v:g}: pass a finite number of GB, 0 or more")
+            if v is not None and not (math.isfinite(v) and 0 <= v <= MOST_GB):
+                raise UserError(f"{flag} {v:g}: pass a number of GB from 0 to {MOST_GB:g}")
+        if self.per_host is not None and self.per_host > self.gpus:
+            raise UserError(
+                f"--gpus-per-host {self.per_host} is more than the job's --gpus {self.gpus}: pass at most "
+                f"{self.gpus}"
+            )
         if chart and not Path(chart).absolute().parent.is_dir():
             raise UserError(
                 f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "

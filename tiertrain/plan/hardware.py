@@ -189,6 +189,11 @@ class HardwareSpec:
             raise ConfigError(
                 f"hardware file {p} is not valid JSON ({e}); re-run `tiertrain probe`"
             ) from None
+        except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable, not text
+            raise ConfigError(
+                f"hardware file {p} cannot be read ({getattr(e, 'strerror', None) or e}); pass a probe's file, "
+                f"made by `tiertrain probe --out FILE`"
+            ) from None
         fix = f"write one with `tiertrain probe --out {p}`"
         if not isinstance(data, dict):
             raise ConfigError(
