@@ -228,3 +228,17 @@ def test_a_run_that_diverged_before_saving_says_what_to_do(token_file, tmp_path)
     ):
         line = refused(r, "saved no checkpoint", "stopped after step 1", "new")
         assert "--resume latest" not in line
+
+
+def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
+    """tiers.host_gb and tiers.nvme_gb set in the config (or by --set) are `plan`'s budgets where no flag gives one,
+    as they are `run`'s: a run refused for its host budget points at `plan` with the same --set, which must miss
+    too. A flag still wins over the config."""
+    import json
+
+    small = ["--set", "tiers.host_gb=0.2"]
+    r = cli("plan", "--config", "debug", *small, "--format", "json")
+    assert r.returncode == 1 and not json.loads(r.stdout)["fits"], r.stdout[-400:]  # a miss
+    r = cli("plan", "--config", "debug", *small, "--host-gb", "64", "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["fits"]
+    refused(cli("run", *small, "--out", str(tmp_path / "r")), "--host-gb")

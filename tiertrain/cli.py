@@ -243,12 +243,20 @@ main.add_command(prepare_command)
     type=float,
     default=None,
     help="The process's whole host memory, its own (Python, torch, the CUDA context: about 3 GB) included. "
-    "Default: the RAM of the machine planned for.",
+    "Default: tiers.host_gb, else the RAM of the machine planned for.",
 )
 @click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
-@click.option("--nvme-gb", type=float, default=None, help="NVMe tier size. Default: none.")
 @click.option(
-    "--nvme-dir", default=None, metavar="DIR", help="NVMe directory: its free space is the NVMe budget."
+    "--nvme-gb",
+    type=float,
+    default=None,
+    help="NVMe tier size. Default: tiers.nvme_gb, else --nvme-dir's free space.",
+)
+@click.option(
+    "--nvme-dir",
+    default=None,
+    metavar="DIR",
+    help="NVMe directory (default: tiers.nvme_dir): its free space is the NVMe budget where none is given.",
 )
 @click.option(
     "--gpu",

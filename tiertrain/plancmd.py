@@ -78,14 +78,21 @@ class PlanCommand:
             )
         return cfg
 
-    def nvme(self) -> float | None:
-        """The NVMe budget: --nvme-gb, else the free space of --nvme-dir, else none."""
-        if self.nvme_dir and self.nvme_gb is None:
+    def host(self, cfg) -> float | None:
+        """The host budget: --host-gb, else the config's tiers.host_gb (as `run` takes it), else none given."""
+        return self.host_gb if self.host_gb is not None else cfg.tiers.host_gb or None
+
+    def nvme(self, cfg) -> float | None:
+        """The NVMe budget, as `run` takes it: --nvme-gb, else the config's tiers.nvme_gb, else the free space of
+        --nvme-dir (else of tiers.nvme_dir), else none."""
+        gb = self.nvme_gb if self.nvme_gb is not None else cfg.tiers.nvme_gb or None
+        where = self.nvme_dir or cfg.tiers.nvme_dir
+        if where and gb is None:
             try:
-                return shutil.disk_usage(self.nvme_dir).free / 1e9
+                return shutil.disk_usage(where).free / 1e9
             except OSError as e:
-                raise UserError(f"--nvme-dir {self.nvme_dir}: {e.strerror}") from None
-        return self.nvme_gb
+                raise UserError(f"--nvme-dir {where}: {e.strerror}") from None
+        return gb
 
     def figures(self, cfg):
         """The machine's figures: a probe file (--hardware FILE), the reference (--hardware reference), a named GPU
@@ -136,12 +143,13 @@ def plan_command(cmd: PlanCommand, chart: str | None = None):
 
     def planned(c: PlanCommand, advise: bool = True, gpus: int | None = None):
         per_host = c.per_host if gpus is None else None
+        conf = c.config()
         return search(
-            c.config(),
+            conf,
             hw,
-            c.host_gb,
+            c.host(conf),
             c.gpu_gb,
-            c.nvme(),
+            c.nvme(conf),
             c.name,
             advise=advise,
             gpus=gpus or c.gpus,
@@ -157,5 +165,5 @@ def plan_command(cmd: PlanCommand, chart: str | None = None):
     p = planned(cmd)
     one = planned(cmd, advise=False, gpus=1) if cmd.gpus > 1 else None
     if not p.fits:
-        p = replace(p, nearest=nearest(cfg, bool(cmd.nvme()), near, cmd.gpus))
+        p = replace(p, nearest=nearest(cfg, bool(cmd.nvme(cfg)), near, cmd.gpus))
     return p, one
