@@ -378,3 +378,27 @@ def test_a_packed_mixture_of_experts_trains_on_the_gpu_in_bf16(tmp_path, variant
         runs.append([tr.train_step()["loss"] for _ in range(2)])
         tr.close()
     assert runs[1] == pytest.approx(runs[0], rel=2e-2)
+
+
+@pytest.mark.gpu
+def test_packed_attention_under_deterministic_repeats_its_bits():
+    """train.deterministic on packed rows: the varlen kernel's backward, whose dQ differs run to run at 8k tokens,
+    runs in torch's deterministic mode as the dense kernels' does, and gives the same bits every time."""
+    from tiertrain.config import load_config
+    from tiertrain.model import llama
+    from tiertrain.model.docs import Docs, _varlen
+
+    if _varlen() is None:
+        pytest.skip("this torch has no varlen attention")
+    S, B, H, KV, D = 8192, 2, 32, 8, 128
+    ctx = llama.Context.build(load_config("debug").model, S, torch.bfloat16, torch.device("cuda"))
+    docs = Docs.build(np.stack([np.r_[np.arange(6000), np.arange(2192)], np.arange(S)]), ctx)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for h in (H, KV, KV)
+    )
+    go = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    runs = [torch.autograd.grad(docs.attention(q, k, v, det=True), (q, k, v), go) for _ in range(5)]
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(r, runs[0]))
+    assert not torch.are_deterministic_algorithms_enabled()  # as it was, after the backward

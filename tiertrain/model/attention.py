@@ -71,14 +71,15 @@ def backends(kernel: str, deterministic: bool = False):
     return contextlib.nullcontext()
 
 
-def _deterministic_backward(o: torch.Tensor) -> None:
+def _deterministic_backward(o: torch.Tensor, direct: bool = False) -> None:
     """Torch's deterministic mode on while the attention kernel's backward node runs (on the autograd engine's
-    thread), as it was before after it; a kernel with no such node (math) needs none."""
+    thread), as it was before after it; a kernel with no such node (math) needs none. `direct`: `o` is the
+    kernel's own output (varlen_attn's), its node the kernel's whatever its name."""
     node = o.grad_fn
     for _ in range(4):  # the kernel's node, under any view SDPA adds
         if node is None:
             return
-        if "Attention" in node.name():
+        if "Attention" in node.name() or direct:
             break
         node = next((f for f, _ in node.next_functions if f is not None), None)
     else:

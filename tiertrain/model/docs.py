@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import llama
+from . import attention, llama
 
 
 @functools.cache
@@ -99,6 +99,8 @@ class Docs:
             elif h != k.shape[1]:  # an older torch's kernel takes as many key/value heads as query heads
                 k, v = (x.repeat_interleave(h // k.shape[1], 1) for x in (k, v))
             o = varlen_attn(flat(q), flat(k), flat(v), self.cu, self.cu, self.longest, self.longest, **kw)
+            if det:  # its backward's dQ, like the dense kernels', repeats its bits only in deterministic mode
+                attention._deterministic_backward(o, direct=True)
             return o.view(b, s, h, d).transpose(1, 2)
         rows = []
         for r, row in enumerate(self.spans):
