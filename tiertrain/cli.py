@@ -1,4 +1,4 @@
-"""Command line: tiertrain run | export | prepare | plan | probe."""
+"""Command line: tiertrain run | export | prepare | plan | probe | report."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _fail(err: Exception, ranks=None) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tiertrain")
 def main() -> None:
-    """Full-precision training of models larger than GPU memory on one GPU."""
+    """Full-precision training of models larger than GPU memory, on one GPU or several."""
 
 
 @main.command()
@@ -198,6 +198,7 @@ def _without_gpus(args: list[str]) -> list[str]:
     "--dtype",
     type=click.Choice(["float32", "bfloat16"]),
     default="float32",
+    show_default=True,
     help="Dtype of the exported weights (the master weights are fp32).",
 )
 @click.option(
@@ -237,7 +238,13 @@ main.add_command(prepare_command)
 @click.option(
     "--config", "config_path", required=True, metavar="FILE", help="TOML config, or a shipped name."
 )
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override a config value, as `run --set` does (repeatable).",
+)
 @click.option(
     "--host-gb",
     type=float,
@@ -280,7 +287,14 @@ main.add_command(prepare_command)
 @click.option(
     "--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len)."
 )
-@click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["md", "json"]),
+    default="md",
+    show_default=True,
+    help="The report as Markdown, or as JSON (plan.json's keys).",
+)
 @click.option(
     "--chart",
     default=None,
