@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 SHAPE = {**COMMON, "num_hidden_layers": 3}
 MOE = dict(num_experts=4, num_experts_per_tok=2)
 SLIDE = ["sliding_attention", "full_attention", "sliding_attention"]
+FULL = ["full_attention"] * 3
 OWN = {  # a model of one's own the family's transformers class builds; windows of 8 tokens against 40
     "gpt_oss, no rope, no window": dict(model_type="gpt_oss", **MOE, attention_sinks=True),
     "gpt_oss, every block windowed": dict(
@@ -34,6 +35,12 @@ OWN = {  # a model of one's own the family's transformers class builds; windows 
     "qwen3_moe, every block windowed": dict(model_type="qwen3_moe", **MOE, qk_norm=True, sliding_window=8),
     "mixtral, every block windowed": dict(model_type="mixtral", **MOE, sliding_window=8),
     "mistral, every block windowed": dict(model_type="mistral", sliding_window=8),
+    # a window every block's layer_types turns off: none trained, none exported
+    "mixtral, a window no block uses": dict(model_type="mixtral", **MOE, sliding_window=8, layer_types=FULL),
+    "qwen3_moe, a window no block uses": dict(
+        model_type="qwen3_moe", **MOE, qk_norm=True, sliding_window=8, layer_types=FULL
+    ),
+    "mistral, a window no block uses": dict(model_type="mistral", sliding_window=8, layer_types=FULL),
 }
 
 
@@ -77,7 +84,7 @@ def test_an_export_loads_as_the_model_trained(case, tmp_path):
         want = _logits(spec, weights, tokens)
         torch.testing.assert_close(back.eval()(input_ids=tokens).logits, want, rtol=1e-4, atol=1e-4)
     # and the windows matter at this length: every block unwindowed gives other logits
-    if spec.sliding_window:
+    if any(spec.window(i) for i in range(spec.num_hidden_layers)):
         with torch.no_grad():
             whole = _logits(
                 ModelSpec(**SHAPE, **{**OWN[case], "sliding_window": None, "layer_types": None}),

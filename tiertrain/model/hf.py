@@ -224,7 +224,7 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     if spec.model_type == "llama":
         c.update(mlp_bias=False)
     if spec.model_type in ("mistral",):
-        c.update(sliding_window=spec.sliding_window)
+        c.update(sliding_window=spec.window(0))  # every block's (layer_types may turn it off)
     if spec.is_moe:
         c.update(hf_moe.config_fields(spec))
     if spec.model_type == "gpt_oss" and spec.rope_scaling is None:  # null would read as its YaRN default

@@ -121,8 +121,8 @@ def config_fields(spec: ModelSpec) -> dict:
         c.update(swiglu_limit=spec.swiglu_limit, swiglu_alpha=spec.swiglu_alpha)
     if mt in ("qwen3_moe", "mixtral"):  # every block alike (qwen2_moe's and gpt-oss's windows: hf.hf_config)
         if mt == "qwen3_moe":
-            c.update(use_sliding_window=spec.sliding_window is not None)
-        c.update(sliding_window=spec.sliding_window)
+            c.update(use_sliding_window=spec.window(0) is not None)
+        c.update(sliding_window=spec.window(0))  # the blocks' one window (layer_types may turn it off)
     return c
 
 
