@@ -573,6 +573,28 @@ def test_bad_nvme_dirs_and_another_models_checkpoint_are_refused_before_allocati
         Trainer(tiny_config(token_file, "model.hidden_size=128"), resume=path)
 
 
+def test_a_resume_may_change_the_aux_loss_settings(token_file, tmp_path):
+    """model.output_router_logits and model.router_aux_loss_coef change the loss, not the model: a resume that
+    changes them resumes (it was refused as "a different model"), and the loss it trains on is the new one."""
+    from conftest import tiny_config
+    from tiertrain.trainer import Trainer
+
+    moe = ['model.model_type="qwen3_moe"', "model.num_experts=4", "model.num_experts_per_tok=2"]
+    tr = Trainer(
+        tiny_config(token_file, *moe, "model.output_router_logits=true", "model.router_aux_loss_coef=0.1")
+    )
+    tr.train_step()
+    path, _ = tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    for sets in (["model.output_router_logits=true", "model.router_aux_loss_coef=0.5"], []):
+        tr = Trainer(tiny_config(token_file, *moe, *sets), resume=path)
+        m = tr.cfg.model
+        assert tr.step == 1 and (m.output_router_logits, m.router_aux_loss_coef) == (
+            (True, 0.5) if sets else (False, 0.001)
+        )
+        tr.close()
+
+
 def test_a_resume_keeps_its_checkpoint_dir(token_file, tmp_path):
     """checkpoint.dir changed on --resume (the run's marker names where its checkpoints live, and a disk check that
     finds them short offers a new --out, not checkpoint.dir): refused in one line."""

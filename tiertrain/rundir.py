@@ -185,12 +185,20 @@ def empty_run(d: Path) -> bool:
         return False
 
 
+LOSS_ONLY = (
+    "output_router_logits",
+    "router_aux_loss_coef",
+)  # [model] keys that change the loss, not the model
+
+
 def check_checkpoint(path: Path, model: dict, numels: list[int], identity: dict, data_name: str) -> dict:
     """The attributes of the checkpoint `path`, refused where it was written for another model (`model`: the
     run's [model] section, `numels`: its units' sizes) or, whole, trained on other data (`identity`: the run's
     data's, named `data_name`)."""
     meta = read_meta(path)
-    theirs = meta["config"]["model"]
+    # the aux loss's switches are the training's, not the model's: a resume may change them
+    theirs = {k: v for k, v in meta["config"]["model"].items() if k not in LOSS_ONLY}
+    model = {k: v for k, v in model.items() if k not in LOSS_ONLY}
     if model != theirs or meta["numels"] != numels:
         diff = sorted(k for k in set(model) | set(theirs) if model.get(k) != theirs.get(k))
         raise CheckpointError(
