@@ -595,6 +595,17 @@ def test_a_resume_may_change_the_aux_loss_settings(token_file, tmp_path):
         tr.close()
 
 
+def test_a_resume_with_another_val_fraction_names_it(token_file, tmp_path):
+    """Another data.val_fraction splits the same file into other training rows: the refusal names that setting
+    and the value to resume with, not data.path (which is the same file)."""
+    run = tmp_path / "a"
+    one = ["--set", "train.steps=1", "--set", "data.val_fraction=0.1"]
+    assert cli("run", *tiny(token_file), *one, "--out", str(run)).returncode == 0
+    r = cli("run", "--resume", "latest", "--out", str(run), "--set", "data.val_fraction=0.2")
+    line = refused(r, "data.val_fraction = 0.2 holds out other rows than the 0.1", "data.val_fraction = 0.1")
+    assert "data.path" not in line
+
+
 def test_a_resume_keeps_its_checkpoint_dir(token_file, tmp_path):
     """checkpoint.dir changed on --resume (the run's marker names where its checkpoints live, and a disk check that
     finds them short offers a new --out, not checkpoint.dir): refused in one line."""

@@ -191,10 +191,12 @@ LOSS_ONLY = (
 )  # [model] keys that change the loss, not the model
 
 
-def check_checkpoint(path: Path, model: dict, numels: list[int], identity: dict, data_name: str) -> dict:
+def check_checkpoint(
+    path: Path, model: dict, numels: list[int], identity: dict, data_name: str, val_fraction: float = 0.0
+) -> dict:
     """The attributes of the checkpoint `path`, refused where it was written for another model (`model`: the
     run's [model] section, `numels`: its units' sizes) or, whole, trained on other data (`identity`: the run's
-    data's, named `data_name`)."""
+    training rows', named `data_name`, of which data.val_fraction = `val_fraction` was held out)."""
     meta = read_meta(path)
     # the aux loss's switches are the training's, not the model's: a resume may change them
     theirs = {k: v for k, v in meta["config"]["model"].items() if k not in LOSS_ONLY}
@@ -212,6 +214,12 @@ def check_checkpoint(path: Path, model: dict, numels: list[int], identity: dict,
         if was_data
         else []
     )
+    held = meta["config"].get("data", {}).get("val_fraction", 0.0)
+    if whole(meta) and differ and held != val_fraction:  # the same file, split otherwise
+        raise DataError(
+            f"data.val_fraction = {val_fraction:g} holds out other rows than the {held:g} {path} trained with: "
+            f"resume with data.val_fraction = {held:g}"
+        )
     if whole(meta) and differ:
         was = meta["data"].get("path") or "the built-in corpus"
         how = (

@@ -222,7 +222,12 @@ class Trainer:
         other data (rundir.check_checkpoint): before the plan allocates anything, and by restore()."""
         numels = [lay.numel for lay in self.layouts]
         meta = rundir.check_checkpoint(
-            path, self.cfg.to_dict()["model"], numels, self.data_identity, self.loader.name
+            path,
+            self.cfg.to_dict()["model"],
+            numels,
+            self.data_identity,
+            self.loader.name,
+            self.cfg.data.val_fraction,
         )
         return meta, ckpt.kinds_of(meta)
 
