@@ -390,3 +390,16 @@ def test_a_first_unit_gradient_on_disk_is_waited_for_after_the_norm():
     )
     assert with_wait["NVMe"] - without["NVMe"] == pytest.approx(first * 4 / (REFERENCE.disk_write_gbs * 1e9))
     assert with_wait["NVMe bwd"] < without["NVMe bwd"]
+
+
+def test_auto_micro_batch_of_rows_longer_than_its_limit_is_one_row():
+    """train.micro_batch_size "auto" takes micro-batches of at most 64 Ki tokens; where one row is longer, one row
+    at a time, not the whole batch (which missed on the GPU where one row fits)."""
+
+    r = cli(
+        "plan",
+        *("--config", "llama3.1-8b", "--batch-size", "16", "--seq-len", "131072"),
+        *("--host-gb", "1000", "--nvme-gb", "4000", "--hardware", "reference", "--format", "json"),
+    )
+    d = json.loads(r.stdout)
+    assert r.returncode == 0 and d["fits"] and d["micro_batch"] == 1, r.stdout[-300:]

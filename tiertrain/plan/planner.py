@@ -75,10 +75,11 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
         fixed = replace(fixed, gpu_updates=0, speculate_gpu=False, keep=0, tile=0)
         budgets = replace(budgets, resident_gb=0.0)
     rows = job.rows
+    # "auto": the divisors of the rows up to 64 Ki tokens a micro-batch; a row longer than that, one row at a time
     micros = (
         [fixed.micro]
         if fixed.micro
-        else [m for m in range(1, rows + 1) if rows % m == 0 and m * job.seq_len <= 65536]
+        else [m for m in range(1, rows + 1) if rows % m == 0 and m * job.seq_len <= 65536] or [1]
     )
     both = ["compute", "master"] if job.dtype == "bfloat16" else ["master"]
     streams = [fixed.stream] if fixed.stream else both
@@ -104,11 +105,11 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
             return tries[0]  # what the host and disk still lack
         return best
 
-    cands = [choice(m, s, a) for m in micros or [rows] for s in streams for a in places]
+    cands = [choice(m, s, a) for m in micros for s in streams for a in places]
     # with an NVMe tier, checkpoints there beside the state in RAM: each costs the disk a write beside the forward
     # pass and a read beside the backward one, where a spilled moment costs both after the norm
     if not fixed.activations and (budgets.nvme_gb or not any(c.fits for c in cands)):
-        cands += [choice(m, s, "split") for m in micros or [rows] for s in streams]
+        cands += [choice(m, s, "split") for m in micros for s in streams]
     ok = [c for c in cands if c.fits]
     if (
         not ok
