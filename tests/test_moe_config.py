@@ -167,3 +167,22 @@ def test_active_parameters_leave_out_exactly_the_idle_experts(case, tmp_path):
         t.numel // e * (e - k) for u in spec.units() for t in u.tensors if t.name.startswith("mlp.experts.")
     )
     assert spec.n_params - spec.n_active_params == idle > 0
+
+
+@pytest.mark.parametrize(
+    "case,key,value",
+    [
+        ("qwen3_moe", "norm_topk_prob", "false"),  # read as true before
+        ("qwen3_moe", "output_router_logits", "false"),
+        ("mixtral", "num_local_experts", "4"),
+        ("gpt_oss", "num_experts_per_tok", True),  # read as k = 1 before
+        ("qwen2_moe", "router_aux_loss_coef", "0.5"),
+    ],
+)
+def test_a_moe_key_of_the_wrong_type_is_refused(case, key, value, tmp_path):
+    """A config.json MoE value of another JSON type, which transformers' config class refuses, is refused by name
+    (it was coerced: a quoted "false" read as true)."""
+    cfg_cls, _, extra = MOE[case]
+    c = {**getattr(transformers, cfg_cls)(**{**BASE, **extra}).to_dict(), key: value}
+    with pytest.raises(HFError, match=f"{key} = {value!r}"):
+        _spec(c, tmp_path)

@@ -56,6 +56,9 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
         raise HFError(
             f"{d}/config.json: {', '.join(f'{k} = {c[k]!r}' for k in bad)}; each must be a positive integer"
         )
+    typed = hf_moe.mistyped(c) if mt in MOE_TYPES else []
+    if typed:
+        raise HFError(f"{d}/config.json: {'; '.join(typed)}; fix it or re-download the model")
     wrong = f"{d}/config.json has a field of the wrong type ({{}}); fix it or re-download the model"
     try:
         heads = c["num_attention_heads"]

@@ -42,6 +42,41 @@ DEFAULTS = {
 }
 
 
+# the MoE keys of config.json and the JSON type transformers' config classes take for each (they refuse others)
+TYPES = {
+    **dict.fromkeys(
+        (
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "decoder_sparse_step",
+        ),
+        "an integer",
+    ),
+    "shared_expert_intermediate_size": "an integer",
+    **dict.fromkeys(
+        ("norm_topk_prob", "output_router_logits", "attention_bias", "qkv_bias"), "true or false"
+    ),
+    **dict.fromkeys(("router_aux_loss_coef", "swiglu_limit", "swiglu_alpha"), "a number"),
+}
+
+
+def mistyped(c: dict) -> list[str]:
+    """The MoE keys of config.json `c` whose values are not of their type (a "false" in quotes would read as
+    true): "key = value (its type)" each."""
+
+    def ok(v, kind: str) -> bool:
+        if kind == "true or false":
+            return isinstance(v, bool)
+        want = int if kind == "an integer" else (int, float)
+        return isinstance(v, want) and not isinstance(v, bool)
+
+    return [
+        f"{k} = {c[k]!r} ({kind})" for k, kind in TYPES.items() if c.get(k) is not None and not ok(c[k], kind)
+    ]
+
+
 def spec_fields(c: dict, mt: str) -> dict:
     """ModelSpec's fields of an MoE config.json beyond the dense ones (transformers' defaults where absent)."""
     c = {**DEFAULTS[mt], **c}
