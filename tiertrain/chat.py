@@ -161,7 +161,7 @@ def assistant_spans(tok, conv: list[dict], where: str) -> tuple[str, list[tuple[
         if m["role"] != "assistant":
             continue
         before = _render(tok, conv[:i], where, prompt=True)
-        upto = _ended(tok, conv[: i + 1], _render(tok, conv[: i + 1], where), full, where)
+        upto = _ended(tok, conv[: i + 1], _render(tok, conv[: i + 1], where), full, before, where)
         if not (full.startswith(before) and upto.startswith(before) and full.startswith(upto)):
             raise DataError(
                 f"{where}: the chat template is not prefix-preserving (message {i}, the assistant's: the render of "
@@ -175,30 +175,29 @@ def assistant_spans(tok, conv: list[dict], where: str) -> tuple[str, list[tuple[
     return full, spans
 
 
-def _ended(tok, conv: list[dict], render: str, full: str, where: str) -> str:
+def _ended(tok, conv: list[dict], render: str, full: str, before: str, where: str) -> str:
     """The render of `conv` (up to an assistant's turn) as the turn is trained: without an end-of-text token that
     is not the turn's. Phi-3's templates put `eos_token` after the last message whatever its role, where no
     generation prompt follows: it closes the conversation, and is never trained. gpt-oss's ends its last turn
     with its own `<|return|>` (trained: the model learns to stop), which it writes as `<|end|>` where the
-    conversation goes on: such a turn is trained up to it."""
+    conversation goes on: such a turn is trained up to it. `before`: the render of the messages before the turn
+    with the generation prompt."""
     eos = getattr(tok, "eos_token", None)
     body = render.rstrip()
     if not eos or not body.endswith(eos):
         return render
     cut = body[: -len(eos)]
-    if _closing(tok, conv[:-1], eos, where) or (not full.startswith(body) and full.startswith(cut)):
+    if _closing(tok, conv[:-1], eos, before, where) or (not full.startswith(body) and full.startswith(cut)):
         return cut
     return render
 
 
-def _closing(tok, conv: list[dict], eos: str, where: str) -> bool:
-    """Whether the template ends `conv` (the messages before an assistant's turn) with an `eos` that a generation
-    prompt replaces: one that closes the conversation (Phi-3's), not a message's own (Llama 3's <|eot_id|>)."""
+def _closing(tok, conv: list[dict], eos: str, prompted: str, where: str) -> bool:
+    """Whether the template ends `conv` (the messages before an assistant's turn; `prompted`: their render with the
+    generation prompt) with an `eos` that the prompt replaces: one that closes the conversation (Phi-3's), not a
+    message's own (Llama 3's <|eot_id|>)."""
     body = _render(tok, conv, where).rstrip()
-    if not body.endswith(eos):
-        return False
-    prompted = _render(tok, conv, where, prompt=True)
-    return prompted.startswith(body[: -len(eos)]) and not prompted.startswith(body)
+    return body.endswith(eos) and prompted.startswith(body[: -len(eos)]) and not prompted.startswith(body)
 
 
 def encode(tok, convs: list[list[dict]], wheres: list[str], how: str) -> list[tuple[list[int], list[int]]]:
