@@ -242,3 +242,9 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
     r = cli("plan", "--config", "debug", *small, "--host-gb", "64", "--format", "json")
     assert r.returncode == 0 and json.loads(r.stdout)["fits"]
     refused(cli("run", *small, "--out", str(tmp_path / "r")), "--host-gb")
+    # --nvme-gb 0 with --nvme-dir: the directory's free space, as run's tiers.nvme_gb = 0 (it meant no tier)
+    spill = ["--config", "llama3.1-8b", "--hardware", "reference", "--host-gb", "40", "--format", "json"]
+    free = cli("plan", *spill, "--nvme-dir", str(tmp_path))
+    zero = cli("plan", *spill, "--nvme-dir", str(tmp_path), "--nvme-gb", "0")
+    assert json.loads(zero.stdout)["fits"] == json.loads(free.stdout)["fits"]
+    assert json.loads(zero.stdout)["nvme_bytes"] == json.loads(free.stdout)["nvme_bytes"]

@@ -257,7 +257,7 @@ main.add_command(prepare_command)
     "--nvme-gb",
     type=float,
     default=None,
-    help="NVMe tier size. Default: tiers.nvme_gb, else --nvme-dir's free space.",
+    help="NVMe tier size. Default (or 0): tiers.nvme_gb, else --nvme-dir's free space.",
 )
 @click.option(
     "--nvme-dir",

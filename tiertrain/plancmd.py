@@ -83,9 +83,9 @@ class PlanCommand:
         return self.host_gb if self.host_gb is not None else cfg.tiers.host_gb or None
 
     def nvme(self, cfg) -> float | None:
-        """The NVMe budget, as `run` takes it: --nvme-gb, else the config's tiers.nvme_gb, else the free space of
-        --nvme-dir (else of tiers.nvme_dir), else none."""
-        gb = self.nvme_gb if self.nvme_gb is not None else cfg.tiers.nvme_gb or None
+        """The NVMe budget, as `run` takes it: --nvme-gb, else the config's tiers.nvme_gb, else (either of them 0
+        too, as tiers.nvme_gb = 0 means) the free space of --nvme-dir (else of tiers.nvme_dir), else none."""
+        gb = self.nvme_gb or cfg.tiers.nvme_gb or None
         where = self.nvme_dir or cfg.tiers.nvme_dir
         if where and gb is None:
             try:
