@@ -185,10 +185,8 @@ def empty_run(d: Path) -> bool:
         return False
 
 
-LOSS_ONLY = (
-    "output_router_logits",
-    "router_aux_loss_coef",
-)  # [model] keys that change the loss, not the model
+# [model] keys that change the loss, not the model
+LOSS_ONLY = ("output_router_logits", "router_aux_loss_coef")
 
 
 def check_checkpoint(

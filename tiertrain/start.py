@@ -20,7 +20,7 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
     """`run` on one rank of the job (`overrides`: the --set values, the flags' among them). Rank 0 alone checks the
     run directory, takes its lock, finishes what a killed process of the run left half done, and marks it; the
     first rank of each host discards the scratch stores the run's killed processes left there."""
-    ckpt, out_dir, made, lock, cfg = None, None, "", None, None
+    ckpt, out_dir, made, lock, cfg, fresh = None, None, "", None, None, None
     with ranks.together(UserError) as agreed:
         if hardware and not Path(hardware).is_file():
             raise UserError(
@@ -29,14 +29,16 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
         if resume and init_from:
             raise UserError("--init-from starts a new run; --resume continues one: pass only one of them")
         if not resume:  # every rank meets a bad config alike: the job's one line, without a rank's number
-            load_config(config_path, list(overrides))
+            fresh = load_config(config_path, list(overrides))
         if ranks.first:
-            out_dir, lock, made, ckpt = claim(resume, Path(out) if out else None, config_path, overrides)
+            out_dir, lock, made, ckpt = claim(
+                resume, Path(out) if out else None, config_path, overrides, fresh
+            )
     agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
     out_dir = Path(ranks.share(str(out_dir)))
     ckpt = Path(ranks.share(str(ckpt))) if resume else None
     with ranks.together(UserError) as agreed:
-        cfg = _config(config_path, overrides, ckpt, out_dir, ranks)
+        cfg = _config(config_path, overrides, ckpt, out_dir, ranks, fresh)
     trainer = None
     if not agreed.failed:
         with ranks.together(UserError) as agreed:
@@ -64,7 +66,7 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
             lock.release()
 
 
-def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
+def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fresh=None):
     """The run's config: the file given, else a resumed checkpoint's own; its paths checked (rank 0), and the run's
     stale scratch stores discarded (the first rank of each host; the others wait for it, before they make any)."""
     if ckpt is not None:
@@ -83,7 +85,7 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks):
                 "checkpoints go to the checkpoint.dir you set"
             )
     else:
-        cfg = load_config(config_path, list(overrides))
+        cfg = fresh  # a new run's, read by start()
     if ranks.first:
         rundir.check_paths(out_dir, cfg.tiers.nvme_dir, cfg.checkpoint.dir)
     if cfg.tiers.nvme_dir and ranks.local_rank == 0:
@@ -98,7 +100,7 @@ def _resumed(config_path, overrides, ckpt: Path, meta: dict):
     return config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
 
 
-def claim(resume: str | None, out: Path | None, config_path: str | None, overrides) -> tuple:
+def claim(resume: str | None, out: Path | None, config_path: str | None, overrides, fresh=None) -> tuple:
     """Rank 0's part of `run` before anything is read or allocated: the run directory it writes (checked, locked and
     marked: runclaim.claim), and the checkpoint it resumes from (after what a killed process of the same run left
     half done is finished). Returns (run directory, its lock, what claim made, the checkpoint or None)."""
@@ -106,8 +108,7 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
         stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
         target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         rundir.check_new(target)
-        ckpt_parent = load_config(config_path, list(overrides)).checkpoint.dir  # its refusals come first
-        lock, made = runclaim.claim(target, ckpt_parent)
+        lock, made = runclaim.claim(target, fresh.checkpoint.dir)
         return target, lock, made, None
     given = Path(resume) if resume != "latest" else None
     if given is None and out is None:
