@@ -96,7 +96,7 @@ def test_a_part_drains_to_its_places_and_the_padding_to_zeros():
     assert float(torch.stack(norms).norm()) == pytest.approx(float(want.norm()), rel=1e-6)
 
 
-def test_the_plan_streams_experts_in_groups_only_where_whole_blocks_crowd_the_gpu():
+def test_the_plan_streams_experts_in_groups_where_whole_blocks_crowd_the_gpu():
     """gpt-oss-120b: whole blocks on 80 GB; on 24 GB its experts in groups, the plan's slots a part's size; a
     dense model never."""
     from tiertrain.plan.hardware import REFERENCE
@@ -164,3 +164,37 @@ def test_the_plan_prices_each_group():
         steps.append(search(cfg, REFERENCE, 256, 80, None, "cut").prediction.step_s)
     assert steps == sorted(steps) and len(set(steps)) == 4
     assert 1.3 < steps[3] / steps[0] < 1.8  # measured: 1.50
+
+
+def test_a_moe_miss_names_the_budget_its_groups_fit_in():
+    """mixtral-8x7b on 24 GB needs expert groups, which spill more (no resident units): a miss short of NVMe says
+    the groups' need, and the plan fits once it is raised (whole blocks' need, 778 GB, missed the GPU again)."""
+    args = ["--config", "mixtral-8x7b", "--gpu-gb", "24", "--host-gb", "128"]
+    miss = json.loads(cli("plan", *args, "--nvme-gb", "500", "--format", "json").stdout)
+    need = re.search(r"raise --nvme-gb to ([0-9]+)$", miss["why"])
+    assert not miss["fits"] and miss["short_of"] == "NVMe" and need, miss["why"]
+    got = json.loads(cli("plan", *args, "--nvme-gb", need.group(1), "--format", "json").stdout)
+    assert got["fits"] and got["expert_groups"] > 1
+    # the report's extremes are of blocks in groups too: the model itself, and a longer sequence than 0
+    assert got["largest_layers"] >= 32 and got["longest_seq_len"] >= 4096 and got["least_host"] > 0
+
+
+def test_groups_make_up_for_disk_where_whole_blocks_fit_the_gpu():
+    """qwen3-30b-a3b cut to 238 blocks, 512 GB of RAM and 2 TB of disk: whole blocks fit the GPU but spill 2,004 GB;
+    in expert groups the GPU has room for more checkpoints, fewer go to the disk, and the plan fits."""
+    from tiertrain.plan.hardware import REFERENCE
+    from tiertrain.plan.resolve import search
+
+    cfg = load_config("qwen3-30b-a3b", ["model.num_hidden_layers=238"])
+    p = search(cfg, REFERENCE, 512, 80, 2000, "cut", advise=False)
+    assert p.fits and p.run_plan.expert_groups > 1
+    whole = search(
+        load_config("qwen3-30b-a3b", ["model.num_hidden_layers=238", "tiers.expert_groups=1"]),
+        REFERENCE,
+        512,
+        80,
+        2000,
+        "cut",
+        advise=False,
+    )
+    assert not whole.fits and whole.short.value == "NVMe"

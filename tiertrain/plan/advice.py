@@ -7,11 +7,12 @@ import functools
 from dataclasses import replace
 from itertools import product
 
+from ..model.parts import group_options
 from ..modes import Update
 from ..sizes import budget
 from .hardware import HardwareSpec
 from .memory import least_host_of
-from .planner import evaluate, plan, resident_room, settled, spare_gb
+from .planner import evaluate, groupable, in_parts, plan, resident_room, settled, spare_gb
 from .values import Budgets, Choice, Job, Miss, Plan, Report, Short
 
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
@@ -29,8 +30,9 @@ def explain(
     fixed, budgets = settled(fixed, budgets, hw)
     rp = p.run_plan
     chosen = replace(budgets, resident_gb=rp.resident_gb)  # "auto" settled
-    layers, params = largest(job, p, budgets, hw)
-    seq, bound, budgets_seq = longest(job, p, budgets, hw)
+    groups = _groups(job, p, fixed, budgets)
+    layers, params = largest(job, p, budgets, hw, groups)
+    seq, bound, budgets_seq = longest(job, p, budgets, hw, groups)
     least = 0.0
     if budgets.nvme_gb:  # the least host budget of this choice
         exact = Choice(
@@ -41,8 +43,9 @@ def explain(
             rp.count(Update.HOST_SPECULATED),
             bool(rp.count(Update.GPU_SPECULATED)),
             keep=0,
+            groups=rp.expert_groups,
         )
-        least = least_host_of(job, exact, chosen, hw)
+        least = least_host_of(job, in_parts(exact, chosen)[0], chosen, hw)
     found = Report(tuple(advice(job, p, chosen, hw)), layers, params, seq, bound, least, budgets_seq)
     return replace(p, report=found)
 
@@ -80,7 +83,9 @@ def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
     return [t for _, t in sorted(out, reverse=True)]
 
 
-def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, int]:
+def largest(
+    job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec, groups: tuple[int, ...]
+) -> tuple[int, int]:
     """The most decoder layers of this shape that still fit the budgets (up to LARGEST_LAYERS). Memory alone
     decides, so each try plans the plan's micro-batch in one of the least-memory choices (_least), with a
     resident budget "auto" at all the GPU memory left: O(layers) each."""
@@ -101,7 +106,8 @@ def largest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
     host = budgets.host_gb if budgets.host_gb is not None else hw.host_ram_gb  # None: the machine's RAM
     room = (host + (budgets.nvme_gb or 0)) * 1e9
     guess = int(0.9 * spec.num_hidden_layers * room / state) if state and room else spec.num_hidden_layers
-    lo = _most_of_any(fits, _least(job, p.run_plan.micro_batch), guess, LARGEST_LAYERS, max(1, guess // 32))
+    least = _least(job, p.run_plan.micro_batch, groups)
+    lo = _most_of_any(fits, least, guess, LARGEST_LAYERS, max(1, guess // 32))
     return lo, spec.with_layers(max(lo, 1)).n_params if lo else 0
 
 
@@ -143,16 +149,24 @@ def _most(fits, start: int, cap: int, step: int = 1) -> int:
     return lo
 
 
-def _least(job: Job, micro: int) -> list[Choice]:
+def _groups(job: Job, p: Plan, fixed: Choice, budgets: Budgets) -> tuple[int, ...]:
+    """The expert groups the report's searches try: the plan's, then any other the plan could have chosen."""
+    mine = p.run_plan.expert_groups
+    free = fixed.groups is None and groupable(job, fixed, budgets)
+    return (mine, *(g for g in group_options(job.spec.num_experts) if free and g != mine))
+
+
+def _least(job: Job, micro: int, groups: tuple[int, ...]) -> list[Choice]:
     """The choices that take the least memory at this micro-batch: nothing speculated or updated on the GPU,
-    either stream, any checkpoint home or their split; the splits first (where anything fits, a split nearly
-    always does: the searches then cost one try a step), the master stream first (no compute-dtype copy on the
-    host: where the host or the disk bounds a search, it fits the most)."""
+    either stream, any checkpoint home or their split, any of these expert `groups`; the splits first (where
+    anything fits, a split nearly always does: the searches then cost one try a step), the master stream first
+    (no compute-dtype copy on the host: where the host or the disk bounds a search, it fits the most), the groups
+    in their order."""
     streams = ("master", "compute") if job.dtype == "bfloat16" else ("master",)
     # either spill order takes the same memory: one is enough to say whether it fits
     return [
-        Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0, spill="moments")
-        for acts, stream in product(("split", "gpu", "host"), streams)
+        Choice(micro, stream, acts, gpu_updates=0, speculate=0, keep=0, groups=g, spill="moments")
+        for g, acts, stream in product(groups, ("split", "gpu", "host"), streams)
     ]
 
 
@@ -160,20 +174,25 @@ def _fits_in(job: Job, p: Plan, least: Choice, budgets: Budgets, hw: HardwareSpe
     """The plan of `job` in the choice `least`, with a resident budget "auto" at all the GPU memory left (the
     most memory resident state can add), else the plan's."""
 
+    least, budgets = in_parts(least, budgets)
+
     def at(b: Budgets) -> Plan | Miss:
         return evaluate(job, least, b, hw)
 
-    resident = (
-        int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else p.run_plan.resident_gb
-    )
+    # not "auto": the config's, the plan's too
+    resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else budgets.resident_gb
     return at(replace(budgets, resident_gb=resident))
 
 
-def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> tuple[bool, str]:
+def _fits(
+    job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec, groups: tuple[int, ...]
+) -> tuple[bool, str]:
     """(whether `job` fits the budgets in one of the least-memory choices (_least); the budgets the misses are
     short of, each named once: "GPU", "host", "NVMe")."""
     short: list[str] = []
-    for c in _least(job, micro):  # a miss tries every choice, so the answer does not depend on the order
+    for c in _least(
+        job, micro, groups
+    ):  # a miss tries every choice, so the answer does not depend on the order
         q = _fits_in(job, p, c, budgets, hw)
         if q.fits:
             return True, ""
@@ -181,7 +200,9 @@ def _fits(job: Job, p: Plan, micro: int, budgets: Budgets, hw: HardwareSpec) -> 
     return False, ", ".join(sorted(set(short), key=("GPU", "host", "NVMe").index))
 
 
-def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int, str, int]:
+def longest(
+    job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec, groups: tuple[int, ...]
+) -> tuple[int, str, int]:
     """The longest sequence that one sequence per step (batch 1) can train with: the budgets' longest, in multiples
     of 1024 tokens (binary search up to LONGEST_SEQ), within the model's positions (max_position_embeddings);
     what bounds it (the budgets the next 1024 tokens miss, comma-separated: "GPU": its memory for the working set
@@ -191,8 +212,8 @@ def longest(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> tuple[int,
         return replace(job, batch=job.gpus, seq_len=n * 1024)  # one row per rank
 
     cap = LONGEST_SEQ // 1024
-    n = _most_of_any(lambda c, n: _fits_in(at(n), p, c, budgets, hw).fits, _least(job, 1), 1, cap)
+    n = _most_of_any(lambda c, n: _fits_in(at(n), p, c, budgets, hw).fits, _least(job, 1, groups), 1, cap)
     positions = job.spec.max_position_embeddings
     if positions < n * 1024:
         return positions, "positions", n * 1024
-    return n * 1024, "" if n == cap else _fits(at(n + 1), p, 1, budgets, hw)[1], n * 1024
+    return n * 1024, "" if n == cap else _fits(at(n + 1), p, 1, budgets, hw, groups)[1], n * 1024

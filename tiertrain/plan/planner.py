@@ -48,6 +48,8 @@ GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries ever
 # fitted on three runs of one shape): of those within this of the fastest step, the plan takes the fewest
 GROUPS_MARGIN = 1.05
 # of the GPU memory left: the resident budgets "auto" tries
+# host and disk budgets with room for any state: what the GPU alone decides
+AMPLE_GB = 1e7
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)
 
 
@@ -62,18 +64,23 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     leaves them to the plan: the fewest whose step is within GROUPS_MARGIN of the shortest."""
     if fixed.groups is None and groupable(job, fixed, budgets):
         first = plan(job, budgets, hw, replace(fixed, groups=1))
-        if first.fits or first.short != Short.GPU:
+        if first.fits:
             return first
-        options = group_options(job.spec.num_experts)[1:]
-        ok = [p for p in (plan(job, budgets, hw, replace(fixed, groups=g)) for g in options) if p.fits]
-        if not ok:
-            return first
+        # groups free GPU memory, for checkpoints too: they may also make up for host or disk
+        options = group_options(job.spec.num_experts)
+        tried = [first] + [plan(job, budgets, hw, replace(fixed, groups=g)) for g in options[1:]]
+        ok = [p for p in tried if p.fits]
+        if not ok:  # the miss to report: of those the GPU holds with host and disk to spare, the least short
+            held = [
+                q
+                for q, g in zip(tried, options)
+                if q.short != Short.GPU and _held(job, budgets, hw, fixed, g)
+            ]
+            return min(held, key=_miss_order) if held else first
         best = min(_expected(p) for p in ok)
         return next(p for p in ok if _expected(p) <= best * GROUPS_MARGIN)
     fixed, budgets = settled(fixed, budgets, hw)
-    if (fixed.groups or 1) > 1:  # a block in parts: host updates, no resident units, no kept blocks, no tiles
-        fixed = replace(fixed, gpu_updates=0, speculate_gpu=False, keep=0, tile=0)
-        budgets = replace(budgets, resident_gb=0.0)
+    fixed, budgets = in_parts(fixed, budgets)
     rows = job.rows
     # "auto": the divisors of the rows up to 64 Ki tokens a micro-batch; a row longer than that, one row at a time
     micros = (
@@ -116,7 +123,7 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     ):  # the miss to report: one short of the fewest budgets (as far as it got), and of those one the GPU
         # holds, if any, so its reason names the budget to raise; of those short of host memory with an NVMe tier,
         # the one that needs the least; then the one least short
-        return min(cands, key=lambda c: (_shorts(c), c.short == Short.GPU, c.least_host, c.need - c.have))
+        return min(cands, key=_miss_order)
     # ties go to the larger micro-batch: compute efficiency was measured with 8k tokens per micro-batch
     # and only falls below that; then to less GPU memory
     return min(ok, key=lambda c: (round(_expected(c), 6), -c.run_plan.micro_batch, c.memory.gpu.total))
@@ -132,6 +139,26 @@ def groupable(job: Job, fixed: Choice, budgets: Budgets) -> bool:
         budgets.resident_gb if budgets.resident_gb != "auto" else 0,
     )
     return job.spec.is_moe and job.gpus == 1 and not any(asked)
+
+
+def in_parts(fixed: Choice, budgets: Budgets) -> tuple[Choice, Budgets]:
+    """What a block in parts (expert groups) does without: GPU updates, resident units, kept blocks and tiles."""
+    if (fixed.groups or 1) == 1:
+        return fixed, budgets
+    fixed = replace(fixed, gpu_updates=0, speculate_gpu=False, keep=0, tile=0)
+    return fixed, replace(budgets, resident_gb=0.0)
+
+
+def _held(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice, groups: int) -> bool:
+    """Whether blocks in these expert groups fit the GPU with host and disk to spare: where they do not, a miss
+    short of host or disk would miss the GPU once those were raised."""
+    ample = replace(budgets, host_gb=AMPLE_GB, nvme_gb=AMPLE_GB if budgets.nvme_gb else budgets.nvme_gb)
+    return plan(job, ample, hw, replace(fixed, groups=groups)).fits
+
+
+def _miss_order(m: Miss) -> tuple:
+    """Misses in the order a report prefers them (see plan)."""
+    return (_shorts(m), m.short == Short.GPU, m.least_host, m.need - m.have)
 
 
 def _shorts(m: Miss) -> int:
