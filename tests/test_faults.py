@@ -121,6 +121,28 @@ def test_a_resume_writes_only_into_its_own_run(token_file, tmp_path):
     assert same_state(a, fork)
 
 
+def test_checkpoints_copied_into_a_folder_make_no_run_and_step_names_are_not_enough(token_file, tmp_path):
+    """A user's folder holding copies of checkpoints in its checkpoints/ (and a config.toml of theirs) is not a
+    run: a resume from one is refused, the folder untouched. In a run's own checkpoints/, a directory named step_N
+    that is not a checkpoint (an export there) is neither the latest to resume nor pruned."""
+    run, mine = tmp_path / "run", tmp_path / "mine"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "config.toml").write_text("# my notes\n")
+    shutil.copytree(run / "checkpoints" / "step_3", mine / "checkpoints" / "step_3")
+    before = tree_hash(mine)
+    refused(cli("run", "--resume", str(mine / "checkpoints" / "step_3")), "not inside a run")
+    refused(cli("run", "--resume", "latest", "--out", str(mine)), "holds no tiertrain run")
+    assert tree_hash(mine) == before
+    export = run / "checkpoints" / "step_1"
+    assert cli("export", str(run), "--to", str(export)).returncode == 0
+    more = ["--set", "train.steps=10", "--set", "checkpoint.every=1", "--set", "checkpoint.keep=2"]
+    r = cli("run", "--resume", "latest", "--out", str(run), *more)
+    assert r.returncode == 0, r.stderr
+    assert (export / "config.json").is_file()  # not pruned, where the run kept its last 2 checkpoints
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_10", "step_9"]
+
+
 def test_a_torn_metrics_line_does_not_stop_a_resume(token_file, tmp_path):
     out = tmp_path / "run"
     assert cli("run", *tiny(token_file), *STEPS, "--set", "train.steps=6", "--out", str(out)).returncode == 0

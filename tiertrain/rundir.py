@@ -5,8 +5,10 @@ A run directory holds `tiertrain-run.json` (the marker: the format, and where th
 `checkpoint.dir` put them on another disk), `tiertrain-run.lock` (held by the live process), `config.toml`,
 `plan.json`, `metrics.jsonl`, `train.log`, `checkpoints/step_N` (or the marker's directory) and `abandoned/`
 (the checkpoints and metrics of a timeline a resume from an older checkpoint left). A new run takes an `--out`
-that does not exist or is empty; a resume writes into the run it resumes, or into a new empty `--out`. Directories
-of runs written before the marker existed (metrics.jsonl or checkpoints/ without it) count as runs too. Every
+that does not exist or is empty; a resume writes into the run it resumes, or into a new empty `--out`. A directory
+without the marker is a run where a checkpoint in its checkpoints/ names it as its run (one written before the
+marker existed); a directory the user copied checkpoints into is not, and a step_N that is not a tiertrain
+checkpoint is neither resumed nor pruned. Every
 refusal happens before anything large is allocated, and names what to change. Claiming a directory for the
 process that writes it (the lock, the marker) is runclaim.py's.
 """
@@ -21,7 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from .checkpoint import STEP, CheckpointError, fsync, left_whole, read_meta, recover, whole, write_json
+from .checkpoint import (
+    FORMATS,
+    STEP,
+    CheckpointError,
+    fsync,
+    left_whole,
+    read_meta,
+    recover,
+    whole,
+    write_json,
+)
 from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics
 
@@ -80,10 +92,25 @@ def _cut(run: Path) -> dict | None:
     return c
 
 
+def attributes(p: Path) -> dict | None:
+    """The attributes of the tiertrain checkpoint `p` as its zarr.json holds them, unchecked; None: `p` is none (a
+    directory of the user's named step_N, an export)."""
+    try:
+        a = json.loads((p / "zarr.json").read_text()).get("attributes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return a if isinstance(a, dict) and a.get("format") in FORMATS else None
+
+
 def saved_steps(d: Path) -> list[tuple[int, Path]]:
-    """(step, path) of each whole checkpoint in the checkpoint directory d, oldest first, whatever the timeline."""
+    """(step, path) of each whole checkpoint in the checkpoint directory d, oldest first, whatever the timeline;
+    a directory named step_N that is not a tiertrain checkpoint is not one of them (nor pruned)."""
     return (
-        sorted((int(m.group(1)), p) for p in d.iterdir() if (m := STEP.fullmatch(p.name)) and p.is_dir())
+        sorted(
+            (int(m.group(1)), p)
+            for p in d.iterdir()
+            if (m := STEP.fullmatch(p.name)) and p.is_dir() and attributes(p) is not None
+        )
         if d.is_dir()
         else []
     )
@@ -112,7 +139,14 @@ def prune(run: Path, keep: int) -> None:
 
 
 def is_run(d: Path) -> bool:
-    return (d / MARKER).is_file() or (d / "metrics.jsonl").is_file() or (d / "checkpoints").is_dir()
+    """Whether `d` is a run's directory: tiertrain's marker, or (a run written before the marker) a checkpoint in
+    its checkpoints/ that names `d` as its run. A directory the user copied checkpoints into is not one."""
+    if (d / MARKER).is_file():
+        return True
+    return any(
+        (a := attributes(p)) is not None and isinstance(a.get("run"), str) and same(Path(a["run"]), d)
+        for _, p in saved_steps(d / "checkpoints")
+    )
 
 
 def run_of(checkpoint: Path) -> Path | None:
