@@ -118,11 +118,13 @@ def reference_train(
         missing, unexpected = ref.load_state_dict({k: v.to(device) for k, v in init.items()}, strict=False)
         # tied: shared with the embedding
         assert not unexpected and all(k == "lm_head.weight" for k in missing)
-    params = list(ref.parameters())
+    # decay on tensors of 2+ dims but biases (HF Trainer's rule leaves biases out)
+    decay = {n: p.ndim >= 2 and not n.endswith("bias") for n, p in ref.named_parameters()}
+    params = dict(ref.named_parameters())
     opt = torch.optim.AdamW(
         [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for n, p in params.items() if decay[n]], "weight_decay": cfg.optim.weight_decay},
+            {"params": [p for n, p in params.items() if not decay[n]], "weight_decay": 0.0},
         ],
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
@@ -144,7 +146,7 @@ def reference_train(
             loss.backward()
             total += loss.item()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), clip)))
         for g in opt.param_groups:
             g["lr"] = lr_at(k, cfg.optim, tc.steps)
         opt.step()
@@ -319,6 +321,8 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
+    # token 5 is about 1% of write_tokens' data: nn.Embedding(padding_idx=5) gives its row no gradient
+    "llama-pad": ("LlamaConfig", "LlamaForCausalLM", dict(pad_token_id=5, tie_word_embeddings=True)),
 }
 
 

@@ -98,11 +98,17 @@ def _hf_step(hf_dir, convs, cfg) -> tuple[float, dict[str, torch.Tensor]]:
         total += out.loss.item()
     o = cfg.optim
     torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-    params = list(model.parameters())
+    params = dict(model.named_parameters())  # decay on 2+ dims but biases, as tiertrain's
     opt = torch.optim.AdamW(
         [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            {
+                "params": [p for n, p in params.items() if p.ndim >= 2 and not n.endswith("bias")],
+                "weight_decay": o.weight_decay,
+            },
+            {
+                "params": [p for n, p in params.items() if p.ndim < 2 or n.endswith("bias")],
+                "weight_decay": 0.0,
+            },
         ],
         lr=lr_at(0, o, cfg.train.steps),
         betas=tuple(o.betas),

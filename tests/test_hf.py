@@ -67,6 +67,20 @@ def test_imported_training_matches_transformers_and_adamw(case, token_file, tmp_
     trains_as_transformers(cfg, tmp_path, _load, Loss)
 
 
+def test_the_pad_token_s_embedding_trains_as_transformers(token_file, tmp_path):
+    """A model with a pad_token_id (tied, so the head's gradient still reaches that row): transformers' embedding
+    gives the pad token's row no gradient of its own, so neither does tiertrain's; a fresh init zeroes the row."""
+    hf_dir("llama-pad", tmp_path / "hf")
+    cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=3")
+    trains_as_transformers(cfg, tmp_path, _load, Loss)
+    tr = Trainer(tiny_config(token_file, "model.pad_token_id=-2"))  # torch's padding_idx counts from the end
+    emb = tr.run.state.to_dict()["model.embed_tokens.weight"]
+    tr.close()
+    assert not emb[-2].any() and emb[-3].any()
+    with pytest.raises(ConfigError, match="pad_token_id"):
+        Trainer(tiny_config(token_file, f"model.pad_token_id={COMMON['vocab_size']}"))
+
+
 def trains_as_transformers(cfg, tmp_path, load, loss) -> None:
     """cfg's run of the model imported from tmp_path/hf, exported, against the reference loop (plain PyTorch, torch
     AdamW) on the transformers model `load` gives, as `loss` wraps it: losses and norms within 1e-5 relative,

@@ -196,8 +196,10 @@ def test_an_idle_expert_takes_adamw_decay_and_no_gradient(token_file, tmp_path):
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.mlp.router.bias[3] = -1e4
+            layer.mlp.experts.down_proj_bias[3] = 0.5  # transformers' init is zero: decay would not show
     hf.save_pretrained(tmp_path / "hf")
     before = hf.model.layers[0].mlp.experts.down_proj[3].detach().clone()
+    bias = hf.model.layers[0].mlp.experts.down_proj_bias[3].detach().clone()
     cfg = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "train.steps=2")
     tr = Trainer(cfg)
     for _ in range(2):
@@ -205,13 +207,28 @@ def test_an_idle_expert_takes_adamw_decay_and_no_gradient(token_file, tmp_path):
     tr.save_checkpoint(tmp_path / "run")
     tr.close()
     export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
-    after = _load(tmp_path / "out").model.layers[0].mlp.experts.down_proj[3].detach()
+    back = _load(tmp_path / "out").model.layers[0].mlp.experts
+    after = back.down_proj[3].detach()
+    # its bias (2-D, all the experts') takes no decay, as HF Trainer leaves biases out: it stays as it was
+    assert torch.equal(back.down_proj_bias[3].detach(), bias)
     from tiertrain.optim.adamw import lr_at
 
     decay = 1.0
     for k in range(2):
         decay *= 1 - lr_at(k, cfg.optim, cfg.train.steps) * cfg.optim.weight_decay
     torch.testing.assert_close(after, before * decay, rtol=1e-6, atol=0)
+
+
+def test_a_fresh_gpt_oss_is_initialised_as_transformers(token_file):
+    """transformers' GptOssPreTrainedModel: the experts' biases zero, the router's bias and the sinks normal."""
+    tr = Trainer(tiny_config(token_file, *GPT_OSS))
+    w = tr.run.state.to_dict()
+    tr.close()
+    std = tr.cfg.model.initializer_range
+    for name in ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"):
+        assert not w[f"model.layers.0.{name}"].any(), name
+    for name in ("mlp.router.bias", "self_attn.sinks", "mlp.experts.down_proj"):
+        assert 0.5 * std < float(w[f"model.layers.0.{name}"].std()) < 2 * std, name
 
 
 def test_mxfp4_experts_are_dequantized_on_import(tmp_path):

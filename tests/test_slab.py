@@ -11,16 +11,28 @@ def test_layout_views_are_disjoint_aligned_and_grouped():
     names = [e.name for e in lay.entries]
     assert names == ["w1", "w2", "norm", "b"]  # decayed (>= 2-D) first
     assert all(e.offset % 64 == 0 for e in lay.entries)
-    assert lay.numel % 2048 == 0 and lay.decay_numel <= lay.entries[2].offset
+    assert lay.numel % 2048 == 0
     spans = sorted((e.offset, e.offset + e.numel) for e in lay.entries)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     (a, b, d1), (c, e, d2) = lay.ranges()
-    assert (a, d1, d2, b, c, e) == (0, True, False, lay.decay_numel, lay.decay_numel, lay.numel)
+    assert (a, d1, d2, b, c, e) == (0, True, False, lay.entries[2].offset, lay.entries[2].offset, lay.numel)
     flat = alloc_slab(lay.numel, torch.float32, pin=False)
     assert flat.data_ptr() % PAGE == 0 and flat.numel() == lay.numel and not flat.any()
     views = lay.views(flat)
     views["w2"].fill_(3.0)
     assert views["w2"].shape == (2, 2) and flat.sum() == 12.0  # views write into the slab
+
+
+def test_biases_of_two_dims_take_no_decay_in_the_layout_checkpoints_hold():
+    """gpt-oss's experts' biases are 2-D: they stay where the layout put them (among the 2-D tensors, so older
+    checkpoints read alike) and the decay skips them, as HF Trainer's rule skips every bias."""
+    tensors = [("w", (4, 4)), ("up_bias", (2, 6)), ("down", (2, 3, 4)), ("down_bias", (2, 4)), ("norm", (4,))]
+    lay = SlabLayout.build(tensors)
+    assert [e.name for e in lay.entries] == ["w", "up_bias", "down", "down_bias", "norm"]
+    decayed = {e.name for e in lay.entries for a, b, d in lay.ranges() if d and a <= e.offset < b}
+    assert decayed == {"w", "down"}
+    got = lay.ranges()
+    assert got[0][0] == 0 and got[-1][1] == lay.numel and all(x[1] == y[0] for x, y in zip(got, got[1:]))
 
 
 def test_every_model_tensor_has_a_slot():

@@ -103,28 +103,24 @@ class State:
         return self.host.slab(unit, Kind.GRAD), None
 
     # ---- the weights as tensors ------------------------------------------------------------------
-    def init_weights(self, std: float, seed: int) -> None:
-        """Hugging Face's Llama init: normal(0, std) matrices, unit norms, zero biases. Each tensor draws from its
-        own generator, seeded by (seed, its name): the init does not depend on placement, order, device or ranks."""
+    def init_weights(self, std: float, seed: int, pad: int | None = None) -> None:
+        """transformers' init: normal(0, std) matrices, unit norms, zero biases (the experts' 2-D ones too), but
+        gpt-oss's sinks and router bias normal; the `pad` token's embedding row zero. Each tensor draws from its own
+        generator, seeded by (seed, its name): the init does not depend on placement, order, device or ranks."""
         for unit, lay in zip(self.units, self.layouts):
             with self.whole(unit.index, read=False) as flat:
                 views = lay.views(flat)
                 for t in unit.tensors:
-                    v = views[t.name]
-                    if len(t.shape) >= 2 or t.name.endswith(
-                        "sinks"
-                    ):  # gpt-oss's sinks: normal, as transformers
-                        v.normal_(
-                            0.0,
-                            std,
-                            generator=torch.Generator().manual_seed(
-                                seed * 1_000_003 + zlib.crc32(t.hf_name.encode())
-                            ),
-                        )
-                    elif t.name.endswith("bias"):  # the experts' too (gate_up_proj_bias)
+                    v, bias = views[t.name], t.name.endswith("bias")
+                    if (len(t.shape) >= 2 and not bias) or t.name.endswith(("sinks", "router.bias")):
+                        key = seed * 1_000_003 + zlib.crc32(t.hf_name.encode())
+                        v.normal_(0.0, std, generator=torch.Generator().manual_seed(key))
+                    elif bias:
                         v.zero_()
                     else:
                         v.fill_(1.0)
+                    if t.name == "embed_tokens.weight" and pad is not None:
+                        v[pad % v.shape[0]].zero_()
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under Hugging Face names (copies)."""

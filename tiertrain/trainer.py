@@ -123,7 +123,7 @@ class Trainer:
             elif hf_reader is not None:
                 self.run.state.load(hf_reader.get)
             else:
-                self.run.state.init_weights(cfg.model.initializer_range, tc.seed)
+                self.run.state.init_weights(cfg.model.initializer_range, tc.seed, cfg.model.pad_token_id)
         except BaseException:  # a refusal after the stores were made (another model's checkpoint): they go
             self.run.close()
             self.run.discard_scratch()

@@ -367,7 +367,13 @@ class Step:
 
     def embedding_backward(self, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         emb = self.layouts[0].views(self.grads.acc(0))["embed_tokens.weight"]
+        pad = self.ctx.spec.pad_token_id
+        pad = (
+            None if pad is None else pad % self.ctx.spec.vocab_size
+        )  # torch's padding_idx may count from the end
         for tok, g in zip(inputs, grads):
+            if pad is not None:  # transformers' nn.Embedding(padding_idx=pad): the pad row takes no gradient
+                g = g.masked_fill((tok == pad).unsqueeze(-1), 0.0)
             # one order of additions on either device: CUDA's index_put_ sorts (its index_add_ uses atomics),
             # the CPU's index_add_ is serial (its index_put_ adds atomically on several threads)
             if emb.is_cuda:

@@ -92,7 +92,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, s: ModelSpec):
         super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size, padding_idx=s.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_hidden_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 

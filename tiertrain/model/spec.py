@@ -201,6 +201,13 @@ class ModelSpec:
             "head_dim",
             "must be a positive even number (RoPE)",
         )
+        pad, v = (
+            self.pad_token_id,
+            self.vocab_size,
+        )  # nn.Embedding's padding_idx: a row, negative from the end
+        self._need(
+            pad is None or type(pad) is int and -v <= pad < v, "pad_token_id", f"must be a token id below {v}"
+        )
         for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
             self._need(_finite(getattr(self, key)), key, "must be a positive finite number")
         self._need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")

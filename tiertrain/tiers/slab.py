@@ -1,9 +1,10 @@
 """Slabs: one flat, 4 KiB-aligned buffer per unit and kind, and the table that names views into it.
 
 The layout is shared by every kind of a unit (weights, master, exp_avg, exp_avg_sq, grad), so one
-table turns any of them into named tensors. Tensors with weight decay come first and those without
-after, so the optimizer updates each group as one contiguous range. Padding stays zero through AdamW
-(zero grad, zero moments, zero weight), so ranges may include it.
+table turns any of them into named tensors. Tensors of 2+ dims come first and the rest after, so the
+optimizer updates each decay group in few contiguous ranges (the 2-D biases of gpt-oss's experts, which take no
+decay, sit among the first: the layout stays the one checkpoints hold). Padding stays zero through AdamW (zero
+grad, zero moments, zero weight), so ranges may include it.
 """
 
 from __future__ import annotations
@@ -33,34 +34,36 @@ class Entry:
 
 @dataclass(frozen=True)
 class SlabLayout:
-    entries: tuple[Entry, ...]
+    entries: tuple[Entry, ...]  # the tensors of 2+ dims first (the layout checkpoints hold), then the rest
     numel: int  # padded size in elements
-    decay_numel: int  # entries[:k] with ndim >= 2 live in [0, decay_numel); the rest after
 
     @classmethod
     def build(cls, tensors: list[tuple[str, tuple[int, ...]]]) -> "SlabLayout":
         ordered = [t for t in tensors if len(t[1]) >= 2] + [t for t in tensors if len(t[1]) < 2]
-        entries, off, decay_end = [], 0, 0
+        entries, off = [], 0
         for name, shape in ordered:
             n = 1
             for d in shape:
                 n *= d
             entries.append(Entry(name, tuple(shape), off, n))
             off = _round_up(off + n, TENSOR_ALIGN)
-            if len(shape) >= 2:
-                decay_end = off
-        return cls(tuple(entries), max(_round_up(off, SLAB_ALIGN), SLAB_ALIGN), decay_end)
+        return cls(tuple(entries), max(_round_up(off, SLAB_ALIGN), SLAB_ALIGN))
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
 
     def ranges(self) -> list[tuple[int, int, bool]]:
-        """(start, end, decay) ranges that cover every entry: the optimizer's groups."""
-        out = []
-        if self.decay_numel:
-            out.append((0, self.decay_numel, True))
-        if self.decay_numel < self.numel:
-            out.append((self.decay_numel, self.numel, False))
+        """(start, end, decay) ranges that cover the slab, neighbours of one kind merged: the optimizer's groups.
+        Weight decay takes the tensors of 2+ dims but biases (gpt-oss's experts' are 2-D), as HF Trainer leaves
+        biases out; the padding after an entry goes with it (zero, it stays zero)."""
+        out: list[tuple[int, int, bool]] = []
+        ends = [e.offset for e in self.entries[1:]] + [self.numel]
+        for e, end in zip(self.entries, ends):
+            decay = len(e.shape) >= 2 and not e.name.endswith("bias")
+            if out and out[-1][2] == decay:
+                out[-1] = (out[-1][0], end, decay)
+            else:
+                out.append((e.offset, end, decay))
         return out
 
 
