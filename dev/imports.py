@@ -40,6 +40,7 @@ FLOORS = [
             "tiertrain.rows",
             "tiertrain.checkpoint",
             "tiertrain.checksum",
+            "tiertrain.durable",
             "tiertrain.metrics",
             "tiertrain.probe",
             "tiertrain.charts",

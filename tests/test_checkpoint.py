@@ -297,3 +297,28 @@ def test_a_resume_on_the_same_tokens_with_another_loss_mask_is_refused(tmp_path)
         same.restore(path)
     finally:
         same.close()
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_one_line(token_file, tmp_path, monkeypatch):
+    """A live run prunes its older checkpoints (checkpoint.keep): an export or a resume reading one of them at that
+    moment says so, where it said the checkpoint was corrupt or gave a FileNotFoundError traceback."""
+    import shutil
+
+    import torch
+
+    from tiertrain.modes import Kind
+
+    tr = Trainer(tiny_config(token_file))
+    tr.save_checkpoint(tmp_path / "run")
+    tr.close()
+    path = rundir.checkpoints(tmp_path / "run")[-1]
+    n = ckpt.read_meta(path)["numels"][1]
+    body = ckpt._body
+
+    def pruned(*a, **k):  # the run's rmtree lands as the reader opens its first chunk
+        shutil.rmtree(path, ignore_errors=True)
+        return body(*a, **k)
+
+    monkeypatch.setattr(ckpt, "_body", pruned)
+    with pytest.raises(ckpt.CheckpointError, match="was deleted while it was read"):
+        ckpt.load(path, Kind.MASTER, 1, torch.empty(n))

@@ -143,6 +143,21 @@ def test_checkpoints_copied_into_a_folder_make_no_run_and_step_names_are_not_eno
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_10", "step_9"]
 
 
+def test_a_run_file_tiertrain_did_not_write_is_one_line(token_file, tmp_path):
+    """A line of metrics.jsonl that is not a record (another program's, a list) and a marker naming a number as
+    the checkpoint directory: one line each, a resume refused before it builds anything, `report` too."""
+    run = tmp_path / "run"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    metrics = (run / "metrics.jsonl").read_text()
+    for line in ('{"note": "mine"}', "[1, 2]"):
+        (run / "metrics.jsonl").write_text(metrics + line + "\n" + metrics.splitlines()[-1] + "\n")
+        refused(cli("run", "--resume", "latest", "--out", str(run)), "line 9 is not a record tiertrain wrote")
+        refused(cli("report", str(run)), "line 9 is not a record")
+    (run / "metrics.jsonl").write_text(metrics)
+    (run / "tiertrain-run.json").write_text('{"checkpoints": 5}')
+    refused(cli("run", "--resume", "latest", "--out", str(run)), "tiertrain-run.json names 5")
+
+
 def test_a_torn_metrics_line_does_not_stop_a_resume(token_file, tmp_path):
     out = tmp_path / "run"
     assert cli("run", *tiny(token_file), *STEPS, "--set", "train.steps=6", "--out", str(out)).returncode == 0
@@ -260,6 +275,34 @@ def test_two_runs_with_the_default_threads_are_bit_identical(tmp_path):
     ha, hb = (tree_hash(d / "checkpoints" / "step_4") for d in runs)
     chunks = [k for k in ha if "/c/" in k]
     assert chunks and all(ha[k] == hb[k] for k in chunks)
+
+
+def test_a_sigterm_in_the_setup_leaves_no_scratch_store(token_file, tmp_path):
+    """A scheduler's SIGTERM while the trainer is built (here in its weights' init, after the scratch store was
+    made): the store goes, as for a Ctrl-C, and the process ends in one line (it was killed, the store left)."""
+    script = (
+        "import os, signal, sys\n"
+        "import tiertrain.state as st\n"
+        "from tiertrain.cli import main\n"
+        "init = st.State.init_weights\n"
+        "def stopped(self, *a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return init(self, *a, **k)\n"
+        "st.State.init_weights = stopped\n"
+        "sys.argv = ['tiertrain', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    nv = tmp_path / "nv"
+    nv.mkdir()
+    sets = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file))
+    r = subprocess.run(
+        [sys.executable, "-c", script, "run", *sets, "--nvme-dir", str(nv), "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != -15 and "Traceback" not in r.stderr, r.stderr
+    assert not list(nv.iterdir())
 
 
 # ---- a save killed at any moment -------------------------------------------------------------------

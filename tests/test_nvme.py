@@ -512,6 +512,11 @@ def test_the_nvme_tier_is_budgeted_at_its_directorys_free_space(token_file, tmp_
     with pytest.raises(ConfigError, match=r"takes .* on disk and --nvme-dir .*nvme has 976\.6 KiB free"):
         Trainer(tiny_config(token_file, *sets))
     assert sorted((tmp_path / "nvme").iterdir()) == before  # no store made for the refused run
+    # a budget above the disk's free space is refused by the plan too: the store would fill the disk mid-run
+    # (it was refused by the store's own check, after the host slabs were allocated)
+    with pytest.raises(ConfigError, match=r"tiers.nvme_gb = 1 \(--nvme-gb\) is more than the 0\.0 GB free"):
+        Trainer(tiny_config(token_file, *sets, "tiers.nvme_gb=1"))
+    assert sorted((tmp_path / "nvme").iterdir()) == before
 
 
 def test_a_store_deleted_midway_still_says_whose_it_is(tmp_path, monkeypatch):

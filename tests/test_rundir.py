@@ -15,6 +15,7 @@ import pytest
 from conftest import DEEP, STEPS, cli, least_budget, refused, stale_store, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
 from tiertrain import runclaim, rundir
+from tiertrain.durable import write_json
 from tiertrain.errors import UserError
 from tiertrain.metrics import read_metrics
 from tiertrain.modes import Home, Kind
@@ -234,7 +235,7 @@ def test_a_cut_killed_midway_is_finished_by_the_next_process(token_file, tmp_pat
     r_ = tmp_path / "r"
     keep = ["--set", "checkpoint.every=1", "--set", "checkpoint.keep=10"]
     assert cli("run", *tiny(token_file), *keep, "--set", "train.steps=4", "--out", str(r_)).returncode == 0
-    ckpt.write_json(r_ / rundir.CUT, {"step": 2, "to": "resumed-at-step_2-x"})
+    write_json(r_ / rundir.CUT, {"step": 2, "to": "resumed-at-step_2-x"})
     assert rundir.resolve("latest", r_).name == "step_2" and _steps(r_) == ["step_1", "step_2"]
     r = cli("run", "--resume", "latest", "--out", str(r_), "--set", "train.steps=3")
     assert r.returncode == 0, r.stderr
@@ -341,6 +342,40 @@ def test_every_stale_scratch_store_of_the_run_goes_and_links_are_not_followed(to
     assert (nvme / "tiertrain-run-link").is_symlink()
 
 
+def test_a_killed_runs_store_goes_though_its_out_is_refused(token_file, tmp_path):
+    """A run killed before its first checkpoint (its steps logged, a scratch store left): a new run into its --out
+    is refused, and the dead process's store goes then, so following the refusal's advice (a new --out) leaves
+    no store on the disk for good."""
+    nvme, out = tmp_path / "nvme", tmp_path / "run"
+    lock, _ = runclaim.claim(out)
+    lock.release()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.5}\n')
+    stale = stale_store(nvme, out, "tiertrain-run-aaaa")
+    other = stale_store(nvme, tmp_path / "other", "tiertrain-other-bbbb")
+    r = cli("run", *tiny(token_file), "--nvme-dir", str(nvme), "--out", str(out))
+    refused(r, "saved no checkpoint")
+    assert not stale.exists() and other.is_dir()
+
+
+def test_links_at_the_old_temporary_names_are_not_written_through(token_file, tmp_path):
+    """The files a run rewrites whole go through a new temporary file each time: a link the user left at a name
+    a temporary once had (metrics.jsonl.tmp, .tiertrain-cut.json.tmp) is neither written through nor renamed in."""
+    run, victim = tmp_path / "run", tmp_path / "victim.txt"
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(run)).returncode == 0
+    victim.write_text("precious")
+    for name in (
+        "metrics.jsonl.tmp",
+        ".metrics.jsonl.tmp",
+        ".tiertrain-cut.json.tmp",
+        ".tiertrain-run.json.tmp",
+    ):
+        (run / name).symlink_to(victim)
+    r = cli("run", "--resume", str(run / "checkpoints" / "step_3"), "--set", "train.steps=4")
+    assert r.returncode == 0, r.stderr
+    assert victim.read_text() == "precious" and not (run / "metrics.jsonl").is_symlink()
+    assert [x["step"] for x in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
 # ---- the data-safety review's cases (2026-11-26) ---------------------------------------------------
 def test_links_in_a_run_are_refused_and_their_targets_untouched(token_file, tmp_path):
     """A file tiertrain writes in --out replaced by a link to a file elsewhere: the resume is refused in one line
@@ -363,7 +398,7 @@ def test_a_marker_naming_a_directory_tiertrain_did_not_make_is_refused(token_fil
     (elsewhere / ".step_7.tmp").mkdir(parents=True)
     (elsewhere / ".step_7.tmp" / "userfile").write_text("mine\n")
     out.mkdir()
-    ckpt.write_json(out / rundir.MARKER, {"format": "tiertrain-run/1", "checkpoints": str(elsewhere)})
+    write_json(out / rundir.MARKER, {"format": "tiertrain-run/1", "checkpoints": str(elsewhere)})
     before = tree_hash(elsewhere)
     refused(cli("run", *tiny(token_file), *STEPS, "--out", str(out)), rundir.CKPT_MARKER)
     assert tree_hash(elsewhere) == before
@@ -382,6 +417,25 @@ def test_a_run_killed_before_its_first_step_is_started_afresh(token_file, tmp_pa
     assert cli("run", *tiny(token_file), *STEPS, "--out", str(out)).returncode == 0
     assert rundir.checkpoint_dir(out) == out / "checkpoints" and _steps(out)
     assert not made.exists()
+
+
+def test_a_refused_retry_leaves_a_run_killed_before_its_first_step_reusable(token_file, tmp_path):
+    """A retry refused in an --out a run killed before its first step left (its config.toml, plan.json) gives back
+    what it claimed but keeps the directory marked, so the next run still starts in it; a refused checkpoint.dir
+    leaves an --out it created gone, and an empty one the user gave empty."""
+    out = tmp_path / "r"
+    lock, _ = runclaim.claim(out)
+    lock.release()  # as a kill leaves it
+    (out / "config.toml").write_text("# the killed run's\n")
+    refused(cli("run", *tiny(token_file), *STEPS, "--host-gb", "0.01", "--out", str(out)), "--host-gb")
+    assert rundir.empty_run(out)
+    assert cli("run", *tiny(token_file), *STEPS, "--out", str(out)).returncode == 0
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "mine").mkdir()
+    for d in ("new", "mine"):
+        sets = ["--set", f'checkpoint.dir="{tmp_path / "afile"}"']
+        refused(cli("run", *tiny(token_file), *STEPS, *sets, "--out", str(tmp_path / d)), "checkpoint.dir")
+    assert not (tmp_path / "new").exists() and not list((tmp_path / "mine").iterdir())
 
 
 def test_the_disk_check_counts_the_first_save_beside_more_than_keep():

@@ -38,6 +38,7 @@ import torch
 
 from . import __version__
 from .checksum import combined, crc
+from .durable import fsync
 from .errors import ElsewhereError, UserError, why
 from .modes import STATE, Kind
 
@@ -169,30 +170,11 @@ def recover(d: Path) -> None:
         fsync(d)
 
 
-def write_json(path: Path, data: dict) -> None:
-    """`data` as the file `path`, whole or not at all: written under a temporary name, fsynced, renamed."""
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _fsync_tree(root: Path) -> None:
     for d, _, files in os.walk(root):
         for name in files:
             fsync(Path(d) / name)
         fsync(Path(d))
-
-
-def fsync(path: Path) -> None:
-    """fsync of a file or a directory (its entries: a rename is durable once its directory is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _create(tmp: Path, numels: list[int], kinds: tuple[Kind, ...], attrs: dict) -> None:
@@ -382,13 +364,30 @@ def read_meta(path: Path) -> dict:
             f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; resume from "
             "another checkpoint"
         )
-    for kind in kinds_of(meta):
-        for u in range(len(meta["numels"])):
-            if not _chunk(path, kind, u).is_file():
-                raise CheckpointError(
-                    f"{path} is corrupt: chunk {kind.value}/{u} is missing; resume from another checkpoint"
-                )
+    with _reading(path):
+        for kind in kinds_of(meta):
+            for u in range(len(meta["numels"])):
+                if not _chunk(path, kind, u).is_file():
+                    raise CheckpointError(
+                        f"{path} is corrupt: chunk {kind.value}/{u} is missing; resume from another checkpoint"
+                    )
     return meta
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A checkpoint that goes (or is going) while it is read, as a live run prunes its older ones: one line."""
+    try:
+        yield
+    except (OSError, CheckpointError):
+        for _ in range(2):  # a deletion under way: its top-level file may still be there a moment
+            if not (path / "zarr.json").is_file():
+                raise CheckpointError(
+                    f"{path} was deleted while it was read: its run is live and keeps only its newest "
+                    "checkpoints (checkpoint.keep); pass a newer one"
+                ) from None
+            time.sleep(1.0)
+        raise
 
 
 ATTRS_CRC = "attributes_crc32c"
@@ -417,9 +416,10 @@ def load(path: Path, kind: Kind, unit: int, out: torch.Tensor, io=None) -> None:
         with _direct_io(2) as own:
             return load(path, kind, unit, out, own)
     n = out.numel() * out.element_size()
-    _check_size(path, kind, unit, n)
-    _body(_chunk(path, kind, unit), out, write=False, io=io)
-    _verify(path, kind, unit, n, crc(out))
+    with _reading(path):
+        _check_size(path, kind, unit, n)
+        _body(_chunk(path, kind, unit), out, write=False, io=io)
+        _verify(path, kind, unit, n, crc(out))
 
 
 def _check_size(path: Path, kind: Kind, unit: int, nbytes: int) -> None:
@@ -470,7 +470,8 @@ def load_all(
                     _body(_chunk(path, kind, u), flat, False, io, start * 4)
                 parts[key] = (crc(flat), flat.numel() * 4)
 
-        list(pool.map(one, keys))
+        with _reading(path):
+            list(pool.map(one, keys))
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     for i, (u, kind) in enumerate(keys):
         _verify(path, kind, u, numels[u] * 4, combined(crcs, i))

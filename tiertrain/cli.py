@@ -379,7 +379,7 @@ def report(run_dir: str, out: str | None) -> None:
         try:
             records = read_metrics(path)
         except ValueError as e:
-            raise UserError(f"{path} has a line that is not JSON ({e}); was it edited?") from None
+            raise UserError(f"{path}: {e}; was it edited?") from None
         for line in run_summary(records):
             click.echo(line)
         if records:

@@ -207,6 +207,25 @@ class TrainLog:
             self.f = None
 
 
+class TermInterrupts:
+    """SIGTERM interrupts as SIGINT does (KeyboardInterrupt), where its default would end the process at once and
+    leave what the setup made (a scratch store); the training loop's StopSignals takes over inside."""
+
+    def __enter__(self) -> "TermInterrupts":
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        try:
+            self._old = signal.signal(signal.SIGTERM, interrupt)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
 class StopSignals:
     """SIGINT and SIGTERM set `signal` (the loop stops after its step); a second one interrupts at once, but for
     one within a second of the first: a rank of `--gpus N` gets a terminal's Ctrl-C twice, from the terminal and

@@ -101,17 +101,21 @@ class MetricsLog:
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl. A torn last line (a write cut short by a crash or a full disk) is
-    dropped; any other line that is not JSON raises ValueError."""
+    dropped; any other line that is not JSON, or not a record tiertrain writes (an object with its step), raises
+    ValueError."""
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = [line for line in f.read().split("\n") if line.strip()]
     out = []
     for i, line in enumerate(lines):
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
             if i == len(lines) - 1:
                 break
             raise ValueError(f"line {i + 1} is not JSON") from None
+        if not (isinstance(rec, dict) and type(rec.get("step")) is int):
+            raise ValueError(f"line {i + 1} is not a record tiertrain wrote (a JSON object with its step)")
+        out.append(rec)
     return out
 
 
@@ -120,10 +124,9 @@ def truncate_metrics(path: Path, step: int) -> None:
     last line."""
     if not path.is_file():
         return
-    keep = "".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(keep)
-    tmp.replace(path)
+    from .durable import write_whole
+
+    write_whole(path, "".join(json.dumps(r) + "\n" for r in read_metrics(path) if r["step"] <= step))
 
 
 def run_summary(records: list[dict]) -> list[str]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .checkpoint import write_json
+from .durable import write_json
 from .errors import UserError, why
 from .rundir import CKPT_MARKER, CUT, LOCK, MARKER, empty_run, run_marker, saved_steps
 
@@ -100,7 +100,7 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
     """Creates `out` (or takes the empty one checked), locks it for this process, and marks it as a run; a run
     whose checkpoints go to checkpoint.dir (`ckpt_parent`) gets a new directory of its own there, which the marker
     names. A full or read-only disk is one line. Returns (the lock, what it made for release(): "dir" (the directory
-    and the marker), "marker", or "")."""
+    and the marker), "marker", "reused" (a new marker for a run that never took a step), or "")."""
     check_links(out)
     made = "dir" if not out.exists() else "" if (out / MARKER).is_file() else "marker"
     try:
@@ -116,22 +116,28 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
             # a run that never took a step: this one starts afresh in it, with a marker of its own
             _forget_checkpoint_dir(out)
             (out / MARKER).unlink()
-            made = "marker"
+            made = "reused"
         if not (out / MARKER).is_file():
-            marker = {
-                "format": "tiertrain-run/1",
-                "tiertrain_version": __version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
+            marker = _marker()
             if ckpt_parent:
                 marker["checkpoints"] = str(_new_checkpoint_dir(Path(ckpt_parent), out))
             write_json(out / MARKER, marker)
-    except OSError as e:
-        lock.release()
+    except (OSError, UserError) as e:  # what it made goes back: the --out as it came
+        release(out, made, lock)
+        if isinstance(e, UserError):
+            raise
         raise UserError(
             f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
         ) from None
     return lock, made
+
+
+def _marker() -> dict:
+    return {
+        "format": "tiertrain-run/1",
+        "tiertrain_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
 
 
 def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
@@ -151,7 +157,12 @@ def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
 
 def release(out: Path, made: str, lock: RunLock | None = None) -> None:
     """Takes back what claim() made (`made`) for a run refused before its first step, then the lock."""
-    if made:  # the marker and the lock file are tiertrain's: an --out left as it came (or as empty as it was)
+    if made == "reused":  # a run that never took a step, left as it came: marked, and so reusable
+        _forget_checkpoint_dir(out)
+        write_json(out / MARKER, _marker())
+    elif (
+        made
+    ):  # the marker and the lock file are tiertrain's: an --out left as it came (or as empty as it was)
         _forget_checkpoint_dir(out)
         (out / MARKER).unlink(missing_ok=True)
         (out / LOCK).unlink(missing_ok=True)

@@ -23,17 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .checkpoint import (
-    FORMATS,
-    STEP,
-    CheckpointError,
-    fsync,
-    left_whole,
-    read_meta,
-    recover,
-    whole,
-    write_json,
-)
+from .checkpoint import FORMATS, STEP, CheckpointError, left_whole, read_meta, recover, whole
+from .durable import fsync, write_json, write_whole
 from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics
 
@@ -60,7 +51,7 @@ def checkpoint_dir(run: Path) -> Path:
     ck = run_marker(run).get("checkpoints")
     if not ck:
         return Path(run) / "checkpoints"
-    if not (Path(ck) / CKPT_MARKER).is_file():
+    if not isinstance(ck, str) or not (Path(ck) / CKPT_MARKER).is_file():
         raise UserError(
             f"{Path(run) / MARKER} names {ck} as the run's checkpoint directory, and {ck} has no {CKPT_MARKER}: "
             "not the directory tiertrain made for it (moved or not mounted?); put it back, or pass a new --out"
@@ -404,9 +395,7 @@ def finish_cut(run: Path) -> str | None:
     metrics = run / "metrics.jsonl"
     if metrics.is_file() and not (dest / "metrics.jsonl").exists():  # the tail first, whole, then the cut
         later = "".join(json.dumps(r) + "\n" for r in read_metrics(metrics) if r["step"] > step)
-        tmp = dest / ".metrics.jsonl.tmp"
-        tmp.write_text(later)
-        os.replace(tmp, dest / "metrics.jsonl")
+        write_whole(dest / "metrics.jsonl", later)
     truncate_metrics(Path(run) / "metrics.jsonl", step)
     moved = []
     for s, p in saved_steps(ck):
@@ -421,6 +410,17 @@ def finish_cut(run: Path) -> str | None:
         f"{', '.join(moved) or 'its checkpoints'} and the metrics after step {step} moved to {dest_ck}"
         + (f" and {dest}" if dest_ck != dest else "")
     )
+
+
+def check_metrics(run: Path) -> None:
+    """The run's metrics.jsonl readable before anything is allocated: a resume truncates and extends it."""
+    try:
+        if (run / "metrics.jsonl").is_file():
+            read_metrics(run / "metrics.jsonl")
+    except ValueError as e:
+        raise UserError(
+            f"{run / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out"
+        ) from None
 
 
 def heal(run: Path) -> None:

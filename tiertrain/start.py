@@ -11,7 +11,7 @@ from . import checkpoint, runclaim, rundir
 from .checkpoint import read_meta, whole
 from .config import config_from_dict, load_config
 from .errors import UserError
-from .loop import fit
+from .loop import TermInterrupts, fit
 from .tiers.nvme import discard_stale
 from .trainer import Trainer
 
@@ -20,6 +20,11 @@ def start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
     """`run` on one rank of the job (`overrides`: the --set values, the flags' among them). Rank 0 alone checks the
     run directory, takes its lock, finishes what a killed process of the run left half done, and marks it; the
     first rank of each host discards the scratch stores the run's killed processes left there."""
+    with TermInterrupts():  # a scheduler's stop in the setup: what the run made goes, as for a Ctrl-C
+        _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo)
+
+
+def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo) -> None:
     ckpt, out_dir, made, lock, cfg, fresh = None, None, "", None, None, None
     with ranks.together(UserError) as agreed:
         if hardware and not Path(hardware).is_file():
@@ -107,6 +112,8 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
     if not resume:
         stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
         target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if fresh.tiers.nvme_dir and target.is_dir():  # a killed run's stores go, though its --out is refused
+            discard_stale(fresh.tiers.nvme_dir, str(target.resolve()))
         rundir.check_new(target)
         lock, made = runclaim.claim(target, fresh.checkpoint.dir)
         return target, lock, made, None
@@ -136,6 +143,7 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
     try:
         if mine:
             rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
+            rundir.check_metrics(target)
             ckpt = rundir.resolve(resume, target if given is None else None)
         meta = read_meta(ckpt)
         rundir.check_resume(ckpt, target, new_run=not whole(meta))

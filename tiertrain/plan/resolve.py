@@ -3,6 +3,8 @@ on a GPU or a CPU: what the config fixes stays fixed, what it leaves "auto" is s
 
 from __future__ import annotations
 
+import math
+
 from ..config import Config
 from ..errors import ConfigError
 from ..modes import Home, Kind
@@ -171,7 +173,14 @@ def resolve(
         )
     # tiers.nvme_gb 0: the free space of nvme_dir (its nearest existing parent's disk; this run's stale stores are
     # gone by now), the host's, as --nvme-dir budgets `plan`
-    nvme = t.nvme_gb or (_free_gb(t.nvme_dir) if t.nvme_dir else None)
+    free = _free_gb(t.nvme_dir) if t.nvme_dir else None
+    if t.nvme_gb and free is not None and t.nvme_gb > free:  # the store would fill the disk mid-run
+        raise ConfigError(
+            f"tiers.nvme_gb = {t.nvme_gb:g} (--nvme-gb) is more than the {free:.1f} GB free where --nvme-dir "
+            f"{t.nvme_dir} is: pass --nvme-gb {math.floor(free * 10) / 10:g} or less (0: all of it), or an "
+            "--nvme-dir on a disk with room"
+        )
+    nvme = t.nvme_gb or free
     ranks = {"gpus": gpus, "per_host": per_host}
     p = search(
         cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks
