@@ -322,7 +322,11 @@ CASES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
     # token 5 is about 1% of write_tokens' data: nn.Embedding(padding_idx=5) gives its row no gradient
-    "llama-pad": ("LlamaConfig", "LlamaForCausalLM", dict(pad_token_id=5, tie_word_embeddings=True)),
+    "llama-pad": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(rope_theta=1e4, pad_token_id=5, tie_word_embeddings=True),
+    ),
 }
 
 

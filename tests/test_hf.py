@@ -131,6 +131,45 @@ def test_bad_model_directories_are_refused(token_file, tmp_path):
     assert r.returncode == 2 and "not a directory" in r.stderr
 
 
+def test_a_directory_with_both_layouts_and_a_wrong_index_read_as_transformers_reads_them(
+    token_file, tmp_path
+):
+    """model.safetensors beside an index and its shards: transformers reads the single file, and so does the
+    import (it read the index). An index naming the wrong shard for a tensor: one line, the --out left as it
+    came (a SafetensorError traceback, and the --out claimed)."""
+    from tiertrain.model.hf import HFReader
+
+    d = tmp_path / "both"
+    hf_dir("llama2", d, shard="20KB")
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, **{"rope_theta": 10000.0}))
+    other.save_pretrained(tmp_path / "one")
+    (tmp_path / "one" / "model.safetensors").rename(d / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    got = HFReader(d).get(name, tuple(other.model.layers[0].mlp.up_proj.weight.shape))
+    assert torch.equal(got, other.model.layers[0].mlp.up_proj.weight.detach())
+    assert torch.equal(_load(d).model.layers[0].mlp.up_proj.weight.detach(), got)
+    (d / "model.safetensors").unlink()
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = next(
+        f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name]
+    )
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    data = f'data.path="{token_file}"'
+    r = cli(
+        "run",
+        "--init-from",
+        str(d),
+        "--set",
+        "train.seq_len=32",
+        "--set",
+        data,
+        "--out",
+        str(tmp_path / "run"),
+    )
+    assert r.returncode == 2 and f"cannot read {name}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 def test_export_refuses_to_overwrite(token_file, tmp_path):
     tr = Trainer(tiny_config(token_file))
     tr.save_checkpoint(tmp_path / "run")

@@ -41,6 +41,8 @@ OWN = {  # a model of one's own the family's transformers class builds; windows 
         model_type="qwen3_moe", **MOE, qk_norm=True, sliding_window=8, layer_types=FULL
     ),
     "mistral, a window no block uses": dict(model_type="mistral", sliding_window=8, layer_types=FULL),
+    # transformers reads mistral with layer_types as Ministral: windows per block
+    "mistral, some blocks windowed": dict(model_type="mistral", sliding_window=8, layer_types=SLIDE),
 }
 
 
@@ -103,7 +105,6 @@ def test_an_export_loads_as_the_model_trained(case, tmp_path):
             dict(model_type="qwen3_moe", **MOE, qk_norm=True, sliding_window=8, layer_types=SLIDE),
             "layer_types",
         ),
-        (dict(model_type="mistral", sliding_window=8, layer_types=SLIDE), "layer_types"),
         # transformers' llama refuses to load a hidden size its heads do not divide, whatever head_dim says
         (dict(model_type="llama", num_attention_heads=3, num_key_value_heads=1, head_dim=16), "hidden_size"),
     ],
@@ -158,6 +159,7 @@ HAND_WRITTEN = [  # config.json fields left out, or given as transformers 5 stan
     ("mistral", dict(sliding_window=None)),
     ("qwen2", dict(use_sliding_window=True, max_window_layers=1)),
     ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, use_sliding_window=True)),
+    ("mistral", dict(sliding_window=8, layer_types=SLIDE, rope_theta=1e6, head_dim=16)),  # read as Ministral
 ]
 
 
@@ -186,6 +188,20 @@ def test_a_hand_written_config_reads_as_transformers_reads_it(family, fields, tm
     else:
         wins = [getattr(want, "sliding_window", None)] * n
     assert [spec.window(i) for i in range(n)] == wins
+
+
+@pytest.mark.parametrize("layers, refused", [(1, True), (3, False)])
+def test_qwen_windows_are_refused_only_where_a_block_windows(layers, refused, tmp_path):
+    """use_sliding_window with max_window_layers at or above the blocks: transformers windows none, so a
+    sequence longer than the window imports; where a block windows, it is refused as before."""
+    base = {k: v for k, v in SHAPE.items() if k != "rms_norm_eps"}
+    c = dict(model_type="qwen2", **base, use_sliding_window=True, sliding_window=8, max_window_layers=layers)
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    if refused:
+        with pytest.raises(hf.HFError, match="sliding_window 8 shorter than train.seq_len 32"):
+            hf.spec_from_hf(tmp_path, 32)
+    else:
+        assert {hf.spec_from_hf(tmp_path, 32).window(i) for i in range(3)} == {None}
 
 
 def test_rope_kinds_tiertrain_does_not_implement_are_refused_in_any_spelling(tmp_path):

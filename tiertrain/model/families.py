@@ -58,7 +58,7 @@ FAMILY_DEFAULTS = {
 # on every block) or "none" (no window)
 WINDOWS = {
     "llama": "none",
-    "mistral": "alike",
+    "mistral": "alike",  # with layer_types, per block: transformers reads that as Ministral
     "mixtral": "alike",
     "qwen3_moe": "alike",
     "qwen2": "per block",
@@ -95,7 +95,7 @@ def unlike_family(spec: ModelSpec) -> list[str]:
             f"model.hidden_size = {spec.hidden_size} (transformers' llama needs a multiple of "
             f"model.num_attention_heads = {spec.num_attention_heads}, whatever model.head_dim)"
         )
-    if how == "alike" and len(windows) > 1:
+    if how == "alike" and len(windows) > 1 and not (mt == "mistral" and spec.layer_types is not None):
         out.append(
             f"model.layer_types = {spec.layer_types} (transformers' {mt} windows every block alike: leave it "
             "out, or use a family with per-block windows)"

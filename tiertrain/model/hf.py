@@ -69,6 +69,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
             n = c["num_hidden_layers"]
             every = ["sliding_attention" if i >= lim else "full_attention" for i in range(n)]
             fields.update(layer_types=list(c.get("layer_types") or every))
+        if mt == "mistral" and c.get("layer_types") is not None:  # transformers reads it as Ministral's
+            fields.update(layer_types=list(c["layer_types"]))
         spec = ModelSpec(
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
@@ -159,7 +161,13 @@ def _implemented(c: dict, d: Path, mt: str, seq_len: int | None) -> int | None:
     if (
         window is not None and seq_len is not None and mt in ("qwen2", "qwen3")
     ):  # windows by max_window_layers
-        refuse(seq_len <= window, f"sliding_window {window} shorter than train.seq_len {seq_len}")
+        n, lim = c.get("num_hidden_layers"), c.get("max_window_layers", 28)
+        windowed = "sliding_attention" in (c.get("layer_types") or []) or (
+            isinstance(n, int) and isinstance(lim, int) and lim < n and not c.get("layer_types")
+        )
+        refuse(
+            seq_len <= window or not windowed, f"sliding_window {window} shorter than train.seq_len {seq_len}"
+        )
     return window
 
 
@@ -226,16 +234,16 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
         c.update(attention_bias=spec.attention_bias)
     if spec.model_type == "llama":
         c.update(mlp_bias=False)
-    if spec.model_type in ("mistral",):
-        c.update(sliding_window=spec.window(0))  # every block's (layer_types may turn it off)
+    lt = ["sliding_attention" if spec.window(i) else "full_attention" for i in range(spec.num_hidden_layers)]
+    if spec.model_type == "mistral" and len(set(lt)) == 1:
+        c.update(sliding_window=spec.window(0))  # every block's
+    elif spec.model_type == "mistral":  # per block: transformers reads mistral with layer_types as Ministral
+        c.update(layer_types=lt, sliding_window=spec.sliding_window)
     if spec.is_moe:
         c.update(hf_moe.config_fields(spec))
     if spec.model_type == "gpt_oss" and spec.rope_scaling is None:  # null would read as its YaRN default
         c.update(rope_scaling={"rope_type": "default"})
     if WINDOWS[spec.model_type] == "per block":  # spelled out: the family's own default differs per class
-        lt = [
-            "sliding_attention" if spec.window(i) else "full_attention" for i in range(spec.num_hidden_layers)
-        ]
         c.update(layer_types=lt)
         if spec.model_type != "gpt_oss":
             c.update(use_sliding_window="sliding_attention" in lt)
@@ -251,7 +259,13 @@ class HFReader:
 
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
-        if (self.dir / INDEX).is_file():
+        if (self.dir / SINGLE).is_file():  # first, as transformers reads a directory holding both
+            if not _inside(self.dir, SINGLE):
+                raise HFError(
+                    f"{self.dir / SINGLE} links outside the model directory; copy the model's files into it"
+                )
+            self.where = None
+        elif (self.dir / INDEX).is_file():
             index = _read_json(self.dir / INDEX, "")
             wm = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
@@ -265,12 +279,6 @@ class HFReader:
                     "re-download the model"
                 )
             self.where = dict(wm)
-        elif (self.dir / SINGLE).is_file():
-            if not _inside(self.dir, SINGLE):
-                raise HFError(
-                    f"{self.dir / SINGLE} links outside the model directory; copy the model's files into it"
-                )
-            self.where = None
         else:
             raise HFError(
                 f"{self.dir} holds neither {SINGLE} nor {INDEX}; tiertrain reads safetensors weights"
@@ -308,7 +316,12 @@ class HFReader:
             )
 
     def get(self, name: str, shape: tuple[int, ...]) -> "torch.Tensor":
-        t = self._file(self.where[name]).get_tensor(name)
+        try:
+            t = self._file(self.where[name]).get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a shard without the tensor its index names, or a torn one
+            raise HFError(
+                f"{self.dir / self.where[name]}: cannot read {name} ({e}); re-download the model"
+            ) from None
         if tuple(t.shape) != tuple(shape):
             raise HFError(
                 f"{self.dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
