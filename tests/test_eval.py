@@ -193,3 +193,38 @@ def test_tensorboard_missing_is_refused_before_allocation(token_file, monkeypatc
     monkeypatch.setattr(builtins, "__import__", no_tb)
     with pytest.raises(ConfigError, match=r"tiertrain\[tensorboard\]"):
         Trainer(tiny_config(token_file, "train.tensorboard=true"))
+
+
+def test_held_out_rows_that_train_nothing_count_nothing(tmp_path):
+    """A held-out batch of samples that train nothing adds nothing to the validation loss's count (it added 1:
+    4.5614 against the true mean 4.6008); held-out rows that train nothing at all are refused in one line."""
+    from tiertrain.data import TokenWriter
+    from tiertrain.errors import DataError
+    from tiertrain.rows import IGNORE
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "s.bin"
+    w = TokenWriter(path, 97, samples=True, masked=True)
+    for n, trains in [(30, 1)] * 64 + [
+        (33, 0)
+    ] * 4:  # held out last: 4 trained samples, then 4 untrained rows
+        w.add(rng.integers(0, 97, n), np.full(n, trains, np.uint8), start=True)
+    w.close()
+    sets = ["train.batch_size=4", "data.val_fraction=0.1176", "train.eval_batches=10", "train.steps=1"]
+    tr = Trainer(tiny_config(path, *sets))
+    total = count = 0.0
+    for k in range(tr.val.batches):
+        b = tr.val.get(k)
+        m = int((b.targets != IGNORE).sum())
+        if m:
+            inp, tgt = (torch.from_numpy(a).split(tr.run_plan.micro_batch) for a in b[:2])
+            total += float(tr.run.step.evaluate(list(inp), list(tgt), tr._docs(b.positions), m)) * m
+            count += m
+    assert tr.val.batches == 2 and count and tr.evaluate() == pytest.approx(total / count, rel=1e-6)
+    tr.close()
+    w = TokenWriter(tmp_path / "none.bin", 97, samples=True, masked=True)
+    for _ in range(4):
+        w.add(rng.integers(0, 97, 33), np.zeros(33, np.uint8), start=True)
+    w.close()
+    with pytest.raises(DataError, match="hold no trained target"):
+        Trainer(tiny_config(path, *sets[:-3], f'data.val_path="{tmp_path / "none.bin"}"'))

@@ -463,4 +463,11 @@ def loaders(data: DataConfig, train: TrainConfig, vocab_size: int) -> tuple[Load
         val, name = open_tokens(val_path, "data.val_path"), val_path
     elif val is not None:
         name = f"the last {val_fraction:g} of {name} (data.val_fraction)"
-    return loader, Loader.of(val, train, False, vocab_size, name, docs, True) if val is not None else None
+    held = Loader.of(val, train, False, vocab_size, name, docs, True) if val is not None else None
+    evaluated = range(min(train.eval_batches, held.batches)) if held else ()
+    if held and not any((held.get(k).targets != IGNORE).any() for k in evaluated):
+        raise DataError(
+            f"{name}: the rows evaluated hold no trained target (every loss is masked); hold out rows that "
+            "train, or leave data.val_fraction and data.val_path unset"
+        )
+    return loader, held

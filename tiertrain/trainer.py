@@ -279,13 +279,15 @@ class Trainer:
         total, count, mb = torch.zeros((), dtype=torch.float64), 0, self.run_plan.micro_batch
         for k in range(n):
             b = self.val.get(k)
+            m = int((b.targets != IGNORE).sum())
+            if not m:  # nothing to evaluate (the mean is over the trained targets)
+                continue
             rows = self.ranks.rows(len(b.inputs))
             inp, tgt = (torch.from_numpy(a[rows]).to(self.device).split(mb) for a in b[:2])
-            m = trained(b.targets)
             docs = self._docs(None if b.positions is None else b.positions[rows])
             total += self.run.step.evaluate(list(inp), list(tgt), docs, m).double().cpu() * m
             count += m
-        return float(total / count)
+        return float(total / count)  # loaders() refuses held-out rows with no trained target
 
     def train_on(self, inp: torch.Tensor, tgt: torch.Tensor, pos=None, n_tokens: int | None = None) -> dict:
         """One optimizer step on this rank's (B / N, S) rows of a batch (`pos`: their positions, None: 0..S-1 in
