@@ -182,12 +182,34 @@ def test_a_hand_written_config_reads_as_transformers_reads_it(family, fields, tm
     assert spec.rms_norm_eps == want.rms_norm_eps
     assert spec.hd == (getattr(want, "head_dim", None) or want.hidden_size // want.num_attention_heads)
     assert spec.max_position_embeddings == want.max_position_embeddings
+    assert (spec.bos_token_id, spec.eos_token_id) == (want.bos_token_id, want.eos_token_id)
     n = want.num_hidden_layers
     if getattr(want, "layer_types", None):  # each block's window, as the class applies it
         wins = [want.sliding_window if want.layer_types[i] == "sliding_attention" else None for i in range(n)]
     else:
         wins = [getattr(want, "sliding_window", None)] * n
     assert [spec.window(i) for i in range(n)] == wins
+
+
+@pytest.mark.parametrize("family", sorted(families.FAMILY_DEFAULTS))
+def test_a_config_without_its_kv_heads_reads_the_family_s_default(family, tmp_path):
+    """num_key_value_heads left out: transformers' class default (mistral's 8, qwen2's 32, llama's the attention
+    heads), where the import took the attention heads and then refused the weights' shapes."""
+    base = {k: v for k, v in SHAPE.items() if k not in ("num_key_value_heads", "num_attention_heads")}
+    c = {
+        "model_type": family,
+        **base,
+        "num_attention_heads": 32,
+        "head_dim": 4,
+        **(MOE if "o" in family else {}),
+    }
+    c = {
+        k.replace("num_experts", "num_local_experts") if family in ("mixtral", "gpt_oss") else k: v
+        for k, v in c.items()
+    }
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    want = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert hf.spec_from_hf(tmp_path).n_kv_heads == want.num_key_value_heads
 
 
 @pytest.mark.parametrize("layers, refused", [(1, True), (3, False)])

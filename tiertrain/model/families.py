@@ -24,27 +24,52 @@ _YARN32 = dict(
     truncate=False,
     original_max_position_embeddings=4096,
 )
-FAMILY_DEFAULTS = {
-    "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+_IDS = dict(
+    bos_token_id=1, eos_token_id=2
+)  # the token ids llama's, mistral's and mixtral's classes default to
+FAMILY_DEFAULTS = {  # num_key_value_heads: where config.json leaves it out (None: the attention heads')
+    "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048, **_IDS),
     # sliding_window: where config.json leaves it out (mistral's always applies; qwen's with use_sliding_window)
     "mistral": dict(
-        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072, sliding_window=4096
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        sliding_window=4096,
+        num_key_value_heads=8,
+        **_IDS,
     ),
-    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096),
+    "qwen2": dict(
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        num_key_value_heads=32,
+    ),
     "qwen3": dict(
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         max_position_embeddings=32768,
         head_dim=128,
         sliding_window=4096,
+        num_key_value_heads=32,
     ),
     "qwen2_moe": dict(
-        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        num_key_value_heads=16,
     ),
     "qwen3_moe": dict(
-        rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        num_key_value_heads=4,
     ),
-    "mixtral": dict(rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "mixtral": dict(
+        rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8, **_IDS
+    ),
     # gpt-oss: YaRN x32 unless config.json names another rope, a null one included
     "gpt_oss": dict(
         rope_theta=150000.0,
@@ -52,6 +77,7 @@ FAMILY_DEFAULTS = {
         max_position_embeddings=131072,
         head_dim=64,
         rope_scaling=_YARN32,
+        num_key_value_heads=8,
     ),
 }
 # how each family's transformers class windows attention: "per block" (layer_types), "alike" (model.sliding_window
