@@ -321,6 +321,11 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
+    "qwen3-yarn": (  # YaRN scales cos and sin by its attention factor (1.139 at x4)
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(rope_theta=1e6, head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+    ),
     # token 5 is about 1% of write_tokens' data: nn.Embedding(padding_idx=5) gives its row no gradient
     "llama-pad": (
         "LlamaConfig",

@@ -23,14 +23,16 @@ def _pair(case: str):
         for name, p in hf.named_parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
+    family = "llama" if case.startswith("llama") else case.split("-")[0]
     spec = ModelSpec(
         **COMMON,
-        model_type="llama" if case.startswith("llama") else case,
+        model_type=family,
         rope_theta=extra["rope_theta"],
         rope_scaling=extra.get("rope_scaling"),
         tie_word_embeddings=extra.get("tie_word_embeddings", False),
-        attention_bias=case == "qwen2",
-        qk_norm=case == "qwen3",
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        pad_token_id=extra.get("pad_token_id"),
         head_dim=extra.get("head_dim"),
     )
     spec.validate()

@@ -108,7 +108,7 @@ class ReferenceLM(nn.Module):
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         if s.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv, _ = rope_inv_freq(s)  # the dense families' scalings leave cos and sin unscaled
+        inv, self.attention_factor = rope_inv_freq(s)  # YaRN scales cos and sin by its attention factor
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ class ReferenceLM(nn.Module):
         t = tokens.shape[1]
         freqs = torch.outer(torch.arange(t, device=tokens.device, dtype=torch.float32), self.inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         x = self.model.embed_tokens(tokens).float()
         for layer in self.model.layers:
             if self.checkpoint_layers and self.training:
