@@ -34,6 +34,10 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
     (tmp_path / "odd.json").write_text(json.dumps({**data, "experts_speed": [0.4]}))
     with pytest.raises(ConfigError, match="experts_speed = \\[0.4\\] must be two finite numbers"):
         HardwareSpec.load(tmp_path / "odd.json")
+    # a rate of 0: the plan divides by it (a ZeroDivisionError traceback); ck_write_gbs 0 means the disk's rate
+    (tmp_path / "zero.json").write_text(json.dumps({**data, "h2d_gbs": 0, "ck_write_gbs": 0}))
+    with pytest.raises(ConfigError, match=r"h2d_gbs = 0 must be a finite number, more than 0"):
+        HardwareSpec.load(tmp_path / "zero.json")
     # a probe's file from before a refit: its fitted figures give way to this code's; a file made otherwise keeps them
     old = {**data, "compute_efficiency": 0.5, "experts_speed": [0.4, 0.2], "adam_contention": 1.18}
     (tmp_path / "old.json").write_text(json.dumps({**old, "source": "tiertrain probe, 2026-11-25"}))

@@ -25,6 +25,8 @@ CPU_PROCESS_GB = 0.5
 # torch's fused kernel into copies: a copy, then the kernel in place; its rate / the rate in place (2.05-2.23
 # / 3.83-4.26 G params/s on the H200 host, bench/results/2026-11-22-H200-host-adam-out-of-place.md) and the
 # copy's 12 B per parameter of DRAM traffic
+# the figures a hardware file may give as 0 (none, or not measured: ck_write_gbs then the disk's write rate)
+MAY_BE_ZERO = ("out_of_place_dram_bytes", "ck_write_gbs", "process_gb")
 TORCH_COPIES = {"out_of_place": 0.5, "out_of_place_dram_bytes": 12.0}
 
 
@@ -211,12 +213,18 @@ class HardwareSpec:
             if k in known
             and isinstance(getattr(REFERENCE, k), (int, float))
             and not isinstance(getattr(REFERENCE, k), bool)
-            and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0)
+            and (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v < 0
+                or (v == 0 and k not in MAY_BE_ZERO)  # a rate or a share the plan divides by
+            )
         ]
         if bad:
             raise ConfigError(
                 f"hardware file {p}: {', '.join(f'{k} = {data[k]!r}' for k in bad)} must be a finite "
-                f"number, 0 or more; {fix}"
+                f"number, more than 0 (0 or more for {', '.join(MAY_BE_ZERO)}); {fix}"
             )
         wrong = _bad_tables(data)
         if wrong:
