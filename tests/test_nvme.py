@@ -371,6 +371,26 @@ def test_budget_refusals_say_what_to_raise(token_file, tmp_path):
         Trainer(cfg)
 
 
+def test_a_gpu_run_short_of_ram_is_told_the_host_budget_that_spills():
+    """A GPU run without --host-gb on a machine with 40 GB of RAM free, whose state (llama3.1-8b, 145 GB) that RAM
+    cannot hold: the refusal names --host-gb and --nvme-dir, at the least host budget the plan then needs (37.3, more
+    than 90% of the RAM, and free), and that plan fits. It said "use a machine with more RAM"."""
+    import re
+
+    from tiertrain.config import load_config
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan.hardware import REFERENCE
+    from tiertrain.plan.resolve import resolve, search
+
+    cfg = load_config("llama3.1-8b", ["tiers.gpu_resident_gb=0"])
+    with pytest.raises(
+        ConfigError, match=r"40\.00 GB of RAM available: pass --host-gb ([0-9.]+) --nvme-dir"
+    ) as e:
+        resolve(cfg, REFERENCE, None, 36.0)  # what a run passes: 90% of the RAM available
+    host = float(re.search(r"--host-gb ([0-9.]+)", str(e.value)).group(1))
+    assert 36 < host <= 40 and search(cfg, REFERENCE, host, REFERENCE.gpu_mem_gb, 1e7, "x", advise=False).fits
+
+
 def test_store_faults(tmp_path):
     io = PosixIO(2)
     meta = {"model": {"hidden_size": 8}}

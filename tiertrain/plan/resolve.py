@@ -188,12 +188,27 @@ def resolve(
     if not p.fits and not t.host_gb and ram_gb and p.short != Short.GPU:
         # short of RAM as it is: the RAM check names the --host-gb and --nvme-dir that would fit
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
+        if p.fits and not t.nvme_dir:  # a disk to spill to: the host budget the plan would then need
+            _spill_advice(cfg, hw, micro, ram_gb, p.memory.host_total, ranks)
     if not p.fits:  # the plan command takes the same flags, and answers a miss with the plans that fit
         raise ConfigError(
             f"{_refusal(cfg, p, micro)} (`tiertrain plan` with the same --config, --set and budget flags "
             "lists the nearest plans that fit)"
         )
     return p, p.run_plan, chosen(cfg)
+
+
+def _spill_advice(cfg: Config, hw: HardwareSpec, micro, ram_gb: float, need: float, ranks: dict) -> None:
+    """Refuses a run whose state this machine's RAM cannot hold, but could with an NVMe tier, naming the --host-gb
+    that plan needs (90% of the RAM free, or the least it can run in where that is more and still free)."""
+    spill = search(cfg, hw, ram_gb, hw.gpu_mem_gb, 1e7, "run", micro=micro, advise=False, **ranks)
+    least = 0.0 if spill.fits else spill.least_host
+    if spill.fits or 0 < least <= ram_gb * 1e9 / 0.9:
+        host = budget(least) if least else f"{math.floor(ram_gb * 10) / 10:g}"
+        raise ConfigError(
+            f"the run needs {gb(need)} of host memory and this machine has {gb(ram_gb * 1e9 / 0.9)} of RAM "
+            f"available: pass --host-gb {host} --nvme-dir DIR (a directory on a fast disk) to spill the rest to disk"
+        )
 
 
 def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
@@ -278,14 +293,15 @@ def check_ram(
     least = least_host(rest, kb, host_checkpoints(rp), host_cost) + device + data
     need, least, device, avail = need * share, least * share, device * share, avail * share  # the host's
     have = f"this machine has {gb(avail)} of RAM available"
-    if least > avail * 0.9:
+    if least > avail:
         raise ConfigError(
             f"the run needs {gb(need)} of host memory and {have}; even with every slab it can "
             f"spill on disk it needs {gb(least)}"
             + (f" ({gb(device)} of it the device's working set)" if device else "")
             + ": use a machine with more RAM, or a smaller model or batch"
         )
-    fit = f"{avail * 0.9 / 1e9:.3g}"  # --host-gb holds the process and the device's working set too
+    # --host-gb holds the process and the device's working set too: 90% of what is free, or all it needs if more
+    fit = budget(least) if least > avail * 0.9 else f"{math.floor(avail * 0.9 / 1e8) / 10:g}"
     spill = f"--host-gb {fit}" + ("" if nvme_dir else " --nvme-dir DIR (a directory on a fast disk)")
     if host_gb:
         raise ConfigError(
