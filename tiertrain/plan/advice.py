@@ -12,7 +12,7 @@ from ..modes import Update
 from ..sizes import budget
 from .hardware import HardwareSpec
 from .memory import least_host_of
-from .planner import auto_room, evaluate, groupable, in_parts, plan, settled, spare_gb, with_resident
+from .planner import evaluate, groupable, in_parts, plan, resident_room, settled, spare_gb
 from .values import Budgets, Choice, Job, Miss, Plan, Report, Short
 
 LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
@@ -171,15 +171,17 @@ def _least(job: Job, micro: int, groups: tuple[int, ...]) -> list[Choice]:
 
 
 def _fits_in(job: Job, p: Plan, least: Choice, budgets: Budgets, hw: HardwareSpec) -> Plan | Miss:
-    """The plan of `job` in the choice `least`, with a resident budget "auto" settled as the plan settles it, else
-    the config's (the plan's too)."""
+    """The plan of `job` in the choice `least`, with a resident budget "auto" at all the GPU memory left (the
+    most memory resident state can add), else the plan's."""
+
     least, budgets = in_parts(least, budgets)
-    if budgets.resident_gb == "auto":  # the room's ends first, which mostly settle it (each try is a plan)
-        for r in {int(auto_room(job, least, budgets, hw)), 0}:
-            q = evaluate(job, least, replace(budgets, resident_gb=r), hw)
-            if q.fits:
-                return q
-    return with_resident(job, least, budgets, hw)
+
+    def at(b: Budgets) -> Plan | Miss:
+        return evaluate(job, least, b, hw)
+
+    # not "auto": the config's, the plan's too
+    resident = int(resident_room(at, budgets, hw)) if budgets.resident_gb == "auto" else budgets.resident_gb
+    return at(replace(budgets, resident_gb=resident))
 
 
 def _fits(

@@ -93,7 +93,24 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
     places = [fixed.activations] if fixed.activations else ["gpu", "host"]
 
     def choice(m: int, s: str, a: str) -> Plan | Miss:
-        return with_resident(job, replace(fixed, micro=m, stream=s, activations=a), budgets, hw)
+        """One (micro-batch, stream, checkpoint home), with the resident budget "auto" settled for it."""
+
+        def at(b: Budgets) -> Plan | Miss:
+            return evaluate(job, replace(fixed, micro=m, stream=s, activations=a), b, hw)
+
+        if budgets.resident_gb != "auto":
+            return at(budgets)
+        best = at(replace(budgets, resident_gb=0.0))
+        spare = resident_room(at, budgets, hw, best)
+        tries = [
+            at(replace(budgets, resident_gb=int(spare * f))) for f in RESIDENT_SHARES if int(spare * f) >= 1
+        ]
+        for q in tries:
+            if q.fits and (not best.fits or _expected(q) < _expected(best) * (1 - 1e-9)):
+                best = q
+        if not best.fits and tries and tries[0].short != Short.GPU:  # the miss with the most on the GPU says
+            return tries[0]  # what the host and disk still lack
+        return best
 
     cands = [choice(m, s, a) for m in micros for s in streams for a in places]
     # with an NVMe tier, checkpoints there beside the state in RAM: each costs the disk a write beside the forward
@@ -398,47 +415,6 @@ def _expected(p: Plan) -> float:
     """The step a resident budget is chosen by: with clipping on, a step whose norm clips is as likely as not."""
     pr = p.prediction
     return (pr.step_s + pr.clipped_step_s) / 2 if p.job.clipping else pr.step_s
-
-
-def with_resident(job: Job, c: Choice, budgets: Budgets, hw: HardwareSpec) -> Plan | Miss:
-    """The plan of one choice (micro-batch, stream, checkpoint home) with the resident budget "auto" settled: of
-    shares of the room (auto_room), and the most that fits between the largest share that does and the next one
-    up, the fastest."""
-
-    def at(b: Budgets) -> Plan | Miss:
-        return evaluate(job, c, b, hw)
-
-    if budgets.resident_gb != "auto":
-        return at(budgets)
-    best = at(replace(budgets, resident_gb=0.0))
-    spare = auto_room(job, c, budgets, hw, best)
-    gbs = sorted({int(spare * f) for f in RESIDENT_SHARES if int(spare * f) >= 1}, reverse=True)
-    tries = [at(replace(budgets, resident_gb=g)) for g in gbs]
-    lo = next((g for g, q in zip(gbs, tries) if q.fits), 0)
-    hi = min((g for g in gbs if g > lo), default=lo + 1)
-    while lo and hi - lo > 1:
-        mid = (lo + hi) // 2
-        q = at(replace(budgets, resident_gb=mid))
-        lo, hi = (mid, hi) if q.fits else (lo, mid)
-        tries += [q] * q.fits
-    for q in tries:
-        if q.fits and (not best.fits or _expected(q) < _expected(best) * (1 - 1e-9)):
-            best = q
-    if not best.fits and tries and tries[0].short != Short.GPU:  # the miss with the most on the GPU says
-        return tries[0]  # what the host and disk still lack
-    return best
-
-
-def auto_room(
-    job: Job, c: Choice, budgets: Budgets, hw: HardwareSpec, zero: Plan | Miss | None = None
-) -> float:
-    """resident_room of the choice `c`; of a split, whose checkpoints on the GPU give way to resident state, the
-    room beside the fewest of them (as where the checkpoints live in RAM)."""
-    room = resident_room(lambda b: evaluate(job, c, b, hw), budgets, hw, zero)
-    if c.activations != "split":
-        return room
-    fewest = replace(c, activations="host")
-    return max(room, resident_room(lambda b: evaluate(job, fewest, b, hw), budgets, hw))
 
 
 def resident_room(at, budgets: Budgets, hw: HardwareSpec, zero: Plan | Miss | None = None) -> float:
