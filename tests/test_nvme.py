@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -491,6 +493,14 @@ def test_kvikio_missing_says_what_to_install():
 
     with pytest.raises(UserError, match=r'pip install "tiertrain\[cu1[23]\]".*tiers.io = "auto"'):
         check_backend("kvikio")
+    # with only the activation checkpoints on NVMe (no state spilled): the same line, before allocating
+    from conftest import cli, refused, tiny, write_tokens
+
+    with tempfile.TemporaryDirectory() as d:
+        sets = ["--set", 'tiers.io="kvikio"', "--set", 'tiers.activations="nvme"', "--nvme-dir", d]
+        refused(
+            cli("run", *tiny(write_tokens(Path(d) / "t.npy")), *sets, "--out", f"{d}/run"), "tiertrain[cu1"
+        )
 
 
 def test_a_gpu_runs_plan_says_when_it_prices_an_unmeasured_disk(token_file, tmp_path):

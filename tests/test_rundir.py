@@ -276,7 +276,10 @@ def test_a_live_run_directory_is_refused_to_a_second_process(token_file, tmp_pat
             "in use by a live run",
             f"process {holder.pid}",
         )
-        refused(cli("run", *tiny(token_file), "--out", str(out)), "already holds a run")
+        # a new run there names the live process too (of a run with no checkpoint yet it said "stopped")
+        refused(
+            cli("run", *tiny(token_file), "--out", str(out)), "in use by a live run", f"process {holder.pid}"
+        )
         assert tree_hash(out) == holding
         fresh = tmp_path / "fresh"
         runclaim.claim(fresh)  # another process's new run: its lock taken, its marker written

@@ -86,6 +86,10 @@ def test_a_run_writes_the_plan_it_obeys(token_file, tmp_path):
     assert len(units) == len(tr.units) and p["micro_batch"] == tr.run_plan.micro_batch == 2
     assert tr.run_plan == tr.plan.run_plan  # the planner's, unit by unit
     assert [u["update"] for u in units] == ["resident", "gpu", "gpu", "host-speculated", "host-speculated"]
+    # the keys of `tiertrain plan --format json` (its totals were missing), the same figures
+    from tiertrain.plan.report import to_json
+
+    assert p == json.loads(json.dumps(json.loads(to_json(tr.plan))))
     assert {u["index"] for u in units if u["update"] == "gpu"} == tr.run_plan.updated("gpu", "gpu-speculated")
     assert {
         (u["index"], Kind(k)): Home(h) for u in units for k, h in u["homes"].items()

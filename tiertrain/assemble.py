@@ -163,7 +163,7 @@ def _planned(
     if updates:
         p = replace(p, run_plan=rp.with_updates(updates))
     rp = p.run_plan
-    if Home.NVME in rp.where().values():
+    if Home.NVME in rp.where().values() or rp.checkpoints(Home.NVME):  # state or activation checkpoints
         check_backend(cfg.tiers.io)
     check_ram(
         rp,

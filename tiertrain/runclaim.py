@@ -63,6 +63,24 @@ class RunLock:
         except (OSError, ValueError, KeyError, TypeError):
             return "another process"
 
+    def check_free(self) -> None:
+        """Refuses, naming its process, a lock a live run holds; takes nothing and makes no file."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return  # none (or not a file tiertrain could have made): no live run holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise
+            raise UserError(
+                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to end, or pass "
+                "a new --out"
+            ) from None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)  # the lock goes with the descriptor

@@ -112,6 +112,7 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
     if not resume:
         stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
         target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        runclaim.RunLock(target).check_free()  # a live run's --out: its process named, not "stopped"
         if fresh.tiers.nvme_dir and target.is_dir():  # a killed run's stores go, though its --out is refused
             discard_stale(fresh.tiers.nvme_dir, str(target.resolve()))
         rundir.check_new(target)

@@ -46,7 +46,13 @@ BUDGETS = {"GPU": "GPU memory (usable part)", "host": "host memory (--host-gb)",
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB"
+    """A size in the tables: GB with one decimal, a small one (a small model's) in MiB or KiB, never 0.0 GB."""
+    return f"{n / 1e9:,.1f} GB" if n == 0 or abs(n) >= 1e9 else gb(n)
+
+
+def _params(n: float) -> str:
+    """A parameter count: billions with two decimals, a small model's in millions or thousands."""
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.2f} K"
 
 
 def tier_bars(p: Plan) -> dict[str, dict[str, float]]:
@@ -96,7 +102,7 @@ def plan_dict(p: Plan | Miss) -> dict:
         "spill_first": rp.spill_first,
         "attention": rp.attention,
         "deterministic": rp.deterministic,
-        "checkpoint_dtype": rp.activation_dtype,
+        "activation_dtype": rp.activation_dtype,
         "nvme_ahead": mem.nvme_ahead,
         "speculated": rp.count(Update.HOST_SPECULATED),
         "gpu_speculated": bool(rp.count(Update.GPU_SPECULATED)),
@@ -104,6 +110,8 @@ def plan_dict(p: Plan | Miss) -> dict:
         "fits": fits,
         "why": p.why,
         "short_of": "" if fits else p.short.value,
+        "host_total_bytes": mem.host_total,
+        "gpu_total_bytes": mem.gpu.total,
         "host_bytes": {k.value: b for k, b in mem.host.items()},
         "nvme_bytes": {k.value: b for k, b in mem.nvme.items()},
         "nvme_bwd_reads": mem.nvme_bwd_reads,
@@ -147,10 +155,9 @@ def _missed(p: Miss) -> dict:
 
 
 def to_json(p: Plan | Miss, one: Plan | Miss | None = None, chart: str | None = None) -> str:
-    """`tiertrain plan --format json`: plan_dict, the totals, with several GPUs the scaling against `one`, and the
+    """`tiertrain plan --format json`: plan_dict, with several GPUs the scaling against `one`, and the
     path of the chart drawn (`chart`)."""
     d = plan_dict(p)
-    d.update(host_total_bytes=p.memory.host_total, gpu_total_bytes=p.memory.gpu.total)
     if chart:
         d["chart"] = str(chart)
     if one is not None and p.run_plan.gpus > 1:
@@ -222,14 +229,14 @@ def _ranks(p: Plan, one: Plan | Miss | None) -> list[str]:
 
 def _active(spec) -> str:
     """A mixture of experts' active parameters, on which its FLOPs and model TFLOP/s are counted."""
-    return f" ({spec.n_active_params / 1e9:.2f} B active)" if spec.is_moe else ""
+    return f" ({_params(spec.n_active_params)} active)" if spec.is_moe else ""
 
 
 def to_markdown(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
     """`one`: the plan of one GPU at the same batch, for a plan of several (the scaling)."""
     rp, job = p.run_plan, p.job
     out = [
-        f"# Plan: {job.name}, {job.spec.n_params / 1e9:.2f} B parameters{_active(job.spec)}, "
+        f"# Plan: {job.name}, {_params(job.spec.n_params)} parameters{_active(job.spec)}, "
         f"batch {job.batch} x {job.seq_len} "
         f"tokens, {rp.compute_dtype}",
         "",
@@ -338,7 +345,7 @@ def _findings(p: Plan) -> list[str]:
         most = "at least " if rep.largest_layers >= LARGEST_LAYERS else ""  # the search stops there
         out += [
             f"Largest model of this shape that fits these budgets: {most}{rep.largest_layers} layers, "
-            f"{rep.largest_params / 1e9:.1f} B parameters.",
+            f"{_params(rep.largest_params)} parameters.",
             "",
         ]
     if rep.longest_seq_len:
