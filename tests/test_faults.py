@@ -277,18 +277,22 @@ def test_two_runs_with_the_default_threads_are_bit_identical(tmp_path):
     assert chunks and all(ha[k] == hb[k] for k in chunks)
 
 
-def test_a_sigterm_in_the_setup_leaves_no_scratch_store(token_file, tmp_path):
-    """A scheduler's SIGTERM while the trainer is built (here in its weights' init, after the scratch store was
-    made): the store goes, as for a Ctrl-C, and the process ends in one line (it was killed, the store left)."""
+@pytest.mark.parametrize(
+    "where", ["tiertrain.state.State.init_weights", "tiertrain.trainer.Trainer.describe"]
+)
+def test_a_sigterm_in_the_setup_leaves_no_scratch_store(where, token_file, tmp_path):
+    """A scheduler's SIGTERM while the trainer is built (in its weights' init, after the scratch store was made),
+    or after, before the first step: the store goes, as for a Ctrl-C (it was killed, the store left)."""
+    module, cls, name = where.rsplit(".", 2)
     script = (
-        "import os, signal, sys\n"
-        "import tiertrain.state as st\n"
+        "import importlib, os, signal, sys\n"
         "from tiertrain.cli import main\n"
-        "init = st.State.init_weights\n"
+        f"owner = getattr(importlib.import_module({module!r}), {cls!r})\n"
+        f"was = getattr(owner, {name!r})\n"
         "def stopped(self, *a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    return init(self, *a, **k)\n"
-        "st.State.init_weights = stopped\n"
+        "    return was(self, *a, **k)\n"
+        f"setattr(owner, {name!r}, stopped)\n"
         "sys.argv = ['tiertrain', *sys.argv[1:]]\n"
         "main()\n"
     )

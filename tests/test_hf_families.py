@@ -222,8 +222,11 @@ def test_qwen_windows_are_refused_only_where_a_block_windows(layers, refused, tm
     if refused:
         with pytest.raises(hf.HFError, match="sliding_window 8 shorter than train.seq_len 32"):
             hf.spec_from_hf(tmp_path, 32)
-    else:
+    else:  # and the run takes it (config.check_model refused the window no block has)
+        from tiertrain.config import load_config
+
         assert {hf.spec_from_hf(tmp_path, 32).window(i) for i in range(3)} == {None}
+        load_config(None, ["train.seq_len=32"]).imported(hf.spec_from_hf(tmp_path, 32))
 
 
 def test_rope_kinds_tiertrain_does_not_implement_are_refused_in_any_spelling(tmp_path):

@@ -91,7 +91,7 @@ class Config:
         )
         _need(  # qwen2 and qwen3 place their windows by max_window_layers, which tiertrain does not implement
             self.model.model_type not in ("qwen2", "qwen3")
-            or not self.model.sliding_window
+            or not any(self.model.window(i) for i in range(self.model.num_hidden_layers))
             or self.train.seq_len <= self.model.sliding_window,
             "train",
             "seq_len",

@@ -63,6 +63,9 @@ def fit(
         raise UserError(
             f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out"
         ) from None
+    except BaseException:  # a signal (TermInterrupts) before the loop's own handler: the scratch stores go
+        _close(tr)
+        raise
     if cut:
         echo(cut)
     try:
@@ -73,12 +76,12 @@ def fit(
 
 def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog | None) -> list[dict]:
     tc, every = tr.cfg.train, tr.cfg.checkpoint.every
-    if tr.step:
-        echo(f"resumed at step {tr.step} of {tc.steps}")
-    for line in tr.describe():
-        echo(line)
     history, clock = [], Eta(tr.step, tc.steps)
-    with StopSignals() as stop:
+    with StopSignals() as stop:  # from here a signal stops the run with a checkpoint
+        if tr.step:
+            echo(f"resumed at step {tr.step} of {tc.steps}")
+        for line in tr.describe():
+            echo(line)
         try:
             # a signal stops every rank
             while tr.step < tc.steps and not tr.ranks.any_failed(bool(stop.signal)):

@@ -7,8 +7,8 @@ A run directory holds `tiertrain-run.json` (the marker: the format, and where th
 (the checkpoints and metrics of a timeline a resume from an older checkpoint left). A new run takes an `--out`
 that does not exist or is empty; a resume writes into the run it resumes, or into a new empty `--out`. A directory
 without the marker is a run where a checkpoint in its checkpoints/ names it as its run (one written before the
-marker existed); a directory the user copied checkpoints into is not, and a step_N that is not a tiertrain
-checkpoint is neither resumed nor pruned. Every
+marker existed); a directory the user copied checkpoints into is not, and a step_N without a checkpoint's zarr.json (an export
+there) is neither resumed nor pruned. Every
 refusal happens before anything large is allocated, and names what to change. Claiming a directory for the
 process that writes it (the lock, the marker) is runclaim.py's.
 """
@@ -95,12 +95,12 @@ def attributes(p: Path) -> dict | None:
 
 def saved_steps(d: Path) -> list[tuple[int, Path]]:
     """(step, path) of each whole checkpoint in the checkpoint directory d, oldest first, whatever the timeline;
-    a directory named step_N that is not a tiertrain checkpoint is not one of them (nor pruned)."""
+    a directory named step_N that is no checkpoint (no zarr.json: an export) is not one of them, nor pruned."""
     return (
         sorted(
             (int(m.group(1)), p)
             for p in d.iterdir()
-            if (m := STEP.fullmatch(p.name)) and p.is_dir() and attributes(p) is not None
+            if (m := STEP.fullmatch(p.name)) and (p / "zarr.json").is_file()  # torn, read_meta says so
         )
         if d.is_dir()
         else []

@@ -143,8 +143,8 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
     lock, made = runclaim.claim(target, ckpt_parent)
     try:
         if mine:
+            rundir.check_metrics(target)  # before heal, whose cut of the timeline reads them
             rundir.heal(target)  # a save or a cut of the timeline that a killed process of this run left
-            rundir.check_metrics(target)
             ckpt = rundir.resolve(resume, target if given is None else None)
         meta = read_meta(ckpt)
         rundir.check_resume(ckpt, target, new_run=not whole(meta))

@@ -69,7 +69,7 @@ def advice(job: Job, p: Plan, budgets: Budgets, hw: HardwareSpec) -> list[str]:
         gb = int(p.run_plan.resident_gb + spare * 0.9)
         tries.append(
             (
-                f'tiers.gpu_resident_gb = {gb} (GPU memory the plan leaves free; "auto" takes it)',
+                f"tiers.gpu_resident_gb = {gb} (its resident state and 90% of the GPU memory it leaves free)",
                 replace(budgets, resident_gb=gb),
             )
         )

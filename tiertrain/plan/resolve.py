@@ -174,12 +174,6 @@ def resolve(
     # tiers.nvme_gb 0: the free space of nvme_dir (its nearest existing parent's disk; this run's stale stores are
     # gone by now), the host's, as --nvme-dir budgets `plan`
     free = _free_gb(t.nvme_dir) if t.nvme_dir else None
-    if t.nvme_gb and free is not None and t.nvme_gb > free:  # the store would fill the disk mid-run
-        raise ConfigError(
-            f"tiers.nvme_gb = {t.nvme_gb:g} (--nvme-gb) is more than the {free:.1f} GB free where --nvme-dir "
-            f"{t.nvme_dir} is: pass --nvme-gb {math.floor(free * 10) / 10:g} or less (0: all of it), or an "
-            "--nvme-dir on a disk with room"
-        )
     nvme = t.nvme_gb or free
     ranks = {"gpus": gpus, "per_host": per_host}
     p = search(
@@ -190,6 +184,13 @@ def resolve(
         p = search(cfg, hw, 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks)
         if p.fits and not t.nvme_dir:  # a disk to spill to: the host budget the plan would then need
             _spill_advice(cfg, hw, micro, ram_gb, p.memory.host_total, ranks)
+    disk = (sum(p.memory.nvme.values()) + p.memory.nvme_checkpoints) * per_host if p.fits else 0
+    if t.nvme_gb and free is not None and disk > free * 1e9:  # a budget above the free space: the disk fills
+        raise ConfigError(
+            f"the plan puts {gb(disk)} on the disk of --nvme-dir {t.nvme_dir}, which has {free:.1f} GB free: "
+            f"pass --nvme-gb {math.floor(free * 10) / 10:g} or less (0: all of it), or an --nvme-dir on a disk "
+            "with room"
+        )
     if not p.fits:  # the plan command takes the same flags, and answers a miss with the plans that fit
         raise ConfigError(
             f"{_refusal(cfg, p, micro)} (`tiertrain plan` with the same --config, --set and budget flags "
