@@ -178,9 +178,8 @@ def release(out: Path, made: str, lock: RunLock | None = None) -> None:
     if made == "reused":  # a run that never took a step, left as it came: marked, and so reusable
         _forget_checkpoint_dir(out)
         write_json(out / MARKER, _marker())
-    elif (
-        made
-    ):  # the marker and the lock file are tiertrain's: an --out left as it came (or as empty as it was)
+    # the marker and the lock file are tiertrain's: the --out left as it came (or as empty as it was)
+    elif made:
         _forget_checkpoint_dir(out)
         (out / MARKER).unlink(missing_ok=True)
         (out / LOCK).unlink(missing_ok=True)

@@ -171,9 +171,8 @@ def _least(job: Job, micro: int, groups: tuple[int, ...]) -> list[Choice]:
 
 
 def _fits_in(job: Job, p: Plan, least: Choice, budgets: Budgets, hw: HardwareSpec) -> Plan | Miss:
-    """The plan of `job` in the choice `least`, with a resident budget "auto" at all the GPU memory left (the
-    most memory resident state can add), else the plan's."""
-
+    """The plan of `job` in the choice `least` (its blocks in parts as its expert groups say), with a resident
+    budget "auto" at all the GPU memory left (the most memory resident state can add), else the plan's."""
     least, budgets = in_parts(least, budgets)
 
     def at(b: Budgets) -> Plan | Miss:
@@ -190,9 +189,8 @@ def _fits(
     """(whether `job` fits the budgets in one of the least-memory choices (_least); the budgets the misses are
     short of, each named once: "GPU", "host", "NVMe")."""
     short: list[str] = []
-    for c in _least(
-        job, micro, groups
-    ):  # a miss tries every choice, so the answer does not depend on the order
+    # a miss tries every choice, so the answer does not depend on the order
+    for c in _least(job, micro, groups):
         q = _fits_in(job, p, c, budgets, hw)
         if q.fits:
             return True, ""

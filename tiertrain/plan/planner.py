@@ -47,9 +47,9 @@ GPU_UPDATE_COUNTS = 128  # up to this many candidate units the search tries ever
 # more expert groups free GPU memory (smaller slots) for the activations and cost time each (times.group_seconds,
 # fitted on three runs of one shape): of those within this of the fastest step, the plan takes the fewest
 GROUPS_MARGIN = 1.05
-# of the GPU memory left: the resident budgets "auto" tries
 # host and disk budgets with room for any state: what the GPU alone decides
 AMPLE_GB = 1e7
+# of the GPU memory left: the resident budgets "auto" tries
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)
 
 
