@@ -31,15 +31,12 @@ class RunLock:
     def acquire(self) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
+            self._lock(
+                fd, fcntl.LOCK_EX, "or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest"
+            )
+        except BaseException:
             os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise
-            raise UserError(
-                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to "
-                "end, or stop it (Ctrl-C saves a checkpoint), then resume with --resume latest"
-            ) from None
+            raise
         os.ftruncate(fd, 0)
         os.write(
             fd,
@@ -70,16 +67,21 @@ class RunLock:
         except OSError:
             return  # none (or not a file tiertrain could have made): no live run holds it
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            self._lock(fd, fcntl.LOCK_SH, "or pass a new --out")
+        finally:
+            os.close(fd)
+
+    def _lock(self, fd: int, how: int, then: str) -> None:
+        """flock(fd, how) without waiting; where a live run holds the lock, one line naming its process, and
+        what to do `then`."""
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 raise
             raise UserError(
-                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to end, or pass "
-                "a new --out"
+                f"--out {self.path.parent} is in use by a live run ({self._holder()}); wait for it to end, {then}"
             ) from None
-        finally:
-            os.close(fd)
 
     def release(self) -> None:
         if self.fd >= 0:

@@ -27,6 +27,8 @@ _YARN32 = dict(
 _IDS = dict(
     bos_token_id=1, eos_token_id=2
 )  # the token ids llama's, mistral's and mixtral's classes default to
+# the qwen families' classes alike
+_QWEN = dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, sliding_window=4096)
 FAMILY_DEFAULTS = {  # num_key_value_heads: where config.json leaves it out (None: the attention heads')
     "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048, **_IDS),
     # sliding_window: where config.json leaves it out (mistral's always applies; qwen's with use_sliding_window)
@@ -38,35 +40,10 @@ FAMILY_DEFAULTS = {  # num_key_value_heads: where config.json leaves it out (Non
         num_key_value_heads=8,
         **_IDS,
     ),
-    "qwen2": dict(
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        sliding_window=4096,
-        num_key_value_heads=32,
-    ),
-    "qwen3": dict(
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        head_dim=128,
-        sliding_window=4096,
-        num_key_value_heads=32,
-    ),
-    "qwen2_moe": dict(
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        sliding_window=4096,
-        num_key_value_heads=16,
-    ),
-    "qwen3_moe": dict(
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=32768,
-        sliding_window=4096,
-        num_key_value_heads=4,
-    ),
+    "qwen2": dict(**_QWEN, num_key_value_heads=32),
+    "qwen3": dict(**_QWEN, head_dim=128, num_key_value_heads=32),
+    "qwen2_moe": dict(**_QWEN, num_key_value_heads=16),
+    "qwen3_moe": dict(**_QWEN, num_key_value_heads=4),
     "mixtral": dict(
         rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=131072, num_key_value_heads=8, **_IDS
     ),
