@@ -7,10 +7,10 @@ A run directory holds `tiertrain-run.json` (the marker: the format, and where th
 (the checkpoints and metrics of a timeline a resume from an older checkpoint left). A new run takes an `--out`
 that does not exist or is empty; a resume writes into the run it resumes, or into a new empty `--out`. A directory
 without the marker is a run where a checkpoint in its checkpoints/ names it as its run (one written before the
-marker existed); a directory the user copied checkpoints into is not, and a step_N without a checkpoint's zarr.json (an export
-there) is neither resumed nor pruned. Every
-refusal happens before anything large is allocated, and names what to change. Claiming a directory for the
-process that writes it (the lock, the marker) is runclaim.py's.
+marker existed); a directory the user copied checkpoints into is not, and a step_N without a checkpoint's
+zarr.json (an export there) is neither resumed nor pruned. Every refusal happens before anything large is
+allocated, and names what to change. Claiming a directory for the process that writes it (the lock, the marker)
+is runclaim.py's.
 """
 
 from __future__ import annotations
