@@ -262,3 +262,28 @@ def test_the_shuffled_order_of_the_rows_counts_in_the_host_memory_check(token_fi
     check_ram(rp, frozenset(), need + 8 * rows, 0, "", 0.0, 1, 8 * rows)
     with pytest.raises(ConfigError, match="host memory"):
         check_ram(rp, frozenset(), need + 8 * rows - 1, 0, "", 0.0, 1, 8 * rows)
+
+
+def test_the_host_budget_the_ram_check_names_is_free_here(token_file, monkeypatch):
+    """A run short of RAM is told the --host-gb that spills enough; rounded up to three digits, that budget
+    could pass the RAM free and be refused in turn: it takes more digits there."""
+    import re
+
+    from conftest import tiny_config
+    from tiertrain.errors import ConfigError
+    from tiertrain.plan import resolve
+    from tiertrain.sizes import budget
+    from tiertrain.trainer import Trainer
+
+    tr = Trainer(tiny_config(token_file))
+    rp = tr.run_plan
+    tr.close()
+    least = 123.45e9  # a big model's figures on the tiny plan: three digits round up to 124
+    monkeypatch.setattr(resolve, "host_need", lambda *a: 200e9)
+    monkeypatch.setattr(resolve, "least_host", lambda *a: least)
+    for avail in (least + 1, 123.5e9, 123.9e9, 200e9 - 1):
+        with pytest.raises(ConfigError, match="--host-gb") as e:
+            resolve.check_ram(rp, frozenset(), int(avail), 0, "", 0.0, 1, 0)
+        fit = float(re.search(r"--host-gb ([0-9.]+)", str(e.value)).group(1)) * 1e9
+        assert least <= fit <= avail, (least, fit, avail)
+    assert budget(least) == "124" and budget(least, 123.5e9) == "123.5" and budget(5e9, 4e9) == "5.00"

@@ -248,3 +248,9 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
     zero = cli("plan", *spill, "--nvme-dir", str(tmp_path), "--nvme-gb", "0")
     assert json.loads(zero.stdout)["fits"] == json.loads(free.stdout)["fits"]
     assert json.loads(zero.stdout)["nvme_bytes"] == json.loads(free.stdout)["nvme_bytes"]
+    # a --nvme-dir still to be made: the free space of the disk it will be on, as `run` budgets it
+    later = cli("plan", *spill, "--nvme-dir", str(tmp_path / "new" / "nvme"))
+    assert (
+        later.returncode == free.returncode
+        and json.loads(later.stdout)["fits"] == json.loads(free.stdout)["fits"]
+    )

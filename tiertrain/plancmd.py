@@ -5,7 +5,6 @@ with its arguments added. Imports no torch."""
 from __future__ import annotations
 
 import math
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -85,14 +84,11 @@ class PlanCommand:
     def nvme(self, cfg) -> float | None:
         """The NVMe budget, as `run` takes it: --nvme-gb, else the config's tiers.nvme_gb, else (either of them 0
         too, as tiers.nvme_gb = 0 means) the free space of --nvme-dir (else of tiers.nvme_dir), else none."""
+        from .plan.resolve import free_gb
+
         gb = self.nvme_gb or cfg.tiers.nvme_gb or None
         where = self.nvme_dir or cfg.tiers.nvme_dir
-        if where and gb is None:
-            try:
-                return shutil.disk_usage(where).free / 1e9
-            except OSError as e:
-                raise UserError(f"--nvme-dir {where}: {e.strerror}") from None
-        return gb
+        return free_gb(where) if where and gb is None else gb
 
     def figures(self, cfg):
         """The machine's figures: a probe file (--hardware FILE), the reference (--hardware reference), a named GPU

@@ -14,13 +14,17 @@ def gb(nbytes: float) -> str:
     return f"{nbytes / 2**10:.1f} KiB" if abs(nbytes) >= 2**10 else f"{int(nbytes)} B"
 
 
-def budget(nbytes: float) -> str:
+def budget(nbytes: float, most: float | None = None) -> str:
     """`nbytes` as a --host-gb / --nvme-gb value, rounded up to three significant digits: passed back as it
-    is printed, it is at least `nbytes` (a budget rounded down would be refused again)."""
+    is printed, it is at least `nbytes` (a budget rounded down would be refused again). `most`: bytes the value
+    must not pass either where `nbytes` does not (the RAM free), with more digits where three would."""
     x = max(nbytes, 1.0) / 1e9
     digits = max(0, 2 - math.floor(math.log10(x)))
     text = f"{math.ceil(x * 10**digits - 1e-9) / 10**digits:.{digits}f}"
-    while float(text) * 1e9 < nbytes:  # float rounding in the line above
+    # float rounding in the line above, or a round-up past `most`
+    while float(text) * 1e9 < nbytes or (
+        most is not None and nbytes <= most < float(text) * 1e9 and digits < 9
+    ):
         digits += 1
         text = f"{math.ceil(x * 10**digits) / 10**digits:.{digits}f}"
     return text

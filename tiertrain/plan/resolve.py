@@ -4,9 +4,10 @@ on a GPU or a CPU: what the config fixes stays fixed, what it leaves "auto" is s
 from __future__ import annotations
 
 import math
+import shutil
 
 from ..config import Config
-from ..errors import ConfigError
+from ..errors import ConfigError, why
 from ..modes import Home, Kind
 from ..sections import AUTO, fixed
 from ..sizes import budget, gb
@@ -121,14 +122,18 @@ def search(
     return explain(job, p, budgets, hw, choice) if advise else p
 
 
-def _free_gb(path: str) -> float:
-    import shutil
+def free_gb(path: str) -> float:
+    """The free space, in GB, of the disk `path` is or will be on (its nearest existing parent's): the NVMe budget
+    --nvme-dir gives when --nvme-gb does not, in `run` and `plan` alike."""
     from pathlib import Path
 
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
-    return shutil.disk_usage(p).free / 1e9
+    try:
+        return shutil.disk_usage(p).free / 1e9
+    except OSError as e:
+        raise ConfigError(f"--nvme-dir {path}: {why(e)}") from None
 
 
 def chosen(cfg: Config) -> tuple[str, ...]:
@@ -173,7 +178,7 @@ def resolve(
         )
     # tiers.nvme_gb 0: the free space of nvme_dir (its nearest existing parent's disk; this run's stale stores are
     # gone by now), the host's, as --nvme-dir budgets `plan`
-    free = _free_gb(t.nvme_dir) if t.nvme_dir else None
+    free = free_gb(t.nvme_dir) if t.nvme_dir else None
     nvme = t.nvme_gb or free
     ranks = {"gpus": gpus, "per_host": per_host}
     p = search(
@@ -205,7 +210,7 @@ def _spill_advice(cfg: Config, hw: HardwareSpec, micro, ram_gb: float, need: flo
     spill = search(cfg, hw, ram_gb, hw.gpu_mem_gb, 1e7, "run", micro=micro, advise=False, **ranks)
     least = 0.0 if spill.fits else spill.least_host
     if spill.fits or 0 < least <= ram_gb * 1e9 / 0.9:
-        host = budget(least) if least else f"{math.floor(ram_gb * 10) / 10:g}"
+        host = budget(least, ram_gb * 1e9 / 0.9) if least else f"{math.floor(ram_gb * 10) / 10:g}"
         raise ConfigError(
             f"the run needs {gb(need)} of host memory and this machine has {gb(ram_gb * 1e9 / 0.9)} of RAM "
             f"available: pass --host-gb {host} --nvme-dir DIR (a directory on a fast disk) to spill the rest to disk"
@@ -302,7 +307,7 @@ def check_ram(
             + ": use a machine with more RAM, or a smaller model or batch"
         )
     # --host-gb holds the process and the device's working set too: 90% of what is free, or all it needs if more
-    fit = budget(least) if least > avail * 0.9 else f"{math.floor(avail * 0.9 / 1e8) / 10:g}"
+    fit = budget(least, avail) if least > avail * 0.9 else f"{math.floor(avail * 0.9 / 1e8) / 10:g}"
     spill = f"--host-gb {fit}" + ("" if nvme_dir else " --nvme-dir DIR (a directory on a fast disk)")
     if host_gb:
         raise ConfigError(
