@@ -299,6 +299,35 @@ def test_a_resume_on_the_same_tokens_with_another_loss_mask_is_refused(tmp_path)
         same.close()
 
 
+def test_pruning_renames_a_checkpoint_away_before_deleting_it(token_file, tmp_path, monkeypatch):
+    """A reader of a checkpoint being pruned finds it gone at once (no part-deleted checkpoint with its zarr.json
+    still there), and a kill mid-deletion leaves a temporary that the run's next process deletes."""
+    import shutil
+
+    tr = Trainer(tiny_config(token_file))
+    for _ in range(2):
+        tr.save_checkpoint(tmp_path / "run")
+        tr.train_step()
+    tr.close()
+    first, *rest = rundir.checkpoints(tmp_path / "run")
+    seen, real = [], shutil.rmtree
+
+    def killed(p, *a, **k):  # the deletion a kill stops: what a reader sees at that moment
+        seen.append((p.name, (first / "zarr.json").exists()))
+        if p.name == f".{first.name}.tmp" and p.exists():
+            raise KeyboardInterrupt
+        return real(p, *a, **k)
+
+    monkeypatch.setattr(rundir.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rundir.prune(tmp_path / "run", 1)
+    monkeypatch.undo()
+    assert seen[-1] == (f".{first.name}.tmp", False)
+    assert rundir.checkpoints(tmp_path / "run") == rest
+    ckpt.recover(first.parent)
+    assert sorted(p.name for p in first.parent.iterdir()) == sorted(p.name for p in rest)
+
+
 def test_a_checkpoint_pruned_while_it_is_read_is_one_line(token_file, tmp_path, monkeypatch):
     """A live run prunes its older checkpoints (checkpoint.keep): an export or a resume reading one of them at that
     moment says so, where it said the checkpoint was corrupt or gave a FileNotFoundError traceback."""

@@ -380,13 +380,11 @@ def _reading(path: Path) -> Iterator[None]:
     try:
         yield
     except (OSError, CheckpointError):
-        for _ in range(2):  # a deletion under way: its top-level file may still be there a moment
-            if not (path / "zarr.json").is_file():
-                raise CheckpointError(
-                    f"{path} was deleted while it was read: its run is live and keeps only its newest "
-                    "checkpoints (checkpoint.keep); pass a newer one"
-                ) from None
-            time.sleep(1.0)
+        if not (path / "zarr.json").is_file():  # rundir.prune renames it away before deleting it
+            raise CheckpointError(
+                f"{path} was deleted while it was read: its run is live and keeps only its newest "
+                "checkpoints (checkpoint.keep); pass a newer one"
+            ) from None
         raise
 
 

@@ -125,8 +125,13 @@ def step_path(run: Path, step: int) -> Path:
 
 
 def prune(run: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` checkpoints. Each is renamed a save's temporary first (recover() deletes
+    one a kill leaves): a process reading it sees it gone at once, not part-deleted."""
     for old in checkpoints(run)[:-keep]:
-        shutil.rmtree(old)
+        gone = old.with_name(f".{old.name}.tmp")
+        shutil.rmtree(gone, ignore_errors=True)
+        os.rename(old, gone)
+        shutil.rmtree(gone)
 
 
 def is_run(d: Path) -> bool:
