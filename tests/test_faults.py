@@ -258,6 +258,13 @@ def test_plan_of_the_debug_config_finishes():
     )
     assert r.returncode == 0, r.stderr
     assert "Largest model of this shape that fits these budgets: at least 4096 layers" in r.stdout
+    # a small model's sizes in M and MiB: not "0.00 B parameters" and every row "0.0 GB"
+    assert r.stdout.startswith("# Plan: debug, 0.84 M parameters"), r.stdout[:80]
+    assert "| fp32 master weights | 3.2 MiB | 0.0 GB |" in r.stdout
+    assert (
+        re.search(r"\| weight slots \| [0-9.]+ MiB \|", r.stdout)
+        and "| **total** | **0.0 GB** |" not in r.stdout
+    )
 
 
 # ---- the same bits every run ----------------------------------------------------------------------
@@ -496,13 +503,17 @@ def test_a_tokenizer_that_is_not_json_is_one_line(tmp_path):
     )
 
 
-@pytest.mark.parametrize("edit", ["no-rng", "no-kinds", "edited-lr"])
+@pytest.mark.parametrize("edit", ["no-rng", "no-kinds", "edited-lr", "torn"])
 def test_checkpoint_attributes_are_checked_and_checksummed(token_file, tmp_path, edit):
     out = tmp_path / "run"
     assert cli("run", *tiny(token_file), *STEPS, "--set", "train.steps=3", "--out", str(out)).returncode == 0
     meta_file = out / "checkpoints" / "step_3" / "zarr.json"
     meta = json.loads(meta_file.read_text())
     attrs = meta["attributes"]
+    if edit == "torn":  # half written (a disk's fault): the newest checkpoint still, unreadable, not skipped
+        meta_file.write_text(meta_file.read_text()[:200])
+        refused(cli("run", "--resume", "latest", "--out", str(out)), "step_3 is an unreadable checkpoint")
+        return
     if edit == "edited-lr":
         attrs["optimizer"]["lr"] = 1.0
     else:

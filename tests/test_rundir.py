@@ -237,6 +237,13 @@ def test_a_cut_killed_midway_is_finished_by_the_next_process(token_file, tmp_pat
     assert cli("run", *tiny(token_file), *keep, "--set", "train.steps=4", "--out", str(r_)).returncode == 0
     write_json(r_ / rundir.CUT, {"step": 2, "to": "resumed-at-step_2-x"})
     assert rundir.resolve("latest", r_).name == "step_2" and _steps(r_) == ["step_1", "step_2"]
+    # metrics.jsonl that tiertrain did not write: refused before the cut reads it, nothing moved
+    metrics = r_ / "metrics.jsonl"
+    good = metrics.read_text()
+    metrics.write_text(good + "[1, 2]\n" + good)
+    refused(cli("run", "--resume", "latest", "--out", str(r_), "--set", "train.steps=3"), "was it edited?")
+    assert (r_ / rundir.CUT).exists() and not (r_ / "abandoned").exists() and metrics.read_text() != good
+    metrics.write_text(good)
     r = cli("run", "--resume", "latest", "--out", str(r_), "--set", "train.steps=3")
     assert r.returncode == 0, r.stderr
     assert not (r_ / rundir.CUT).exists() and _steps(r_) == ["step_1", "step_2", "step_3"]
