@@ -549,3 +549,34 @@ def test_a_rendezvous_port_taken_is_one_line(tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     refused(r, f"the ranks cannot meet at 127.0.0.1:{env['MASTER_PORT']}", "run it again")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_signal_the_launcher_passes_on_lets_every_rank_clean_up(tmp_path):
+    """SIGTERM to the launcher reaches every rank; one that stops at once (before the loop, an interrupt) does not
+    get the others killed: each gives back what it made (its NVMe store), where they were SIGKILLed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rank = (
+        "import os, pathlib, signal, sys, time\n"
+        "d = pathlib.Path(sys.argv[1]); r = os.environ['RANK']\n"
+        "def stop(*a):\n"
+        "    if r == '1':\n"
+        "        time.sleep(1.0)\n"
+        "        (d / 'cleaned-1').write_text('')\n"
+        "    sys.exit(130)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "(d / f'ready-{r}').write_text('')\n"
+        "time.sleep(60)\n"
+    )
+    job = f"import sys; from tiertrain.launch import launch; sys.exit(launch(2, ['-c', {rank!r}, {str(tmp_path)!r}], module=None))"
+    p = subprocess.Popen([sys.executable, "-c", job])
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{r}").exists() for r in "01") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGTERM)
+    assert p.wait(60) == 130
+    assert (tmp_path / "cleaned-1").exists()

@@ -5,7 +5,8 @@ the others at once (SIGKILL: they cannot save without it, and the last checkpoin
 they stop at), and its exit status is the job's, with a line saying which rank and how where it said nothing
 itself; a refusal (status 2), which the ranks meet together, lets the others end by themselves (rank 0 takes
 back the run directory it claimed). SIGINT and SIGTERM are passed on to every rank (each then finishes its
-step, they save a checkpoint together and stop)."""
+step, they save a checkpoint together and stop; before the loop each gives back what it made), and a rank that
+stops first waits for the others to."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
             subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
         )
 
+    signalled = []
+
     def forward(signum, frame) -> None:
+        signalled.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -58,9 +62,12 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
             failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
                 r, code = failed
-                # a refusal (2) the ranks met together: they stop by themselves, rank 0 taking back the run
-                # directory it claimed; anything else kills them at once
-                _stop(procs, "wait" if code == 2 else "kill")
+                # a refusal (2) the ranks met together, or a signal passed on to each: they stop by themselves
+                # (rank 0 takes back the run directory it claimed, each rank its NVMe store); anything else
+                # kills them at once
+                _stop(procs, "wait" if code == 2 or signalled else "kill")
+                if signalled:
+                    return code if code > 0 else 128 - code
                 if code < 0:
                     name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else -code
                     print(
