@@ -126,6 +126,14 @@ def test_a_run_plans_with_its_named_gpu_unless_a_probe_file_measured_it(tmp_path
     REFERENCE.save(probe)
     probed = this_machine(("NVIDIA H100 80GB HBM3", 85.0), probe, "a100-80gb")
     assert probed.bf16_tflops == REFERENCE.bf16_tflops and "'a100-80gb' not used" in probed.source
+    # a probe of this GPU: `plan` (nvidia-smi's 81,559 MiB) takes torch's memory, as `run` does
+    from dataclasses import replace
+
+    replace(REFERENCE, gpu="NVIDIA H100 80GB HBM3", gpu_mem_gb=85.0175).save(probe)
+    smi, torch_gb = 81559 * 2**20 / 1e9, 85.0175
+    assert this_machine(("NVIDIA H100 80GB HBM3", smi), probe).gpu_mem_gb == torch_gb
+    assert this_machine(("NVIDIA H100 80GB HBM3", torch_gb), probe).gpu_mem_gb == torch_gb
+    assert this_machine(("NVIDIA H200", 150.1), probe).gpu_mem_gb == 150.1  # a probe of another GPU
     with pytest.raises(ConfigError, match="unknown GPU 'x1'"):
         this_machine(("NVIDIA H100 80GB HBM3", 85.0), None, "x1")
     # the config's [hardware] gpu, in a plan: the named GPU, as --gpu

@@ -175,7 +175,10 @@ def this_machine(gpu: tuple[str, float], path: str | Path | None = None, name: s
     if path is None and hardware.PROBE_FILE.is_file():
         path = hardware.PROBE_FILE
     if path:
-        hw = replace(HardwareSpec.load(path), gpu_mem_gb=gpu[1])
+        probed = HardwareSpec.load(path)
+        # of this GPU, the memory torch reported to the probe, as to the run: nvidia-smi counts what the driver keeps
+        mem = min(gpu[1], probed.gpu_mem_gb) if probed.gpu == gpu[0] else gpu[1]
+        hw = replace(probed, gpu_mem_gb=mem)
         return replace(hw, source=f"{hw.source} (hardware.gpu {name!r} not used)") if name else hw
     entry = named(name) if name else from_smi(gpu[0])
     base = entry.spec() if entry else REFERENCE
