@@ -64,6 +64,12 @@ def main() -> None:
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
 @click.option("--nvme-gb", type=float, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
 @click.option(
+    "--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size)."
+)
+@click.option(
+    "--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len)."
+)
+@click.option(
     "--save-every", type=int, default=None, metavar="N", help="Checkpoint every N steps (checkpoint.every)."
 )
 @click.option(
@@ -100,6 +106,8 @@ def run(
     host_gb: float | None,
     nvme_dir: str | None,
     nvme_gb: float | None,
+    batch_size: int | None,
+    seq_len: int | None,
     save_every: int | None,
     resume: str | None,
     init_from: str | None,
@@ -147,6 +155,8 @@ def run(
         "tiers.host_gb": host_gb,
         "tiers.nvme_dir": nvme_dir,
         "tiers.nvme_gb": nvme_gb,
+        "train.batch_size": batch_size,
+        "train.seq_len": seq_len,
         "checkpoint.every": save_every,
         "train.init_from": init_from,
         "hardware.gpu": gpu,

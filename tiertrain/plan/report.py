@@ -403,7 +403,8 @@ def miss_markdown(p: Miss) -> list[str]:
     out += [
         "## Nearest plans that fit on this machine",
         "",
-        "Each row's arguments, added to the same `tiertrain plan` command, make a plan that fits.",
+        "Each row's arguments, added to the same `tiertrain plan` command, make a plan that fits; `tiertrain run` "
+        "takes them too (an NVMe tier with --nvme-dir DIR).",
         "",
         "| arguments | what changes | predicted step | tokens/s |",
         "| --- | --- | --- | --- |",
