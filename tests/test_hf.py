@@ -16,7 +16,7 @@ from tiertrain.export import export_hf
 from tiertrain.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
-IMPORTED = ["llama3-rope", "mistral", "qwen2", "qwen3"]
+IMPORTED = ["llama3-rope", "mistral", "qwen2", "qwen3", "llama-bias", "qwen3-bias"]
 
 
 def _load(path):

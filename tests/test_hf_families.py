@@ -137,6 +137,11 @@ HAND_WRITTEN = [  # config.json fields left out, or given as transformers 5 stan
     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, rope_scaling=None, rope_theta=1e4)),
     ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, rope_parameters=None)),
+    # an empty table is the default rope (null or absent: the family's YaRN)
+    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, rope_parameters={})),
+    # linear and dynamic (within max_position_embeddings) scalings, legacy key included
+    ("llama", dict(rope_scaling={"type": "linear", "factor": 4.0})),
+    ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})),
     ("qwen3", {}),
     ("qwen3", dict(head_dim=16)),
     ("llama", {}),
@@ -230,12 +235,12 @@ def test_qwen_windows_are_refused_only_where_a_block_windows(layers, refused, tm
 
 
 def test_rope_kinds_tiertrain_does_not_implement_are_refused_in_any_spelling(tmp_path):
-    """A linear rope under rope_parameters' legacy "type" key was read as no scaling: it is refused, as under
+    """A rope kind under rope_parameters' legacy "type" key was read as no scaling: it is refused, as under
     rope_type."""
     base = {k: v for k, v in SHAPE.items() if k != "rms_norm_eps"}
     for rope in (
-        {"rope_parameters": {"type": "linear", "factor": 4.0}},
-        {"rope_scaling": {"rope_type": "linear"}},
+        {"rope_parameters": {"type": "longrope", "factor": 4.0}},
+        {"rope_scaling": {"rope_type": "su"}},
     ):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **base, **rope}))
         with pytest.raises(hf.HFError, match="rope_type must be one of"):
@@ -289,3 +294,52 @@ def test_an_export_keeps_null_token_ids_and_named_chat_templates(tmp_path):
     # readable by other users, the weights too (safetensors writes 0600)
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir() if p.is_file()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+IGNORED = [  # config.json keys the family's transformers class does not read (no window in llama), or reads alike
+    ("llama", dict(use_sliding_window=True, sliding_window=8)),
+    ("mistral", dict(attention_bias=True, mlp_bias=True, hidden_dropout=0.1, hidden_act="swish")),
+    ("qwen3_moe", dict(router_jitter_noise=0.5, mlp_bias=True, **MOE)),
+    ("gpt_oss", dict(hidden_act="gelu", num_local_experts=4, num_experts_per_tok=2)),
+]
+
+
+@pytest.mark.parametrize("family,fields", IGNORED)
+def test_what_the_family_does_not_read_is_ignored_as_transformers_ignores_it(family, fields, tmp_path):
+    """Imported as transformers loads it: the same logits, where tiertrain windowed llama's blocks or refused
+    the keys."""
+    base = {k: v for k, v in SHAPE.items() if k != "rms_norm_eps"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **base, **fields}))
+    torch.manual_seed(0)
+    want = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(tmp_path), attn_implementation="eager"
+    ).float()
+    with torch.no_grad():  # q and k large enough that a window would change the logits
+        for n, p in want.named_parameters():
+            p.mul_(8.0 if ("q_proj.weight" in n or "k_proj.weight" in n) else 1.0)
+    want.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **base, **fields}))
+    spec = hf.spec_from_hf(tmp_path, 40)
+    r = hf.open_weights(tmp_path, spec)
+    weights = [{t.name: r.get(t.hf_name, t.shape).float() for t in u.tensors} for u in spec.units()]
+    for u, w in zip(spec.units(), weights):
+        for name, owner, oname in u.borrows:
+            w[name] = weights[owner][oname]
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _logits(spec, weights, tokens), want.eval()(input_ids=tokens).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic"])
+def test_a_linear_or_dynamic_rope_lifts_its_positions_alone(kind):
+    """A sequence past the positions keeps the model's own scaling (transformers reads the raised positions
+    alike: a linear factor whatever the length, a dynamic one only past them): only the positions are raised."""
+    from tiertrain.config import load_config, position_lift
+
+    spec = ModelSpec(**{**SHAPE, "rope_scaling": {"rope_type": kind, "factor": 2.0}})
+    lift = position_lift(spec, 100)
+    assert lift == "--set model.max_position_embeddings=100"
+    cfg = load_config(None, ["train.seq_len=100", "model.max_position_embeddings=100"])
+    assert cfg.imported(spec).model.rope_scaling == spec.rope_scaling

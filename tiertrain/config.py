@@ -127,9 +127,12 @@ class Config:
 def position_lift(spec: ModelSpec, n: int) -> str:
     """The `--set` values that let `spec` train sequences of `n` tokens: max_position_embeddings raised to `n`, and
     a rope scaling stretching the positions the model was trained with (its original context, or its whole one
-    without a scaling) by the factor that reaches `n`: a yarn model's own yarn with that factor, else llama3's."""
+    without a scaling) by the factor that reaches `n`: a yarn model's own yarn with that factor, else llama3's. A
+    linear or dynamic scaling stays as it is (transformers' reads the raised positions alike)."""
     rs = dict(spec.rope_scaling or {})
     kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in ("linear", "dynamic"):
+        return f"--set model.max_position_embeddings={n}"
     if kind not in ("llama3", "yarn"):
         rs = {
             "rope_type": "llama3",

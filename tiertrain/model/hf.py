@@ -62,7 +62,8 @@ def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> Mo
     wrong = f"{d}/config.json has a field of the wrong type ({{}}); fix it or re-download the model"
     try:
         heads = c["num_attention_heads"]
-        fields = dict(attention_bias=mt == "qwen2", qk_norm=mt == "qwen3")
+        bias = mt in ("llama", "qwen3") and bool(c.get("attention_bias", False))  # on q, k, v and o
+        fields = dict(attention_bias=mt == "qwen2" or bias, attention_out_bias=bias, qk_norm=mt == "qwen3")
         fields.update(hf_moe.spec_fields(c, mt) if mt in MOE_TYPES else {})
         if window is not None and mt in ("qwen2", "qwen3"):  # the blocks that window, for the export
             lim = c.get("max_window_layers", 28)
@@ -142,18 +143,24 @@ def _implemented(c: dict, d: Path, mt: str, seq_len: int | None) -> int | None:
                 f"{d}: {why}, which tiertrain does not implement; it cannot train this model exactly"
             )
 
-    refuse(c.get("hidden_act", "silu") == "silu", f"hidden_act {c.get('hidden_act')!r} (only silu)")
-    refuse(not c.get("mlp_bias", False), "mlp_bias")
+    # only what the family's transformers class reads: gpt-oss's experts take no hidden_act, only llama's MLP
+    # mlp_bias, only mixtral's router its jitter; no class reads hidden_dropout, and attention_bias is llama's
+    # and the qwen3 families' (imported) or none (mistral's, mixtral's, qwen2_moe's)
+    if mt != "gpt_oss":  # transformers' "swish" is torch's SiLU too
+        refuse(
+            c.get("hidden_act", "silu") in ("silu", "swish"),
+            f"hidden_act {c.get('hidden_act')!r} (only silu)",
+        )
+    if mt == "llama":
+        refuse(not c.get("mlp_bias", False), "mlp_bias")
+    if mt == "mixtral":
+        refuse(not c.get("router_jitter_noise", 0.0), "router_jitter_noise (only 0)")
     refuse(not c.get("attention_dropout", 0.0), f"attention_dropout {c.get('attention_dropout')} (only 0)")
-    refuse(not c.get("hidden_dropout", 0.0), f"hidden_dropout {c.get('hidden_dropout')} (only 0)")
-    if mt not in ("qwen2", "qwen3_moe", "gpt_oss"):
-        refuse(not c.get("attention_bias", False), f"attention_bias in {mt}")
-    refuse(not c.get("router_jitter_noise", 0.0), "router_jitter_noise (only 0)")
     q = c.get("quantization_config")
     refuse(q is None or mt == "gpt_oss" and q.get("quant_method") == "mxfp4", f"quantization_config {q}")
     window = (
         c.get("sliding_window", FAMILY_DEFAULTS[mt].get("sliding_window"))
-        if (mt == "mistral" or c.get("use_sliding_window"))
+        if (mt == "mistral" or mt != "llama" and c.get("use_sliding_window"))  # llama's class has no window
         else None
     )
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
@@ -188,7 +195,9 @@ def _rope(c: dict, d: Path, mt: str) -> tuple[object, dict | None]:
     level where config.json has them there (Phi-3's), else the table's, else max_position_embeddings."""
     fam = FAMILY_DEFAULTS[mt]
     key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-    rp = c.get(key) or fam.get("rope_scaling") or {}
+    rp = c.get(key)
+    if rp is None:  # absent or null: the family's (gpt-oss's YaRN); an empty table is the default rope
+        rp = fam.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         raise HFError(
             f"{d}/config.json: {key} holds a JSON {type(rp).__name__}; it must be an object "

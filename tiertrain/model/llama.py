@@ -24,14 +24,17 @@ _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]
 
 
 def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """(RoPE's inverse frequencies, the factor on cos and sin): transformers' default, llama3 and yarn."""
+    """(RoPE's inverse frequencies, the factor on cos and sin): transformers' default, linear, dynamic, llama3
+    and yarn."""
     d = spec.hd
     inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = spec.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "yarn":
         return _yarn(spec, rs)
-    if kind != "llama3":
+    if kind == "linear":
+        return inv / rs["factor"], 1.0
+    if kind != "llama3":  # dynamic: the default up to max_position_embeddings, which train.seq_len is within
         return inv, 1.0
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old = rs["original_max_position_embeddings"]

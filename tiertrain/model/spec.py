@@ -11,7 +11,7 @@ from ..errors import ConfigError
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # mixtures of experts (model/moe.py)
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
-ROPE_TYPES = ("default", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -294,6 +294,11 @@ class ModelSpec:
             "factor" not in rs or _finite(rs["factor"]),
             "rope_scaling",
             "factor must be a positive finite number",
+        )
+        self._need(
+            kind not in ("linear", "dynamic") or "factor" in rs,
+            "rope_scaling",
+            f"{kind} scaling needs factor",
         )
         if kind == "yarn":
             keys = ("factor", "original_max_position_embeddings")
