@@ -53,8 +53,11 @@ AMPLE_GB = 1e7
 RESIDENT_SHARES = (1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.45, 0.3, 0.15)
 
 
-def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice()) -> Plan | Miss:
-    """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason. `fixed`: what the
+def plan(
+    job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice(), any_fit: bool = False
+) -> Plan | Miss:
+    """The fastest choice that fits (ties: less GPU memory); or a miss, with its reason (`any_fit`: the first
+    choice found to fit, not the fastest: whether the budgets hold the job at all). `fixed`: what the
     config fixes (None: searched); budgets.resident_gb "auto": part of the GPU memory the rest of the plan
     leaves (kept activations aside), for resident units, the kept activations taking what those leave, in the
     proportion that gives the shortest step. Checkpoints left to the search go to the GPU or the host, or split
@@ -71,12 +74,11 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
         tried = [first] + [plan(job, budgets, hw, replace(fixed, groups=g)) for g in options[1:]]
         ok = [p for p in tried if p.fits]
         if not ok:  # the miss to report: of those the GPU holds with host and disk to spare, the least short
-            held = [
-                q
-                for q, g in zip(tried, options)
-                if q.short != Short.GPU and _held(job, budgets, hw, fixed, g)
-            ]
-            return min(held, key=_miss_order) if held else first
+            # (each _held is a search: in that order, the first held; sorted keeps ties in order, as min does)
+            order = sorted(zip(tried, options), key=lambda qg: _miss_order(qg[0]))
+            return next(
+                (q for q, g in order if q.short != Short.GPU and _held(job, budgets, hw, fixed, g)), first
+            )
         best = min(_expected(p) for p in ok)
         return next(p for p in ok if _expected(p) <= best * GROUPS_MARGIN)
     fixed, budgets = settled(fixed, budgets, hw)
@@ -101,10 +103,14 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
         if budgets.resident_gb != "auto":
             return at(budgets)
         best = at(replace(budgets, resident_gb=0.0))
+        if any_fit and best.fits:
+            return best
         spare = resident_room(at, budgets, hw, best)
-        tries = [
-            at(replace(budgets, resident_gb=int(spare * f))) for f in RESIDENT_SHARES if int(spare * f) >= 1
-        ]
+        tries = []
+        for f in (f for f in RESIDENT_SHARES if int(spare * f) >= 1):
+            tries.append(at(replace(budgets, resident_gb=int(spare * f))))
+            if any_fit and tries[-1].fits:
+                return tries[-1]
         for q in tries:
             if q.fits and (not best.fits or _expected(q) < _expected(best) * (1 - 1e-9)):
                 best = q
@@ -112,11 +118,22 @@ def plan(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice = Choice())
             return tries[0]  # what the host and disk still lack
         return best
 
-    cands = [choice(m, s, a) for m in micros for s in streams for a in places]
+    cands: list[Plan | Miss] = []
+
+    def added(homes: list[str]) -> bool:
+        """The choices of these checkpoint homes added to cands; whether one fits, where any_fit stops there."""
+        for m, s, a in ((m, s, a) for m in micros for s in streams for a in homes):
+            cands.append(choice(m, s, a))
+            if any_fit and cands[-1].fits:
+                return True
+        return False
+
+    if added(places):
+        return cands[-1]
     # with an NVMe tier, checkpoints there beside the state in RAM: each costs the disk a write beside the forward
     # pass and a read beside the backward one, where a spilled moment costs both after the norm
-    if not fixed.activations and (budgets.nvme_gb or not any(c.fits for c in cands)):
-        cands += [choice(m, s, "split") for m in micros for s in streams]
+    if not fixed.activations and (budgets.nvme_gb or not any(c.fits for c in cands)) and added(["split"]):
+        return cands[-1]
     ok = [c for c in cands if c.fits]
     if (
         not ok
@@ -153,7 +170,7 @@ def _held(job: Job, budgets: Budgets, hw: HardwareSpec, fixed: Choice, groups: i
     """Whether blocks in these expert groups fit the GPU with host and disk to spare: where they do not, a miss
     short of host or disk would miss the GPU once those were raised."""
     ample = replace(budgets, host_gb=AMPLE_GB, nvme_gb=AMPLE_GB if budgets.nvme_gb else budgets.nvme_gb)
-    return plan(job, ample, hw, replace(fixed, groups=groups)).fits
+    return plan(job, ample, hw, replace(fixed, groups=groups), any_fit=True).fits
 
 
 def _miss_order(m: Miss) -> tuple:
