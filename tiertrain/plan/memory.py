@@ -259,9 +259,10 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
     nl, nvme_on = spec.num_hidden_layers, bool(s.budgets.nvme_gb)
     if acts == "nvme" and not nvme_on:
         return s.miss(Short.NVME, "NVMe: checkpoints on NVMe need an NVMe tier; pass --nvme-dir", mem)
-    n_gpu = {"gpu": nl, "split": min(nl, max(0, int((s.gpu_budget - mem.gpu.total) // ck_unit) - 1))}.get(
-        acts, 0
-    )
+    # bf16 checkpoints come back as fp32 (ActivationStore.get): room for that before the split counts its own
+    cast = s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0
+    room = s.gpu_budget - mem.gpu.total - cast
+    n_gpu = {"gpu": nl, "split": min(nl, max(0, int(room // ck_unit) - 1))}.get(acts, 0)
     n_host = {"host": nl, "split": nl - n_gpu}.get(acts, 0)
     if acts == "split" and nvme_on and n_host:  # RAM after the whole state, the rest on NVMe
         room = s.host_budget - sum(host_cost(n * b) for n in s.numels for b in s.kb.values())
@@ -272,9 +273,7 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
     # the GPU's room for checkpoints: its own and one more, at least two (the backward pass holds the block's and
     # the next one's); the store's reads and writes run ahead within it (engine/activations.py); and the block's,
     # cast back
-    on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit + (
-        s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0
-    )
+    on_gpu = (nl if n_gpu == nl else max(n_gpu + 1, min(2, nl))) * ck_unit + cast
     host_ck = n_host * host_cost(ck_unit) + (ck_ring_bytes(s.run_plan.ck_pieces) if split[Home.NVME] else 0)
     return replace(mem, gpu=replace(mem.gpu, checkpoints=on_gpu), checkpoints=frozen(split)), host_ck
 
