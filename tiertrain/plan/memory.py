@@ -32,6 +32,8 @@ from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
 from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
 
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
+# a kept block's backward pass above its graph, in H-wide bytes per token (dev/kept_workset.py)
+KEPT_WORK_H = 16.5
 
 
 # the budget a miss is short of, by name
@@ -407,11 +409,15 @@ def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
         return mem
     # shown gross: the blocks kept have no checkpoint
     saved = kept * s.ck_unit if choice.activations == "gpu" else 0
-    gpu = replace(
-        mem.gpu,
-        kept=kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens,
-        checkpoints=mem.gpu.checkpoints - saved,
-    )
+    graphs = kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens
+    if (
+        tiled
+    ):  # a kept block runs untiled (Step.forward_kept), so a forced keep pays what the tiled plan does not:
+        # its backward pass's peak (a micro-batch's) where above the tiled working set, and the fp32 outputs its
+        # graphs hold (every micro-batch's)
+        H = spec.hidden_size
+        graphs += max(0.0, KEPT_WORK_H * H * choice.micro * job.seq_len - mem.gpu.working) + s.tokens * H * 4
+    gpu = replace(mem.gpu, kept=graphs, checkpoints=mem.gpu.checkpoints - saved)
     return replace(mem, gpu=gpu, kept=kept, kept_checkpoints=saved)
 
 
