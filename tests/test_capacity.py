@@ -312,3 +312,24 @@ def test_bf16_checkpoints_need_no_more_memory_than_fp32_ones():
             p = json.loads(out)
             assert code == 0 and p["fits"], (host, dtype, out[-300:])
             assert p["gpu_total_bytes"] <= 80e9 * 0.95
+
+
+def test_a_forced_keep_under_tiling_pays_the_kept_blocks_untiled_backward():
+    """A kept block runs untiled whatever the tile: its backward pass peaks 16 H bytes a token above its graph on
+    llama-1b's shape (bench/results/2026-11-27-H200-kept-backward.md), above the tiled working set, and its graph
+    holds its fp32 output. llama-1b at 512k with one kept block planned 138.4 of 142.6 GB and needs about 145."""
+    import json
+
+    from tiertrain.plan.memory import KEPT_WORK_H
+
+    args = ["--config", "llama-1b", "--gpu", "h200", "--host-gb", "400", "--batch-size", "1"]
+    args += ["--seq-len", "524288", "--set", "model.max_position_embeddings=524288", "--format", "json"]
+    code, out = plan_cli(*args, "--set", "train.keep_activations=1", "--set", 'tiers.activations="gpu"')
+    p = json.loads(out)
+    assert code == 1 and not p["fits"] and p["short_of"] == "GPU", out[-300:]
+    assert KEPT_WORK_H >= 16.1  # the largest measured
+    code, out = plan_cli(*args, "--set", "train.keep_activations=1", "--seq-len", "262144")
+    p = json.loads(out)
+    H, tokens = 2048, 262144
+    assert p["fits"] and p["tile"] and p["kept"] == 1
+    assert p["gpu"]["kept activations"] >= p["gpu"]["working set"] + 4 * H * tokens  # the untiled backward

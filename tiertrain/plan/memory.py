@@ -32,7 +32,8 @@ from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
 from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
 
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
-# a kept block's backward pass above its graph, in H-wide bytes per token (dev/kept_workset.py)
+# a kept block's backward pass above its graph, in H-wide bytes per token: 14.1-16.1 measured
+# (bench/results/2026-11-27-H200-kept-backward.md, dev/kept_workset.py)
 KEPT_WORK_H = 16.5
 
 
