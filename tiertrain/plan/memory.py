@@ -264,8 +264,8 @@ def _checkpoint_split(s: Shape, mem: Memory) -> tuple[Memory, float] | Miss:
         return s.miss(Short.NVME, "NVMe: checkpoints on NVMe need an NVMe tier; pass --nvme-dir", mem)
     # bf16 checkpoints come back as fp32 (ActivationStore.get): room for that before the split counts its own
     cast = s.tokens * spec.hidden_size * 4 if WIDTH[s.job.activation_dtype] == 2 else 0
-    room = s.gpu_budget - mem.gpu.total - cast
-    n_gpu = {"gpu": nl, "split": min(nl, max(0, int(room // ck_unit) - 1))}.get(acts, 0)
+    gpu_room = s.gpu_budget - mem.gpu.total - cast
+    n_gpu = {"gpu": nl, "split": min(nl, max(0, int(gpu_room // ck_unit) - 1))}.get(acts, 0)
     n_host = {"host": nl, "split": nl - n_gpu}.get(acts, 0)
     if acts == "split" and nvme_on and n_host:  # RAM after the whole state, the rest on NVMe
         room = s.host_budget - sum(host_cost(n * b) for n in s.numels for b in s.kb.values())
@@ -411,11 +411,10 @@ def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
     # shown gross: the blocks kept have no checkpoint
     saved = kept * s.ck_unit if choice.activations == "gpu" else 0
     graphs = kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens
-    if (
-        tiled
-    ):  # a kept block runs untiled (Step.forward_kept), so a forced keep pays what the tiled plan does not:
-        # its backward pass's peak (a micro-batch's) where above the tiled working set, and the fp32 outputs its
-        # graphs hold (every micro-batch's)
+    # a kept block runs untiled (Step.forward_kept), so a forced keep under tiling pays what the tiled plan does
+    # not: its backward pass's peak (a micro-batch's) where above the tiled working set, and the fp32 outputs its
+    # graphs hold (every micro-batch's)
+    if tiled:
         H = spec.hidden_size
         graphs += max(0.0, KEPT_WORK_H * H * choice.micro * job.seq_len - mem.gpu.working) + s.tokens * H * 4
     gpu = replace(mem.gpu, kept=graphs, checkpoints=mem.gpu.checkpoints - saved)
