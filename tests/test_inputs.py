@@ -254,3 +254,61 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
         later.returncode == free.returncode
         and json.loads(later.stdout)["fits"] == json.loads(free.stdout)["fits"]
     )
+
+
+# ---- the bad-input review (2026-11-27) ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sets,words",
+    [
+        (["tiers.host_gb=1e308"], "tiers.host_gb = 1e+308 is not allowed"),
+        (["tiers.nvme_gb=1e308", "tiers.nvme_dir='x'"], "tiers.nvme_gb = 1e+308 is not allowed"),
+        (["tiers.gpu_resident_gb=1e308"], "tiers.gpu_resident_gb = 1e+308 is not allowed"),
+        (["model.num_hidden_layers=1000000"], "must be at most 4096"),
+        (["model.head_dim=0"], "model.head_dim = 0 is not allowed"),
+        (
+            [
+                'model.rope_scaling={rope_type="yarn", factor=2.0, original_max_position_embeddings=64, beta_fast="x"}'
+            ],
+            "yarn's beta_fast",
+        ),
+        (
+            [
+                'model.rope_scaling={rope_type="yarn", factor=2.0, original_max_position_embeddings=64, truncate=1}'
+            ],
+            "truncate",
+        ),
+    ],
+)
+def test_values_that_broke_the_setup_or_hung_are_one_line(sets, words, tmp_path):
+    """A traceback after --out was claimed (a budget past any disk, yarn's optional keys as strings), or a hang
+    building a million blocks' units: one line, before anything is made, in run and in plan alike."""
+    args = [a for s in sets for a in ("--set", s)]
+    refused(cli("run", "--config", "debug", *args, "--out", str(tmp_path / "run")), words)
+    assert not (tmp_path / "run").exists()
+    refused(cli("plan", "--config", "debug", *args), words)
+
+
+def test_a_seed_past_64_bits_of_init_key_trains(token_file, tmp_path):
+    """The init's generator keys are seed x 1,000,003 + a name's CRC: from a seed of 1.8e13 (a time in ns, say)
+    they passed manual_seed's 64 bits, a traceback after --out was claimed. They wrap around now; the smaller
+    seeds' keys are as they were."""
+    r = cli(
+        "run", *tiny(token_file), "--set", "train.seed=1732700000000000000", "--out", str(tmp_path / "run")
+    )
+    assert r.returncode == 0, r.stderr[-500:]
+
+
+def test_a_fault_in_the_setup_gives_back_the_run_directory(tmp_path, monkeypatch):
+    """Any exception while the trainer is built (a bug's traceback, an interrupt), not only a refusal, takes back
+    the --out it claimed, where it left a marked directory."""
+    from click.testing import CliRunner
+
+    from tiertrain import start
+    from tiertrain.cli import main
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(start, "Trainer", broken)
+    r = CliRunner().invoke(main, ["run", "--config", "debug", "--out", str(tmp_path / "run")])
+    assert isinstance(r.exception, RuntimeError) and not (tmp_path / "run").exists()

@@ -9,8 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .errors import UserError
-
-MOST_GB = 1e7  # 10 PB: a budget beyond it is a typo, and overflows the plan's arithmetic
+from .sections import MOST_GB
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from .errors import ConfigError
 from .modes import ATTENTION_KERNELS, BF16_ONLY_KERNELS, DETERMINISTIC_KERNELS, Attention, Dtype, SpillFirst
 
 AUTO = "auto"  # the one spelling of "the plan decides"
+MOST_GB = 1e7  # 10 PB: a budget beyond it is a typo, and overflows the plan's arithmetic
 Auto = typing.Literal["auto"]
 Device = typing.Literal["auto", "cpu", "cuda"]
 Schedule = typing.Literal["constant", "cosine"]
@@ -256,13 +257,19 @@ class TiersConfig:
         _need(
             self.activation_dtype in DTYPES, "tiers", "activation_dtype", self, f"must be one of {_q(DTYPES)}"
         )
-        _need(self.host_gb >= 0, "tiers", "host_gb", self, "must be 0 (no budget) or a positive number of GB")
         _need(
-            self.nvme_gb >= 0,
+            0 <= self.host_gb <= MOST_GB,
+            "tiers",
+            "host_gb",
+            self,
+            f"must be 0 (no budget) or a number of GB up to {MOST_GB:g}",
+        )
+        _need(
+            0 <= self.nvme_gb <= MOST_GB,
             "tiers",
             "nvme_gb",
             self,
-            "must be 0 (the free space) or a positive number of GB",
+            f"must be 0 (the free space) or a number of GB up to {MOST_GB:g}",
         )
         _need(self.io in IO_BACKENDS, "tiers", "io", self, f"must be one of {_q(IO_BACKENDS)}")
         _need(1 <= self.io_threads <= 256, "tiers", "io_threads", self, "must be between 1 and 256")
@@ -274,11 +281,12 @@ class TiersConfig:
             f"must be one of {_q(SPILL_FIRSTS)}",
         )
         _need(
-            _auto_or(self.gpu_resident_gb, 0),
+            _auto_or(self.gpu_resident_gb, 0)
+            and (self.gpu_resident_gb == AUTO or self.gpu_resident_gb <= MOST_GB),
             "tiers",
             "gpu_resident_gb",
             self,
-            'must be 0 (none), a number of GB, or "auto" (the GPU memory the plan leaves free)',
+            f'must be 0 (none), a number of GB up to {MOST_GB:g}, or "auto" (the GPU memory the plan leaves free)',
         )
         _need(
             _auto_or(self.gpu_update_units, 0),

@@ -42,19 +42,26 @@ def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo
     agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
     out_dir = Path(ranks.share(str(out_dir)))
     ckpt = Path(ranks.share(str(ckpt))) if resume else None
-    with ranks.together(UserError) as agreed:
-        cfg = _config(config_path, overrides, ckpt, out_dir, ranks, fresh)
     trainer = None
-    if not agreed.failed:
+    try:
         with ranks.together(UserError) as agreed:
-            trainer = Trainer(
-                cfg,
-                run_name=str(out_dir.resolve()),
-                resume=ckpt,
-                out=out_dir,
-                ranks=ranks,
-                hardware=Path(hardware) if hardware else None,
-            )
+            cfg = _config(config_path, overrides, ckpt, out_dir, ranks, fresh)
+        if not agreed.failed:
+            with ranks.together(UserError) as agreed:
+                trainer = Trainer(
+                    cfg,
+                    run_name=str(out_dir.resolve()),
+                    resume=ckpt,
+                    out=out_dir,
+                    ranks=ranks,
+                    hardware=Path(hardware) if hardware else None,
+                )
+    except (
+        BaseException
+    ):  # a fault of tiertrain's (its traceback) or an interrupt: the run directory goes too
+        if ranks.first:
+            runclaim.release(out_dir, made, lock)
+        raise
     if agreed.failed:
         if trainer is not None:
             trainer.close()

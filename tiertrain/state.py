@@ -113,7 +113,8 @@ class State:
                 for t in unit.tensors:
                     v, bias = views[t.name], t.name.endswith("bias")
                     if (len(t.shape) >= 2 and not bias) or t.name.endswith(("sinks", "router.bias")):
-                        key = seed * 1_000_003 + zlib.crc32(t.hf_name.encode())
+                        # the 64 bits manual_seed takes (a seed of 2^64 / 1,000,003 or more wraps around)
+                        key = (seed * 1_000_003 + zlib.crc32(t.hf_name.encode())) % 2**64
                         v.normal_(0.0, std, generator=torch.Generator().manual_seed(key))
                     elif bias:
                         v.zero_()

@@ -13,6 +13,9 @@ MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # mixtures of expe
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MOST_LAYERS = (
+    4096  # a deeper model is a typo (the largest released have about 200), and its units take minutes
+)
 
 
 def _number(v: object) -> bool:
@@ -176,6 +179,14 @@ class ModelSpec:
         ):
             v = getattr(self, key)
             self._need(isinstance(v, int) and v > 0, key, "must be a positive integer")
+        self._need(
+            self.num_hidden_layers <= MOST_LAYERS, "num_hidden_layers", f"must be at most {MOST_LAYERS}"
+        )
+        self._need(
+            self.head_dim is None or isinstance(self.head_dim, int) and self.head_dim > 0,
+            "head_dim",
+            "must be a positive integer, or left out (hidden_size / num_attention_heads)",
+        )
         kv = self.num_key_value_heads
         self._need(kv is None or kv > 0, "num_key_value_heads", "must be a positive integer")
         self._need(
@@ -300,7 +311,17 @@ class ModelSpec:
             "rope_scaling",
             f"{kind} scaling needs factor",
         )
-        if kind == "yarn":
+        if kind == "yarn":  # its optional keys: null or 0 is the default where transformers takes it so
+            bad = [
+                k
+                for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+                if rs.get(k) is not None and not (_number(rs[k]) and math.isfinite(rs[k]) and rs[k] >= 0)
+            ]
+            bad += ["attention_factor"] if rs.get("attention_factor") == 0 else []
+            bad += ["truncate"] if not isinstance(rs.get("truncate", True), bool) else []
+            self._need(
+                not bad, "rope_scaling", f"yarn's {', '.join(bad)} must be finite numbers (truncate: a bool)"
+            )
             keys = ("factor", "original_max_position_embeddings")
             self._need(
                 all(k in rs and _finite(rs[k]) for k in keys),

@@ -8,6 +8,7 @@ from dataclasses import replace
 from itertools import product
 
 from ..model.parts import group_options
+from ..model.spec import MOST_LAYERS
 from ..modes import Update
 from ..sizes import budget
 from .hardware import HardwareSpec
@@ -15,7 +16,7 @@ from .memory import least_host_of
 from .planner import evaluate, groupable, in_parts, plan, resident_room, settled, spare_gb
 from .values import Budgets, Choice, Job, Miss, Plan, Report, Short
 
-LARGEST_LAYERS = 4096  # the largest-model search stops here: the report then says "at least"
+LARGEST_LAYERS = MOST_LAYERS  # the largest-model search stops at the deepest model allowed: "at least"
 LONGEST_SEQ = 1 << 24  # the longest-sequence search stops here (16M tokens): the report then says "at least"
 
 

@@ -88,7 +88,7 @@ def plan(
     micros = (
         [fixed.micro]
         if fixed.micro
-        else [m for m in range(1, rows + 1) if rows % m == 0 and m * job.seq_len <= 65536] or [1]
+        else [m for m in range(1, min(rows, 65536 // job.seq_len) + 1) if rows % m == 0] or [1]
     )
     both = ["compute", "master"] if job.dtype == "bfloat16" else ["master"]
     streams = [fixed.stream] if fixed.stream else both
