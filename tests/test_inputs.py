@@ -265,6 +265,7 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
         (["tiers.gpu_resident_gb=1e308"], "tiers.gpu_resident_gb = 1e+308 is not allowed"),
         (["model.num_hidden_layers=1000000"], "must be at most 4096"),
         (["model.head_dim=0"], "model.head_dim = 0 is not allowed"),
+        (["tiers.gpu_update_units=1", 'tiers.stream="compute"'], 'needs tiers.stream = "master"'),
         (
             [
                 'model.rope_scaling={rope_type="yarn", factor=2.0, original_max_position_embeddings=64, beta_fast="x"}'
@@ -312,3 +313,42 @@ def test_a_fault_in_the_setup_gives_back_the_run_directory(tmp_path, monkeypatch
     monkeypatch.setattr(start, "Trainer", broken)
     r = CliRunner().invoke(main, ["run", "--config", "debug", "--out", str(tmp_path / "run")])
     assert isinstance(r.exception, RuntimeError) and not (tmp_path / "run").exists()
+
+
+def test_a_resume_with_no_step_to_take_is_refused(token_file, tmp_path):
+    """train.steps at or below the checkpoint's step: the resumed run trained nothing, and (into a new --out) wrote
+    a run of the same checkpoint again with an empty metrics.jsonl."""
+    from conftest import tree_hash
+
+    run = tmp_path / "run"
+    assert cli("run", *tiny(token_file), "--set", "train.steps=2", "--out", str(run)).returncode == 0
+    before = tree_hash(run)
+    for steps, out in (("1", run), ("2", run), ("2", tmp_path / "fork")):
+        r = cli("run", "--resume", str(run), "--set", f"train.steps={steps}", "--out", str(out))
+        refused(r, f"train.steps = {steps}: the checkpoint is at step 2")
+    lock = "tiertrain-run.lock"  # each try takes the lock, and writes its pid there
+    assert {**tree_hash(run), lock: ""} == {**before, lock: ""} and not (tmp_path / "fork").exists()
+
+
+def test_a_config_without_a_model_needs_one_to_import(tmp_path):
+    """`--config finetune` (no [model]) without --init-from trained the placeholder [model]'s 0.9 M parameters at
+    16 x 2048 tokens; and `plan` with train.init_from planned that placeholder, not the model it imports."""
+    from conftest import hf_dir
+
+    refused(cli("run", "--config", "finetune", "--out", str(tmp_path / "run")), "has no [model]")
+    assert not (tmp_path / "run").exists()
+    refused(cli("plan", "--config", "finetune"), "has no [model]")
+    hf = hf_dir("llama2", tmp_path / "hf")
+    r = cli(
+        "plan",
+        "--config",
+        "finetune",
+        "--set",
+        f'train.init_from="{tmp_path / "hf"}"',
+        "--seq-len",
+        "64",
+        "--format",
+        "json",
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["params"] == sum(p.numel() for p in hf.parameters())

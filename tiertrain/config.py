@@ -342,4 +342,11 @@ def config_from_dict(
         given = parse_override(o)
         _apply(cfg, given, "--set")
         cfg.model_sets.update(given.get("model", {}))
+    if (
+        "model" not in data and not cfg.model_sets and not cfg.train.init_from
+    ):  # the placeholder's 0.9 M params
+        raise ConfigError(
+            f"{origin} has no [model], and train.init_from is empty: pass --init-from DIR (a Hugging Face "
+            "model directory), or a --config with a [model]"
+        )
     return cfg.validate()

@@ -63,6 +63,10 @@ class PlanCommand:
             *[f"train.seq_len={s}"] * bool(s),
         ]
         cfg = load_config(self.config_path, sets)
+        if cfg.train.init_from:  # the model it imports, as `run` plans it (its config.json replaces [model])
+            from .model.hf import spec_from_hf
+
+            cfg = cfg.imported(spec_from_hf(cfg.train.init_from, cfg.train.seq_len))
         if cfg.train.batch_size % self.gpus:
             raise UserError(
                 f"train.batch_size {cfg.train.batch_size} does not split over {self.gpus} GPUs: pass a "

@@ -296,6 +296,14 @@ class TiersConfig:
             'must be "auto" (the plan chooses), 0 (none) or a number of units',
         )
         _need(
+            self.gpu_update_units in (AUTO, 0) or self.stream != "compute",
+            "tiers",
+            "gpu_update_units",
+            self,
+            'needs tiers.stream = "master" or "auto" (a GPU update makes the weights from the fp32 master that '
+            'streams), not "compute"; or set it to 0',
+        )
+        _need(
             self.expert_groups == AUTO or isinstance(self.expert_groups, int) and self.expert_groups >= 1,
             "tiers",
             "expert_groups",
