@@ -149,3 +149,20 @@ def test_probe_refuses_a_missing_disk_directory(tmp_path):
     r = cli("probe", "--nvme-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "hw.json"))
     assert r.returncode == 2 and "is not a writable directory" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "hw.json").exists()
+
+
+def test_click_s_own_refusals_are_one_line():
+    """A flag's value out of its range, an unknown option or command: one line and exit 2, as tiertrain's own
+    refusals, where click printed its usage and "Error:" in three."""
+    for args, words in (
+        (
+            ["run", "--batch-size", "0"],
+            "error: Invalid value for '--batch-size': 0 is not in the range x>=1.",
+        ),
+        (["run", "--bogus"], "error: No such option '--bogus'"),
+        (["bogus"], "error: No such command 'bogus'"),
+        (["plan", "--config", "debug", "--format", "xml"], "error: Invalid value for '--format'"),
+    ):
+        r = cli(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(words), (args, r.stderr)

@@ -25,7 +25,29 @@ def _fail(err: Exception, ranks=None) -> None:
     sys.exit(2)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLine(click.Group):
+    """click's own refusals (a flag's value out of range, an unknown option) as tiertrain's: one line, exit 2."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        extra.pop("standalone_mode", None)
+        try:
+            code = super().main(args, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # a bare `tiertrain` (click 8.2+): its help, as asked
+                click.echo(e.format_message(), err=True)
+                sys.exit(e.exit_code)
+            where = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) else ""
+            click.echo(
+                f"error: {e.format_message()}{where if isinstance(e, click.UsageError) else ''}", err=True
+            )
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_OneLine, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tiertrain")
 def main() -> None:
     """Full-precision training of models larger than GPU memory, on one GPU or several."""
