@@ -352,3 +352,21 @@ def test_a_config_without_a_model_needs_one_to_import(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["params"] == sum(p.numel() for p in hf.parameters())
+
+
+def test_a_chart_is_an_image_in_an_existing_directory(tmp_path):
+    """report --out and plan --chart: a name matplotlib cannot save, a directory, a directory missing, a path that
+    cannot be written gave tracebacks (or wrote `name.png` while printing `chart: name`); one line now."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    assert cli("run", "--config", "debug", "--set", "train.steps=2", "--out", str(run)).returncode == 0
+    for out, words in (
+        (tmp_path / "r.txt", "a chart is an image file"),
+        (tmp_path, "a chart is an image file"),
+        (tmp_path / "nodir" / "r.png", "does not exist"),
+        (run / "metrics.jsonl" / "r.png", "does not exist"),
+    ):
+        refused(cli("report", str(run), "--out", str(out)), words)
+        refused(cli("plan", "--config", "debug", "--chart", str(out)), words)
+    r = cli("report", str(run), "--out", str(tmp_path / "r.svg"))
+    assert r.returncode == 0 and (tmp_path / "r.svg").is_file() and f"chart: {tmp_path / 'r.svg'}" in r.stdout

@@ -5,10 +5,33 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, why
 
 # a run's measured time split (metrics.jsonl keys); what is left of the step is launch and host overhead
 SPLIT = ("forward_s", "backward_s", "h2d_wait_s", "d2h_wait_s", "opt_wait_s")
+
+
+FORMATS = (".png", ".svg", ".pdf")  # what matplotlib saves, by the name's suffix
+
+
+def check_target(flag: str, path: str | Path) -> Path:
+    """Where a chart goes, checked before anything is planned or read: an image's name in an existing directory."""
+    p = Path(path)
+    if p.suffix.lower() not in FORMATS or p.is_dir():
+        raise UserError(f"{flag} {path}: a chart is an image file; name a {', '.join(FORMATS)} file")
+    if not p.absolute().parent.is_dir():
+        raise UserError(
+            f"{flag} {path}: the directory {p.absolute().parent} does not exist; create it or pass a file in an "
+            "existing directory"
+        )
+    return p
+
+
+def _save(fig, path: str | Path) -> None:
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
+    except OSError as e:
+        raise UserError(f"cannot write the chart {path}: {why(e)}; pass a writable path") from None
 
 
 def _pyplot():
@@ -55,7 +78,7 @@ def plan_chart(p, path: str | Path) -> None:
     b.set_title("memory per tier")
     b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: never over a bar
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -83,7 +106,7 @@ def miss_chart(p, path: str | Path) -> None:
     a.set_title(f"{p.job.name}: does not fit ({p.why.split(':')[0]})")
     a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3 - 0.1 / max(len(names), 1)), ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _save(fig, path)
     plt.close(fig)
 
 
@@ -117,5 +140,5 @@ def run_chart(records: list[dict], path: str | Path, title: str) -> None:
     c.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends outside the axes included
+    _save(fig, path)
     plt.close(fig)

@@ -406,6 +406,9 @@ def report(run_dir: str, out: str | None) -> None:
 
     path = Path(run_dir) / "metrics.jsonl"
     try:
+        from .charts import check_target
+
+        target = check_target("--out", out) if out else Path(run_dir) / "report.png"
         if not path.is_file():
             raise UserError(f"{run_dir} holds no metrics.jsonl; pass the --out directory of a run")
         try:
@@ -417,7 +420,6 @@ def report(run_dir: str, out: str | None) -> None:
         if records:
             from .charts import run_chart
 
-            target = Path(out) if out else Path(run_dir) / "report.png"
             run_chart(records, target, f"{Path(run_dir).resolve().name}")
             click.echo(f"chart: {target}")
     except UserError as e:

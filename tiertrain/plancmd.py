@@ -123,11 +123,10 @@ class PlanCommand:
                 f"--gpus-per-host {self.per_host} is more than the job's --gpus {self.gpus}: pass at most "
                 f"{self.gpus}"
             )
-        if chart and not Path(chart).absolute().parent.is_dir():
-            raise UserError(
-                f"--chart {chart}: the directory {Path(chart).absolute().parent} does not exist; create it "
-                "or pass a file in an existing directory"
-            )
+        if chart:
+            from .charts import check_target
+
+            check_target("--chart", chart)
 
 
 def plan_command(cmd: PlanCommand, chart: str | None = None):
