@@ -192,6 +192,8 @@ def test_export_refusals_speak_of_export(token_file, tmp_path):
     refused(
         cli("export", str(a), "--to", str(tmp_path / "hf"), "--max-shard-size", "1.2.3GB"), "--max-shard-size"
     )
+    refused(cli("export", str(a), "--to", str(tmp_path / "hf"), "--max-shard-size", "0GB"), "a positive size")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_validation_data_messages_name_their_setting(token_file, tmp_path):
@@ -370,3 +372,17 @@ def test_a_chart_is_an_image_in_an_existing_directory(tmp_path):
         refused(cli("plan", "--config", "debug", "--chart", str(out)), words)
     r = cli("report", str(run), "--out", str(tmp_path / "r.svg"))
     assert r.returncode == 0 and (tmp_path / "r.svg").is_file() and f"chart: {tmp_path / 'r.svg'}" in r.stdout
+
+
+def test_what_a_run_cannot_use_is_refused_where_it_is_given(tmp_path):
+    """prepare of documents with no text wrote a file of 0 or 1 tokens, which no run can use; a --hardware file
+    that is no probe's was read only on a GPU, so a CPU run trained with it."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.jsonl").write_text("")
+    for name in ("empty.txt", "empty.jsonl"):
+        refused(cli("prepare", str(tmp_path / name), "--out", str(tmp_path / "t.bin")), "holds no text")
+        assert not list(tmp_path.glob("t.bin*"))
+    (tmp_path / "hw.json").write_text("{}")
+    r = cli("run", "--config", "debug", "--hardware", str(tmp_path / "hw.json"), "--out", str(tmp_path / "r"))
+    refused(r, "is not a probe file")
+    assert not (tmp_path / "r").exists()

@@ -253,7 +253,10 @@ def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
             raise UserError(f"--max-shard-size {max_shard_size!r}: write a size like 5GB, 500MB or 2GiB")
         unit = m.group(2).upper()
         scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}[unit]
-        files = export_hf(source, to, dtype, int(float(m.group(1)) * scale))
+        size = int(float(m.group(1)) * scale)
+        if size < 1:  # a shard holds at least its largest tensor, whatever the size: 0 is a typo
+            raise UserError(f"--max-shard-size {max_shard_size!r}: pass a positive size, like 5GB")
+        files = export_hf(source, to, dtype, size)
     except UserError as e:
         _fail(e)
     except OSError as e:  # the --to path's disk: full, read-only, or a file where a directory goes

@@ -260,6 +260,11 @@ def prepare(
                     done = 0
         flush(batch)
         progress(done)
+        if writer.count < 2:  # not one token to predict from another: no run could use it
+            raise DataError(
+                f"{', '.join(inputs)} holds no text to train on ({writer.count} token"
+                f"{'' if writer.count == 1 else 's'}); pass documents with text in them"
+            )
     except BaseException:
         writer.abort()
         raise

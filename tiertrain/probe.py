@@ -36,7 +36,7 @@ def run_hardware(
     file `path`, else probe's default file, else the figures of the GPU `gpu` names ([hardware] gpu) or of this
     GPU's own name, else the reference's rates; with this machine's GPU memory and RAM), its attention kernels
     those that run `model` (a ModelSpec) in `dtype` here (attention_here; `wanted`: the config's
-    train.attention); on a CPU: HardwareSpec.cpu (`gpu` checked, unused). With torch's host AdamW
+    train.attention); on a CPU: HardwareSpec.cpu (`gpu` and `path` checked, unused). With torch's host AdamW
     (optim.host_kernel), an update into copies copies first."""
     import psutil
 
@@ -44,6 +44,8 @@ def run_hardware(
 
     if gpu:
         named(gpu)  # an unknown name: one line listing the known ones, before anything is allocated
+    if path is not None:  # read on a CPU too (unused there): a file that is no probe's is one line anywhere
+        HardwareSpec.load(path)
     if device.type != "cuda":
         hw = HardwareSpec.cpu(psutil.virtual_memory().total / 1e9, os.cpu_count() or 1)
     else:
