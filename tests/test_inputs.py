@@ -269,6 +269,10 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
         (["model.head_dim=0"], "model.head_dim = 0 is not allowed"),
         (["tiers.gpu_update_units=1", 'tiers.stream="compute"'], 'needs tiers.stream = "master"'),
         (
+            ['tiers.activations="nvme"'],
+            'tiers.activations = "nvme" puts activation checkpoints on the NVMe tier',
+        ),
+        (
             [
                 'model.rope_scaling={rope_type="yarn", factor=2.0, original_max_position_embeddings=64, beta_fast="x"}'
             ],
@@ -386,3 +390,6 @@ def test_what_a_run_cannot_use_is_refused_where_it_is_given(tmp_path):
     r = cli("run", "--config", "debug", "--hardware", str(tmp_path / "hw.json"), "--out", str(tmp_path / "r"))
     refused(r, "is not a probe file")
     assert not (tmp_path / "r").exists()
+    # checkpoints asked on NVMe with no tier: said so, where it spoke of 0 B free on an --nvme-dir of ""
+    r = cli("run", "--config", "debug", "--set", 'tiers.activations="nvme"', "--out", str(tmp_path / "r"))
+    refused(r, 'tiers.activations = "nvme" puts activation checkpoints on the NVMe tier', "pass --nvme-dir")

@@ -248,6 +248,11 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
             f"{t.host_gb:g}: raise --host-gb to {budget(p.need)}, or pass --nvme-dir to spill part of it to "
             f"disk (then --host-gb {budget(least)} is the least)"
         )
+    if p.short == Short.NVME and not t.nvme_dir:  # no tier: only checkpoints asked there miss it
+        return (
+            f'tiers.activations = "{t.activations}" puts activation checkpoints on the NVMe tier, and there is '
+            'none: pass --nvme-dir DIR, or set tiers.activations = "auto"'
+        )
     if p.short == Short.NVME and not t.nvme_gb:  # the budget was the directory's free space
         return (
             f"the spilled state takes {gb(p.need)} on disk and --nvme-dir {t.nvme_dir} has {gb(p.have)} free: "
