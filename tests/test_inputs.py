@@ -269,10 +269,6 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
         (["model.head_dim=0"], "model.head_dim = 0 is not allowed"),
         (["tiers.gpu_update_units=1", 'tiers.stream="compute"'], 'needs tiers.stream = "master"'),
         (
-            ['tiers.activations="nvme"'],
-            'tiers.activations = "nvme" puts activation checkpoints on the NVMe tier',
-        ),
-        (
             [
                 'model.rope_scaling={rope_type="yarn", factor=2.0, original_max_position_embeddings=64, beta_fast="x"}'
             ],
