@@ -166,3 +166,15 @@ def test_click_s_own_refusals_are_one_line():
         r = cli(*args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(words), (args, r.stderr)
+
+
+def test_an_empty_path_is_refused_not_taken_for_none(tmp_path):
+    """`--out "$OUT"` with OUT unset trained into a new runs/<config>-<time> here; `--init-from ""` trained the
+    debug model."""
+    for flag in ("--out", "--init-from", "--resume", "--nvme-dir", "--hardware"):
+        r = cli("run", flag, "", cwd=tmp_path)
+        assert (
+            r.returncode == 2
+            and r.stderr.strip() == f"error: {flag} is empty; pass a path, or leave {flag} out"
+        )
+    assert not list(tmp_path.iterdir())

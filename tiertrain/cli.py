@@ -140,6 +140,10 @@ def run(
     """Train a model."""
     import os
 
+    paths = {"--out": out, "--init-from": init_from, "--resume": resume, "--nvme-dir": nvme_dir}
+    for flag, v in {**paths, "--config": config_path, "--hardware": hardware}.items():
+        if v is not None and not v.strip():  # an unset shell variable: not "not given"
+            _fail(UserError(f"{flag} is empty; pass a path, or leave {flag} out"))
     here = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE"))
     if gpus and here is not None and str(gpus) != here:  # torchrun's ranks, or a WORLD_SIZE left in the shell
         _fail(
