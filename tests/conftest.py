@@ -330,12 +330,22 @@ CASES = {
     "llama-bias": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(attention_bias=True, hidden_act="swish", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+        dict(
+            rope_theta=1e4,
+            attention_bias=True,
+            hidden_act="swish",
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
     ),
     "qwen3-bias": (  # a dynamic rope: the default within max_position_embeddings
         "Qwen3Config",
         "Qwen3ForCausalLM",
-        dict(attention_bias=True, head_dim=32, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        dict(
+            rope_theta=1e6,
+            attention_bias=True,
+            head_dim=32,
+            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        ),
     ),
     # token 5 is about 1% of write_tokens' data: nn.Embedding(padding_idx=5) gives its row no gradient
     "llama-pad": (

@@ -192,7 +192,17 @@ def test_bad_checkpoints_are_refused_with_one_line(token_file, tmp_path):
     path = out / "checkpoints" / "step_2"
     before = (out / "metrics.jsonl").read_text()
 
-    other = cli("run", "--resume", str(path), "--out", str(tmp_path / "x"), "--set", "model.hidden_size=32")
+    other = cli(
+        "run",
+        "--resume",
+        str(path),
+        "--out",
+        str(tmp_path / "x"),
+        "--set",
+        "model.hidden_size=32",
+        "--set",
+        "train.steps=3",
+    )
     assert other.returncode == 2 and "different model (hidden_size differ)" in other.stderr
     assert len(other.stderr.strip().splitlines()) == 1
 

@@ -30,7 +30,8 @@ def _pair(case: str):
         rope_theta=extra["rope_theta"],
         rope_scaling=extra.get("rope_scaling"),
         tie_word_embeddings=extra.get("tie_word_embeddings", False),
-        attention_bias=family == "qwen2",
+        attention_bias=family == "qwen2" or extra.get("attention_bias", False),
+        attention_out_bias=extra.get("attention_bias", False),  # llama's and qwen3's: on o too
         qk_norm=family == "qwen3",
         pad_token_id=extra.get("pad_token_id"),
         head_dim=extra.get("head_dim"),

@@ -137,7 +137,7 @@ def test_gpu_updates_change_no_bit(token_file, device, speculated):
 def test_gpu_updates_need_the_master_streamed(token_file):
     from tiertrain.errors import ConfigError
 
-    with pytest.raises(ConfigError, match='tiers.stream=\\"master\\"'):
+    with pytest.raises(ConfigError, match='needs tiers.stream = "master"'):
         Trainer(
             tiny_config(
                 token_file,

@@ -665,7 +665,17 @@ def test_a_resume_with_another_val_fraction_names_it(token_file, tmp_path):
     run = tmp_path / "a"
     one = ["--set", "train.steps=1", "--set", "data.val_fraction=0.1"]
     assert cli("run", *tiny(token_file), *one, "--out", str(run)).returncode == 0
-    r = cli("run", "--resume", "latest", "--out", str(run), "--set", "data.val_fraction=0.2")
+    r = cli(
+        "run",
+        "--resume",
+        "latest",
+        "--out",
+        str(run),
+        "--set",
+        "data.val_fraction=0.2",
+        "--set",
+        "train.steps=2",
+    )
     line = refused(r, "data.val_fraction = 0.2 holds out other rows than the 0.1", "data.val_fraction = 0.1")
     assert "data.path" not in line
 

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # what the planner may import: itself, the model's shape, the shared names, and the tiers' pure layout and policy
 BELOW_PLAN = {
     "tiertrain.model.spec",
+    "tiertrain.model.ropes",
     "tiertrain.model.parts",
     "tiertrain.modes",
     "tiertrain.sizes",

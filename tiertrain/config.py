@@ -305,7 +305,14 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {src}: {e.strerror}") from None
-    return config_from_dict(data, overrides, str(src))
+    cfg = config_from_dict(data, overrides, str(src))
+    # no [model] to train and none to import: the placeholder's 0.9 M parameters
+    if "model" not in data and not cfg.model_sets and not cfg.train.init_from:
+        raise ConfigError(
+            f"{src} has no [model], and train.init_from is empty: pass --init-from DIR (a Hugging Face model "
+            "directory), or a --config with a [model]"
+        )
+    return cfg
 
 
 # a checkpoint written before "auto" was the one spelling holds these numbers for "the plan decides"
@@ -342,11 +349,4 @@ def config_from_dict(
         given = parse_override(o)
         _apply(cfg, given, "--set")
         cfg.model_sets.update(given.get("model", {}))
-    if (
-        "model" not in data and not cfg.model_sets and not cfg.train.init_from
-    ):  # the placeholder's 0.9 M params
-        raise ConfigError(
-            f"{origin} has no [model], and train.init_from is empty: pass --init-from DIR (a Hugging Face "
-            "model directory), or a --config with a [model]"
-        )
     return cfg.validate()

@@ -86,11 +86,6 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
         cfg = _resumed(config_path, overrides, ckpt, meta)
         cfg.train.init_from = ""  # the checkpoint holds the weights
         cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions
-        if whole(meta) and cfg.train.steps <= meta["step"]:  # it would train nothing, and save nothing new
-            raise UserError(
-                f"train.steps = {cfg.train.steps}: the checkpoint is at step {meta['step']}, so the resumed run "
-                f"has no step to take; raise train.steps (--set train.steps=N, N above {meta['step']})"
-            )
         was = meta["config"].get("checkpoint", {}).get("dir", "")
         own = rundir.run_of(ckpt)
         # the run's marker names where its checkpoints live; a resume into a new --out is a new run, whose
@@ -100,6 +95,11 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
                 f"checkpoint.dir = {cfg.checkpoint.dir!r}: a resumed run keeps its checkpoints where they were "
                 f"({was or 'in its --out'}); leave checkpoint.dir as it was, or resume into a new --out, whose "
                 "checkpoints go to the checkpoint.dir you set"
+            )
+        if whole(meta) and cfg.train.steps <= meta["step"]:  # it would train nothing, and save nothing new
+            raise UserError(
+                f"train.steps = {cfg.train.steps}: the checkpoint is at step {meta['step']}, so the resumed run "
+                f"has no step to take; raise train.steps (--set train.steps=N, N above {meta['step']})"
             )
     else:
         cfg = fresh  # a new run's, read by start()

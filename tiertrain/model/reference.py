@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden_size, s.num_attention_heads * s.hd, bias=s.attention_bias)
         self.k_proj = nn.Linear(s.hidden_size, s.n_kv_heads * s.hd, bias=s.attention_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.n_kv_heads * s.hd, bias=s.attention_bias)
-        self.o_proj = nn.Linear(s.num_attention_heads * s.hd, s.hidden_size, bias=False)
+        self.o_proj = nn.Linear(s.num_attention_heads * s.hd, s.hidden_size, bias=s.attention_out_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.hd, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.hd, s.rms_norm_eps)

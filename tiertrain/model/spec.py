@@ -7,11 +7,11 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from .ropes import rope_problem
 
 DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # mixtures of experts (model/moe.py)
 MODEL_TYPES = DENSE_TYPES + MOE_TYPES
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MOST_LAYERS = (
     4096  # a deeper model is a typo (the largest released have about 200), and its units take minutes
@@ -223,7 +223,8 @@ class ModelSpec:
             self._need(_finite(getattr(self, key)), key, "must be a positive finite number")
         self._need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
         if self.rope_scaling is not None:
-            self._validate_rope(self.rope_scaling)
+            why = rope_problem(self.rope_scaling)
+            self._need(why is None, "rope_scaling", why)
         self._validate_moe()
         self._validate_layers()
 
@@ -292,55 +293,6 @@ class ModelSpec:
     def _need(self, ok: bool, key: str, why: str) -> None:
         if not ok:
             raise ConfigError(f"model.{key} = {getattr(self, key)!r} is not allowed: {why}")
-
-    def _validate_rope(self, rs: object) -> None:
-        self._need(
-            isinstance(rs, dict),
-            "rope_scaling",
-            'must be a table like {rope_type = "llama3", factor = 8.0, ...}',
-        )
-        kind = rs.get("rope_type", rs.get("type", "default"))
-        self._need(kind in ROPE_TYPES, "rope_scaling", f"rope_type must be one of {', '.join(ROPE_TYPES)}")
-        self._need(
-            "factor" not in rs or _finite(rs["factor"]),
-            "rope_scaling",
-            "factor must be a positive finite number",
-        )
-        self._need(
-            kind not in ("linear", "dynamic") or "factor" in rs,
-            "rope_scaling",
-            f"{kind} scaling needs factor",
-        )
-        if kind == "yarn":  # its optional keys: null or 0 is the default where transformers takes it so
-            bad = [
-                k
-                for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
-                if rs.get(k) is not None and not (_number(rs[k]) and math.isfinite(rs[k]) and rs[k] >= 0)
-            ]
-            bad += ["attention_factor"] if rs.get("attention_factor") == 0 else []
-            bad += ["truncate"] if not isinstance(rs.get("truncate", True), bool) else []
-            self._need(
-                not bad, "rope_scaling", f"yarn's {', '.join(bad)} must be finite numbers (truncate: a bool)"
-            )
-            keys = ("factor", "original_max_position_embeddings")
-            self._need(
-                all(k in rs and _finite(rs[k]) for k in keys),
-                "rope_scaling",
-                "yarn scaling needs factor and original_max_position_embeddings, positive numbers",
-            )
-        if kind == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            missing = [k for k in keys if k not in rs]
-            self._need(not missing, "rope_scaling", f"llama3 scaling needs {', '.join(missing)}")
-            bad = [k for k in keys if not _finite(rs[k])]
-            self._need(
-                not bad, "rope_scaling", f"{', '.join(bad)} must be positive finite numbers, not strings"
-            )
-            self._need(
-                rs["high_freq_factor"] != rs["low_freq_factor"],
-                "rope_scaling",
-                "high_freq_factor must differ from low_freq_factor",
-            )
 
     # ---- units and tensor tables --------------------------------------------------------------
     def units(self) -> tuple[UnitSpec, ...]:
