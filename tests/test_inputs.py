@@ -389,3 +389,16 @@ def test_what_a_run_cannot_use_is_refused_where_it_is_given(tmp_path):
     # checkpoints asked on NVMe with no tier: said so, where it spoke of 0 B free on an --nvme-dir of ""
     r = cli("run", "--config", "debug", "--set", 'tiers.activations="nvme"', "--out", str(tmp_path / "r"))
     refused(r, 'tiers.activations = "nvme" puts activation checkpoints on the NVMe tier', "pass --nvme-dir")
+
+
+def test_a_file_where_a_directory_belongs_is_named_so(tmp_path):
+    """`--resume FILE` was told the file "does not exist"; `plan --nvme-dir FILE` planned as if it were a disk, where
+    `run` refuses it."""
+    f = tmp_path / "a.txt"
+    f.write_text("a user's file")
+    refused(cli("run", "--resume", str(f), "--out", str(tmp_path / "r")), "is a file, not a directory")
+    for where in (f, f / "sub"):
+        refused(
+            cli("plan", "--config", "debug", "--nvme-dir", str(where)), f"{f} is a file; pass a directory"
+        )
+    assert f.read_text() == "a user's file" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]

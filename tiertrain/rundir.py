@@ -125,10 +125,9 @@ def step_path(run: Path, step: int) -> Path:
 
 
 def prune(run: Path, keep: int) -> None:
-    """Deletes all but the newest `keep` checkpoints. Each is renamed a save's temporary first (recover() deletes
-    one a kill leaves): a process reading it sees it gone at once, not part-deleted."""
+    """Deletes all but the newest `keep` checkpoints, each renamed a save's temporary first: gone at once."""
     for old in checkpoints(run)[:-keep]:
-        gone = old.with_name(f".{old.name}.tmp")
+        gone = old.with_name(f".{old.name}.tmp")  # recover() deletes one a kill leaves
         shutil.rmtree(gone, ignore_errors=True)
         os.rename(old, gone)
         shutil.rmtree(gone)
@@ -173,7 +172,8 @@ def resolve(arg: str, out: Path | None, what: str = "--resume") -> Path:
             return p
         run = p
     if not run.is_dir():
-        raise CheckpointError(f"{run} does not exist; pass {what} a run directory or a checkpoint")
+        how = "is a file, not a directory" if run.exists() else "does not exist"
+        raise CheckpointError(f"{run} {how}; pass {what} a run directory or a checkpoint")
     found = checkpoints(run)
     if not found and what == "export":  # read only: a whole save the run has not renamed yet will do
         found = interrupted(run)

@@ -130,6 +130,8 @@ def free_gb(path: str) -> float:
     p = Path(path).absolute()
     while not p.exists() and p != p.parent:
         p = p.parent
+    if not p.is_dir():  # a file given, or one on the way: the store could not be made
+        raise ConfigError(f"--nvme-dir {path}: {p} is a file; pass a directory (the store is made inside it)")
     try:
         return shutil.disk_usage(p).free / 1e9
     except OSError as e:
