@@ -43,6 +43,14 @@ def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo
     out_dir = Path(ranks.share(str(out_dir)))
     ckpt = Path(ranks.share(str(ckpt))) if resume else None
     trainer = None
+
+    def give_back() -> None:  # a run stopped before its loop: its scratch store, and its claim on --out
+        if trainer is not None:
+            trainer.close()
+            trainer.discard_scratch()
+        if ranks.first:
+            runclaim.release(out_dir, made, lock)
+
     try:
         with ranks.together(UserError) as agreed:
             cfg = _config(config_path, overrides, ckpt, out_dir, ranks, fresh)
@@ -56,18 +64,12 @@ def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo
                     ranks=ranks,
                     hardware=Path(hardware) if hardware else None,
                 )
-    except (
-        BaseException
-    ):  # a fault of tiertrain's (its traceback) or an interrupt: the run directory goes too
-        if ranks.first:
-            runclaim.release(out_dir, made, lock)
+    # a fault of tiertrain's (its traceback) or an interrupt gives back what the run made, as a refusal does
+    except BaseException:
+        give_back()
         raise
     if agreed.failed:
-        if trainer is not None:
-            trainer.close()
-            trainer.discard_scratch()
-        if ranks.first:
-            runclaim.release(out_dir, made, lock)
+        give_back()
         agreed.raise_any(ranks.rank)
     source = rundir.run_of(ckpt) if ckpt is not None else None  # a run started from another run's checkpoint
     hf_from = source / "hf" if source is not None and not rundir.same(source, out_dir) else None
