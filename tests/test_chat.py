@@ -272,6 +272,26 @@ def test_what_prepare_chat_cannot_do_is_one_line(tmp_path):
         cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", str(tmp_path), "--out", out),
         "no tokenizer could be loaded",
     )
+    given = str(tmp_path / "tokenizer.json")  # the file given is named, not its directory
+    refused(
+        cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", given, "--out", out),
+        f"{given}: no tokenizer could be loaded",
+    )
+    (tmp_path / "empty.jinja").write_text("\n")  # was told the tokenizer "has no chat template"
+    refused(
+        cli(
+            "prepare",
+            str(tmp_path / "c.jsonl"),
+            "--chat",
+            "--tokenizer",
+            str(tok),
+            "--out",
+            out,
+            "--chat-template",
+            str(tmp_path / "empty.jinja"),
+        ),
+        "empty.jinja is empty",
+    )
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["c.bin"]  # the one that succeeded
 
 

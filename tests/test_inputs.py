@@ -166,9 +166,9 @@ def test_tokenizer_files_that_link_outside_the_model_stay_behind(tmp_path):
         (["--seq-len", "0"], "--seq-len"),
         (["--chart", "/nonexistent/dir/c.png"], "does not exist"),
         (["--hardware", "HW"], "not a probe file"),
-        (["--host-gb", "1e300"], "--host-gb 1e+300"),  # overflowed the advice's rounding
-        (["--nvme-gb", "1e300"], "--nvme-gb 1e+300"),
-        (["--gpu-gb", "1e300"], "--gpu-gb 1e+300"),
+        (["--host-gb", "1e300"], "--host-gb 1e300"),  # overflowed the advice's rounding
+        (["--nvme-gb", "1e300"], "--nvme-gb 1e300"),
+        (["--gpu-gb", "1e300"], "--gpu-gb 1e300"),
         (["--hardware", "DIR"], "cannot be read"),
         (["--gpus", "2", "--gpus-per-host", "4"], "--gpus-per-host 4 is more than"),
         (
@@ -402,3 +402,11 @@ def test_a_file_where_a_directory_belongs_is_named_so(tmp_path):
             cli("plan", "--config", "debug", "--nvme-dir", str(where)), f"{f} is a file; pass a directory"
         )
     assert f.read_text() == "a user's file" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+@pytest.mark.parametrize("flag, value", [("--host-gb", "nan"), ("--nvme-gb", "inf"), ("--host-gb", "1e308")])
+def test_run_names_a_budget_flag_it_refuses(tmp_path, flag, value):
+    """`run --host-gb nan` was refused as `tiers.host_gb ... (got "NaN")`, naming the key and not the flag given."""
+    r = cli("run", "--config", "debug", flag, value, "--out", str(tmp_path / "r"))
+    refused(r, f"{flag} {value}: pass a number of GB from 0 to")
+    assert not (tmp_path / "r").exists()

@@ -81,7 +81,7 @@ def load_tokenizer(spec: str | None, template: str | None):
     except Exception as e:  # noqa: BLE001 - tokenizers' own errors too (a tokenizer.json a newer version wrote)
         first = (str(e).splitlines() or [type(e).__name__])[0][:160]
         raise DataError(
-            f"{d}: no tokenizer could be loaded ({type(e).__name__}: {first}); pass a model directory whose "
+            f"{spec}: no tokenizer could be loaded ({type(e).__name__}: {first}); pass a model directory whose "
             "tokenizer this transformers reads"
         ) from None
     check_vocabulary(tok, d)
@@ -104,6 +104,8 @@ def load_tokenizer(spec: str | None, template: str | None):
             raise DataError(
                 f"--chat-template {template}: cannot read it ({e}); pass a Jinja text file{also}"
             ) from None
+        if not tok.chat_template.strip():
+            raise DataError(f"--chat-template {template} is empty; pass a Jinja chat template")
     elif named:
         if "default" not in named:
             raise DataError(

@@ -47,6 +47,26 @@ class _OneLine(click.Group):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+class _Gb(click.ParamType):
+    """A number of GB: finite, from 0 to the most any budget takes (click's FloatRange lets nan through)."""
+
+    name = "GB"
+
+    def convert(self, value, param, ctx):
+        from .sections import MOST_GB
+
+        try:
+            gb = float(value)
+        except ValueError:
+            gb = float("nan")
+        if not 0 <= gb <= MOST_GB:  # nan compares false
+            raise click.UsageError(f"{param.opts[0]} {value}: pass a number of GB from 0 to {MOST_GB:g}", ctx)
+        return gb
+
+
+GB = _Gb()
+
+
 @click.group(cls=_OneLine, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tiertrain")
 def main() -> None:
@@ -72,7 +92,7 @@ def main() -> None:
 @click.option("--out", default=None, metavar="DIR", help="Run directory. Default: runs/<config>-<time>.")
 @click.option(
     "--host-gb",
-    type=float,
+    type=GB,
     default=None,
     help="Hard budget of the process's whole host memory, its own included (tiers.host_gb).",
 )
@@ -84,7 +104,7 @@ def main() -> None:
     "`tiertrain plan --help` lists them). Default: the figures of the GPU the run finds.",
 )
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
-@click.option("--nvme-gb", type=float, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
+@click.option("--nvme-gb", type=GB, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size)."
 )
@@ -286,15 +306,15 @@ main.add_command(prepare_command)
 )
 @click.option(
     "--host-gb",
-    type=float,
+    type=GB,
     default=None,
     help="The process's whole host memory, its own (Python, torch, the CUDA context: about 3 GB) included. "
     "Default: tiers.host_gb, else the RAM of the machine planned for.",
 )
-@click.option("--gpu-gb", type=float, default=None, help="GPU memory budget. Default: the GPU's memory.")
+@click.option("--gpu-gb", type=GB, default=None, help="GPU memory budget. Default: the GPU's memory.")
 @click.option(
     "--nvme-gb",
-    type=float,
+    type=GB,
     default=None,
     help="NVMe tier size. Default (or 0): tiers.nvme_gb, else --nvme-dir's free space.",
 )
