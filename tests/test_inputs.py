@@ -193,6 +193,10 @@ def test_export_refusals_speak_of_export(token_file, tmp_path):
         cli("export", str(a), "--to", str(tmp_path / "hf"), "--max-shard-size", "1.2.3GB"), "--max-shard-size"
     )
     refused(cli("export", str(a), "--to", str(tmp_path / "hf"), "--max-shard-size", "0GB"), "a positive size")
+    chunk = a / "checkpoints" / "step_1" / "master" / "0" / "c" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:-4] + b"\0\0\0\0")  # its checksum no longer holds
+    line = refused(cli("export", str(a), "--to", str(tmp_path / "hf")), "fails its checksum", "another of")
+    assert "resume" not in line  # it was told to resume from another checkpoint
     assert not (tmp_path / "hf").exists()
 
 

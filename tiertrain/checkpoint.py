@@ -44,6 +44,7 @@ from .modes import STATE, Kind
 
 FORMAT = "tiertrain-checkpoint/2"  # /2: the attributes carry their own checksum; /1 is still read
 FORMATS = (FORMAT, "tiertrain-checkpoint/1")
+OTHER = "use another of the run's checkpoints (checkpoints/step_N)"  # said on a resume and an export alike
 KINDS = STATE  # the optimizer's state, whole
 WEIGHTS = (STATE[0],)  # the fp32 master alone (checkpoint.state = "weights")
 SAVED = {"full": KINDS, "weights": WEIGHTS}  # the kinds each checkpoint.state saves
@@ -350,27 +351,25 @@ def read_meta(path: Path) -> dict:
     try:
         meta = dict(zarr.open_group(path, mode="r").attrs)
     except Exception as e:  # noqa: BLE001 - any unreadable group
-        raise CheckpointError(f"{path} is an unreadable checkpoint ({e}); resume from another one") from None
+        raise CheckpointError(f"{path} is an unreadable checkpoint ({e}); " + OTHER) from None
     if meta.get("format") not in FORMATS:
-        raise CheckpointError(f"{path} is not a tiertrain checkpoint (format {meta.get('format')!r})")
+        raise CheckpointError(
+            f"{path} is not a tiertrain checkpoint (format {meta.get('format')!r}); "
+            "pass a run directory or one of its checkpoints/step_N"
+        )
     if meta["format"] == FORMAT and meta.pop(ATTRS_CRC, None) != _attrs_crc(meta):
         raise CheckpointError(
             f"{path} is corrupt: its attributes (zarr.json) fail their checksum, were they "
-            "edited? Resume from another checkpoint"
+            "edited? " + OTHER.capitalize()
         )
     bad = [k for k, ok in _SCHEMA.items() if not ok(meta.get(k))]
     if bad:
-        raise CheckpointError(
-            f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; resume from "
-            "another checkpoint"
-        )
+        raise CheckpointError(f"{path} is corrupt: attribute {', '.join(bad)} missing or malformed; " + OTHER)
     with _reading(path):
         for kind in kinds_of(meta):
             for u in range(len(meta["numels"])):
                 if not _chunk(path, kind, u).is_file():
-                    raise CheckpointError(
-                        f"{path} is corrupt: chunk {kind.value}/{u} is missing; resume from another checkpoint"
-                    )
+                    raise CheckpointError(f"{path} is corrupt: chunk {kind.value}/{u} is missing; " + OTHER)
     return meta
 
 
@@ -426,7 +425,7 @@ def _check_size(path: Path, kind: Kind, unit: int, nbytes: int) -> None:
     if size != nbytes + 4:
         raise CheckpointError(
             f"{path} is corrupt: {kind.value}/{unit} holds {size - 4} bytes, the model "
-            f"needs {nbytes}; resume from another checkpoint"
+            f"needs {nbytes}; " + OTHER
         )
 
 
@@ -438,7 +437,7 @@ def _verify(path: Path, kind: Kind, unit: int, nbytes: int, computed: int) -> No
     if stored != computed:
         raise CheckpointError(
             f"{path} is corrupt: {kind.value}/{unit} fails its checksum (stored {stored:#010x}, "
-            f"computed {computed:#010x}); resume from another checkpoint"
+            f"computed {computed:#010x}); " + OTHER
         )
 
 
