@@ -52,7 +52,16 @@ FLOORS = [
         ],
     ),
     ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop", "tiertrain.start"]),
-    ("cli", ["tiertrain.cli", "tiertrain.cli_prepare", "tiertrain.plancmd", "tiertrain.__main__"]),
+    (
+        "cli",
+        [
+            "tiertrain.cli",
+            "tiertrain.cli_types",
+            "tiertrain.cli_prepare",
+            "tiertrain.plancmd",
+            "tiertrain.__main__",
+        ],
+    ),
 ]
 
 

@@ -10,6 +10,7 @@ import click
 
 from . import __version__
 from .cli_prepare import prepare as prepare_command
+from .cli_types import GB, SHARD_SIZE, OneLine
 from .errors import UserError, why
 
 
@@ -25,49 +26,7 @@ def _fail(err: Exception, ranks=None) -> None:
     sys.exit(2)
 
 
-class _OneLine(click.Group):
-    """click's own refusals (a flag's value out of range, an unknown option) as tiertrain's: one line, exit 2."""
-
-    def main(self, args=None, prog_name=None, **extra):
-        extra.pop("standalone_mode", None)
-        try:
-            code = super().main(args, prog_name, standalone_mode=False, **extra)
-        except click.ClickException as e:
-            if type(e).__name__ == "NoArgsIsHelpError":  # a bare `tiertrain` (click 8.2+): its help, as asked
-                click.echo(e.format_message(), err=True)
-                sys.exit(e.exit_code)
-            where = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) else ""
-            click.echo(
-                f"error: {e.format_message()}{where if isinstance(e, click.UsageError) else ''}", err=True
-            )
-            sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            click.echo("Aborted!", err=True)
-            sys.exit(1)
-        sys.exit(code if isinstance(code, int) else 0)
-
-
-class _Gb(click.ParamType):
-    """A number of GB: finite, from 0 to the most any budget takes (click's FloatRange lets nan through)."""
-
-    name = "GB"
-
-    def convert(self, value, param, ctx):
-        from .sections import MOST_GB
-
-        try:
-            gb = float(value)
-        except ValueError:
-            gb = float("nan")
-        if not 0 <= gb <= MOST_GB:  # nan compares false
-            raise click.UsageError(f"{param.opts[0]} {value}: pass a number of GB from 0 to {MOST_GB:g}", ctx)
-        return gb
-
-
-GB = _Gb()
-
-
-@click.group(cls=_OneLine, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLine, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="tiertrain")
 def main() -> None:
     """Full-precision training of models larger than GPU memory, on one GPU or several."""
@@ -259,28 +218,19 @@ def _without_gpus(args: list[str]) -> list[str]:
 )
 @click.option(
     "--max-shard-size",
+    type=SHARD_SIZE,
     default="5GB",
     show_default=True,
     metavar="SIZE",
     help="Largest safetensors file, as transformers spells it: 5GB, 500MB, 2GiB.",
 )
-def export(source: str, to: str, dtype: str, max_shard_size: str) -> None:
+def export(source: str, to: str, dtype: str, max_shard_size: int) -> None:
     """Write a checkpoint as a Hugging Face model (config.json + safetensors, and the tokenizer and
     generation config of an --init-from model) that transformers loads."""
-    import re
-
     from .export import export_hf
 
     try:
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMG]i?B)\s*", max_shard_size, re.IGNORECASE)
-        if not m:
-            raise UserError(f"--max-shard-size {max_shard_size!r}: write a size like 5GB, 500MB or 2GiB")
-        unit = m.group(2).upper()
-        scale = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}[unit]
-        size = int(float(m.group(1)) * scale)
-        if size < 1:  # a shard holds at least its largest tensor, whatever the size: 0 is a typo
-            raise UserError(f"--max-shard-size {max_shard_size!r}: pass a positive size, like 5GB")
-        files = export_hf(source, to, dtype, size)
+        files = export_hf(source, to, dtype, max_shard_size)
     except UserError as e:
         _fail(e)
     except OSError as e:  # the --to path's disk: full, read-only, or a file where a directory goes
