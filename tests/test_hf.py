@@ -288,3 +288,23 @@ def test_a_fine_tune_lifts_the_positions_of_the_model_it_imports(token_file, tmp
     tr = Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "long"}"', "train.seq_len=2560"))
     assert tr.cfg.model.max_position_embeddings == 4096
     tr.close()
+
+
+@pytest.mark.parametrize("case", ["int32", "float8", "nan"])
+def test_weights_that_cannot_train_are_refused_by_name(token_file, tmp_path, case):
+    """An int32 embedding trained silently (cast to float), and so would a float8 one without the scales of its
+    quantized checkpoint; a NaN in a weight failed after the first step as a divergence."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir("llama2", tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(f)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if case == "nan":
+        tensors[name][3, 4] = float("nan")
+    else:
+        tensors[name] = tensors[name].to({"int32": torch.int32, "float8": torch.float8_e4m3fn}[case])
+    save_file(tensors, f, metadata={"format": "pt"})
+    words = {"int32": "is I32; tiertrain imports float weights", "float8": "is F8_E4M3; tiertrain imports"}
+    with pytest.raises(UserError, match=f"tensor {name} " + words.get(case, "holds NaN or infinite values")):
+        Trainer(tiny_config(token_file, f'train.init_from="{tmp_path / "m"}"'))

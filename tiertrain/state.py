@@ -134,7 +134,7 @@ class State:
 
     def load(self, get) -> None:
         """Sets the master weights, each tensor to `get(hf_name, shape)`: a state dict's, a Hugging Face model's
-        (model.hf.HFReader.get: streamed tensor by tensor)."""
+        (model.hf_read.HFReader.get: streamed tensor by tensor)."""
         for unit, lay in zip(self.units, self.layouts):
             with self.whole(unit.index, read=False) as flat:
                 views = lay.views(flat)

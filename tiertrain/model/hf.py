@@ -12,31 +12,16 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
 from . import hf_moe
 from .families import ARCHITECTURES, FAMILY_DEFAULTS, WINDOWS, unlike_family
+from .hf_read import INDEX, SINGLE, HFError, HFReader, inside, read_json
 from .spec import MODEL_TYPES, MOE_TYPES, ModelSpec
 
 if TYPE_CHECKING:
     import torch
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-class HFError(UserError):
-    pass
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HFError(f"{path} not found: {what}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFError(f"{path} is not valid JSON ({e}); re-download the model") from None
 
 
 def spec_from_hf(model_dir: str | os.PathLike, seq_len: int | None = None) -> ModelSpec:
@@ -121,7 +106,7 @@ def _config(d: Path) -> tuple[dict, str]:
     """(config.json of the model directory `d`, its model_type), refused where it is none tiertrain trains."""
     if not d.is_dir():
         raise HFError(f"--init-from {d}: not a directory; pass a local Hugging Face model directory")
-    c = _read_json(d / "config.json", "--init-from needs a Hugging Face model directory with config.json")
+    c = read_json(d / "config.json", "--init-from needs a Hugging Face model directory with config.json")
     if not isinstance(c, dict):
         raise HFError(
             f"{d}/config.json holds a JSON {type(c).__name__}, not an object of model fields; pass a "
@@ -184,7 +169,7 @@ def open_weights(model_dir: str | os.PathLike, spec: ModelSpec) -> "HFReader | h
     reader = HFReader(model_dir)
     if not spec.is_moe:
         return reader
-    q = _read_json(Path(model_dir) / "config.json", "").get("quantization_config") or {}
+    q = read_json(Path(model_dir) / "config.json", "").get("quantization_config") or {}
     return hf_moe.MoEReader(reader, spec, q.get("quant_method") == "mxfp4")
 
 
@@ -263,81 +248,6 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict:
     return c
 
 
-class HFReader:
-    """Tensors of a Hugging Face directory by name, from whichever shard holds them."""
-
-    def __init__(self, model_dir: str | os.PathLike):
-        self.dir = Path(model_dir)
-        if (self.dir / SINGLE).is_file():  # first, as transformers reads a directory holding both
-            if not _inside(self.dir, SINGLE):
-                raise HFError(
-                    f"{self.dir / SINGLE} links outside the model directory; copy the model's files into it"
-                )
-            self.where = None
-        elif (self.dir / INDEX).is_file():
-            index = _read_json(self.dir / INDEX, "")
-            wm = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(wm, dict) or not all(isinstance(f, str) for f in wm.values()):
-                raise HFError(
-                    f"{self.dir / INDEX} has no weight_map of tensor names to files; re-download the model"
-                )
-            outside = [f for f in wm.values() if not _inside(self.dir, f)]
-            if outside:  # a shard's name is a file of this directory, never a path out of it
-                raise HFError(
-                    f"{self.dir / INDEX} names a shard outside the model directory ({outside[0]!r}); "
-                    "re-download the model"
-                )
-            self.where = dict(wm)
-        else:
-            raise HFError(
-                f"{self.dir} holds neither {SINGLE} nor {INDEX}; tiertrain reads safetensors weights"
-            )
-        files = sorted(set(self.where.values())) if self.where else [SINGLE]
-        missing = [f for f in files if not (self.dir / f).is_file()]
-        if missing:
-            raise HFError(
-                f"{self.dir}: shard {missing[0]} listed in {INDEX} is missing"
-                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download it"
-            )
-        self._open: dict[str, object] = {}
-        if self.where is None:
-            self.where = {k: SINGLE for k in self._file(SINGLE).keys()}
-
-    def _file(self, name: str):
-        from safetensors import safe_open
-
-        if name not in self._open:
-            try:
-                self._open[name] = safe_open(self.dir / name, framework="pt")
-            except Exception as e:  # noqa: BLE001 - a truncated or foreign file
-                raise HFError(
-                    f"{self.dir / name} is not a readable safetensors file ({e}); re-download it"
-                ) from None
-        return self._open[name]
-
-    def check(self, names: Iterable[str]) -> None:
-        missing = [n for n in names if n not in self.where]
-        if missing:
-            raise HFError(
-                f"{self.dir} lacks tensor {missing[0]}"
-                f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; "
-                "its weights do not match its config.json"
-            )
-
-    def get(self, name: str, shape: tuple[int, ...]) -> "torch.Tensor":
-        try:
-            t = self._file(self.where[name]).get_tensor(name)
-        except Exception as e:  # noqa: BLE001 - a shard without the tensor its index names, or a torn one
-            raise HFError(
-                f"{self.dir / self.where[name]}: cannot read {name} ({e}); re-download the model"
-            ) from None
-        if tuple(t.shape) != tuple(shape):
-            raise HFError(
-                f"{self.dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
-            )
-        return t
-
-
 # what an imported model's directory holds beside its weights that its export should too
 CARRIED = (
     "generation_config.json",
@@ -353,30 +263,12 @@ CARRIED = (
 CARRIED_DIRS = ("additional_chat_templates",)  # a tokenizer's named chat templates, one .jinja file each
 
 
-def model_root(model_dir: Path) -> Path:
-    """The directory a model's files must stay inside: the model directory, or for a snapshot of the Hugging Face
-    hub's cache (`models--ORG--NAME/snapshots/REV`, whose files link to `../../blobs`) the model's cache entry."""
-    d = Path(model_dir).resolve()
-    return (
-        d.parent.parent if d.parent.name == "snapshots" and d.parent.parent.name.startswith("models--") else d
-    )
-
-
-def _inside(model_dir: Path, name: str) -> bool:
-    """`name` is a file of the model directory (or below it), and no link leads out of model_root."""
-    return (
-        not Path(name).is_absolute()
-        and ".." not in Path(name).parts
-        and (Path(model_dir) / name).resolve().is_relative_to(model_root(model_dir))
-    )
-
-
 def carry_files(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[list[str], list[str]]:
     """Copies the CARRIED files `src` has into the new directory `dst`; (the names copied, those left behind: a
     link that leads out of the model directory is never followed)."""
     extra = [f"{t}/{f.name}" for t in CARRIED_DIRS for f in sorted((Path(src) / t).glob("*.jinja"))]
     present = [n for n in (*CARRIED, *extra) if (Path(src) / n).is_file()]
-    names = [n for n in present if _inside(Path(src), n)]
+    names = [n for n in present if inside(Path(src), n)]
     if names:
         Path(dst).mkdir(parents=True, exist_ok=True)
     for n in names:
