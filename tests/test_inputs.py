@@ -271,6 +271,9 @@ def test_plan_takes_the_configs_budgets_as_run_does(tmp_path):
         (["tiers.gpu_resident_gb=1e308"], "tiers.gpu_resident_gb = 1e+308 is not allowed"),
         (["model.num_hidden_layers=1000000"], "must be at most 4096"),
         (["model.head_dim=0"], "model.head_dim = 0 is not allowed"),
+        # accepted, and exported into config.json for generation
+        (["model.bos_token_id=-5"], "model.bos_token_id = -5 is not allowed: must be a token id below 384"),
+        (["model.eos_token_id=[2, 99999]"], "model.eos_token_id = [2, 99999] is not allowed"),
         (["tiers.gpu_update_units=1", 'tiers.stream="compute"'], 'needs tiers.stream = "master"'),
         (
             [

@@ -219,6 +219,11 @@ class ModelSpec:
         self._need(
             pad is None or type(pad) is int and -v <= pad < v, "pad_token_id", f"must be a token id below {v}"
         )
+        # config.json's ids for generation: tokens of the vocabulary
+        for key in ("bos_token_id", "eos_token_id"):
+            ids = getattr(self, key)
+            ids = ids if isinstance(ids, list) else [] if ids is None else [ids]
+            self._need(all(type(i) is int and 0 <= i < v for i in ids), key, f"must be a token id below {v}")
         for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
             self._need(_finite(getattr(self, key)), key, "must be a positive finite number")
         self._need(self.model_type in MODEL_TYPES, "model_type", f"must be one of {', '.join(MODEL_TYPES)}")
