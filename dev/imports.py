@@ -19,6 +19,7 @@ FLOORS = [
             "tiertrain.errors",
             "tiertrain.sizes",
             "tiertrain.modes",
+            "tiertrain.paths",
             "tiertrain.model.ropes",
             "tiertrain.model.spec",
             "tiertrain.sections",

@@ -16,6 +16,7 @@ BELOW_PLAN = {
     "tiertrain.model.ropes",
     "tiertrain.model.parts",
     "tiertrain.modes",
+    "tiertrain.paths",
     "tiertrain.sizes",
     "tiertrain.errors",
     "tiertrain.config",

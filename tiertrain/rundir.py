@@ -27,6 +27,7 @@ from .checkpoint import FORMATS, STEP, CheckpointError, left_whole, read_meta, r
 from .durable import fsync, write_json, write_whole
 from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics
+from .paths import existing
 
 MARKER = "tiertrain-run.json"
 LOCK = "tiertrain-run.lock"
@@ -433,14 +434,6 @@ def heal(run: Path) -> None:
     a save (checkpoint.recover), then a cut of the timeline."""
     recover(checkpoint_dir(run))
     finish_cut(run)
-
-
-def existing(path: Path) -> Path:
-    """`path`, or its nearest existing parent: where it would be made."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
 
 
 def disk_free(path: Path) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import shutil
 from ..config import Config
 from ..errors import ConfigError, why
 from ..modes import Home, Kind
+from ..paths import existing
 from ..sections import AUTO, fixed
 from ..sizes import budget, gb
 from ..tiers.placement import (
@@ -125,11 +126,7 @@ def search(
 def free_gb(path: str) -> float:
     """The free space, in GB, of the disk `path` is or will be on (its nearest existing parent's): the NVMe budget
     --nvme-dir gives when --nvme-gb does not, in `run` and `plan` alike."""
-    from pathlib import Path
-
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    p = existing(path)
     if not p.is_dir():  # a file given, or one on the way: the store could not be made
         raise ConfigError(f"--nvme-dir {path}: {p} is a file; pass a directory (the store is made inside it)")
     try:
