@@ -580,3 +580,22 @@ def test_a_signal_the_launcher_passes_on_lets_every_rank_clean_up(tmp_path):
     os.kill(p.pid, signal.SIGTERM)
     assert p.wait(60) == 130
     assert (tmp_path / "cleaned-1").exists()
+
+
+def test_the_launcher_deletes_the_stores_of_ranks_killed(tmp_path):
+    """A rank killed (by a signal, or by the launcher when another failed) cannot delete its NVMe store, which
+    stayed on the disk until the run's next start: the launcher deletes it, and nothing else beside it."""
+    from tiertrain.launch import launch
+
+    (tmp_path / "users").mkdir()  # not a store of tiertrain's: stays
+    rank = (
+        "import os, signal, sys, time\n"
+        "from tiertrain.tiers.nvme import new_scratch\n"
+        "new_scratch(sys.argv[1], 'run'); new_scratch(sys.argv[1], 'run')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    time.sleep(1)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    assert launch(2, ["-c", rank, str(tmp_path)], module=None) == 128 + 9
+    assert [p.name for p in tmp_path.iterdir()] == ["users"]

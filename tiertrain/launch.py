@@ -2,7 +2,7 @@
 environment (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and its env://
 rendezvous; `torchrun --nproc-per-node N -m tiertrain run ...` is the same job. The first rank to fail stops
 the others at once (SIGKILL: they cannot save without it, and the last checkpoint is whole whatever moment
-they stop at), and its exit status is the job's, with a line saying which rank and how where it said nothing
+they stop at; the launcher then deletes the NVMe stores a killed rank leaves), and its exit status is the job's, with a line saying which rank and how where it said nothing
 itself; a refusal (status 2), which the ranks meet together, lets the others end by themselves (rank 0 takes
 back the run directory it claimed). SIGINT and SIGTERM are passed on to every rank (each then finishes its
 step, they save a checkpoint together and stop; before the loop each gives back what it made), and a rank that
@@ -10,6 +10,7 @@ stops first waits for the others to."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,8 +28,12 @@ def _free_port() -> int:
 def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain") -> int:
     """Runs `python -m <module> <args>` (module None: `python <args>`) as n ranks, their output to `stdout`
     (None: this process's); returns the job's exit status."""
+    from .tiers.nvme import SCRATCH_FD
+
     port, cores = _free_port(), os.cpu_count() or 1
     procs = []
+    made, told = os.pipe()  # the ranks' NVMe stores, deleted where a rank was killed before it could
+    os.set_blocking(made, False)
     for r in range(n):
         env = dict(
             os.environ,
@@ -39,13 +44,18 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
             GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            **{SCRATCH_FD: str(told)},
         )
         # the host's cores shared, as torchrun would
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))
         cmd = [sys.executable, *(["-m", module] if module else []), *args]
         procs.append(
-            subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None)
+            subprocess.Popen(
+                cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None, pass_fds=(told,)
+            )
         )
+    os.close(told)
+    stores: list[str] = []
 
     signalled = []
 
@@ -81,11 +91,34 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
                 return code if code > 0 else 128 - code
             if all(c == 0 for c in codes):
                 return 0
+            _read(made, stores)  # as they come: the pipe holds only 64 KiB
             time.sleep(0.1)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         _stop(procs)
+        _read(made, stores)
+        os.close(made)
+        _discard(stores)
+
+
+def _read(pipe: int, into: list[str]) -> None:
+    """The store paths the ranks have written to `pipe` since the last read."""
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(pipe, 1 << 16):
+            data += chunk
+    into += data.decode().splitlines()
+
+
+def _discard(stores: list[str]) -> None:
+    """Deletes the stores the ranks left: a rank that ended by itself deleted its own, one killed (by a signal, or
+    by the launcher when another rank failed) could not. Only marked stores are deleted (nvme.discard)."""
+    from .tiers.nvme import discard
+
+    for root in stores:
+        with contextlib.suppress(OSError):
+            discard(root)
 
 
 def _stop(procs: list[subprocess.Popen], how: str = "terminate", grace: float = 30.0) -> None:

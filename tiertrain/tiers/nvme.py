@@ -10,6 +10,7 @@ pool. kvikio moves the bytes where it can run (it needs a CUDA driver); elsewher
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -307,6 +308,7 @@ class NvmeStore(ChunkStore):
 
 
 SCRATCH_MARKER = "tiertrain-scratch.json"  # in every directory new_scratch makes, and only there
+SCRATCH_FD = "TIERTRAIN_SCRATCH_FD"  # the launcher's pipe, where a rank writes each store it makes
 
 
 def new_scratch(parent: str | os.PathLike, run: str) -> Path:
@@ -332,6 +334,10 @@ def new_scratch(parent: str | os.PathLike, run: str) -> Path:
             )
             + "\n"
         )
+        told = os.environ.get(SCRATCH_FD)
+        if told:  # a rank of `run --gpus N`: its launcher deletes the store if it sees the rank killed
+            with contextlib.suppress(OSError, ValueError):
+                os.write(int(told), f"{root}\n".encode())  # one write below PIPE_BUF: whole in the pipe
     except OSError as e:
         raise StoreError(
             f"cannot use --nvme-dir {parent}: {e.strerror}; pass a writable directory with room"
