@@ -479,3 +479,55 @@ def test_a_template_whose_last_turn_ends_with_its_own_eos_trains_it(tmp_path):
     for (ids, mask), a, e in zip(want, tf.starts, np.append(tf.starts[1:], len(tf.tokens))):
         assert ids[-1] == ret and mask[-1] == 1
         assert tf.tokens[a:e].tolist() == ids and tf.mask[a:e].tolist() == mask
+
+
+# the example's ChatML, with the tools' schemas in a system turn and a template variable, as Qwen's templates take
+TOOLS_HEAD = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- if terse %}{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_a_records_tools_and_template_variables_are_rendered_as_trl_renders_them(tmp_path, template):
+    """A record's `tools` and `chat_template_kwargs` were dropped: a tool-calling conversation trained without the
+    schemas its model sees at inference. TRL's SFTTrainer passes both to apply_chat_template (a JSON string of
+    tools decoded); so does prepare --chat, each record its own, in a file with records without them."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    conv = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Sunny."}]
+    recs = [
+        {"messages": conv, "tools": tools},
+        {"messages": conv, "tools": json.dumps(tools), "chat_template_kwargs": {"terse": True}},
+        {"messages": conv},
+    ]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tok = chat_tokenizer_dir(tmp_path / "tok", TOOLS_HEAD + TEMPLATES[template])
+    prepare_chat([str(tmp_path / "c.jsonl")], str(tmp_path / "c.bin"), str(tok))
+    tf = open_tokens(tmp_path / "c.bin")
+    ref = EX.chat_tokenizer(EX.conversation_texts(), TOOLS_HEAD + EX.CHATML_TRAINING)
+    ends = np.append(tf.starts[1:], len(tf.tokens))
+    for a, e, kw in zip(tf.starts, ends, [{"tools": tools}, {"tools": tools, "terse": True}, {}]):
+        want = ref.apply_chat_template(conv, return_dict=True, return_assistant_tokens_mask=True, **kw)
+        assert (
+            tf.tokens[a:e].tolist() == want["input_ids"] and tf.mask[a:e].tolist() == want["assistant_masks"]
+        )
+    assert "Tools: " in ref.decode(tf.tokens[: ends[0]].tolist()) and len(tf.starts) == 3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # a parquet file's columns: tools as JSON strings (a datasets column holds one schema type), a null where none
+    pq.write_table(
+        pa.table({"messages": [conv] * 3, "tools": [json.dumps(tools), None, None]}), tmp_path / "c.pq"
+    )
+    (tmp_path / "c.parquet").write_bytes((tmp_path / "c.pq").read_bytes())
+    prepare_chat([str(tmp_path / "c.parquet")], str(tmp_path / "p.bin"), str(tok))
+    pf = open_tokens(tmp_path / "p.bin")
+    assert pf.tokens[: pf.starts[1]].tolist() == tf.tokens[: ends[0]].tolist()
+    assert pf.tokens[pf.starts[1] :].tolist() == 2 * tf.tokens[tf.starts[2] :].tolist()
+    for bad, words in (
+        ({"tools": {"a": 1}}, "'tools' is not a list"),
+        ({"chat_template_kwargs": {"tokenize": 1}}, "tokenize"),
+    ):
+        (tmp_path / "b.jsonl").write_text(json.dumps({"messages": conv, **bad}) + "\n")
+        with pytest.raises(DataError, match=words):
+            prepare_chat([str(tmp_path / "b.jsonl")], str(tmp_path / "b.bin"), str(tok))

@@ -1,5 +1,6 @@
-"""`tiertrain prepare --chat`: conversations (.jsonl or .parquet records, each a list of {role, content} messages)
-rendered with the tokenizer's chat template into samples of a token file, each token marked trained or not.
+"""`tiertrain prepare --chat`: conversations (.jsonl or .parquet records, each a list of {role, content} messages,
+and the record's tools and template variables) rendered with the tokenizer's chat template into samples of a token
+file, each token marked trained or not.
 
 The marks are transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)`: the tokens that overlap
 the template's {% generation %} blocks (the assistant's turns) train. For a template without such blocks the same
@@ -27,6 +28,7 @@ from .prepare import check_paths, check_vocabulary, records
 
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for the blocks
 BATCH = 256  # conversations per tokenizer call
+OPTIONS = ("tools", "chat_template_kwargs")  # a record's fields TRL's SFTTrainer renders with its messages
 
 
 @dataclass
@@ -135,9 +137,35 @@ def _check(conv, where: str, field: str, prefixes: bool) -> list[dict]:
     return conv
 
 
-def _render(tok, messages: list[dict], where: str, prompt: bool = False) -> str:
+def options(tok, extra: dict, where: str) -> dict:
+    """The arguments of apply_chat_template a record gives beside its messages, as TRL's SFTTrainer passes them:
+    its `tools` (function schemas; a JSON string is decoded) and its `chat_template_kwargs` (the template's
+    variables)."""
+    import inspect
+    import json
+
+    opts, tools, kw = {}, extra.get("tools"), extra.get("chat_template_kwargs", {})
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            tools = None
+    if "tools" in extra and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: 'tools' is not a list of function schemas (JSON objects); fix the record")
+    if tools:
+        opts["tools"] = tools
+    taken = set(inspect.signature(tok.apply_chat_template).parameters)  # its own: tokenize, tools, ...
+    if not isinstance(kw, dict) or taken & set(kw):
+        raise DataError(
+            f"{where}: 'chat_template_kwargs' must be a table of the template's variables (enable_thinking, ...), "
+            f"none of apply_chat_template's own arguments ({', '.join(sorted(taken & set(kw))) or 'not a table'})"
+        )
+    return {**opts, **kw}
+
+
+def _render(tok, messages: list[dict], where: str, prompt: bool = False, opts: dict | None = None) -> str:
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt, **(opts or {}))
     except Exception as e:  # noqa: BLE001 - jinja2 raises its own errors from a template's own code
         raise DataError(f"{where}: the chat template failed on it ({type(e).__name__}: {e})") from None
 
@@ -155,15 +183,17 @@ def spans_to_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
     return mask
 
 
-def assistant_spans(tok, conv: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(tok, conv: list[dict], where: str, opts: dict) -> tuple[str, list[tuple[int, int]]]:
     """(the conversation's render, the character span of each assistant turn): by rendering its prefixes."""
-    full = _render(tok, conv, where)
+    full = _render(tok, conv, where, opts=opts)
     spans = []
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        before = _render(tok, conv[:i], where, prompt=True)
-        upto = _ended(tok, conv[: i + 1], _render(tok, conv[: i + 1], where), full, before, where)
+        before = _render(tok, conv[:i], where, prompt=True, opts=opts)
+        upto = _ended(
+            tok, conv[: i + 1], _render(tok, conv[: i + 1], where, opts=opts), full, before, where, opts
+        )
         if not (full.startswith(before) and upto.startswith(before) and full.startswith(upto)):
             raise DataError(
                 f"{where}: the chat template is not prefix-preserving (message {i}, the assistant's: the render of "
@@ -177,7 +207,7 @@ def assistant_spans(tok, conv: list[dict], where: str) -> tuple[str, list[tuple[
     return full, spans
 
 
-def _ended(tok, conv: list[dict], render: str, full: str, before: str, where: str) -> str:
+def _ended(tok, conv: list[dict], render: str, full: str, before: str, where: str, opts: dict) -> str:
     """The render of `conv` (up to an assistant's turn) as the turn is trained: without an end-of-text token that
     is not the turn's. Phi-3's templates put `eos_token` after the last message whatever its role, where no
     generation prompt follows: it closes the conversation, and is never trained. gpt-oss's ends its last turn
@@ -189,36 +219,43 @@ def _ended(tok, conv: list[dict], render: str, full: str, before: str, where: st
     if not eos or not body.endswith(eos):
         return render
     cut = body[: -len(eos)]
-    if _closing(tok, conv[:-1], eos, before, where) or (not full.startswith(body) and full.startswith(cut)):
+    if _closing(tok, conv[:-1], eos, before, where, opts) or (
+        not full.startswith(body) and full.startswith(cut)
+    ):
         return cut
     return render
 
 
-def _closing(tok, conv: list[dict], eos: str, prompted: str, where: str) -> bool:
+def _closing(tok, conv: list[dict], eos: str, prompted: str, where: str, opts: dict) -> bool:
     """Whether the template ends `conv` (the messages before an assistant's turn; `prompted`: their render with the
     generation prompt) with an `eos` that the prompt replaces: one that closes the conversation (Phi-3's), not a
     message's own (Llama 3's <|eot_id|>)."""
-    body = _render(tok, conv, where).rstrip()
+    body = _render(tok, conv, where, opts=opts).rstrip()
     return body.endswith(eos) and prompted.startswith(body[: -len(eos)]) and not prompted.startswith(body)
 
 
-def encode(tok, convs: list[list[dict]], wheres: list[str], how: str) -> list[tuple[list[int], list[int]]]:
-    """Each conversation's (token ids, marks): `how` "generation" (the template's blocks), "prefixes" or "all"."""
+def encode(
+    tok, convs: list[list[dict]], opts: list[dict], wheres: list[str], how: str
+) -> list[tuple[list[int], list[int]]]:
+    """Each conversation's (token ids, marks): `how` "generation" (the template's blocks), "prefixes" or "all";
+    `opts`: each one's arguments of apply_chat_template (`options`)."""
+    if how == "generation" and any(opts) and len(convs) > 1:  # one call takes one set of tools
+        return [x for c, o, w in zip(convs, opts, wheres) for x in encode(tok, [c], [o], [w], how)]
     if how == "generation":
         try:
             out = tok.apply_chat_template(
-                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **opts[0]
             )
         except Exception as e:  # noqa: BLE001 - a template's error: the conversation that raised it, if one does
-            for conv, where in zip(convs, wheres):
-                _render(tok, conv, where)
+            for conv, o, where in zip(convs, opts, wheres):
+                _render(tok, conv, where, opts=o)
             raise DataError(
                 f"{wheres[0]}..{wheres[-1]}: the chat template failed ({type(e).__name__}: {e})"
             ) from None
         return list(zip(out["input_ids"], out["assistant_masks"]))
     rendered = [
-        assistant_spans(tok, c, w) if how == "prefixes" else (_render(tok, c, w), [])
-        for c, w in zip(convs, wheres)
+        assistant_spans(tok, c, w, o) if how == "prefixes" else (_render(tok, c, w, opts=o), [])
+        for c, o, w in zip(convs, opts, wheres)
     ]
     enc = tok([r for r, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
     return [
@@ -276,19 +313,22 @@ def prepare_chat(
     )
     writer = TokenWriter(out, report.vocab, samples=True, masked=True)
     try:
-        batch, wheres, done = [], [], 0
+        batch, opts, wheres, done = [], [], [], 0
         for p in paths:
-            for conv, nbytes, where in records(p, messages_field, "messages", "--messages-field"):
+            for conv, extra, nbytes, where in records(
+                p, messages_field, "messages", "--messages-field", OPTIONS
+            ):
                 batch.append(_check(conv, where, messages_field, how == "prefixes"))
+                opts.append(options(tok, extra, where))
                 wheres.append(where)
                 done += nbytes
                 if len(batch) == BATCH:
-                    for ids, mask in encode(tok, batch, wheres, how):
+                    for ids, mask in encode(tok, batch, opts, wheres, how):
                         _add(writer, report, ids, mask, too_long)
-                    batch, wheres = [], []
+                    batch, opts, wheres = [], [], []
                     progress(done)
                     done = 0
-        for ids, mask in encode(tok, batch, wheres, how) if batch else []:
+        for ids, mask in encode(tok, batch, opts, wheres, how) if batch else []:
             _add(writer, report, ids, mask, too_long)
         progress(done)
         if not report.samples:

@@ -33,22 +33,26 @@ def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
                 pieces.append(block + f.readline())
             yield pieces, path.stat().st_size
         return
-    for text, nbytes, where in records(path, text_field, "text", "--text-field"):
+    for text, _, nbytes, where in records(path, text_field, "text", "--text-field"):
         if not isinstance(text, str) and not (text is None and path.suffix == ".parquet"):
             raise DataError(f"{where}: {text_field!r} holds a {type(text).__name__}, not text")
         yield [text or ""], nbytes
 
 
-def records(path: Path, field: str, what: str, flag: str) -> Iterator[tuple[object, int, str]]:
-    """(the value of `field`, the input bytes it covers, where it is: file:line or file:row) of each record of a
-    .jsonl file (a JSON object a line) or a .parquet file (a row; a column of `what`: "text" or "messages")."""
+def records(
+    path: Path, field: str, what: str, flag: str, also: tuple[str, ...] = ()
+) -> Iterator[tuple[object, dict, int, str]]:
+    """(the value of `field`, {each field of `also` the record has: its value}, the input bytes it covers, where it
+    is: file:line or file:row) of each record of a .jsonl file (a JSON object a line) or a .parquet file (a row; a
+    column of `what`: "text" or "messages")."""
     if path.suffix == ".jsonl":
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    value = json.loads(line)[field]
+                    record = json.loads(line)
+                    value = record[field]
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise DataError(
                         f"{path}:{n} is not a JSON object ({e}); fix the line or the file"
@@ -57,7 +61,12 @@ def records(path: Path, field: str, what: str, flag: str) -> Iterator[tuple[obje
                     raise DataError(
                         f"{path}:{n} has no {field!r} field; pass the field that holds the {what} with {flag}"
                     ) from None
-                yield value, len(line), f"{path}:{n}"
+                yield (
+                    value,
+                    {k: record[k] for k in also if record.get(k) is not None},
+                    len(line),
+                    f"{path}:{n}",
+                )
         return
     try:
         import pyarrow.parquet as pq
@@ -84,10 +93,16 @@ def records(path: Path, field: str, what: str, flag: str) -> Iterator[tuple[obje
                 f"with {flag}"
             )
         rows, size, n = max(pf.metadata.num_rows, 1), path.stat().st_size, 0
-        for batch in pf.iter_batches(columns=[field], batch_size=1024):
-            for value in batch.column(0).to_pylist():
+        more = [k for k in also if k in pf.schema_arrow.names]
+        for batch in pf.iter_batches(columns=[field, *more], batch_size=1024):
+            for row in batch.to_pylist():
                 n += 1
-                yield value, size // rows, f"{path}:row {n}"
+                yield (
+                    row[field],
+                    {k: row[k] for k in more if row[k] is not None},
+                    size // rows,
+                    f"{path}:row {n}",
+                )
     except (pa.ArrowException, OSError) as e:  # not parquet, or cut short
         raise DataError(
             f"{path} is not a readable .parquet file ({str(e).splitlines()[0][:160]}); rewrite it, "
