@@ -277,6 +277,11 @@ def test_what_prepare_chat_cannot_do_is_one_line(tmp_path):
         cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", given, "--out", out),
         f"{given}: no tokenizer could be loaded",
     )
+    (tmp_path / "none.jsonl").write_text("\n")  # was told none of its conversations has a token to train
+    refused(
+        cli("prepare", str(tmp_path / "none.jsonl"), "--chat", "--tokenizer", str(tok), "--out", out),
+        "none.jsonl holds no conversation",
+    )
     (tmp_path / "empty.jinja").write_text("\n")  # was told the tokenizer "has no chat template"
     refused(
         cli(

@@ -331,6 +331,10 @@ def prepare_chat(
         for ids, mask in encode(tok, batch, opts, wheres, how) if batch else []:
             _add(writer, report, ids, mask, too_long)
         progress(done)
+        if not (report.samples or report.untrained or report.too_long):
+            raise DataError(
+                f"{', '.join(inputs)} holds no conversation; pass a file of records with messages"
+            )
         if not report.samples:
             raise DataError(
                 f"no conversation of {', '.join(inputs)} has a token to train ({report.untrained} without, "
