@@ -2,8 +2,8 @@
 environment (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and its env://
 rendezvous; `torchrun --nproc-per-node N -m tiertrain run ...` is the same job. The first rank to fail stops
 the others at once (SIGKILL: they cannot save without it, and the last checkpoint is whole whatever moment
-they stop at; the launcher then deletes the NVMe stores a killed rank leaves), and its exit status is the job's, with a line saying which rank and how where it said nothing
-itself; a refusal (status 2), which the ranks meet together, lets the others end by themselves (rank 0 takes
+they stop at; the launcher then deletes the NVMe stores a killed rank leaves), and its exit status is the
+job's, with a line saying which rank and how where it said nothing itself; a refusal (status 2), which the ranks meet together, lets the others end by themselves (rank 0 takes
 back the run directory it claimed). SIGINT and SIGTERM are passed on to every rank (each then finishes its
 step, they save a checkpoint together and stop; before the loop each gives back what it made), and a rank that
 stops first waits for the others to."""

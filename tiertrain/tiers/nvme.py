@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -335,8 +336,10 @@ def new_scratch(parent: str | os.PathLike, run: str) -> Path:
             + "\n"
         )
         told = os.environ.get(SCRATCH_FD)
-        if told:  # a rank of `run --gpus N`: its launcher deletes the store if it sees the rank killed
-            with contextlib.suppress(OSError, ValueError):
+        # a rank of `run --gpus N`: its launcher deletes the store if it sees the rank killed. Only into the pipe
+        # (a process the rank starts inherits the variable, not the descriptor)
+        with contextlib.suppress(OSError, ValueError):
+            if told and stat.S_ISFIFO(os.fstat(int(told)).st_mode):
                 os.write(int(told), f"{root}\n".encode())  # one write below PIPE_BUF: whole in the pipe
     except OSError as e:
         raise StoreError(
