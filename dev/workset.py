@@ -1,8 +1,10 @@
 """Measures a block's GPU working set per token beside the planner's (plan/workset.py): its forward pass without
 gradients, then its backward pass from its checkpoint as Step.block_backward runs it, tiled (model/tiled.py) or
 not, the input and its gradient allocated before. One line per (config, tokens).
-    python dev/workset.py configs/llama3.1-8b.toml TILE TOKENS...      (TILE 0: untiled)"""
+    python dev/workset.py configs/llama3.1-8b.toml TILE TOKENS...      (TILE 0: untiled; DTYPE=float32 in the
+    environment: fp32 compute, where GQA takes SDPA's math kernel)"""
 
+import os
 import sys
 
 import torch
@@ -15,12 +17,13 @@ from tiertrain.plan.workset import working_set
 
 cfg_path, tile = sys.argv[1], int(sys.argv[2])
 spec = load_config(cfg_path).model
-dev, dt = torch.device("cuda"), torch.bfloat16
+dtype = os.environ.get("DTYPE", "bfloat16")
+dev, dt = torch.device("cuda"), getattr(torch, dtype)
 w, accs = block_weights(spec, dev, dt)
 for tokens in map(int, sys.argv[3:]):
     spec.max_position_embeddings = max(spec.max_position_embeddings, tokens)
     ctx = Context.build(spec, tokens, dt, dev, tile)
-    x = torch.randn(1, tokens, spec.hidden_size, device=dev)
+    x = torch.randn(1, tokens, spec.hidden_size, device=dev)  # the fp32 residual
     g = torch.randn_like(x)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -47,7 +50,7 @@ for tokens in map(int, sys.argv[3:]):
     torch.cuda.synchronize()
     bwd = torch.cuda.max_memory_allocated() - base
     H = spec.hidden_size
-    model = working_set(spec, "bfloat16", tokens, tile)
+    model = working_set(spec, dtype, tokens, tile)
     print(
         f"{cfg_path} tile {tile} tokens {tokens}: fwd {fwd / 1e9:.2f} GB {t0.elapsed_time(t1) / 1e3:.2f} s, "
         f"bwd {bwd / 1e9:.2f} GB ({bwd / tokens / H:.1f} x H per token) {t1.elapsed_time(t2) / 1e3:.2f} s; "

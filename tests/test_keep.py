@@ -11,7 +11,7 @@ from tiertrain.config import load_config
 from tiertrain.errors import ConfigError
 from tiertrain.model import llama
 from tiertrain.model.spec import ModelSpec
-from tiertrain.plan.attention import rates
+from tiertrain.plan.attention import kv_graph, rates
 from tiertrain.plan.hardware import REFERENCE
 from tiertrain.plan.planner import plan
 from tiertrain.plan.resolve import resolve
@@ -20,9 +20,9 @@ from tiertrain.plan.workset import kept_bytes_per_token
 from tiertrain.trainer import Trainer
 
 
-def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str) -> int:
+def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str, kernel="", det=False) -> int:
     """What llama.block's autograd graph saves for one sequence of t tokens, weights aside."""
-    ctx = llama.Context.build(spec, t, dtype, torch.device(device))
+    ctx = llama.Context.build(spec, t, dtype, torch.device(device), attention=kernel, deterministic=det)
     w = {
         x.name: torch.randn(x.shape, dtype=dtype, device=device).requires_grad_()
         for x in spec.units()[1].tensors
@@ -43,7 +43,10 @@ def _saved_bytes(spec: ModelSpec, dtype: torch.dtype, t: int, device: str) -> in
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("shape", [(256, 512, 4, 4), (256, 1024, 4, 2), (512, 768, 8, 8)])
-def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device):
+@pytest.mark.parametrize("attention", ["", "deterministic", "efficient", "math"])
+def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device, attention):
+    """Each kernel's graph as plan.attention.kv_graph says a GPU's holds it: K and V as they are, repeated for every
+    query head, or with the math kernel's softmax weights (length squared: a forced keep with fp32 GQA)."""
     H, FF, heads, kv = shape
     spec = ModelSpec(
         hidden_size=H,
@@ -54,16 +57,24 @@ def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device):
         vocab_size=256,
         max_position_embeddings=512,
     )
-    if device == "cuda" and dtype == "float32" and kv != heads:
-        pytest.skip(
-            "fp32 GQA on CUDA: SDPA's math kernel saves the attention weights; the plan keeps none there"
-        )
+    kernel, det = ("", True) if attention == "deterministic" else (attention, False)
+    if device == "cpu" and attention in ("deterministic", "efficient"):
+        pytest.skip("a CPU runs torch's choice: no deterministic path, no efficient kernel")
+    if device == "cpu" and attention == "math" and dtype == "bfloat16":
+        pytest.skip("a CPU's math kernel computes bf16 in fp32 copies, which a GPU's does not")
     dt = getattr(torch, dtype)
-    # constants aside
-    per_token = (_saved_bytes(spec, dt, 512, device) - _saved_bytes(spec, dt, 256, device)) / 256
+    # constants aside: a sequence of 512 tokens against one of 256
+    a, b = (_saved_bytes(spec, dt, t, device, kernel, det) for t in (256, 512))
+    # a CPU's choice is its flash kernel, which takes GQA as it is, in fp32 too
+    how = kv_graph(kernel, det, dtype, spec) if device == "cuda" or kernel else "native"
     # the plan prices a GPU's graph: on a CPU the composite RMSNorm also saves each norm's x * scale (fp32)
     composite = 8 * H if device == "cpu" else 0
-    assert per_token == kept_bytes_per_token(spec, dtype) + composite
+    assert (
+        b - a
+        == 512 * kept_bytes_per_token(spec, dtype, how, 512)
+        - 256 * kept_bytes_per_token(spec, dtype, how, 256)
+        + 256 * composite
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

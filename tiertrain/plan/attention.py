@@ -68,6 +68,17 @@ def rates(
     return r[0] * scale, backward_tflops(r, deterministic) * scale
 
 
+def kv_graph(kernel: str, deterministic: bool, dtype: str, spec: ModelSpec) -> str:
+    """How a block's graph on a GPU holds the attention (model/attention.py): "native" (the kernel takes fewer key/
+    value heads as they are), "repeated" (K and V repeated for every query head first: the efficient kernel, or a
+    deterministic run of torch's choice), "math" (SDPA's math kernel: K and V repeated, and the softmax's weights,
+    heads x T x T, materialized; named, or torch's choice for fp32 compute with GQA, which no fast kernel takes)."""
+    gqa = spec.n_kv_heads != spec.num_attention_heads
+    if kernel == "math" or (not kernel and dtype == "float32" and gqa and not deterministic):
+        return "math"
+    return "repeated" if gqa and (kernel == "efficient" or (not kernel and deterministic)) else "native"
+
+
 def deterministic_workspace(
     kernel: str, deterministic: bool, spec: ModelSpec, tokens: int, tiled: bool, hw
 ) -> float:

@@ -25,7 +25,7 @@ from ..tiers.placement import (
     update_candidates,
 )
 from ..tiers.slab import SlabLayout, host_cost, shard_numel
-from .attention import choose, deterministic_workspace
+from .attention import choose, deterministic_workspace, kv_graph
 from .hardware import HardwareSpec
 from .runplan import WIDTH, RunPlan
 from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
@@ -387,18 +387,16 @@ def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
     job, spec, choice = s.job, s.job.spec, s.choice
     tiled = bool(s.run_plan.tile) and choice.micro * job.seq_len > s.run_plan.tile
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
-    per_kept = KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens - (
-        s.ck_unit if choice.activations == "gpu" else 0
-    )
+    kv = kv_graph(s.run_plan.attention, s.run_plan.deterministic, job.dtype, spec)
+    per_token = kept_bytes_per_token(spec, job.dtype, kv, job.seq_len)
+    per_kept = KEPT_SLACK * per_token * s.tokens - (s.ck_unit if choice.activations == "gpu" else 0)
     keep = choice.keep
     if choice.activations == "split" and keep is None:
         keep = 0  # split: memory is short, and a kept block's graph takes several checkpoints' room
     if keep is None and tiled:
         keep = 0  # a kept block runs untiled: its graph and working set grow with the MLP's width times the length
-    if keep is None and job.dtype == "float32" and spec.n_kv_heads != spec.num_attention_heads:
-        keep = (
-            0  # SDPA's fp32 GQA runs the math kernel, whose graph saves the attention weights: length squared
-        )
+    if keep is None and kv == "math":
+        keep = 0  # the math kernel's graph saves the attention weights: length squared
     if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
         cands = gpu_candidates(
             [u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident], s.kb
@@ -410,7 +408,7 @@ def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
         return mem
     # shown gross: the blocks kept have no checkpoint
     saved = kept * s.ck_unit if choice.activations == "gpu" else 0
-    graphs = kept * KEPT_SLACK * kept_bytes_per_token(spec, job.dtype) * s.tokens
+    graphs = kept * KEPT_SLACK * per_token * s.tokens
     # a kept block runs untiled (Step.forward_kept), so a forced keep under tiling pays what the tiled plan does
     # not: its backward pass's peak (a micro-batch's) where above the tiled working set, and the fp32 outputs its
     # graphs hold (every micro-batch's)

@@ -18,22 +18,24 @@ MLP_SHARE = 1 / 8
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
 
 
-def kept_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
+def kept_bytes_per_token(spec: ModelSpec, dtype: str, kv: str = "native", seq_len: int = 0) -> int:
     """GPU bytes a block's autograd graph saves per token (what keeping its activations costs): the fp32
     residual into each norm (8 H: torch's fused RMSNorm on a GPU saves its input and a scale per token), four
     H-wide and four FF-wide matmul inputs or outputs in the compute dtype, K and V, the attention's log-sum-exp
     per head, the RoPE tables. Counted exactly with saved-tensor hooks on llama.block on a GPU
-    (tests/test_keep.py checks it; on a CPU the composite norms save 8 H more)."""
-    w = WIDTH[dtype]
-    kv = spec.n_kv_heads * spec.hd
+    (tests/test_keep.py checks it; on a CPU the composite norms save 8 H more). `kv`: how the attention holds K
+    and V (plan.attention.kv_graph): repeated for every query head, or by the math kernel, which also saves the
+    softmax's weights, 4 x heads x seq_len bytes a token, and no log-sum-exp."""
+    w, heads = WIDTH[dtype], spec.num_attention_heads
+    kv_heads = spec.n_kv_heads if kv == "native" else heads
     return (
         8 * spec.hidden_size
         + 4 * w * spec.hidden_size
         + 4 * w * spec.mlp_width
-        + 2 * w * kv
-        + 4 * spec.num_attention_heads
+        + 2 * w * kv_heads * spec.hd
         + 8 * spec.hd
         + 8
+        + (4 * heads * seq_len if kv == "math" else 4 * heads)
     )
 
 
