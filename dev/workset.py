@@ -13,6 +13,7 @@ from block_kernels import block_weights  # dev/, the script's own directory
 from tiertrain.config import load_config
 from tiertrain.model import llama, tiled
 from tiertrain.model.llama import Context
+from tiertrain.plan.attention import kv_graph
 from tiertrain.plan.workset import working_set
 
 cfg_path, tile = sys.argv[1], int(sys.argv[2])
@@ -50,7 +51,8 @@ for tokens in map(int, sys.argv[3:]):
     torch.cuda.synchronize()
     bwd = torch.cuda.max_memory_allocated() - base
     H = spec.hidden_size
-    model = working_set(spec, dtype, tokens, tile)
+    math = kv_graph("", False, dtype, spec) == "math"
+    model = working_set(spec, dtype, tokens, tile, tokens if math else 0)
     print(
         f"{cfg_path} tile {tile} tokens {tokens}: fwd {fwd / 1e9:.2f} GB {t0.elapsed_time(t1) / 1e3:.2f} s, "
         f"bwd {bwd / 1e9:.2f} GB ({bwd / tokens / H:.1f} x H per token) {t1.elapsed_time(t2) / 1e3:.2f} s; "

@@ -239,6 +239,7 @@ def _gpu_parts(s: Shape) -> GpuMemory:
     routed = s.tokens * ((wdt + 4) * spec.hidden_size + 24 * spec.num_experts_per_tok) if parts else 0
     tiled = bool(rp.tile) and tokens > rp.tile
     flash = deterministic_workspace(rp.attention, rp.deterministic, spec, tokens, tiled, s.hw)
+    math = kv_graph(rp.attention, rp.deterministic, job.dtype, spec) == "math"
     return GpuMemory(
         resident=sum(s.shards[u] for u in s.resident) * sum(s.kb.values()),
         slots=2 * blk * wdt,
@@ -246,7 +247,7 @@ def _gpu_parts(s: Shape) -> GpuMemory:
         staging=widest * 4 if (s.choice.stream == "master" and wdt == 2) else 0,
         grads=(2 * blk + own) * 4,
         activation_grads=s.tokens * spec.hidden_size * 4,
-        working=working_set(spec, job.dtype, tokens, rp.tile)
+        working=working_set(spec, job.dtype, tokens, rp.tile, job.seq_len if math else 0)
         + flash
         + 3 * (64 << 20)
         + routed

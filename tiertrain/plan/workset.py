@@ -16,6 +16,10 @@ TILE = 8192  # tokens per tile when the plan tiles a block
 # the plan tiles blocks where the untiled MLP's working set would take more of the GPU budget
 MLP_SHARE = 1 / 8
 KEPT_SLACK = 1.05  # kept activations are many tensors: the allocator's rounding on top of their bytes
+# SDPA's math kernel (fp32 GQA): bytes per head per token per token of the sequence at the peak of a block's
+# backward pass, four fp32 (T x T) tensors a head untiled, three a head of the group that runs in a tiled block
+# (llama-1b at 4k-16k on an H200, dev/workset.py: bench/results/2026-11-27-H200-math-attention.md)
+MATH_WORK, MATH_GROUP = 16, 12
 
 
 def kept_bytes_per_token(spec: ModelSpec, dtype: str, kv: str = "native", seq_len: int = 0) -> int:
@@ -28,6 +32,8 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str, kv: str = "native", seq_le
     softmax's weights, 4 x heads x seq_len bytes a token, and no log-sum-exp."""
     w, heads = WIDTH[dtype], spec.num_attention_heads
     kv_heads = spec.n_kv_heads if kv == "native" else heads
+    # the math kernel: its softmax's weights in fp32, and q, k and v in fp32 copies where the compute is bf16
+    math = 4 * heads * seq_len + 3 * (4 - w) * heads * spec.hd
     return (
         8 * spec.hidden_size
         + 4 * w * spec.hidden_size
@@ -35,16 +41,20 @@ def kept_bytes_per_token(spec: ModelSpec, dtype: str, kv: str = "native", seq_le
         + 2 * w * kv_heads * spec.hd
         + 8 * spec.hd
         + 8
-        + (4 * heads * seq_len if kv == "math" else 4 * heads)
+        + (math if kv == "math" else 4 * heads)
     )
 
 
-def working_set(spec: ModelSpec, dtype: str, tokens: int, tile: int) -> float:
+def working_set(spec: ModelSpec, dtype: str, tokens: int, tile: int, math_len: int = 0) -> float:
     """GPU bytes a micro-batch of `tokens` needs beyond its checkpoints and its gradient, in a block's backward
-    pass: untiled, or over tiles of `tile` tokens (0: untiled)."""
-    H, FF = spec.hidden_size, spec.mlp_width
+    pass: untiled, or over tiles of `tile` tokens (0: untiled). `math_len`: the sequences' length where SDPA's
+    math kernel runs the attention (plan.attention.kv_graph), whose weights grow with its square."""
+    H, FF, heads = spec.hidden_size, spec.mlp_width, spec.num_attention_heads
     if not tile or tokens <= tile:
-        return WORK_H * H * tokens + WORK_FF * FF * tokens
+        return (WORK_H * H + WORK_FF * FF + MATH_WORK * heads * math_len) * tokens
     w = WIDTH[dtype]
-    held = w * spec.hd * (TILED_Q * spec.num_attention_heads + TILED_KV * spec.n_kv_heads)
-    return held * tokens + (WORK_H * H + WORK_FF * FF) * tile + TILE_SUMS * H * FF
+    held = w * spec.hd * (TILED_Q * heads + TILED_KV * spec.n_kv_heads)
+    # a tiled block keeps every head group's graph, its fp32 weights, through the output's tiles, then takes a
+    # group's backward at a time
+    math = (4 * heads + MATH_GROUP * heads // spec.n_kv_heads) * math_len
+    return (held + math) * tokens + (WORK_H * H + WORK_FF * FF) * tile + TILE_SUMS * H * FF
