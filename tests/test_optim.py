@@ -166,11 +166,14 @@ def test_host_kernel_option_is_checked():
         OptimConfig(host_kernel="fast").validate()
 
 
-def test_a_killed_build_s_lock_is_removed_and_the_build_announced(tmp_path, monkeypatch, caplog):
-    """torch's extension loader waits forever on a lock a killed build left: an old one goes; a fresh one (a
-    build running now) stays; a build that has not happened yet is announced."""
+def test_a_killed_load_s_lock_is_removed_and_the_build_announced(tmp_path, monkeypatch, caplog):
+    """torch's extension loader waits forever on a lock a killed load left (each load holds it about 9 ms, the
+    cached kernel's too): a run started within ten minutes of such a kill hung without a word (kill review). Loads
+    now hold an flock, which dies with its process: a lock file with none held goes at once; a load holding it
+    makes the next one wait; a build that has not happened yet is announced."""
+    import fcntl
     import logging
-    import os
+    import threading
 
     from tiertrain.optim import kernel
 
@@ -178,19 +181,19 @@ def test_a_killed_build_s_lock_is_removed_and_the_build_announced(tmp_path, monk
     from torch.utils.cpp_extension import _get_build_directory
 
     d = Path(_get_build_directory(kernel.NAME, verbose=False))
-    lock = d / "lock"
-    lock.write_text("")
+    (d / "lock").write_text("")  # as a load killed a moment ago left it
     with caplog.at_level(logging.WARNING, logger="tiertrain"):
-        kernel._prepare_build()
-    # fresh: a build may be running
-    assert lock.exists() and "building the one-pass host AdamW" in caplog.text
-    old = time.time() - kernel.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    (d / f"{kernel.NAME}.so").write_text("")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tiertrain"):
-        kernel._prepare_build()
-    assert not lock.exists() and "removing" in caplog.text and "building" not in caplog.text
+        with kernel._build_lock():
+            assert not (d / "lock").exists()
+    assert "removing" in caplog.text and "building the one-pass host AdamW" in caplog.text
+    holder = open(d / "tiertrain.flock", "a")  # another process's load, under way
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    (d / "lock").write_text("")
+    threading.Timer(0.5, holder.close).start()  # it ends, its lock file gone with it
+    threading.Timer(0.4, (d / "lock").unlink).start()
+    t = time.monotonic()
+    with kernel._build_lock():
+        assert time.monotonic() - t >= 0.5
 
 
 def test_the_gradient_norm_is_exact_over_a_large_unit_on_a_cpu(token_file):

@@ -4,8 +4,9 @@ optim.host_kernel = "torch", the host AdamW is torch's fused kernel, an update i
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
-import time
 from pathlib import Path
 
 log = logging.getLogger("tiertrain")
@@ -18,7 +19,6 @@ STREAM_STATE, STREAM_COPY = 1, 2  # the master and moments into other buffers; t
 # 15% faster alone and 9-26% beside PCIe copies (bench/results/2026-11-23-H200-host-kernel-prefetch.md).
 AHEAD = 16
 NAME = "tiertrain_adamw"
-STALE_LOCK_S = 600  # a build takes under a minute: a lock this old was left by a build that was killed
 
 
 def prefetch(blocks: int) -> int:
@@ -38,13 +38,13 @@ def load():
 
             # -fopenmp only when compiling: at::parallel_for then runs on torch's own OpenMP runtime
             # (resolved when loaded), with its thread count; -ffp-contract=off: see the source
-            _prepare_build()
-            _ext = build(
-                name=NAME,
-                sources=[str(SOURCE)],
-                verbose=False,
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-            )
+            with _build_lock():
+                _ext = build(
+                    name=NAME,
+                    sources=[str(SOURCE)],
+                    verbose=False,
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+                )
         except Exception as e:  # no compiler, no ninja, a failed build: torch's kernel does the work
             _why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
             log.warning(
@@ -53,18 +53,25 @@ def load():
     return _ext
 
 
-def _prepare_build() -> None:
-    """Says when the kernel is about to be built (the first run waits for it), and removes a lock that a
-    killed build left in the kernel's own build directory: torch's loader would wait for it forever."""
+@contextlib.contextmanager
+def _build_lock():
+    """Torch's loader takes a lock file in the kernel's build directory for every load, the cached one's too, and
+    waits forever for one a killed process left. Loads here hold an flock around it, which the kernel releases
+    when its process dies: within it, a lock file is a killed load's, and goes. Says when the kernel is about
+    to be built (the first run waits for it)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     d = Path(_get_build_directory(NAME, verbose=False))
-    lock = d / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        log.warning("tiertrain: removing %s, left by a build of the host AdamW that was stopped", lock)
-        lock.unlink(missing_ok=True)
-    if not any(d.glob(f"{NAME}*.so")):
-        log.warning("tiertrain: building the one-pass host AdamW (once, about 20 s; cached in %s)", d)
+    with open(d / "tiertrain.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if (d / "lock").exists():
+            log.warning(
+                "tiertrain: removing %s, left by a load of the host AdamW that was killed", d / "lock"
+            )
+            (d / "lock").unlink(missing_ok=True)
+        if not any(d.glob(f"{NAME}*.so")):
+            log.warning("tiertrain: building the one-pass host AdamW (once, about 20 s; cached in %s)", d)
+        yield
 
 
 def reason() -> str:
