@@ -19,6 +19,7 @@ from tiertrain.durable import write_json
 from tiertrain.errors import UserError
 from tiertrain.metrics import read_metrics
 from tiertrain.modes import Home, Kind
+from tiertrain.tiers.nvme import new_scratch
 
 # about 25 M parameters (a 40k vocabulary, untied): 300 MB of full checkpoint, 100 MB of weights
 WIDE = [
@@ -337,12 +338,14 @@ def test_a_resume_from_another_directory_reads_the_same_data(tmp_path):
 
 # ---- scratch stores ---------------------------------------------------------------------------------
 def test_every_stale_scratch_store_of_the_run_goes_and_links_are_not_followed(token_file, tmp_path):
-    """A run's stale stores (the state's and the activation checkpoints') go when it starts again; a symbolic link
-    named like one, pointing at a user's directory, is neither followed nor deleted; another run's stores stay."""
+    """A run's stale stores (the state's and the activation checkpoints') go when it starts again, and another
+    run's a killed process left (never read again: a run restores from a checkpoint); a symbolic link named like
+    one, pointing at a user's directory, is neither followed nor deleted; a live process's store stays."""
     nvme, out = tmp_path / "nvme", tmp_path / "run"
     out.mkdir()
     stale = [stale_store(nvme, out, "tiertrain-run-aaaa"), stale_store(nvme, out, "tiertrain-run-bbbb")]
-    other = stale_store(nvme, tmp_path / "other", "tiertrain-other-cccc")
+    stale.append(stale_store(nvme, tmp_path / "other", "tiertrain-other-cccc"))
+    other = new_scratch(nvme, str(tmp_path / "other"))  # this process's: live
     mine = tmp_path / "mine"
     stale_store(tmp_path, out, "mine")  # a user's directory that even carries a stale marker of this run
     (nvme / "tiertrain-run-link").symlink_to(mine)
@@ -361,9 +364,15 @@ def test_a_killed_runs_store_goes_though_its_out_is_refused(token_file, tmp_path
     lock.release()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.5}\n')
     stale = stale_store(nvme, out, "tiertrain-run-aaaa")
-    other = stale_store(nvme, tmp_path / "other", "tiertrain-other-bbbb")
+    other = new_scratch(nvme, str(tmp_path / "other"))  # a live process's
     r = cli("run", *tiny(token_file), "--nvme-dir", str(nvme), "--out", str(out))
     refused(r, "saved no checkpoint")
+    assert not stale.exists() and other.is_dir()
+    # a resume refused (no step left) takes them too, where a kill came after the final checkpoint
+    done = tmp_path / "done"
+    assert cli("run", *tiny(token_file), "--set", "train.steps=1", "--out", str(done)).returncode == 0
+    stale = stale_store(nvme, done, "tiertrain-done-aaaa")
+    refused(cli("run", "--resume", "latest", "--nvme-dir", str(nvme), "--out", str(done)), "no step to take")
     assert not stale.exists() and other.is_dir()
 
 

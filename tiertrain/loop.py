@@ -132,6 +132,8 @@ def _show(rec: dict, steps: int, eta: float | None, echo: Callable[[str], None])
 def _ending(tr: Trainer, out: Path, signal_name: str | None, history: list[dict], took: float) -> str:
     """The run's last line: how to go on after a stop, or what it reached."""
     steps = tr.cfg.train.steps
+    if signal_name and tr.step >= steps:  # the last step's checkpoint is the final one: nothing to continue
+        return f"stopped by {signal_name} after the last step, {steps}: the run is done; metrics in {out / 'metrics.jsonl'}"
     if signal_name or tr.step < steps:
         how = (
             f"tiertrain run --resume latest --out {out}"

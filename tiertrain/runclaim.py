@@ -17,7 +17,7 @@ from pathlib import Path
 from . import __version__
 from .durable import write_json
 from .errors import UserError, why
-from .rundir import CKPT_MARKER, CUT, LOCK, MARKER, empty_run, run_marker, saved_steps
+from .rundir import CKPT_MARKER, CUT, LOCK, MARKER, empty_run, left_writing, run_marker, saved_steps
 
 
 class RunLock:
@@ -132,6 +132,9 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
             f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
         ) from None
     try:
+        for p in out.iterdir():  # what a killed process left half written: never the run's own files
+            if left_writing(p):
+                p.unlink(missing_ok=True)
         if not made and empty_run(out):
             # a run that never took a step: this one starts afresh in it, with a marker of its own
             _forget_checkpoint_dir(out)

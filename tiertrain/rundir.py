@@ -15,6 +15,7 @@ is runclaim.py's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +34,9 @@ MARKER = "tiertrain-run.json"
 LOCK = "tiertrain-run.lock"
 CUT = "tiertrain-cut.json"  # a cut of the timeline under way (cut_timeline): what it moves, and where
 CKPT_MARKER = "tiertrain-checkpoints.json"  # in a checkpoint directory a run made under checkpoint.dir
+# the files of a run directory written whole (durable.write_whole), through a `.NAME.*.tmp` beside each
+OWN_FILES = (MARKER, CUT, "config.toml", "plan.json", "metrics.jsonl")
+RENAME_PROBE = ".tiertrain-rename-"  # renames_between's file, removed at once
 
 
 # ---- where a run's checkpoints are ---------------------------------------------------------------
@@ -279,7 +283,7 @@ def check_new(out: Path) -> None:
     # a lock file alone: what a refused run of an older tiertrain left in the empty --out it was given
     if (
         not out.is_dir()
-        or {p.name for p in out.iterdir()} <= {LOCK}
+        or {p.name for p in out.iterdir() if not left_writing(p)} <= {LOCK}
         and _a_lock(out / LOCK)
         or empty_run(out)
     ):
@@ -443,15 +447,26 @@ def disk_free(path: Path) -> tuple[int, int]:
     return st.f_bavail * st.f_frsize, os.stat(p).st_dev
 
 
+def left_writing(p: Path) -> bool:
+    """Whether `p` is a temporary a process killed while writing one of a run's own files left
+    (durable.write_whole's `.NAME.*.tmp`)."""
+    return p.name.startswith(tuple(f".{n}." for n in OWN_FILES)) and p.name.endswith(".tmp") and p.is_file()
+
+
 def renames_between(a: Path, b: Path) -> bool:
     """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
     filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
-    Tried with a file of its own, removed at once."""
+    Tried with a file of its own, removed at once (and those a process killed meanwhile left, a minute old)."""
     src, dst = existing(a), existing(b)
     if os.stat(src).st_dev != os.stat(dst).st_dev:
         return False
+    for d in {src, dst}:
+        for p in d.glob(f"{RENAME_PROBE}*"):
+            with contextlib.suppress(OSError):
+                if p.is_file() and not p.is_symlink() and time.time() - p.lstat().st_mtime > 60:
+                    p.unlink()
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tiertrain-rename-", dir=src)
+        fd, tmp = tempfile.mkstemp(prefix=RENAME_PROBE, dir=src)
         os.close(fd)
     except OSError:
         return False

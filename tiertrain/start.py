@@ -88,6 +88,10 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
         cfg = _resumed(config_path, overrides, ckpt, meta)
         cfg.train.init_from = ""  # the checkpoint holds the weights
         cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions
+        if (
+            cfg.tiers.nvme_dir and ranks.local_rank == 0
+        ):  # killed runs' stores go, though the resume be refused
+            discard_stale(cfg.tiers.nvme_dir)
         was = meta["config"].get("checkpoint", {}).get("dir", "")
         own = rundir.run_of(ckpt)
         # the run's marker names where its checkpoints live; a resume into a new --out is a new run, whose
@@ -107,8 +111,8 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
         cfg = fresh  # a new run's, read by start()
     if ranks.first:
         rundir.check_paths(out_dir, cfg.tiers.nvme_dir, cfg.checkpoint.dir)
-    if cfg.tiers.nvme_dir and ranks.local_rank == 0:
-        discard_stale(cfg.tiers.nvme_dir, str(out_dir.resolve()))
+    if ckpt is None and cfg.tiers.nvme_dir and ranks.local_rank == 0:
+        discard_stale(cfg.tiers.nvme_dir)
     return cfg
 
 
@@ -127,8 +131,8 @@ def claim(resume: str | None, out: Path | None, config_path: str | None, overrid
         stem = Path(config_path).name.removesuffix(".toml") if config_path else "debug"
         target = out or Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         runclaim.RunLock(target).check_free()  # a live run's --out: its process named, not "stopped"
-        if fresh.tiers.nvme_dir and target.is_dir():  # a killed run's stores go, though its --out is refused
-            discard_stale(fresh.tiers.nvme_dir, str(target.resolve()))
+        if fresh.tiers.nvme_dir:  # killed runs' stores go, though this --out be refused
+            discard_stale(fresh.tiers.nvme_dir)
         rundir.check_new(target)
         lock, made = runclaim.claim(target, fresh.checkpoint.dir)
         return target, lock, made, None

@@ -8,6 +8,7 @@ shards of at most `shard_bytes` and their index, into a temporary directory rena
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -303,16 +304,16 @@ def write_hf(
             "as transformers builds them"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _forget_killed(out)
+    # its process in its name: a later export to the same --to deletes it, once that process is gone
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         files = _shards(tmp, hf_moe.released(spec, tensors) if spec.is_moe else tensors, dtype, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
         if carried is not None:
             carry_files(carried, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the model from other users
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        os.replace(tmp, out)  # over an empty --to too, in one step
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         # a full or read-only disk: safetensors raises its own error for what the OS said
@@ -323,6 +324,17 @@ def write_hf(
             ) from None
         raise
     return files
+
+
+def _forget_killed(out: Path) -> None:
+    """Deletes the temporary directories beside `out` that exports to it killed before they were whole left (their
+    process, named in them, is gone)."""
+    import psutil
+
+    for d in out.parent.glob(f".{glob.escape(out.name)}.tmp-*-*"):
+        pid = d.name[len(out.name) + 6 :].split("-")[0]
+        if d.is_dir() and not d.is_symlink() and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _shards(

@@ -373,12 +373,15 @@ def discard(root: str | os.PathLike) -> None:
         shutil.rmtree(root)
 
 
-def discard_stale(parent: str | os.PathLike, run: str) -> list[Path]:
-    """Deletes the scratch stores (the state's and the activation checkpoints') of `run` left by processes of this
-    host that are gone (killed): a run restores its state from a checkpoint, and the leftovers would only fill the
-    disk. One process per host calls it (the run's first rank there) while the others wait. Returns what it
+def discard_stale(parent: str | os.PathLike) -> list[Path]:
+    """Deletes the scratch stores (the state's and the activation checkpoints') left in `parent` by processes of this
+    host that are gone (killed), of any run: a run restores its state from a checkpoint, so such a
+    store is never read again, and would only fill the disk (a run refused after a kill, or never resumed, left
+    them for good). Also an empty directory of a store's name a minute old (a process killed before it marked
+    it). One process per host calls it (the run's first rank there) while the others wait. Returns what it
     deleted."""
     import socket
+    import time
 
     import psutil
 
@@ -390,12 +393,11 @@ def discard_stale(parent: str | os.PathLike, run: str) -> list[Path]:
         if d.is_symlink() or not d.is_dir():
             continue
         o = _owner(d)
-        if (
-            o
-            and o.get("run") == run
-            and o.get("host") == socket.gethostname()
-            and not psutil.pid_exists(int(o.get("pid", 0) or 0))
-        ):
+        if o and o.get("host") == socket.gethostname() and not psutil.pid_exists(int(o.get("pid", 0) or 0)):
             shutil.rmtree(d)
             gone.append(d)
+        elif o is None and time.time() - d.stat().st_mtime > 60:
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only where empty: a directory with anything in it is not one new_scratch left
+                gone.append(d)
     return gone
