@@ -81,17 +81,19 @@ def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo
 
 
 def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fresh=None):
-    """The run's config: the file given, else a resumed checkpoint's own; its paths checked (rank 0), and the run's
-    stale scratch stores discarded (the first rank of each host; the others wait for it, before they make any)."""
+    """The run's config: the file given, else a resumed checkpoint's own; its paths checked (rank 0), and the scratch
+    stores killed processes left discarded (the first rank of each host; the others wait for it, before they make
+    any)."""
     if ckpt is not None:
         meta = checkpoint.read_meta(ckpt)
         cfg = _resumed(config_path, overrides, ckpt, meta)
         cfg.train.init_from = ""  # the checkpoint holds the weights
         cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions
-        if (
-            cfg.tiers.nvme_dir and ranks.local_rank == 0
-        ):  # killed runs' stores go, though the resume be refused
-            discard_stale(cfg.tiers.nvme_dir)
+    else:
+        cfg = fresh  # a new run's, read by start()
+    if cfg.tiers.nvme_dir and ranks.local_rank == 0:  # killed runs' stores go, though this run be refused
+        discard_stale(cfg.tiers.nvme_dir)
+    if ckpt is not None:
         was = meta["config"].get("checkpoint", {}).get("dir", "")
         own = rundir.run_of(ckpt)
         # the run's marker names where its checkpoints live; a resume into a new --out is a new run, whose
@@ -107,12 +109,8 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
                 f"train.steps = {cfg.train.steps}: the checkpoint is at step {meta['step']}, so the resumed run "
                 f"has no step to take; raise train.steps (--set train.steps=N, N above {meta['step']})"
             )
-    else:
-        cfg = fresh  # a new run's, read by start()
     if ranks.first:
         rundir.check_paths(out_dir, cfg.tiers.nvme_dir, cfg.checkpoint.dir)
-    if ckpt is None and cfg.tiers.nvme_dir and ranks.local_rank == 0:
-        discard_stale(cfg.tiers.nvme_dir)
     return cfg
 
 
