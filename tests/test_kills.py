@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from conftest import cli, stale_store, tiny
-from tiertrain import rundir
+from tiertrain import paths, rundir
 from tiertrain.loop import _ending
 from tiertrain.tiers.nvme import discard_stale, new_scratch
 
@@ -62,12 +62,12 @@ def test_a_rename_probe_a_kill_left_goes(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    left = b / f"{rundir.RENAME_PROBE}abc"
-    fresh = a / f"{rundir.RENAME_PROBE}def"  # a probe under way in another process
+    left = b / f"{paths.RENAME_PROBE}abc"
+    fresh = a / f"{paths.RENAME_PROBE}def"  # a probe under way in another process
     fresh.write_text("")
     left.write_text("")
     _old(left)
-    assert rundir.renames_between(a, b)
+    assert paths.renames_between(a, b)
     assert not left.exists() and fresh.exists() and not list(b.iterdir())
 
 

@@ -1,10 +1,15 @@
-"""Where a path is, or would be made: below the planner, whose disk budgets read it, and the run directory's
-checks alike."""
+"""Where a path is, or would be made, and whether a file renames between two directories: below the planner,
+whose disk budgets read them, and the run directory's checks alike."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+import time
 from pathlib import Path
+
+RENAME_PROBE = ".tiertrain-rename-"  # renames_between's file, removed at once
 
 
 def existing(path: str | os.PathLike) -> Path:
@@ -13,3 +18,30 @@ def existing(path: str | os.PathLike) -> Path:
     while not p.exists() and p != p.parent:
         p = p.parent
     return p
+
+
+def renames_between(a: Path, b: Path) -> bool:
+    """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
+    filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
+    Tried with a file of its own, removed at once (and those a process killed meanwhile left, a minute old)."""
+    src, dst = existing(a), existing(b)
+    if os.stat(src).st_dev != os.stat(dst).st_dev:
+        return False
+    for d in {src, dst}:
+        for p in d.glob(f"{RENAME_PROBE}*"):
+            with contextlib.suppress(OSError):
+                if p.is_file() and not p.is_symlink() and time.time() - p.lstat().st_mtime > 60:
+                    p.unlink()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=RENAME_PROBE, dir=src)
+        os.close(fd)
+    except OSError:
+        return False
+    moved = dst / Path(tmp).name
+    try:
+        os.rename(tmp, moved)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        return False
+    moved.unlink(missing_ok=True)
+    return True

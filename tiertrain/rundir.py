@@ -15,12 +15,10 @@ is runclaim.py's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from .checkpoint import FORMATS, STEP, CheckpointError, left_whole, read_meta, r
 from .durable import fsync, write_json, write_whole
 from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics
-from .paths import existing
+from .paths import existing, renames_between  # noqa: F401 - renames_between: the run's question too
 
 MARKER = "tiertrain-run.json"
 LOCK = "tiertrain-run.lock"
@@ -36,7 +34,6 @@ CUT = "tiertrain-cut.json"  # a cut of the timeline under way (cut_timeline): wh
 CKPT_MARKER = "tiertrain-checkpoints.json"  # in a checkpoint directory a run made under checkpoint.dir
 # the files of a run directory written whole (durable.write_whole), through a `.NAME.*.tmp` beside each
 OWN_FILES = (MARKER, CUT, "config.toml", "plan.json", "metrics.jsonl")
-RENAME_PROBE = ".tiertrain-rename-"  # renames_between's file, removed at once
 
 
 # ---- where a run's checkpoints are ---------------------------------------------------------------
@@ -451,33 +448,6 @@ def left_writing(p: Path) -> bool:
     """Whether `p` is a temporary a process killed while writing one of a run's own files left
     (durable.write_whole's `.NAME.*.tmp`)."""
     return p.name.startswith(tuple(f".{n}." for n in OWN_FILES)) and p.name.endswith(".tmp") and p.is_file()
-
-
-def renames_between(a: Path, b: Path) -> bool:
-    """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
-    filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
-    Tried with a file of its own, removed at once (and those a process killed meanwhile left, a minute old)."""
-    src, dst = existing(a), existing(b)
-    if os.stat(src).st_dev != os.stat(dst).st_dev:
-        return False
-    for d in {src, dst}:
-        for p in d.glob(f"{RENAME_PROBE}*"):
-            with contextlib.suppress(OSError):
-                if p.is_file() and not p.is_symlink() and time.time() - p.lstat().st_mtime > 60:
-                    p.unlink()
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=RENAME_PROBE, dir=src)
-        os.close(fd)
-    except OSError:
-        return False
-    moved = dst / Path(tmp).name
-    try:
-        os.rename(tmp, moved)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
-        return False
-    moved.unlink(missing_ok=True)
-    return True
 
 
 def same(a: Path, b: Path) -> bool:
