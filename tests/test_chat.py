@@ -226,77 +226,39 @@ REWRITES = EX.CHATML.replace(
 def test_what_prepare_chat_cannot_do_is_one_line(tmp_path):
     _conversations(tmp_path / "c.jsonl")
     out = str(tmp_path / "c.bin")
+
+    def chat(name: str, tokenizer, *more: str):
+        return cli(
+            "prepare", str(tmp_path / name), "--chat", "--tokenizer", str(tokenizer), "--out", out, *more
+        )
+
     refused(cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--out", out), "--chat needs --tokenizer")
     tok = chat_tokenizer_dir(tmp_path / "tok", REWRITES)
-    refused(
-        cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", str(tok), "--out", out),
-        "c.jsonl:1",
-        "not prefix-preserving",
-        "--chat-template",
-    )
+    refused(chat("c.jsonl", tok), "c.jsonl:1", "not prefix-preserving", "--chat-template")
     (tmp_path / "t.jinja").write_text(EX.CHATML_TRAINING)  # the remedy it names
-    r = cli(
-        "prepare",
-        str(tmp_path / "c.jsonl"),
-        "--chat",
-        "--tokenizer",
-        str(tok),
-        "--out",
-        out,
-        "--chat-template",
-        str(tmp_path / "t.jinja"),
-    )
+    r = chat("c.jsonl", tok, "--chat-template", str(tmp_path / "t.jinja"))
     assert r.returncode == 0 and "{% generation %} blocks" in r.stdout, r.stderr
     (tmp_path / "bad.jsonl").write_text(
         '{"messages": [{"role": "user", "content": "a"}]}\n{"messages": "hello"}\n'
     )
-    refused(
-        cli("prepare", str(tmp_path / "bad.jsonl"), "--chat", "--tokenizer", str(tok), "--out", out),
-        "bad.jsonl:2",
-        "--messages-field",
-    )
+    refused(chat("bad.jsonl", tok), "bad.jsonl:2", "--messages-field")
     refused(cli("prepare", str(tmp_path / "c.jsonl"), "--seq-len", "64", "--out", out), "only with --chat")
     shutil.copy(tok / "tokenizer.json", tmp_path / "tokenizer.json")  # a tokenizer without a chat template
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"})
     )
-    refused(
-        cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", str(tmp_path), "--out", out),
-        "no chat template",
-    )
+    refused(chat("c.jsonl", tmp_path), "no chat template")
     # a tokenizer.json this tokenizers cannot read (a newer version's model type): tokenizers' own error, one line
     damaged = json.loads((tok / "tokenizer.json").read_text())
     damaged["model"]["type"] = "BPE2"
     (tmp_path / "tokenizer.json").write_text(json.dumps(damaged))
-    refused(
-        cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", str(tmp_path), "--out", out),
-        "no tokenizer could be loaded",
-    )
+    refused(chat("c.jsonl", tmp_path), "no tokenizer could be loaded")
     given = str(tmp_path / "tokenizer.json")  # the file given is named, not its directory
-    refused(
-        cli("prepare", str(tmp_path / "c.jsonl"), "--chat", "--tokenizer", given, "--out", out),
-        f"{given}: no tokenizer could be loaded",
-    )
+    refused(chat("c.jsonl", given), f"{given}: no tokenizer could be loaded")
     (tmp_path / "none.jsonl").write_text("\n")  # was told none of its conversations has a token to train
-    refused(
-        cli("prepare", str(tmp_path / "none.jsonl"), "--chat", "--tokenizer", str(tok), "--out", out),
-        "none.jsonl holds no conversation",
-    )
+    refused(chat("none.jsonl", tok), "none.jsonl holds no conversation")
     (tmp_path / "empty.jinja").write_text("\n")  # was told the tokenizer "has no chat template"
-    refused(
-        cli(
-            "prepare",
-            str(tmp_path / "c.jsonl"),
-            "--chat",
-            "--tokenizer",
-            str(tok),
-            "--out",
-            out,
-            "--chat-template",
-            str(tmp_path / "empty.jinja"),
-        ),
-        "empty.jinja is empty",
-    )
+    refused(chat("c.jsonl", tok, "--chat-template", str(tmp_path / "empty.jinja")), "empty.jinja is empty")
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["c.bin"]  # the one that succeeded
 
 
