@@ -154,7 +154,10 @@ def options(tok, extra: dict, where: str) -> dict:
         raise DataError(f"{where}: 'tools' is not a list of function schemas (JSON objects); fix the record")
     if tools:
         opts["tools"] = tools
-    taken = set(inspect.signature(tok.apply_chat_template).parameters)  # its own: tokenize, tools, ...
+    # its own arguments (tokenize, tools, ...), read only for a record that gives variables
+    taken = (
+        set(inspect.signature(tok.apply_chat_template).parameters) if isinstance(kw, dict) and kw else set()
+    )
     if not isinstance(kw, dict) or taken & set(kw):
         raise DataError(
             f"{where}: 'chat_template_kwargs' must be a table of the template's variables (enable_thinking, ...), "
