@@ -45,17 +45,20 @@ def test_the_stores_killed_processes_left_go_whatever_their_run(tmp_path):
     stayed where a kill came before its marker."""
     other = stale_store(tmp_path, tmp_path / "another-run", "tiertrain-a-xyz")
     mine = new_scratch(tmp_path, "this-run")  # a live process's: stays
-    unmarked = tmp_path / "tiertrain-b-k3j2"
+    unmarked = tmp_path / "tiertrain-b-k3j2x_9q"  # mkdtemp's name
     unmarked.mkdir()
     _old(unmarked)
-    young = tmp_path / "tiertrain-c-q9w1"  # a process may be about to mark it
+    named = tmp_path / "tiertrain-mine"  # a user's empty directory: not a name new_scratch gives
+    named.mkdir()
+    _old(named)
+    young = tmp_path / "tiertrain-c-q9w1ab3z"  # a process may be about to mark it
     young.mkdir()
     users = tmp_path / "tiertrain-notes"  # not empty, no marker: not one new_scratch left
     users.mkdir()
     (users / "x").write_text("keep")
     _old(users)
     assert sorted(discard_stale(tmp_path)) == sorted([other, unmarked])
-    assert mine.is_dir() and young.is_dir() and (users / "x").read_text() == "keep"
+    assert mine.is_dir() and young.is_dir() and named.is_dir() and (users / "x").read_text() == "keep"
 
 
 def test_a_rename_probe_a_kill_left_goes(tmp_path):

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -309,6 +310,7 @@ class NvmeStore(ChunkStore):
 
 
 SCRATCH_MARKER = "tiertrain-scratch.json"  # in every directory new_scratch makes, and only there
+MADE = re.compile(r"tiertrain-.*-[a-z0-9_]{8}")  # the names new_scratch gives
 SCRATCH_FD = "TIERTRAIN_SCRATCH_FD"  # the launcher's pipe, where a rank writes each store it makes
 
 
@@ -396,7 +398,8 @@ def discard_stale(parent: str | os.PathLike) -> list[Path]:
         if o and o.get("host") == socket.gethostname() and not psutil.pid_exists(int(o.get("pid", 0) or 0)):
             shutil.rmtree(d)
             gone.append(d)
-        elif o is None and time.time() - d.stat().st_mtime > 60:
+        # new_scratch's name (mkdtemp's 8 characters): an empty directory of a user's other name stays
+        elif o is None and MADE.fullmatch(d.name) and time.time() - d.stat().st_mtime > 60:
             with contextlib.suppress(OSError):
                 d.rmdir()  # only where empty: a directory with anything in it is not one new_scratch left
                 gone.append(d)
