@@ -44,10 +44,10 @@ def test_a_kernel_that_fails_to_build_leaves_its_op_eager(kernel, monkeypatch):
         monkeypatch.setattr(kernels, "on", lambda x: True)
         run = lambda: llama._rope(x, cos, sin)  # noqa: E731
     elif kernel == "slot_sum":
-        monkeypatch.setattr(slot_sum, "sum_slots", broken)
-        y, inv = torch.randn(12, 5), torch.randperm(12)
-        eager, want = moe._sum_slots, moe._sum_slots(y, inv, 3, torch.float32)
-        run = lambda: moe._slot_sums(True, y, inv, 3, torch.float32)  # noqa: E731
+        monkeypatch.setattr(slot_sum, "add_slots", broken)
+        y, pos = torch.randn(12, 5), torch.randperm(12).view(4, 3).sort(dim=1).values
+        eager, want = moe._add_slots, moe._add_slots(None, y, pos, 0, torch.float32)
+        run = lambda: moe.add_slots(True, None, y, pos, 0, torch.float32)  # noqa: E731
     else:
         monkeypatch.setattr(glu, "activation", broken)
         y, ws = torch.randn(6, 8), torch.rand(6, 1)

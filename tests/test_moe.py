@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,19 +121,11 @@ def test_the_gpu_trains_as_the_cpu(case, token_file, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["qwen3_moe", "gpt_oss"])
-def test_blocks_in_parts_train_on_the_gpu_as_whole_blocks(case, token_file, tmp_path):
-    """bf16 on the GPU (grouped matmuls, the Triton activation and sums): blocks in parts give the losses of
-    whole blocks, within bf16's rounding."""
-    moe_model(case).save_pretrained(tmp_path / "hf")
-    runs = []
-    for groups in (1, 3 if case == "qwen3_moe" else 2):
-        sets = [f'train.init_from="{tmp_path / "hf"}"', "train.steps=3", 'train.device="cuda"']
-        sets += ['train.compute_dtype="bfloat16"', f"tiers.expert_groups={groups}"]
-        tr = Trainer(tiny_config(token_file, *sets))
-        runs.append([tr.train_step()["loss"] for _ in range(3)])
-        tr.close()
-    assert runs[1] == pytest.approx(runs[0], rel=5e-3)
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_blocks_in_parts_train_on_the_gpu_the_bits_of_whole_blocks(case, token_file, tmp_path):
+    """bf16 on the GPU (grouped matmuls, the Triton activation and sums, the norms by pieces): blocks in parts
+    train the bits of whole blocks."""
+    _groups_train_alike(case, token_file, tmp_path, 'train.device="cuda"', 'train.compute_dtype="bfloat16"')
 
 
 # gpt-oss's shape in TOML keys: sinks, windows, biases, the aux loss (a model of tiertrain's own init)
@@ -313,30 +306,70 @@ def test_a_kept_block_recomputes_no_expert():
 
 
 def test_the_pairs_spread_and_combine_as_indexing_does():
-    """_Spread (tokens to their (token, expert) pairs sorted by expert) and _Combine (the pairs back to their
-    tokens, each token's k summed): the values and gradients of plain indexing, each the other's adjoint."""
+    """_Spread (tokens to their (token, expert) pairs sorted by expert) and _Combine (the pairs added to their
+    tokens' rows of the residual): the values and gradients of plain indexing, each the other's adjoint."""
     from tiertrain.model import moe
 
     g = torch.Generator().manual_seed(0)
     T, k, E, D = 13, 3, 5, 4
     chosen = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     order = torch.argsort(chosen.reshape(-1), stable=True)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * k))
-    src = order // k
+    pos, src = moe.positions(order, k), order // k
     h = torch.randn(T, D, generator=g, requires_grad=True)
     y = torch.randn(T * k, D, generator=g, requires_grad=True)
-    spread, combined = moe._Spread.apply(h, src, inv, k, False), moe._Combine.apply(y, src, inv, k, False)
+    acc = torch.randn(T, D, generator=g, requires_grad=True)
+    spread = moe._Spread.apply(h, src, pos, False)
+    combined = moe._Combine.apply(acc, y, src, pos, False)
     plain_spread = h.repeat_interleave(k, 0)[order]  # pair p = (token p // k, its slot) in expert order
-    plain_combined = torch.zeros(T, D).index_add(0, src, y)
+    plain_combined = acc.index_add(0, src, y)
     torch.testing.assert_close(spread, plain_spread, rtol=0, atol=0)
     torch.testing.assert_close(combined, plain_combined)
     gs, gc = torch.randn(T * k, D, generator=g), torch.randn(T, D, generator=g)
-    for mine, plain, leaf, grad in ((spread, plain_spread, h, gs), (combined, plain_combined, y, gc)):
-        torch.testing.assert_close(
-            torch.autograd.grad(mine, leaf, grad)[0], torch.autograd.grad(plain, leaf, grad)[0]
-        )
+    for mine, plain, leaves, grad in (
+        (spread, plain_spread, [h], gs),
+        (combined, plain_combined, [acc, y], gc),
+    ):
+        for a, b in zip(torch.autograd.grad(mine, leaves, grad), torch.autograd.grad(plain, leaves, grad)):
+            torch.testing.assert_close(a, b)
     with torch.no_grad():
-        torch.testing.assert_close((spread * y).sum(), (h * combined).sum())
+        torch.testing.assert_close((spread * y).sum(), (h * (combined - acc)).sum())
+
+
+def _slots_in_expert_order(acc, y, chosen, order, dtype):
+    """Each token's pair rows added to its row of acc one at a time in fp32, its experts ascending: a plain loop."""
+    T, k = chosen.shape
+    place = {int(p): i for i, p in enumerate(order)}  # a (token, slot) id's place among the sorted rows
+    out = torch.zeros(T, y.shape[-1]) if acc is None else acc.clone()
+    for t in range(T):
+        for j in sorted(range(k), key=lambda j: int(chosen[t, j])):
+            out[t] = out[t] + y[place[t * k + j]].float()
+    return out.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [False, True])
+def test_slots_added_a_group_at_a_time_give_the_bits_of_all_at_once(dtype, start):
+    """moe.add_slots adds each token's rows in expert order: called on all the sorted rows at once (a whole
+    block) or on consecutive ranges of experts going on from the last call's sum (expert groups), the same bits,
+    and those of a plain loop in that order."""
+    from tiertrain.model import moe
+
+    g = torch.Generator().manual_seed(1)
+    T, k, E, D = 17, 3, 8, 5
+    chosen = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    order = moe.sort_pairs(chosen, E)
+    pos = moe.positions(order, k)
+    y = (torch.randn(T * k, D, generator=g) * torch.logspace(-3, 3, D)).to(dtype)  # rounding shows in sums
+    acc = torch.randn(T, D, generator=g) * 10 if start else None
+    whole = moe.add_slots(False, acc, y, pos, 0, torch.float32)
+    assert torch.equal(whole, _slots_in_expert_order(acc, y, chosen, order, torch.float32))
+    starts = [0, *moe._counts(chosen, E).cumsum(0).tolist()]
+    for groups in (2, 4, 8):
+        out, n = acc, E // groups
+        for a, b in zip(starts[::n], starts[n::n]):
+            out = moe.add_slots(False, out, y[a:b], pos, a, torch.float32)
+        assert torch.equal(out, whole), groups
+    assert torch.equal(moe.add_slots(False, acc, y, pos, 0, dtype), whole.to(dtype))
 
 
 @pytest.mark.gpu
@@ -381,23 +414,58 @@ def test_the_activation_kernels_give_the_eager_values_and_gradients(dtype, gpt_o
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens,k,width", [(4096, 8, 2048), (333, 4, 2880), (0, 2, 64)])
-def test_the_slot_sum_kernel_adds_the_slots_in_order(dtype, tokens, k, width):
-    """model/slot_sum.py's kernel: each token's k rows added in fp32 in slot order, then rounded once (or not): the
-    bits of that sum written in torch, at a hidden size that is and one that is not a multiple of its column block; and the
-    same bits again on a rerun."""
-    from tiertrain.model import slot_sum
+def test_the_slot_sum_kernel_adds_the_slots_in_expert_order(dtype, tokens, k, width):
+    """model/slot_sum.py's kernel: each token's rows added in fp32 in expert order to its running sum (or zero),
+    then rounded once (or not): the bits of the eager op on the GPU, all rows at once and a range of experts at a
+    time, at a hidden size that is and one that is not a multiple of its column block; and again on a rerun."""
+    from tiertrain.model import moe, slot_sum
 
     g = torch.Generator(device="cuda").manual_seed(0)
+    E = 64
+    chosen = torch.rand(tokens, E, generator=g, device="cuda").topk(k, dim=-1).indices
+    order = moe.sort_pairs(chosen, E)
+    pos = moe.positions(order, k)
     y = torch.randn(tokens * k, width, generator=g, device="cuda").to(dtype)
-    inv = torch.randperm(tokens * k, generator=g, device="cuda")
-    rows = y.index_select(0, inv).view(tokens, k, width).float()
-    want = torch.zeros(tokens, width, device="cuda")
-    for j in range(k):
-        want = want + rows[:, j]
-    for out in (dtype, torch.float32):  # a gradient in the rows' dtype, the residual's share in fp32
-        got = slot_sum.sum_slots(y, inv, k, out)
-        assert got.dtype == out and torch.equal(got, want.to(out))
-        assert torch.equal(slot_sum.sum_slots(y, inv, k, out), got)
+    acc = torch.randn(tokens, width, generator=g, device="cuda")
+    starts = [0, *moe._counts(chosen, E).cumsum(0).tolist()]
+    for start in (None, acc):
+        for out in (dtype, torch.float32):  # a gradient in the rows' dtype, the residual's share in fp32
+            got = slot_sum.add_slots(start, y, pos, 0, out)
+            assert got.dtype == out and torch.equal(got, moe._add_slots(start, y, pos, 0, out))
+            assert torch.equal(slot_sum.add_slots(start, y, pos, 0, out), got)
+        run = start
+        for a, b in zip(starts[::16], starts[16::16]):  # four groups of 16 experts
+            run = slot_sum.add_slots(run, y[a:b], pos, a, torch.float32)
+        assert torch.equal(run, slot_sum.add_slots(start, y, pos, 0, torch.float32))
+
+
+@pytest.mark.parametrize("case", sorted(MOE))
+def test_expert_groups_train_the_bits_of_whole_blocks(case, token_file, tmp_path):
+    """Blocks in parts (any expert groups) train the bits of whole blocks: the losses, the gradient norms (so the
+    clipping), the masters and both moments; with micro-batches, clipping and the aux loss on. A spilled run may
+    take other groups than the run in RAM (the planner's choice), so this is what keeps spill bit-identical."""
+    _groups_train_alike(case, token_file, tmp_path)
+
+
+def _groups_train_alike(case, token_file, tmp_path, *more):
+    """Three steps of the family's model whole and in groups: the same metrics and checkpointed state, bit for bit."""
+    from test_checkpoint import _fit
+
+    from conftest import read_metrics, state_of
+
+    moe_model(case).save_pretrained(tmp_path / "hf")
+    runs = []
+    for groups in (1, 2, 3) if case == "qwen3_moe" else (1, 2, 4):
+        sets = [f'train.init_from="{tmp_path / "hf"}"', "train.steps=3", "checkpoint.every=3", *more]
+        out = tmp_path / f"g{groups}"
+        _fit(tiny_config(token_file, *sets, f"tiers.expert_groups={groups}"), out)
+        rows = read_metrics(out / "metrics.jsonl")
+        runs.append(([(r["loss"], r["grad_norm"]) for r in rows], state_of(out / "checkpoints" / "step_3")))
+    (metrics, state), *others = runs
+    assert all(norm > 0.3 for _, norm in metrics)  # optim.grad_clip: every step clipped
+    for m, st in others:
+        assert m == metrics and st.keys() == state.keys()
+        assert all(np.array_equal(st[k], state[k]) for k in state)
 
 
 @pytest.mark.parametrize("case", sorted(MOE))

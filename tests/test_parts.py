@@ -15,7 +15,7 @@ from tiertrain.config import load_config
 from tiertrain.engine.buffers import Accumulators
 from tiertrain.engine.streams import StallClock, Streams
 from tiertrain.errors import ConfigError
-from tiertrain.model.parts import EXPERTS, gaps, group_options, unit_parts
+from tiertrain.model.parts import EXPERTS, WHOLE, gaps, group_options, norm_pieces, unit_parts
 from tiertrain.tiers.slab import SlabLayout
 
 MOE = [
@@ -59,15 +59,26 @@ def test_parts_cover_the_slab_once_and_slice_the_experts(groups):
         for pc in p.pieces:
             buf[pc.dst : pc.dst + pc.numel] = flat[pc.src : pc.src + pc.numel]
         for name, v in p.views(buf).items():
-            want = whole[name][p.first : p.first + n] if name.startswith(EXPERTS) else whole[name]
+            sliced = name.startswith(EXPERTS) and name != WHOLE  # gpt-oss's down biases go whole
+            want = whole[name][p.first : p.first + n] if sliced else whole[name]
             assert torch.equal(v, want), name
-    assert {n for p in parts[1:] for n in p.views(flat)} == {n for n, _ in BLOCK if n.startswith(EXPERTS)}
+    grouped = {n for n, _ in BLOCK if n.startswith(EXPERTS) and n != WHOLE}
+    assert {n for p in parts[1:] for n in p.views(flat)} == grouped and WHOLE in parts[0].views(flat)
+    # the parts' norm pieces, in order, hold the values of the unit's: the same whatever the groups
+    bufs = [torch.cat([flat[pc.src : pc.src + pc.numel] for pc in p.pieces]) for p in parts]
+    packed = [torch.zeros(p.numel) for p in parts]
+    for p, b, pk in zip(parts, bufs, packed):
+        for pc, v in zip(p.pieces, b.split([pc.numel for pc in p.pieces])):
+            pk[pc.dst : pc.dst + pc.numel] = v
+    by_parts = [pk[a : a + n] for p, pk in zip(parts, packed) for a, n in p.norm_pieces()]
+    by_unit = [flat[a : a + n] for a, n in norm_pieces(lay, 4)]
+    assert len(by_parts) == len(by_unit) == 5 + 4 * 3 and all(map(torch.equal, by_parts, by_unit))
     assert unit_parts(lay, 4, 1) == () and unit_parts(SlabLayout.build(BLOCK[:2]), 4, 2) == ()
 
 
 def test_a_part_drains_to_its_places_and_the_padding_to_zeros():
     """Each part's accumulator lands in its pieces' places of the unit's sink, the layout's padding zeroed there
-    (a staging buffer holds another unit's bytes); the norms are the parts' own."""
+    (a staging buffer holds another unit's bytes); the parts' norms by pieces are the bits of the whole block's."""
     emb, head = SlabLayout.build([("e", (4, 4))]), SlabLayout.build([("h", (4, 4))])
     lay = SlabLayout.build(BLOCK)
     parts = unit_parts(lay, 4, 2)
@@ -93,7 +104,17 @@ def test_a_part_drains_to_its_places_and_the_padding_to_zeros():
         norms.append(grads.drain_part(1, i, last=i == 0))
         assert len(landed) == (i == 0)
     assert torch.equal(sink, want)
-    assert float(torch.stack(norms).norm()) == pytest.approx(float(want.norm()), rel=1e-6)
+    assert float(torch.cat(norms).norm()) == pytest.approx(float(want.norm()), rel=1e-6)
+    whole = Accumulators(
+        [emb, lay, head],
+        torch.device("cpu"),
+        streams,
+        StallClock(streams),
+        lambda u: (torch.empty(lay.numel), None),
+        pieces={1: norm_pieces(lay, 4)},
+    )
+    whole.begin(1).copy_(want)
+    assert torch.equal(whole.drain(1), torch.cat(norms[::-1]))  # the parts' pieces in the unit's order
 
 
 def test_the_plan_streams_experts_in_groups_where_whole_blocks_crowd_the_gpu():

@@ -19,7 +19,7 @@ from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
 from .errors import ConfigError, UserError
 from .model.llama import Context
-from .model.parts import unit_parts
+from .model.parts import norm_pieces, unit_parts
 from .model.spec import UnitSpec
 from .modes import Home, Kind, Update, by_value
 from .optim.adamw import HostAdamW
@@ -256,11 +256,8 @@ def assemble(
         clock = StallClock(streams)
         activations = activation_store(rp, streams, clock, device, scratch)
         staging, reader = (nvme.staging, nvme.reader) if nvme else (None, None)
-        parts = {
-            u: p
-            for u, lay in enumerate(layouts)
-            if (p := unit_parts(lay, cfg.model.num_experts, rp.expert_groups))
-        }
+        n_experts = cfg.model.num_experts
+        parts = {u: p for u, lay in enumerate(layouts) if (p := unit_parts(lay, n_experts, rp.expert_groups))}
         if parts and (ranks.size > 1 or rp.updated(Update.GPU, Update.GPU_SPECULATED, Update.RESIDENT)):
             raise ValueError("blocks in parts (expert groups) run on one rank, updated on the host")
         slots = WeightSlots(
@@ -276,7 +273,13 @@ def assemble(
             parts=parts,
         )
         state = State(units, layouts, shards, ranks, host, staging, where)
-        grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks, parts)
+        # one rank: a block with experts takes its norm by pieces, the same in parts as whole (model/parts.py)
+        pieces = (
+            {}
+            if ranks.size > 1
+            else {u: q for u, lay in enumerate(layouts) if (q := norm_pieces(lay, n_experts))}
+        )
+        grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks, parts, pieces)
         opt = HostAdamW(host, shards, cfg.optim, staging)
         updates = Updates(rp, opt, grads, streams, device, tc.overlap, staging, reader)
         context = Context.build(cfg.model, tc.seq_len, dtype, device, rp.tile, rp.attention, rp.deterministic)

@@ -219,13 +219,14 @@ class Accumulators:
         shards: list[Shard] | None = None,
         ranks: Ranks | None = None,
         parts: dict[int, tuple[Part, ...]] | None = None,
+        pieces: dict[int, tuple[tuple[int, int], ...]] | None = None,
     ):
         """`sink(unit)`: where a unit's gradient goes and what to call with the copy's event (its host slab,
         or for a spilled gradient a staging buffer, then the disk): this rank's shard (`shards`, as WeightSlots);
-        `parts`: as WeightSlots'."""
+        `parts`: as WeightSlots'; `pieces`: the blocks whose norm is taken by pieces (model/parts.norm_pieces)."""
         self.layouts, self.s, self.clock, self.sink = layouts, streams, clock, sink
         self.shards, self.ranks = shards or [Shard(lay) for lay in layouts], ranks or Ranks()
-        self.parts = parts or {}
+        self.parts, self.pieces = parts or {}, pieces or {}
         own, blk = _own(self.shards, self.parts)
         self.blocks = [_Buf(blk, torch.float32, device) for _ in range(2)]
         self.res = {i: _Buf(self.shards[i].padded, torch.float32, device) for i in own}
@@ -276,7 +277,7 @@ class Accumulators:
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
             part = self.ranks.reduce_scatter(self._at[unit].t[: sh.padded], sh.start, sh.numel)
-            norm = _norm(part)
+            norm = _norm(part, self.pieces.get(unit))
             if norm.is_cuda:
                 norm.record_stream(self.s.compute)  # read there after norms_ready()
             dst.copy_(part, non_blocking=True)
@@ -301,7 +302,7 @@ class Accumulators:
         buf = self._at[(unit, part)]
         with self.s.on(self.s.d2h):
             self.s.wait(self.s.d2h, done)
-            norm = _norm(buf.t[: p.numel])
+            norm = _norm(buf.t[: p.numel], p.norm_pieces())
             if norm.is_cuda:
                 norm.record_stream(self.s.compute)
             for pc in p.pieces:
@@ -323,10 +324,15 @@ class Accumulators:
         return sum(b.t.numel() * 4 for b in self.blocks + list(self.res.values()))
 
 
-def _norm(t: torch.Tensor) -> torch.Tensor:
+def _norm(t: torch.Tensor, pieces: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
     """A unit's gradient norm: on a CPU by chunks of 16 Ki elements, their norms combined in fp64, where fp32's one
     sum over a whole slab drifts (2e-5 over 4 M elements; this: 3e-8, at 1.3x fp32's time, an fp64 sum's 6-12x);
-    a GPU's reduction is a tree already."""
+    a GPU's reduction is a tree already. With `pieces` ((start, numel) in t): each piece's norm, (n,)."""
+    if pieces:
+        views = [t[a : a + n] for a, n in pieces]
+        if t.is_cuda:
+            return torch.stack(torch._foreach_norm(views))
+        return torch.stack([_norm(v).float() for v in views])
     if t.is_cuda or t.numel() <= 1 << 14:
         return torch.linalg.vector_norm(t)
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(t.split(1 << 14)))).double())

@@ -3,11 +3,12 @@ micro-batch, each part's weights loaded once a pass while the next part's copy r
 calls these for the blocks its `parts` name; the math is model/grouped.py's.
 
 forward   attention part: the block's checkpoint saved, then per micro-batch its output and the routed tokens;
-          groups 1..G: each adds its experts' share to the output
+          groups 1..G: each adds its experts' rows to the output, in a whole block's order (moe.add_slots)
 backward  attention part without gradients, from the checkpoint: the routed tokens again; groups G..1: each
           differentiated against the block's output gradient, its weights' gradient drained as it ends, its shares
-          of h's and the routing weights' gradients summed (fp32); the attention part with autograd against all
-          three, its gradient drained, the block input's gradient out
+          of h's and the routing weights' gradients added to their sums (fp32); the attention part with autograd
+          against all three, its gradient drained, the block input's gradient out; the block's norm by pieces,
+          the parts' in order: a whole block's bits (model/parts.norm_pieces)
 The attention part loads twice in the backward pass (a slot holds one part); the groups' sums live on the GPU
 until the attention part's backward: (4 H + 4 k) bytes a token of the rank's batch, beside the routed tokens.
 """
@@ -35,9 +36,8 @@ def forward(step, i: int, xs: list[torch.Tensor], train: bool, timed) -> list[to
         w, p = step.bind(i, g), parts[g]
         with timed("forward"):
             for m, r in enumerate(routed):
-                share = grouped.share(w, r, step.ctxs[i], p.first, p.experts)
-                if share is not None:
-                    ys[m] += share.view_as(ys[m])
+                y = ys[m].view(-1, ys[m].shape[-1])
+                ys[m] = grouped.share(w, r, y, step.ctxs[i], p.first, p.experts).view_as(ys[m])
         step.release(i, g)
         if g + 1 < len(parts):
             slots.load_part(i, g + 1, last=g + 2 == len(parts))
@@ -46,10 +46,10 @@ def forward(step, i: int, xs: list[torch.Tensor], train: bool, timed) -> list[to
     return ys
 
 
-def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Tensor]:
+def backward(step, i: int, gx: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Block i's backward pass (its attention part already loading; its checkpoint prefetched), the gradients of
-    its outputs `gx` in: the gradients of its inputs out; its parts' gradient norms appended to `norms`. Starts
-    the previous unit's load and its checkpoint's prefetch."""
+    its outputs `gx` in: (the gradients of its inputs, its gradient's norms by pieces: model/parts.norm_pieces'
+    order) out. Starts the previous unit's load and its checkpoint's prefetch."""
     slots, grads, ck, clock, parts = step.slots, step.grads, step.ck, step.clock, step.parts[i]
     n = len(parts) - 1
     saved = ck.get(i)
@@ -60,8 +60,8 @@ def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Te
     with clock.computing("backward"), torch.no_grad():
         routed = [grouped.attention_part(w, x, step.at(i, m))[1] for m, x in enumerate(saved)]
     step.release(i, 0)
-    dh = [torch.zeros(r.h.shape, dtype=torch.float32, device=r.h.device) for r in routed]
-    dws = [torch.zeros_like(r.weights) for r in routed]  # by (token, slot) of this recompute's routing
+    sums = [grouped.Sums(None, torch.zeros_like(r.weights)) for r in routed]
+    norms: list = [None] * len(parts)  # by part: the groups drain last to first
     for g in range(n, 0, -1):
         leaves, pairs = step.bind_for_grad(i, g)
         slots.load_part(i, g - 1, last=g == 1)  # after the first group, the attention part again
@@ -69,15 +69,16 @@ def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Te
         with clock.computing("backward"):
             for m, r in enumerate(routed):
                 gm = gx[m].reshape(-1, gx[m].shape[-1])
-                d = grouped.share_backward(leaves, r, gm, step.ctxs[i], p.first, p.experts, dh[m], dws[m])
+                d = grouped.share_backward(leaves, r, gm, step.ctxs[i], p.first, p.experts, sums[m])
                 for (_, acc), gw in zip(pairs, d or ()):
                     if gw is not None:  # an expert of the group that no token chose
                         acc.add_(gw)
         step.release(i, g)
-        norms.append(grads.drain_part(i, g, last=False))
+        norms[g] = grads.drain_part(i, g, last=False)
     # by expert: the attention part's recompute with autograd may route in another order (another kernel)
-    dws = [grouped.by_expert(d, r, step.ctx.spec.num_experts) for d, r in zip(dws, routed)]
-    del routed
+    dh = [u.dh for u in sums]
+    dws = [grouped.by_expert(u.dws, r, step.ctx.spec.num_experts) for u, r in zip(sums, routed)]
+    del routed, sums
     leaves, pairs = step.bind_for_grad(i, 0)
     step.load(i - 1)
     out = []
@@ -90,5 +91,5 @@ def backward(step, i: int, gx: list[torch.Tensor], norms: list) -> list[torch.Te
                 acc.add_(gw)
     step.release(i, 0)
     ck.drop(i)
-    norms.append(grads.drain_part(i, 0, last=True))
-    return out
+    norms[0] = grads.drain_part(i, 0, last=True)
+    return out, torch.cat(norms)

@@ -120,7 +120,6 @@ class Step:
         updates.before_backward()  # ---- head and backward
         slots.expect(range(L - 2, -1, -1))  # the head's load of the last block, then the loop's
         norms: list[torch.Tensor | None] = [None] * L
-        more: list[torch.Tensor] = []  # the norms of the parts of blocks in parts, but their last
         leaves, pairs = self.bind_for_grad(L - 1)
         load(L - 2)  # the last block is still in its slot: nothing moves
         if L > 2 and L - 2 not in self.kept:
@@ -135,8 +134,7 @@ class Step:
 
         for i in range(L - 2, 0, -1):
             if i in self.parts:
-                gx = groups.backward(self, i, gx, more)
-                norms[i] = more.pop()
+                gx, norms[i] = groups.backward(self, i, gx)
                 updates.gradient_ready(i)
                 continue
             leaves, pairs = self.bind_for_grad(i)
@@ -162,7 +160,7 @@ class Step:
         updates.gradient_ready(0)
 
         grads.norms_ready()  # ---- norm and update
-        loss, grad_norm, clip = self.global_norm(loss, norms + more)
+        loss, grad_norm, clip = self.global_norm(loss, norms)
         updates.after_norm(lr, clip)
         return loss, grad_norm
 
@@ -171,7 +169,7 @@ class Step:
         ranks' from their shards' squared norms and their losses, summed in one all-reduce."""
         if self.ranks.size == 1:
             return (loss, *clip_coefficient(norms, self.max_norm))
-        both = torch.stack([loss, torch.stack([n.float() for n in norms]).square().sum()])
+        both = torch.stack([loss, torch.cat([n.float().reshape(-1) for n in norms]).square().sum()])
         self.ranks.all_sum(both)
         return (both[0], *clip_coefficient([both[1].sqrt()], self.max_norm))
 

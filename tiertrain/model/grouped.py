@@ -1,13 +1,15 @@
 """A mixture-of-experts block in parts (model/parts.py): its attention part, then its experts a group at a time.
 
 The attention part is llama.block over the part's weights: it routes the tokens and hands (h, chosen experts,
-routing weights) over in ctx.routed (moe.experts), and its output is the residual with any shared expert's output.
-Each group adds its experts' share of every token's routed rows: the rows, projections and weighting are
-moe.experts', and a token's k slots are summed a group at a time, in fp32, where moe.experts sums them at once.
+routing weights) over in ctx.routed (moe.experts), and its output is the residual with what needs no expert's
+weights (a shared expert's output, gpt-oss's down-projection biases). Each group adds its experts' rows of every
+token to that output: the rows, projections and weighting are moe.experts', and so is the order of the sum
+(moe.add_slots: a token's rows in expert order, in fp32, going on from the last group's sum), so blocks in parts
+give the bits of whole blocks.
 
-A group's backward pass takes the block's output gradient and returns its weights' gradients and its share of the
-gradients of h and of the routing weights, summed over the groups in fp32 (engine/groups.py); the attention part is
-then differentiated against the output gradient and those two sums (attention_backward).
+A group's backward pass takes the block's output gradient and returns its weights' gradients and adds its share of
+the gradients of h and of the routing weights to their sums (in fp32, h's in moe.add_slots' order; Sums); the
+attention part is then differentiated against the output gradient and those two sums (attention_backward).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels, llama, moe
 from .llama import Context
@@ -31,13 +32,23 @@ class Routed:
     chosen: torch.Tensor  # (T, k) int64: each token's experts
     weights: torch.Tensor  # (T, k) fp32: their routing weights
     order: torch.Tensor  # (T k,): the (token, slot) pairs sorted by expert
+    pos: torch.Tensor  # (T, k): each token's pairs' places in `order`, in expert order (moe.positions)
     starts: list[int]  # on the host: the pairs before each expert, E + 1 of them
 
     @classmethod
     def of(cls, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int) -> "Routed":
         order = moe.sort_pairs(chosen, n_experts)
+        pos = moe.positions(order, chosen.shape[1])
         per = moe._counts(chosen, n_experts).tolist()  # one sync a micro-batch: the groups' rows are sliced
-        return cls(h.detach(), chosen, weights.detach(), order, [0, *accumulate(per)])
+        return cls(h.detach(), chosen, weights.detach(), order, pos, [0, *accumulate(per)])
+
+
+@dataclass
+class Sums:
+    """A micro-batch's gradients of h and of the routing weights, added to by each group's backward pass."""
+
+    dh: torch.Tensor | None  # (T, H) fp32; None: zero
+    dws: torch.Tensor  # (T, k) fp32, by (token, slot) of the backward pass's routing
 
 
 def attention_part(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, Routed]:
@@ -49,15 +60,16 @@ def attention_part(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) ->
 
 
 def _pairs(r: Routed, first: int, n: int, k: int, down: torch.Tensor):
-    """The group's pairs (ids in the (T k) slots, sorted by expert), their tokens, and the grouped matmul's ends
+    """The group's pairs (ids in the (T k) slots, sorted by expert), the first one's place in r.order, and the
+    grouped matmul's ends
     (on a GPU, moe._grouped of `down`, the group's down projections) or the rows per expert (elsewhere)."""
     st = r.starts[first : first + n + 1]
     sel = r.order[st[0] : st[-1]]
     counts = [b - a for a, b in zip(st, st[1:])]
     if moe._grouped(r.h, down):
         ends = torch.tensor(list(accumulate(counts)), dtype=torch.int32).to(r.h.device, non_blocking=True)
-        return sel, sel // k, ends, None
-    return sel, sel // k, None, counts
+        return sel, st[0], ends, None
+    return sel, st[0], None, counts
 
 
 def _experts(s, r: Routed, sel: torch.Tensor, first: int) -> torch.Tensor | None:
@@ -66,69 +78,42 @@ def _experts(s, r: Routed, sel: torch.Tensor, first: int) -> torch.Tensor | None
     return None if e is None else e - first
 
 
-def _slot_sum(y: torch.Tensor, sel: torch.Tensor, t: int, k: int) -> torch.Tensor:
-    """Pair rows y at slots `sel` (the others zero) summed over each token's k slots: fp32 (t, D)."""
-    buf = y.new_zeros(t * k, y.shape[-1])
-    buf.index_copy_(0, sel, y)
-    return buf.view(t, k, -1).sum(1, dtype=torch.float32)
-
-
-def _down_bias(w, chosen: torch.Tensor, weights: torch.Tensor, first: int, n: int) -> torch.Tensor:
-    """gpt-oss's down-projection bias of the group's experts, each token's slots there weighted and summed."""
-    inside = (chosen >= first) & (chosen < first + n)
-    idx = (chosen - first).clamp(0, n - 1)
-    b = w["mlp.experts.down_proj_bias"].float()
-    return F.embedding_bag(idx, b, per_sample_weights=weights * inside, mode="sum")
-
-
-def share(w: dict[str, torch.Tensor], r: Routed, ctx: Context, first: int, n: int) -> torch.Tensor | None:
-    """The share of experts first..first+n (w: their weights) in the MoE output of the routed tokens, fp32 (T, H),
-    without gradients; None where no token chose any of them."""
+def share(w: dict[str, torch.Tensor], r: Routed, acc: torch.Tensor, ctx: Context, first: int, n: int):
+    """The rows of experts first..first+n (w: their weights) of the routed tokens added to their rows of acc (fp32
+    (T, H): the block's output so far), without gradients: the new sum (acc where no token chose any of them)."""
     s, k = ctx.spec, ctx.spec.num_experts_per_tok
-    sel, src, ends, counts = _pairs(r, first, n, k, w["mlp.experts.down_proj"])
+    sel, lo, ends, counts = _pairs(r, first, n, k, w["mlp.experts.down_proj"])
     if not sel.numel():
-        return None
+        return acc
+    on = kernels.on(r.h)
     ws = r.weights.reshape(-1).index_select(0, sel)[:, None]
-    y = moe._rows(
-        w, r.h.index_select(0, src), ws, _experts(s, r, sel, first), ends, counts, kernels.on(r.h), s
-    )
-    out = _slot_sum(y, sel, r.h.shape[0], k)
-    if s.model_type == "gpt_oss":
-        out += _down_bias(w, r.chosen, r.weights, first, n)
-    return out
+    y = moe._rows(w, r.h.index_select(0, sel // k), ws, _experts(s, r, sel, first), ends, counts, on, s)
+    return moe.add_slots(on, acc, y, r.pos, lo, torch.float32)
 
 
 def share_backward(
-    leaves: dict[str, torch.Tensor],
-    r: Routed,
-    g: torch.Tensor,
-    ctx: Context,
-    first: int,
-    n: int,
-    dh: torch.Tensor,
-    dws: torch.Tensor,
+    leaves: dict[str, torch.Tensor], r: Routed, g: torch.Tensor, ctx: Context, first: int, n: int, sums: Sums
 ) -> tuple | None:
-    """share's gradients against g, the block's output gradient (T, H) fp32: the group's share of h's gradient is
-    added into dh (T, H) fp32 and of the routing weights' into dws (T, k) fp32; returns its weights' gradients in
-    the order of `leaves` (None: no token chose the group, so they are zero)."""
+    """share's gradients against g, the block's output gradient (T, H) fp32: the group's shares of the gradients of
+    h and of the routing weights are added to `sums`; returns its weights' gradients in the order of `leaves`
+    (None: no token chose the group, so they are zero)."""
     s, k = ctx.spec, ctx.spec.num_experts_per_tok
-    sel, src, ends, counts = _pairs(r, first, n, k, leaves["mlp.experts.down_proj"])
+    sel, lo, ends, counts = _pairs(r, first, n, k, leaves["mlp.experts.down_proj"])
     if not sel.numel():
         return None
+    on, src = kernels.on(r.h), sel // k
     xs = r.h.index_select(0, src).requires_grad_()
     wl = r.weights.detach().requires_grad_()
     experts = _experts(s, r, sel, first)
     with torch.enable_grad():
         ws = wl.reshape(-1).index_select(0, sel)[:, None]
-        y = moe._rows(leaves, xs, ws, experts, ends, counts, kernels.on(r.h), s)
-        # each pair row's gradient is its token's, in the rows' dtype (moe._Combine's backward)
-        outs, grads = [y], [g.to(y.dtype).index_select(0, src)]
-        if s.model_type == "gpt_oss":
-            outs.append(_down_bias(leaves, r.chosen, wl, first, n))
-            grads.append(g)
-    d = torch.autograd.grad(outs, [xs, wl, *leaves.values()], grads, allow_unused=True)
-    dh += _slot_sum(d[0], sel, r.h.shape[0], k)
-    dws += d[1]
+        y = moe._rows(leaves, xs, ws, experts, ends, counts, on, s)
+    # each pair row's gradient is its token's, in the rows' dtype (moe._Combine's backward)
+    d = torch.autograd.grad(
+        [y], [xs, wl, *leaves.values()], [g.to(y.dtype).index_select(0, src)], allow_unused=True
+    )
+    sums.dh = moe.add_slots(on, sums.dh, d[0], r.pos, lo, torch.float32)
+    sums.dws += d[1]
     return d[2:]
 
 

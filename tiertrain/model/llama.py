@@ -279,8 +279,8 @@ def block_out(
     # a mixture of experts, or its attention part alone (model/parts.py): the router is there
     if moe.ROUTER in w or moe.GPT_OSS_ROUTER in w:
         valid = None if ctx.docs is None else ctx.docs.valid_at(start, x.shape[1])
-        out = moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid)
-        return x if out is None else x + out.view_as(x)
+        # the experts add to the residual in their own order (moe.experts: blocks whole or in parts alike)
+        return moe.experts(w, h.reshape(-1, h.shape[-1]), ctx, valid, x.view(-1, x.shape[-1])).view_as(x)
     m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
     return x + F.linear(m, w["mlp.down_proj.weight"])
 

@@ -128,48 +128,66 @@ def _mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, counts: list[int] 
 
 
 class _Spread(torch.autograd.Function):
-    """Tokens h (T, H) to their (token, slot) pairs sorted by expert: h[src], src = order // k. Its backward sums
-    each token's k slots in one pass (fp32 inside), where autograd's index backward would sort and accumulate
-    repeated rows one by one."""
+    """Tokens h (T, H) to their (token, slot) pairs sorted by expert: h[src], src = order // k. Its backward adds
+    each token's k rows in one pass (add_slots: fp32 inside), where autograd's index backward would sort and
+    accumulate repeated rows one by one."""
 
     @staticmethod
-    def forward(fn, h, src, inv, k, on):
-        fn.save_for_backward(inv)
-        fn.k, fn.on = k, on
+    def forward(fn, h, src, pos, on):
+        fn.save_for_backward(pos)
+        fn.on = on
         return h.index_select(0, src)
 
     @staticmethod
     def backward(fn, g):
-        (inv,) = fn.saved_tensors
-        return _slot_sums(fn.on, g, inv, fn.k, g.dtype), None, None, None, None
+        (pos,) = fn.saved_tensors
+        return add_slots(fn.on, None, g, pos, 0, g.dtype), None, None, None
 
 
-def _sum_slots(y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """Sorted pair rows y (T k, D) back to their tokens, each token's k slots summed in fp32, in `dtype` (T, D);
-    on a GPU one kernel that gathers as it sums (_slot_sums)."""
-    return y.index_select(0, inv).view(-1, k, y.shape[-1]).sum(1, dtype=torch.float32).to(dtype)
+def positions(order: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's pairs as places in the sorted `order` (T, k), in expert order: the order add_slots adds them
+    in, whether the rows come at once or a group of experts at a time."""
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return inv.view(-1, k).sort(dim=1).values
 
 
-def _slot_sums(on: bool, y: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """_sum_slots: where `on` (kernels.on), model/slot_sum.py's Triton kernel, else eager."""
-    return kernels.run(on, _sum_slots, slot_sum.sum_slots, y, inv, k, dtype)
+def _add_slots(acc, y: torch.Tensor, pos: torch.Tensor, lo: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows y of the sorted pairs lo .. lo + len(y) added to their tokens' rows of acc (fp32 (T, D); None: zero)
+    in the order of pos (T, k; positions()), one slot after another in fp32, written in `dtype` (T, D). The
+    sum's order is the experts', so rows added a group of experts at a time give the bits of all at once."""
+    n = y.shape[0]
+    out = y.new_zeros(pos.shape[0], y.shape[-1], dtype=torch.float32) if acc is None else acc
+    for j in range(pos.shape[1] if n else 0):
+        row = pos[:, j] - lo
+        if n == pos.numel():  # every row (a whole block): each slot hits
+            out = out + y.index_select(0, row).float()
+            continue
+        hit = ((row >= 0) & (row < n))[:, None]
+        out = torch.where(hit, out + y.index_select(0, row.clamp(0, n - 1)).float(), out)
+    return out.to(dtype)
+
+
+def add_slots(on: bool, acc, y: torch.Tensor, pos: torch.Tensor, lo: int, dtype: torch.dtype) -> torch.Tensor:
+    """_add_slots: where `on` (kernels.on), model/slot_sum.py's Triton kernel, else eager."""
+    return kernels.run(on, _add_slots, slot_sum.add_slots, acc, y, pos, lo, dtype)
 
 
 class _Combine(torch.autograd.Function):
-    """The adjoint of _Spread: sorted pair rows y (T k, H) back to their tokens, summed over the k slots in fp32
-    and left in fp32 (the residual's dtype: no rounding to y's between); its backward hands each pair its token's
-    gradient in y's dtype (a gather, no accumulation)."""
+    """The adjoint of _Spread: sorted pair rows y (T k, H) added to their tokens' rows of acc (fp32 (T, H): the
+    residual and what the block added to it; None: zero) in fp32 and left in fp32 (the residual's dtype: no
+    rounding to y's between); its backward hands acc the gradient as it is and each pair its token's in y's
+    dtype (a gather, no accumulation)."""
 
     @staticmethod
-    def forward(fn, y, src, inv, k, on):
+    def forward(fn, acc, y, src, pos, on):
         fn.save_for_backward(src)
-        fn.dtype = y.dtype
-        return _slot_sums(on, y, inv, k, torch.float32)
+        fn.dtype, fn.acc = y.dtype, acc is not None
+        return add_slots(on, acc, y, pos, 0, torch.float32)
 
     @staticmethod
     def backward(fn, g):
         (src,) = fn.saved_tensors
-        return g.to(fn.dtype).index_select(0, src), None, None, None, None
+        return g if fn.acc else None, g.to(fn.dtype).index_select(0, src), None, None, None
 
 
 def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: float) -> torch.Tensor:
@@ -262,38 +280,46 @@ def shared(w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
 
 
 def experts(
-    w: dict[str, torch.Tensor], h: torch.Tensor, ctx, valid: torch.Tensor | None = None
+    w: dict[str, torch.Tensor],
+    h: torch.Tensor,
+    ctx,
+    valid: torch.Tensor | None = None,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """The MoE MLP of tokens h (T, H) in the compute dtype: fp32 (T, H), the shared expert included. `valid`: (T,)
-    1 on a sample's tokens, 0 on padding (None: all a sample's), for the routers' statistics.
+    """The MoE MLP of tokens h (T, H) in the compute dtype added to `into` (fp32 (T, H), the residual; None: zero):
+    fp32 (T, H). `valid`: (T,) 1 on a sample's tokens, 0 on padding (None: all a sample's), for the routers'
+    statistics.
 
-    Every (token, expert) pair's row is weighted by its routing weight before the down projection (linear, so
-    the same sum as transformers' weighting after it) and goes back to its token summed over its k slots in one
-    pass, in fp32 and left there for the fp32 residual: no (T k, H) tensor in fp32 or gathered twice.
+    What needs no expert's weights is added first: qwen2_moe's shared expert, gpt-oss's down-projection biases
+    (each token's k, weighted). Then every (token, expert) pair's row, weighted by its routing weight before the
+    down projection (linear, so the same sum as transformers' weighting after it), is added to its token in
+    expert order in fp32 (add_slots), left in fp32 for the residual: no (T k, H) tensor in fp32 or gathered
+    twice.
 
-    A block's attention part alone (expert groups, model/parts.py: w holds no experts) routes the tokens, hands
-    (h, chosen experts, routing weights) to ctx.routed for its groups (model/grouped.py) and returns the shared
-    expert's output (None where there is none)."""
+    A block's attention part alone (expert groups, model/parts.py: w holds no expert's projections) routes the
+    tokens, hands (h, chosen experts, routing weights) to ctx.routed for its groups (model/grouped.py) and
+    returns what it added (None where `into` is None and it added nothing); each group then adds its experts'
+    rows in the same order, so groups give the bits of the whole block."""
     s = ctx.spec
     k = s.num_experts_per_tok
     chosen, weights = route(w, h, ctx, valid)
+    base = None
+    if s.model_type == "gpt_oss":  # kept whole in the attention part (model/parts.py)
+        b = w["mlp.experts.down_proj_bias"].float()
+        base = F.embedding_bag(chosen, b, per_sample_weights=weights, mode="sum")
+    if s.shared_expert_intermediate_size:
+        base = shared(w, h)
+    acc = base if into is None else into if base is None else into + base
     if "mlp.experts.down_proj" not in w:
         ctx.routed.append((h, chosen, weights))
-        return shared(w, h) if s.shared_expert_intermediate_size else None
+        return acc
     order = sort_pairs(chosen, s.num_experts)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    src = order // k  # each sorted pair's token
+    pos, src = positions(order, k), order // k  # src: each sorted pair's token
     per = _counts(chosen, s.num_experts)
     grouped = _grouped(h, w["mlp.experts.down_proj"])
     ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
     on = kernels.on(h)
-    xs = _Spread.apply(h, src, inv, k, on)
+    xs = _Spread.apply(h, src, pos, on)
     ws = weights.reshape(-1).index_select(0, order)[:, None]  # fp32 (T k, 1)
     y = _rows(w, xs, ws, _experts_of(s, chosen, order), ends, counts, on, s)
-    out = _Combine.apply(y, src, inv, k, on)
-    if s.model_type == "gpt_oss":  # the down projection's bias, each token's k rows weighted and summed
-        b = w["mlp.experts.down_proj_bias"]
-        out = out + F.embedding_bag(chosen, b.float(), per_sample_weights=weights, mode="sum")
-    if s.shared_expert_intermediate_size:
-        out = out + shared(w, h)
-    return out
+    return _Combine.apply(acc, y, src, pos, on)

@@ -1,6 +1,7 @@
 """Expert groups: a mixture-of-experts block whose weights go to the GPU in parts rather than whole
-(RunPlan.expert_groups = G > 1): first its attention part (the attention, both norms, the router and any shared
-expert), then its experts G groups of E / G at a time, each group a slice of the experts' fused tensors. The block
+(RunPlan.expert_groups = G > 1): first its attention part (the attention, both norms, the router, any shared
+expert, gpt-oss's down-projection biases), then its experts G groups of E / G at a time, each group a slice of the
+experts' fused tensors. The block
 stays one unit of the state (its slabs, their placement, its update and its activation checkpoint); only its GPU
 weight slot and gradient accumulator hold one part at a time, so a block as large as gpt-oss-120b's (3.2 B
 parameters) needs slots of a part's size. engine/groups.py runs such a block. Pure Python: the planner sizes parts.
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 from ..tiers.slab import TENSOR_ALIGN, SlabLayout
 
 EXPERTS = "mlp.experts."  # the fused tensors (E, ...) that the groups slice along their first dimension
+# but gpt-oss's down-projection biases: added once for all experts, before the groups' rows (moe.experts), so
+# that a token's sum runs in the order of a whole block's
+WHOLE = "mlp.experts.down_proj_bias"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,17 @@ class Part:
         """Named views of the part's tensors in its buffer `flat`."""
         return {p.name: flat[p.dst : p.dst + p.numel].view(p.shape) for p in self.pieces}
 
+    def norm_pieces(self) -> tuple[tuple[int, int], ...]:
+        """The part's gradient as the pieces its norm is taken by, (start, numel) in its buffer: each tensor, and a
+        group's expert by expert (norm_pieces)."""
+        if not self.experts:
+            return tuple((p.dst, p.numel) for p in self.pieces)
+        return tuple(
+            (p.dst + e * (p.numel // self.experts), p.numel // self.experts)
+            for e in range(self.experts)
+            for p in self.pieces
+        )
+
 
 def _part(tensors: list[tuple[str, tuple[int, ...], int, int]], first: int = 0, experts: int = 0) -> Part:
     pieces, at = [], 0
@@ -51,11 +66,11 @@ def _part(tensors: list[tuple[str, tuple[int, ...], int, int]], first: int = 0, 
 def unit_parts(layout: SlabLayout, n_experts: int, groups: int) -> tuple[Part, ...]:
     """A block's parts: its attention part, then its `groups` expert groups, where it has experts and groups > 1;
     () otherwise (the block goes whole)."""
-    experts = [e for e in layout.entries if e.name.startswith(EXPERTS)]
+    experts = [e for e in layout.entries if e.name.startswith(EXPERTS) and e.name != WHOLE]
     if groups <= 1 or not experts:
         return ()
     n = n_experts // groups
-    rest = [(e.name, e.shape, e.offset, e.numel) for e in layout.entries if not e.name.startswith(EXPERTS)]
+    rest = [(e.name, e.shape, e.offset, e.numel) for e in layout.entries if e not in experts]
     parts = [_part(rest)]
     for g in range(groups):
         # expert rows g*n .. (g+1)*n of each fused tensor: a contiguous slice of its slab range
@@ -75,6 +90,14 @@ def unit_parts(layout: SlabLayout, n_experts: int, groups: int) -> tuple[Part, .
             )
         )
     return tuple(parts)
+
+
+def norm_pieces(layout: SlabLayout, n_experts: int) -> tuple[tuple[int, int], ...]:
+    """A block with experts' gradient as the pieces its norm is taken by, (start, numel) in the unit's slab: each of
+    its other tensors, then each expert's rows of the fused tensors, expert by expert. Those are its parts' pieces
+    (Part.norm_pieces) in the same order whatever the groups, so a block's norm, and the clipping, do not depend on
+    them. () for a unit without experts: its norm is one reduction."""
+    return tuple((pc.src, pc.numel) for p in unit_parts(layout, n_experts, n_experts) for pc in p.pieces)
 
 
 def gaps(layout_numel: int, parts: tuple[Part, ...]) -> list[tuple[int, int]]:

@@ -46,8 +46,9 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 def clip_coefficient(norms: list[torch.Tensor], max_norm: float) -> tuple[float, float]:
     """(global grad norm, factor to multiply the gradients by); factor 1.0 when clipping is off. The
-    per-unit norms stay where they are (the GPU): one transfer, the step's one synchronization."""
-    total = float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
+    per-unit norms stay where they are (the GPU): one transfer, the step's one synchronization. A norm may be a
+    unit's pieces' (n,) (model/parts.norm_pieces)."""
+    total = float(torch.linalg.vector_norm(torch.cat([n.float().reshape(-1) for n in norms])))
     if not math.isfinite(total):
         raise Everywhere(
             f"the gradient norm is {total}: training diverged; lower optim.lr or "

@@ -234,9 +234,9 @@ def _gpu_parts(s: Shape) -> GpuMemory:
     blk = max(parts[u][1] if u in parts else whole[u] for u in range(1, len(whole) - 1))
     own = whole[0] + whole[-1]
     widest = max(whole) if not parts else max(whole[0], whole[-1], blk)
-    # its routed tokens (h, experts, weights, their order) and the groups' sums of their gradients, every
-    # micro-batch's, stay on the GPU through its passes (engine/groups.py)
-    routed = s.tokens * ((wdt + 4) * spec.hidden_size + 24 * spec.num_experts_per_tok) if parts else 0
+    # its routed tokens (h, experts, weights, their order and places) and the groups' sums of their gradients,
+    # every micro-batch's, stay on the GPU through its passes (engine/groups.py)
+    routed = s.tokens * ((wdt + 4) * spec.hidden_size + 32 * spec.num_experts_per_tok) if parts else 0
     tiled = bool(rp.tile) and tokens > rp.tile
     flash = deterministic_workspace(rp.attention, rp.deterministic, spec, tokens, tiled, s.hw)
     math = kv_graph(rp.attention, rp.deterministic, job.dtype, spec) == "math"
