@@ -599,3 +599,46 @@ def test_the_launcher_deletes_the_stores_of_ranks_killed(tmp_path):
     )
     assert launch(2, ["-c", rank, str(tmp_path)], module=None) == 128 + 9
     assert [p.name for p in tmp_path.iterdir()] == ["users"]
+
+
+def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
+    """SIGKILL to the launcher, which it cannot pass on: its ranks die with it (they trained on unwatched, holding
+    the run directory), ranks that joined the job as tiertrain's do (Ranks.from_env)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    rank = (
+        "import os, pathlib, sys, time\n"
+        "from tiertrain.parallel import Ranks\n"
+        "Ranks.from_env()\n"
+        "pathlib.Path(sys.argv[1], f'rank-{os.getpid()}').write_text('')\n"
+        "time.sleep(120)\n"
+    )
+    job = f"import sys; from tiertrain.launch import launch; sys.exit(launch(2, ['-c', {rank!r}, {str(tmp_path)!r}], module=None))"
+    p = subprocess.Popen([sys.executable, "-c", job], env={**os.environ, "TIERTRAIN_DIST_BACKEND": "gloo"})
+    deadline = time.monotonic() + 90
+    while len(list(tmp_path.glob("rank-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ranks = [psutil.Process(int(f.name[5:])) for f in tmp_path.glob("rank-*")]
+    assert len(ranks) == 2
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+
+    def gone(r):
+        try:
+            return r.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 20
+    while not all(map(gone, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [r.pid for r in ranks if not gone(r)]
+    for pid in alive:  # not left behind by a failing test
+        os.kill(pid, signal.SIGKILL)
+    assert not alive

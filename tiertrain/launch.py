@@ -6,7 +6,8 @@ they stop at; the launcher then deletes the NVMe stores a killed rank leaves), a
 job's, with a line saying which rank and how where it said nothing itself; a refusal (status 2), which the ranks meet together, lets the others end by themselves (rank 0 takes
 back the run directory it claimed). SIGINT and SIGTERM are passed on to every rank (each then finishes its
 step, they save a checkpoint together and stop; before the loop each gives back what it made), and a rank that
-stops first waits for the others to."""
+stops first waits for the others to. A launcher killed outright (SIGKILL, which it cannot pass on) takes its ranks
+with it (follow_launcher), where they trained on unwatched, holding the run directory."""
 
 from __future__ import annotations
 
@@ -17,6 +18,22 @@ import socket
 import subprocess
 import sys
 import time
+
+LAUNCHER = "TIERTRAIN_LAUNCHER"  # the launcher's pid, in its ranks' environment
+
+
+def follow_launcher() -> None:
+    """A rank the launcher started dies with it: SIGKILL at its parent's death (Linux's PR_SET_PDEATHSIG), as where
+    another rank fails (the last checkpoint is whole at any moment, and the next run in its --nvme-dir deletes the
+    stores it leaves); at once where the launcher died before that was asked. Nothing under torchrun."""
+    pid = os.environ.pop(LAUNCHER, None)  # popped: a process the rank starts is not the launcher's
+    if pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != int(pid):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _free_port() -> int:
@@ -44,7 +61,7 @@ def launch(n: int, args: list[str], stdout=None, module: str | None = "tiertrain
             GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            **{SCRATCH_FD: str(told)},
+            **{SCRATCH_FD: str(told), LAUNCHER: str(os.getpid())},
         )
         # the host's cores shared, as torchrun would
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // n)))

@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 
 from .errors import ConfigError, ElsewhereError, Everywhere
+from .launch import follow_launcher
 
 
 def _dist():
@@ -75,6 +76,7 @@ class Ranks:
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if size <= 1:
             return cls()
+        follow_launcher()
         dist = _dist()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         owned = not dist.is_initialized()
