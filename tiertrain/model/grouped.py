@@ -61,8 +61,8 @@ def attention_part(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) ->
 
 def _pairs(r: Routed, first: int, n: int, k: int, down: torch.Tensor):
     """The group's pairs (ids in the (T k) slots, sorted by expert), the first one's place in r.order, and the
-    grouped matmul's ends
-    (on a GPU, moe._grouped of `down`, the group's down projections) or the rows per expert (elsewhere)."""
+    grouped matmul's ends (on a GPU, moe._grouped of `down`, the group's down projections) or the rows per expert
+    (elsewhere)."""
     st = r.starts[first : first + n + 1]
     sel = r.order[st[0] : st[-1]]
     counts = [b - a for a, b in zip(st, st[1:])]
