@@ -56,12 +56,13 @@ MOE = {
 }
 
 
-def moe_model(case: str, seed: int = 0):
-    """A random fp32 transformers model of the family (norms, biases and sinks randomized too), eager kernels."""
+def moe_model(case: str, seed: int = 0, **config):
+    """A random fp32 transformers model of the family (norms, biases and sinks randomized too), eager kernels;
+    `config`: fields of its config that replace the case's."""
     import transformers
 
     cfg_cls, model_cls, extra = MOE[case]
-    cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra})
+    cfg = getattr(transformers, cfg_cls)(**{**BASE, **extra, **config})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     hf = getattr(transformers, model_cls)(cfg).float()

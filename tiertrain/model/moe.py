@@ -21,6 +21,7 @@ forward pass counts c (RouterLog.observe), and each block's recompute adds that 
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -114,15 +115,21 @@ def route(
     return chosen, weights
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, counts: list[int] | None) -> torch.Tensor:
-    """Rows x (sorted by expert, expert e's ending at ends[e]) times their experts' w[e] (in, out)."""
+def _mm(
+    x: torch.Tensor, w: torch.Tensor, ends, counts: list[int] | None, bias=None, experts=None
+) -> torch.Tensor:
+    """Rows x (sorted by expert, expert e's ending at ends[e]) times their experts' w[e] (in, out), plus their
+    experts' bias (E, out) where one is given (`experts`: each row's, for the grouped matmul)."""
     if counts is None:
-        return _GROUPED(x, w, offs=ends)
+        out = _GROUPED(x, w, offs=ends)
+        # a GPU's index backward sums each expert's rows in order (sorted, not atomics), in groups as whole
+        return out if bias is None else out + bias[experts]
     out = x.new_empty(x.shape[0], w.shape[-1])
     a = 0
     for e, n in enumerate(counts):
         if n:
-            out[a : a + n] = x[a : a + n] @ w[e]
+            # the bias an expert at a time: a CPU's index backward accumulates in no fixed order
+            out[a : a + n] = x[a : a + n] @ w[e] if bias is None else x[a : a + n] @ w[e] + bias[e]
         a += n
     return out
 
@@ -200,19 +207,17 @@ def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: 
     return (F.silu(g) * u * ws).to(y.dtype)
 
 
-def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s) -> torch.Tensor:
+def _act(on: bool, y: torch.Tensor, ws: torch.Tensor, s, counts: list[int] | None = None) -> torch.Tensor:
     """The experts' gated activation (_glu) of the gate/up rows y, weighted by ws: model/glu.py's kernels where
-    `on`."""
-    return kernels.run(
-        on,
-        _glu,
-        glu.activation,
-        y,
-        ws,
-        s.model_type == "gpt_oss",
-        float(s.swiglu_limit),
-        float(s.swiglu_alpha),
-    )
+    `on`. Eagerly, where the experts run as a loop (`counts`: each one's rows), an expert's rows at a time: a
+    CPU's vectorized exp leaves the last elements of a run to a scalar exp that rounds otherwise, so a row's bits
+    would hang on the rows beside it, which expert groups change."""
+    args = (s.model_type == "gpt_oss", float(s.swiglu_limit), float(s.swiglu_alpha))
+    if on or counts is None:
+        return kernels.run(on, _glu, glu.activation, y, ws, *args)
+    ends = list(accumulate(counts))
+    rows = [_glu(y[a:b], ws[a:b], *args) for a, b in zip([0, *ends], ends) if b > a]
+    return torch.cat(rows) if rows else y.new_empty(0, y.shape[1] // 2)
 
 
 def sort_pairs(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -244,10 +249,10 @@ def _rows(
     kernels where `on`), the down projection."""
     gu, down = w["mlp.experts.gate_up_proj"], w["mlp.experts.down_proj"]
     if s.model_type == "gpt_oss":  # x @ W + b, gate and up interleaved, W (in, out)
-        a = _act(on, _mm(xs, gu, ends, counts) + w["mlp.experts.gate_up_proj_bias"][experts], ws, s)
+        a = _act(on, _mm(xs, gu, ends, counts, w["mlp.experts.gate_up_proj_bias"], experts), ws, s, counts)
         return _mm(a, down, ends, counts)
     # F.linear's layout, [gate; up] in the rows
-    a = _act(on, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s)
+    a = _act(on, _mm(xs, gu.transpose(1, 2), ends, counts), ws, s, counts)
     return _mm(a, down.transpose(1, 2), ends, counts)
 
 
