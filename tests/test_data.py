@@ -4,7 +4,16 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from tiertrain.data import BYTE_EOS, HEADER, Loader, builtin_tokens, read_tokens, token_vocab, write_bin
+from tiertrain.data import (
+    BYTE_EOS,
+    HEADER,
+    Loader,
+    builtin_tokens,
+    open_tokens,
+    read_tokens,
+    token_vocab,
+    write_bin,
+)
 from tiertrain.errors import DataError
 from tiertrain.prepare import prepare
 
@@ -120,6 +129,99 @@ def test_prepare_with_a_tokenizer_json(tmp_path):
         prepare([str(tmp_path / "a.txt")], str(tmp_path / "q.bin"), str(bare))
 
 
+def test_each_document_begins_as_the_tokenizer_begins_a_text(tmp_path):
+    """A tokenizer whose template puts a beginning-of-text token first (Llama's, Mistral's, Gemma's): each
+    document is tokenizer(text) as transformers gives it, then the end-of-text token, as transformers' and TRL's
+    text pipelines train; --bos '' puts none, --bos names another; a template without one puts none."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    path = _word_tokenizer(tmp_path / "tokenizer.json", eot="</s>")
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("<|start|>", special=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 5)])
+    tok.save(str(path))
+    docs = ["hello world", "moon hello moon"]
+    (tmp_path / "d.jsonl").write_text("".join(f'{{"text": "{d}"}}\n' for d in docs))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path))
+    prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "o.bin"), str(path))
+    want = [i for d in docs for i in [*hf(d)["input_ids"], 4]]
+    assert want[0] == 5 and read_tokens(tmp_path / "o.bin").tolist() == want
+    assert open_tokens(tmp_path / "o.bin").starts.tolist() == [
+        0,
+        4,
+    ]  # a document starts at its beginning token
+    prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "none.bin"), str(path), bos="")
+    assert read_tokens(tmp_path / "none.bin").tolist() == [t for t in want if t != 5]
+    prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "other.bin"), str(path), bos="<|start|>")
+    assert read_tokens(tmp_path / "other.bin").tolist() == [6 if t == 5 else t for t in want]
+    with pytest.raises(DataError, match="--bos 'nope' is not a token of"):
+        prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "x.bin"), str(path), bos="nope")
+    plain = _word_tokenizer(tmp_path / "plain.json")  # no template: GPT-2's, Qwen's way
+    prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "p.bin"), str(plain))
+    assert read_tokens(tmp_path / "p.bin").tolist() == [1, 2, 4, 3, 1, 3, 4]
+
+
+def test_a_text_file_is_read_in_blocks_and_must_be_utf8(tmp_path, monkeypatch):
+    """A .txt file is read a block of whole lines at a time (never whole in memory): the same tokens; bytes that
+    are not UTF-8 are refused with the byte where they are, where they became U+FFFD tokens; a directory is named
+    as one."""
+    import tiertrain.prepare as prep
+
+    text = "".join(f"line {i} of the file, é\n" for i in range(200))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(prep, "BLOCK_BYTES", 64)
+    pieces, _ = next(prep.documents(tmp_path / "a.txt", "text"))
+    first = next(pieces)
+    assert 64 <= len(first.encode()) < 100 and first.endswith("\n")  # a block, then its line's end
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "o.bin"))
+    assert read_tokens(tmp_path / "o.bin").tolist() == [*text.encode(), BYTE_EOS]
+    (tmp_path / "latin.txt").write_bytes(b"x" * 300 + "café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin.txt is not UTF-8 text \(byte 303\); convert it"):
+        prepare([str(tmp_path / "latin.txt")], str(tmp_path / "l.bin"))
+    assert not list(tmp_path.glob(".l.bin*"))
+    with pytest.raises(DataError, match="is a directory; pass its files"):
+        prepare([str(tmp_path)], str(tmp_path / "d.bin"))
+
+
+def test_a_killed_prepare_leaves_no_temporary_for_long(tmp_path):
+    """SIGTERM to `prepare` removes its temporary token file, as Ctrl-C does (it stayed for good); one a SIGKILL
+    left (its process gone) goes at the next prepare of that --out; a live writer's stays."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "big.txt").write_text("hello world moon\n" * 3_000_000)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tiertrain",
+        "prepare",
+        str(tmp_path / "big.txt"),
+        "--out",
+        str(tmp_path / "t.bin"),
+    ]
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".t.bin.tmp-*")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGTERM)
+    p.wait(60)
+    assert p.returncode != 0 and not list(tmp_path.glob(".t.bin*")) and not (tmp_path / "t.bin").exists()
+    dead, live = (
+        tmp_path / f".t.bin.tmp-{2**22 + 7}-abcd1234",
+        tmp_path / f".t.bin.tmp-{os.getpid()}-abcd1234",
+    )
+    dead.write_bytes(b"half"), live.write_bytes(b"half")
+    prepare([str(tmp_path / "big.txt")], str(tmp_path / "small.bin"), eot="")  # another --out: not its
+    assert dead.exists()
+    (tmp_path / "s.txt").write_text("hello")
+    prepare([str(tmp_path / "s.txt")], str(tmp_path / "t.bin"))
+    assert not dead.exists() and live.exists()
+
+
 DOCS = ["hello world", "moon\nhello", "world world moon"]
 
 
@@ -178,3 +280,13 @@ def test_a_run_checks_the_token_files_vocabulary(tmp_path):
 def test_builtin_corpus_is_bytes():
     toks = builtin_tokens()
     assert toks.size > 300_000 and toks.max() == BYTE_EOS and toks.min() >= 0
+
+
+def test_a_file_too_short_to_hold_out_rows_says_so(tmp_path):
+    """data.val_fraction on a file of less than two rows: named as such, where the line said it held out 0 of -1
+    rows and asked to lower the fraction, which could not help."""
+    from tiertrain.trainer import Trainer
+
+    np.save(tmp_path / "short.npy", np.arange(40) % 90)
+    with pytest.raises(DataError, match="holds 1 row of train.seq_len = 32 tokens: too few to hold out"):
+        Trainer(tiny_config(tmp_path / "short.npy", "data.val_fraction=0.1"))

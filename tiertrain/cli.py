@@ -10,7 +10,7 @@ import click
 
 from . import __version__
 from .cli_prepare import prepare as prepare_command
-from .cli_types import GB, SHARD_SIZE, OneLine
+from .cli_types import GB, SHARD_SIZE, OneLine, sigterm_as_interrupt
 from .errors import UserError, why
 
 
@@ -227,11 +227,9 @@ def _without_gpus(args: list[str]) -> list[str]:
 def export(source: str, to: str, dtype: str, max_shard_size: int) -> None:
     """Write a checkpoint as a Hugging Face model (config.json + safetensors, and the tokenizer and
     generation config of an --init-from model) that transformers loads."""
-    import signal
-
     from .export import export_hf
 
-    signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the export's temporary directory goes
+    sigterm_as_interrupt()  # the export's temporary directory goes
     try:
         files = export_hf(source, to, dtype, max_shard_size)
     except UserError as e:
@@ -241,10 +239,6 @@ def export(source: str, to: str, dtype: str, max_shard_size: int) -> None:
             UserError(f"cannot write --to {to}: {why(e)}; pass a new directory on a writable disk with room")
         )
     click.echo(f"wrote {to}: config.json and {len(files)} safetensors file(s) in {dtype}")
-
-
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt
 
 
 main.add_command(prepare_command)

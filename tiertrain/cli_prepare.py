@@ -38,6 +38,13 @@ def _fail(err: Exception) -> None:
     help="The token put after each document. Default: the tokenizer's end-of-text token; '' for none.",
 )
 @click.option(
+    "--bos",
+    default=None,
+    metavar="TOKEN",
+    help="The token put before each document. Default: the tokenizer's, where its template puts one "
+    "(Llama, Mistral, Gemma; not GPT-2, Qwen), as tokenizer(text) does; '' for none.",
+)
+@click.option(
     "--chat",
     is_flag=True,
     help="Conversations (.jsonl, .parquet): each record's messages rendered with the --tokenizer's chat template, "
@@ -78,6 +85,7 @@ def prepare(
     tokenizer: str | None,
     text_field: str,
     eot: str | None,
+    bos: str | None,
     chat: bool,
     messages_field: str,
     train_on_prompt: bool,
@@ -90,8 +98,10 @@ def prepare(
     for training."""
     import os
 
+    from .cli_types import sigterm_as_interrupt
     from .prepare import prepare as do_prepare
 
+    sigterm_as_interrupt()  # the token file's temporary goes, as for Ctrl-C
     try:
         if not out.endswith(".bin"):
             raise UserError(f"--out {out}: token files written by prepare end in .bin")
@@ -115,7 +125,15 @@ def prepare(
                 f"{', '.join(given)}: only with --chat (conversations); add --chat or leave them out"
             )
         # documents' flags: a conversation ends where its template says, and its text is its messages
-        plain = [f for f, v in (("--eot", eot is not None), ("--text-field", named("text_field"))) if v]
+        plain = [
+            f
+            for f, v in (
+                ("--eot", eot is not None),
+                ("--bos", bos is not None),
+                ("--text-field", named("text_field")),
+            )
+            if v
+        ]
         if plain and chat:
             raise UserError(
                 f"{', '.join(plain)}: only for documents, not with --chat (a conversation's text and end are its "
@@ -148,7 +166,7 @@ def prepare(
                     step,
                 ).lines(out)
             else:
-                count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, step)
+                count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, step, bos)
                 lines = [
                     f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with "
                     f'--set data.path="{out}"'

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import DataError
+from .paths import drop_killed_temps, temp_prefix
 from .rows import IGNORE, Documents, Packed, Plain
 from .sections import DataConfig, TrainConfig
 
@@ -139,7 +140,8 @@ class TokenWriter:
         self.path, self.vocab, self.masked = Path(path), vocab_size, masked
         self.version = 2 if samples or masked else 1
         self.itemsize = 2 if vocab_size <= 1 << 16 else 4
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        drop_killed_temps(self.path)  # a writer of this file killed before its rename left its temporary
+        fd, self.tmp = tempfile.mkstemp(prefix=temp_prefix(self.path), dir=self.path.parent)
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the token file from other users
         self.f = os.fdopen(fd, "wb")
         # the starts and the mask follow the tokens: they wait in unnamed files, gone with their handles
@@ -443,6 +445,11 @@ def loaders(data: DataConfig, train: TrainConfig, vocab_size: int) -> tuple[Load
         tf, name = builtin(), "the built-in corpus"
     val = None
     if val_fraction:
+        if tf.mask is None and (rows := (len(tf.tokens) - 1) // seq_len) < 2:  # one held out, one trained
+            raise DataError(
+                f"{name} holds {rows} row{'' if rows == 1 else 's'} of train.seq_len = {seq_len} tokens: too few "
+                "to hold out data.val_fraction; add data, lower train.seq_len, or set data.val_fraction = 0"
+            )
         tf, val = _held_out(tf, seq_len, val_fraction)
         left = (len(tf.tokens) - 1) // seq_len
         if tf.mask is not None and not len(tf.starts):

@@ -45,3 +45,25 @@ def renames_between(a: Path, b: Path) -> bool:
         return False
     moved.unlink(missing_ok=True)
     return True
+
+
+def temp_prefix(target: Path) -> str:
+    """The name a temporary beside `target` starts with (tempfile's prefix): it holds this process's pid, so that
+    a later writer of `target` deletes it once this process is gone (drop_killed_temps)."""
+    return f".{target.name}.tmp-{os.getpid()}-"
+
+
+def drop_killed_temps(target: Path) -> None:
+    """Deletes the temporaries beside `target` (temp_prefix's names, file or directory) whose process is gone:
+    left by a writer killed before it renamed one over `target`. Never a link, never another process's."""
+    import glob
+    import shutil
+
+    import psutil
+
+    for p in target.parent.glob(f".{glob.escape(target.name)}.tmp-*-*"):
+        pid = p.name[len(target.name) + 6 :].split("-")[0]
+        if p.is_symlink() or not pid.isdigit() or psutil.pid_exists(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()

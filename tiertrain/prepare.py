@@ -19,24 +19,38 @@ from .errors import DataError
 
 KINDS = (".txt", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 23  # text per encode_batch call: enough to keep every core busy, little memory
-BLOCK_CHARS = 1 << 26  # a .txt file is read in blocks of whole lines this large
+BLOCK_BYTES = 1 << 26  # a .txt file is read in blocks of whole lines this large
 # end-of-text tokens of the common tokenizers, for a tokenizer.json without a tokenizer_config.json beside it
 EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 
 
-def documents(path: Path, text_field: str) -> Iterator[tuple[list[str], int]]:
-    """(the pieces of one document, in order; the input bytes they cover), one document at a time."""
+def documents(path: Path, text_field: str) -> Iterator[tuple[Iterator[str], int]]:
+    """(the pieces of one document, in order, read as they are taken; the input bytes they cover), one document at
+    a time. A .txt file is one document, read in blocks of whole lines: it never sits in memory whole, and a
+    tokenizer's merges do not cross a block's end (one token in tens of millions may differ from encoding it
+    whole)."""
     if path.suffix == ".txt":
-        with open(path, "r", encoding="utf-8", errors="replace") as f:
-            pieces = []
-            while block := f.read(BLOCK_CHARS):
-                pieces.append(block + f.readline())
-            yield pieces, path.stat().st_size
+        yield _blocks(path), path.stat().st_size
         return
     for text, _, nbytes, where in records(path, text_field, "text", "--text-field"):
         if not isinstance(text, str) and not (text is None and path.suffix == ".parquet"):
             raise DataError(f"{where}: {text_field!r} holds a {type(text).__name__}, not text")
-        yield [text or ""], nbytes
+        yield iter([text or ""]), nbytes
+
+
+def _blocks(path: Path) -> Iterator[str]:
+    """A .txt file's text in blocks of whole lines; not UTF-8 text is refused where it is met."""
+    with open(path, "rb") as f:
+        at = 0
+        while block := f.read(BLOCK_BYTES):
+            block += f.readline()
+            try:
+                yield block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path} is not UTF-8 text (byte {at + e.start:,}); convert it, e.g. iconv -f latin1 -t utf-8"
+                ) from None
+            at += len(block)
 
 
 def records(
@@ -113,15 +127,19 @@ def records(
 class Encoder:
     """A tokenizer's batched encoding, its vocabulary size and its end-of-text id."""
 
-    def __init__(self, spec: str | None, eot: str | None):
+    def __init__(self, spec: str | None, eot: str | None, bos: str | None = None):
         self.encode_batch: Callable[[list[str]], list[list[int]]]
+        self.specials: list[
+            int
+        ] = []  # what the tokenizer's template puts before a text ("a" encoded with them)
         if spec is None:
-            if eot:  # its one special id has no name
-                raise DataError(
-                    f"--eot {eot!r}: the byte-level tokenizer has one end-of-text id ({BYTE_EOS}) and no named "
-                    "tokens; leave --eot out for it, pass --eot '' for none, or pass --tokenizer"
-                )
-            self.vocab, self.eot = BYTE_VOCAB, BYTE_EOS if eot is None else None
+            for flag, name in (("--eot", eot), ("--bos", bos)):
+                if name:  # its one special id has no name
+                    raise DataError(
+                        f"{flag} {name!r}: the byte-level tokenizer has one end-of-text id ({BYTE_EOS}) and no "
+                        f"named tokens; leave {flag} out for it, pass {flag} '' for none, or pass --tokenizer"
+                    )
+            self.vocab, self.eot, self.bos = BYTE_VOCAB, BYTE_EOS if eot is None else None, []
             self.encode_batch = lambda texts: [list(t.encode("utf-8")) for t in texts]
             return
         p = Path(spec)
@@ -140,6 +158,11 @@ class Encoder:
         self.eot = self.token_id(name) if name else None
         if name and self.eot is None:
             raise DataError(f"--eot {name!r} is not a token of {spec}; pass one of its special tokens")
+        # the beginning-of-text token(s) tokenizer(text) puts first (Llama's, Mistral's, Gemma's; GPT-2 and Qwen
+        # put none), as transformers' and TRL's text pipelines train them; --bos names another, '' none
+        self.bos = self.specials if bos is None else [self.token_id(bos)] if bos else []
+        if bos and self.bos == [None]:
+            raise DataError(f"--bos {bos!r} is not a token of {spec}; pass one of its special tokens")
 
     def _tokenizer_json(self, path: Path) -> None:
         try:
@@ -167,6 +190,7 @@ class Encoder:
         self.vocab = tok.get_vocab_size(with_added_tokens=True)
         self.token_id = tok.token_to_id
         self.encode_batch = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+        self.specials = _prefix(tok.encode("a").ids, tok.encode("a", add_special_tokens=False).ids)
 
     def _auto(self, path: Path) -> None:
         try:
@@ -185,6 +209,16 @@ class Encoder:
         self.vocab = len(tok)
         self.token_id = lambda t: tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
         self.encode_batch = lambda texts: tok(texts, add_special_tokens=False)["input_ids"]
+        self.specials = _prefix(tok("a")["input_ids"], tok("a", add_special_tokens=False)["input_ids"])
+
+
+def _prefix(special: list[int], plain: list[int]) -> list[int]:
+    """The ids a tokenizer's template puts before a text: `special` (encoded with them) up to where `plain`
+    (without) begins; none where the template changes the text itself."""
+    for i in range(len(special) - len(plain) + 1):
+        if special[i : i + len(plain)] == plain:
+            return special[:i]
+    return []
 
 
 def check_vocabulary(tok, path) -> None:
@@ -229,6 +263,8 @@ def check_paths(inputs: list[str], out: str) -> list[Path]:
                 "replaces only its own .bin files)"
             )
     for p in paths:
+        if p.is_dir():
+            raise DataError(f"input {str(p)!r} is a directory; pass its files, e.g. {p / '*.txt'}")
         if not p.is_file():
             raise DataError(f"input file {str(p)!r} not found; pass existing files to `tiertrain prepare`")
         if p.suffix not in KINDS:
@@ -243,18 +279,23 @@ def prepare(
     text_field: str = "text",
     eot: str | None = None,
     progress: Callable[[int], None] = lambda n: None,
+    bos: str | None = None,
 ) -> tuple[int, int]:
-    """Tokenizes the documents of `inputs` into the .bin file `out`, the end-of-text token after each, recording
-    where each document starts (data.document_mask keeps them apart); (tokens, vocabulary size). `eot`: that
-    token's name (None: the tokenizer's; "": none); `progress` is called with the input bytes each batch covered."""
+    """Tokenizes the documents of `inputs` into the .bin file `out`, each after the tokenizer's beginning-of-text
+    token where its template puts one and before the end-of-text token, recording where each document starts
+    (data.document_mask keeps them apart); (tokens, vocabulary size). `eot`, `bos`: those tokens' names (None:
+    the tokenizer's; "": none); `progress` is called with the input bytes each batch covered."""
     paths = check_paths(inputs, out)
-    enc = Encoder(tokenizer, eot)
+    enc = Encoder(tokenizer, eot, bos)
     writer = TokenWriter(out, enc.vocab, samples=True)
+
+    text = [0]  # the documents' own tokens
 
     def flush(batch: list[tuple[str, bool, bool]]):  # (piece, begins a document, ends it)
         ids = enc.encode_batch([t for t, _, _ in batch])
         for (_, first, last), part in zip(batch, ids):
-            writer.add(part, start=first)
+            text[0] += len(part)
+            writer.add(enc.bos + part if first else part, start=first)
             if last and enc.eot is not None:
                 writer.add([enc.eot])
 
@@ -262,23 +303,27 @@ def prepare(
         batch, chars, done = [], 0, 0
         for p in paths:
             for pieces, nbytes in documents(p, text_field):
-                pieces = pieces or [""]
-                for i, piece in enumerate(pieces):
-                    batch.append((piece, i == 0, i == len(pieces) - 1))
+                piece, first = next(pieces, ""), True
+                while True:  # a piece and the next: whether it ends the document
+                    ahead = next(pieces, None)
+                    batch.append((piece, first, ahead is None))
                     chars += len(piece)
                     if chars >= BATCH_CHARS:
                         flush(batch)
                         batch, chars = [], 0
+                    if ahead is None:
+                        break
+                    piece, first = ahead, False
                 done += nbytes
                 if not batch:
                     progress(done)
                     done = 0
         flush(batch)
         progress(done)
-        if writer.count < 2:  # not one token to predict from another: no run could use it
+        if writer.count < 2 or not text[0]:  # not one token to predict from another: no run could use it
             raise DataError(
-                f"{', '.join(inputs)} holds no text to train on ({writer.count} token"
-                f"{'' if writer.count == 1 else 's'}); pass documents with text in them"
+                f"{', '.join(inputs)} holds no text to train on ({text[0]} token"
+                f"{'' if text[0] == 1 else 's'}); pass documents with text in them"
             )
     except BaseException:
         writer.abort()

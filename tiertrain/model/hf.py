@@ -8,7 +8,6 @@ shards of at most `shard_bytes` and their index, into a temporary directory rena
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import UserError
+from ..paths import drop_killed_temps, temp_prefix
 from . import hf_moe
 from .families import ARCHITECTURES, FAMILY_DEFAULTS, WINDOWS, unlike_family
 from .hf_read import INDEX, SINGLE, HFError, HFReader, inside, read_json
@@ -304,9 +304,9 @@ def write_hf(
             "as transformers builds them"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    _forget_killed(out)
+    drop_killed_temps(out)  # an export to it killed before it was whole left its temporary
     # its process in its name: a later export to the same --to deletes it, once that process is gone
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         files = _shards(tmp, hf_moe.released(spec, tensors) if spec.is_moe else tensors, dtype, shard_bytes)
         (tmp / "config.json").write_text(json.dumps(hf_config(spec, dtype), indent=2) + "\n")
@@ -324,17 +324,6 @@ def write_hf(
             ) from None
         raise
     return files
-
-
-def _forget_killed(out: Path) -> None:
-    """Deletes the temporary directories beside `out` that exports to it killed before they were whole left (their
-    process, named in them, is gone)."""
-    import psutil
-
-    for d in out.parent.glob(f".{glob.escape(out.name)}.tmp-*-*"):
-        pid = d.name[len(out.name) + 6 :].split("-")[0]
-        if d.is_dir() and not d.is_symlink() and pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def _shards(
