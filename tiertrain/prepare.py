@@ -129,9 +129,8 @@ class Encoder:
 
     def __init__(self, spec: str | None, eot: str | None, bos: str | None = None):
         self.encode_batch: Callable[[list[str]], list[list[int]]]
-        self.specials: list[
-            int
-        ] = []  # what the tokenizer's template puts before a text ("a" encoded with them)
+        # what the tokenizer's template puts before a text (_prefix)
+        self.specials: list[int] = []
         if spec is None:
             for flag, name in (("--eot", eot), ("--bos", bos)):
                 if name:  # its one special id has no name
