@@ -22,6 +22,13 @@ def test_prepare_refuses_in_one_line_and_leaves_nothing(tmp_path):
     (tmp_path / "t.bin.tmp").write_text("a user's file")  # the old temporary name: never written
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
     refused(cli("prepare", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "t.bin")), "bad.jsonl:2")
+    # a .txt is all text: --text-field would be ignored, where it was silently
+    refused(
+        cli("prepare", a, "--text-field", "body", "--out", str(tmp_path / "t.bin")),
+        "--text-field body",
+        ".txt",
+    )
+    refused(cli("prepare", str(tmp_path), "--out", str(tmp_path / "t.bin")), "is a directory; pass its files")
     assert (tmp_path / "t.bin.tmp").read_text() == "a user's file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "bad.jsonl", "d.bin", "t.bin.tmp"]
 

@@ -139,6 +139,11 @@ def prepare(
                 f"{', '.join(plain)}: only for documents, not with --chat (a conversation's text and end are its "
                 "template's); leave them out"
             )
+        if named("text_field") and all(i.endswith(".txt") for i in inputs):
+            raise UserError(
+                f"--text-field {text_field}: a .txt file is one document, all text; it names the field of .jsonl "
+                "or .parquet records; leave it out"
+            )
         if named("too_long") and seq_len is None:
             raise UserError(
                 f"--too-long {too_long}: only with --seq-len S (the rows it cuts to); add --seq-len"
