@@ -642,3 +642,46 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     for pid in alive:  # not left behind by a failing test
         os.kill(pid, signal.SIGKILL)
     assert not alive
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "store"])
+def test_a_refusal_one_rank_meets_in_a_resume_stops_every_rank(plain, tmp_path, where):
+    """One rank alone failing as a resume sets up (its checkpoint's disk, its NVMe store's): every rank stops with
+    that rank's one line, where the others waited for it in a collective for good."""
+    import os
+    import subprocess
+    import sys
+
+    _, _, two, _ = plain
+    rank = (
+        "import os, sys\n"
+        "from tiertrain import assemble, checkpoint\n"
+        "from tiertrain.tiers.nvme import StoreError\n"
+        "def broken(*a, **k):\n"
+        "    raise OSError(5, 'Input/output error') if sys.argv[1] == 'checkpoint' else StoreError('no room')\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    setattr(*((checkpoint, '_check_size') if sys.argv[1] == 'checkpoint' else (assemble, '_assemble')), broken)\n"
+        "from tiertrain.cli import main\n"
+        "main(args=sys.argv[2:], prog_name='tiertrain')\n"
+    )
+    args = [where, "run", "--resume", str(two / "checkpoints" / "step_3"), "--out", str(tmp_path / "r")]
+    job = f"import sys; from tiertrain.launch import launch; sys.exit(launch(2, ['-c', {rank!r}, *{args!r}], module=None))"
+    r = subprocess.run(
+        [sys.executable, "-c", job], capture_output=True, text=True, timeout=240, env=os.environ
+    )
+    words = "reading master/0 failed (Input/output error)" if where == "checkpoint" else "no room"
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "rank 1" in lines[0] and words in lines[0], r.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_world_size_left_in_the_shell_is_one_line(token_file, tmp_path):
+    """WORLD_SIZE set without the rest of a job (RANK, MASTER_ADDR, MASTER_PORT): one line saying so, where torch's
+    traceback came; with --gpus as its value too."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    for more in ([], ["--gpus", "2"]):
+        r = cli("run", *more, *tiny(token_file), "--out", str(tmp_path / "r"), env={**env, "WORLD_SIZE": "2"})
+        refused(r, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not", "unset WORLD_SIZE")
+        assert not (tmp_path / "r").exists()

@@ -237,6 +237,28 @@ def assemble(
     device: torch.device,
     run_name: str,
 ) -> Run:
+    """The run of RunPlan `rp` (_assemble) on every rank: one rank's refusal (its store's disk) reaches all before
+    the next collective, which it would never join, and the ranks that made theirs give them back."""
+    run = None
+    with ranks.together(UserError) as agreed:
+        run = _assemble(cfg, rp, units, layouts, shards, ranks, device, run_name)
+    if agreed.failed and run is not None:
+        run.close()
+        run.discard_scratch()
+    agreed.raise_any(ranks.rank)
+    return run
+
+
+def _assemble(
+    cfg: Config,
+    rp: RunPlan,
+    units: tuple[UnitSpec, ...],
+    layouts: list[SlabLayout],
+    shards: list[Shard],
+    ranks: Ranks,
+    device: torch.device,
+    run_name: str,
+) -> Run:
     """The run of RunPlan `rp`, built bottom-up; what was made of it goes again where a later part is refused."""
     t, tc, pin, dtype = cfg.tiers, cfg.train, device.type == "cuda", DTYPES[rp.compute_dtype]
     scratch, where = Scratch(t.nvme_dir, run_name, t.io, t.io_threads), rp.where()

@@ -457,18 +457,24 @@ def load_all(
     ranks = ranks or Ranks()
     keys = [(u, k) for u in range(len(numels)) for k in kinds]
     parts = {}
-    with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
 
-        def one(key: tuple[int, str]) -> None:
-            u, kind = key
+    def one(key: tuple[int, str]) -> None:
+        u, kind = key
+        try:
             _check_size(path, kind, u, numels[u] * 4)
             with target(*key) as (start, flat):
                 if flat.numel():
                     _body(_chunk(path, kind, u), flat, False, io, start * 4)
                 parts[key] = (crc(flat), flat.numel() * 4)
+        except OSError as e:
+            raise CheckpointError(f"{path}: reading {kind.value}/{u} failed ({why(e)}); " + OTHER) from None
 
-        with _reading(path):
-            list(pool.map(one, keys))
+    # a rank's failure here reaches every rank before the checksums' collective, which it would never join
+    with ranks.together(UserError) as agreed:
+        with _direct_io() as io, ThreadPoolExecutor(threads, thread_name_prefix="tiertrain-ckpt") as pool:
+            with _reading(path):
+                list(pool.map(one, keys))
+    agreed.raise_any(ranks.rank)
     crcs = ranks.host_ints([x for key in keys for x in parts[key]])
     for i, (u, kind) in enumerate(keys):
         _verify(path, kind, u, numels[u] * 4, combined(crcs, i))

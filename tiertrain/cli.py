@@ -149,6 +149,8 @@ def run(
 
     try:
         ranks = Ranks.from_env()
+    except UserError as e:  # a WORLD_SIZE without the rest of a job
+        _fail(e)
     except Exception as e:  # noqa: BLE001 - torch's own rendezvous errors (a port taken since it was picked)
         if os.environ.get("WORLD_SIZE", "1") == "1" or "DistNetworkError" not in type(e).__name__:
             raise

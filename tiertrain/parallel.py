@@ -76,6 +76,12 @@ class Ranks:
         size = int(os.environ.get("WORLD_SIZE", "1"))
         if size <= 1:
             return cls()
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:  # a WORLD_SIZE left in the shell, not a rank of a job
+            raise ConfigError(
+                f"WORLD_SIZE={size} is set but {', '.join(missing)} not: this process is no rank of a job; unset "
+                "WORLD_SIZE, or start the ranks with --gpus N or torchrun"
+            )
         follow_launcher()
         dist = _dist()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
