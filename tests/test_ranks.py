@@ -644,23 +644,31 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     assert not alive
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "store"])
+@pytest.mark.parametrize("where", ["checkpoint", "store", "plan"])
 def test_a_refusal_one_rank_meets_in_a_resume_stops_every_rank(plain, tmp_path, where):
-    """One rank alone failing as a resume sets up (its checkpoint's disk, its NVMe store's): every rank stops with
-    that rank's one line, where the others waited for it in a collective for good."""
+    """One rank alone failing as a resume sets up (its checkpoint's disk, its NVMe store's), or planning another
+    run than the others (its host's RAM or GPU): every rank stops with one line, where the others waited for it
+    in a collective for good."""
     import os
     import subprocess
     import sys
 
     _, _, two, _ = plain
     rank = (
-        "import os, sys\n"
+        "import dataclasses, os, sys\n"
         "from tiertrain import assemble, checkpoint\n"
         "from tiertrain.tiers.nvme import StoreError\n"
+        "planned = assemble._planned\n"
+        "def other(*a, **k):  # this rank's plan: another writer's ring\n"
+        "    p, chosen = planned(*a, **k)\n"
+        "    rp = dataclasses.replace(p.run_plan, ck_pieces=p.run_plan.ck_pieces + 1)\n"
+        "    return dataclasses.replace(p, run_plan=rp), chosen\n"
         "def broken(*a, **k):\n"
         "    raise OSError(5, 'Input/output error') if sys.argv[1] == 'checkpoint' else StoreError('no room')\n"
+        "patch = {'checkpoint': (checkpoint, '_check_size', broken), 'store': (assemble, '_assemble', broken),\n"
+        "         'plan': (assemble, '_planned', other)}\n"
         "if os.environ['RANK'] == '1':\n"
-        "    setattr(*((checkpoint, '_check_size') if sys.argv[1] == 'checkpoint' else (assemble, '_assemble')), broken)\n"
+        "    setattr(*patch[sys.argv[1]])\n"
         "from tiertrain.cli import main\n"
         "main(args=sys.argv[2:], prog_name='tiertrain')\n"
     )
@@ -669,9 +677,14 @@ def test_a_refusal_one_rank_meets_in_a_resume_stops_every_rank(plain, tmp_path, 
     r = subprocess.run(
         [sys.executable, "-c", job], capture_output=True, text=True, timeout=240, env=os.environ
     )
-    words = "reading master/0 failed (Input/output error)" if where == "checkpoint" else "no room"
+    words = {
+        "checkpoint": "rank 1: ",  # then its checkpoint's line
+        "store": "rank 1: no room",
+        "plan": "error: the ranks planned different runs",  # rank 0's, for all
+    }[where]
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "rank 1" in lines[0] and words in lines[0], r.stderr
+    assert r.returncode == 2 and len(lines) == 1 and words in lines[0], r.stderr
+    assert where != "checkpoint" or "reading master/0 failed (Input/output error)" in lines[0]
     assert not (tmp_path / "r").exists()
 
 

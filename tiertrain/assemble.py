@@ -5,6 +5,7 @@ RunPlan; what builds them settles nothing: the plan has (plan_run, before anythi
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError, UserError
+from .errors import ConfigError, Everywhere, UserError
 from .model.llama import Context
 from .model.parts import norm_pieces, unit_parts
 from .model.spec import UnitSpec
@@ -137,6 +138,12 @@ def plan_run(
     with ranks.together(UserError) as agreed:
         p, chosen = _planned(cfg, hw, micro, avail, ranks, layouts, resume, updates, out, data_bytes)
     agreed.raise_any(ranks.rank)
+    # the ranks' collectives follow their plans: plans that differ (hosts of other RAM or GPUs) would mismatch them
+    if len({d for (d,) in ranks.host_ints([zlib.crc32(repr(p.run_plan).encode())])}) > 1:
+        raise Everywhere(
+            "the ranks planned different runs (their hosts' RAM or GPUs differ); fix the plan's choices: "
+            "--host-gb, and the tiers.* and train.* settings `tiertrain plan` reports"
+        )
     return hw, p, chosen
 
 
