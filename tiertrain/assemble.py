@@ -130,9 +130,9 @@ def plan_run(
         )
     agreed.raise_any(ranks.rank)
     # without --host-gb a GPU run plans within the RAM free here (a tenth left to the process), so that
-    # what the host cannot hold goes to the GPU's memory when it has room
-    avail = available_ram()
-    ranks.barrier()  # every rank of the host has seen its RAM before any allocates
+    # what the host cannot hold goes to the GPU's memory when it has room: every rank's, read before any
+    # allocates, and the least of them, so that the ranks plan from one figure
+    avail = min(a for (a,) in ranks.host_ints([available_ram()]))
     # each rank plans and checks its own host (its RAM, its GPU; rank 0 the checkpoints' disk): a refusal on one
     # stops them all together, before any goes on to the next collective
     with ranks.together(UserError) as agreed:
