@@ -244,90 +244,80 @@ def assemble(
     device: torch.device,
     run_name: str,
 ) -> Run:
-    """The run of RunPlan `rp` (_assemble) on every rank: one rank's refusal (its store's disk) reaches all before
-    the next collective, which it would never join, and the ranks that made theirs give them back."""
-    run = None
-    with ranks.together(UserError) as agreed:
-        run = _assemble(cfg, rp, units, layouts, shards, ranks, device, run_name)
-    if agreed.failed and run is not None:
-        run.close()
-        run.discard_scratch()
-    agreed.raise_any(ranks.rank)
-    return run
-
-
-def _assemble(
-    cfg: Config,
-    rp: RunPlan,
-    units: tuple[UnitSpec, ...],
-    layouts: list[SlabLayout],
-    shards: list[Shard],
-    ranks: Ranks,
-    device: torch.device,
-    run_name: str,
-) -> Run:
-    """The run of RunPlan `rp`, built bottom-up; what was made of it goes again where a later part is refused."""
+    """The run of RunPlan `rp`, built bottom-up; what was made of it goes again where a later part is refused, on
+    this rank or another: a rank's refusal (its store's disk) reaches every rank before the next collective, which
+    it would never join."""
     t, tc, pin, dtype = cfg.tiers, cfg.train, device.type == "cuda", DTYPES[rp.compute_dtype]
     scratch, where = Scratch(t.nvme_dir, run_name, t.io, t.io_threads), rp.where()
-    host = HostStore(shards, dtype, pin, compute_copy=rp.stream == "compute", where=where, device=device)
-    host.add_copies(copied(rp, cfg.optim.grad_clip > 0))
     nvme = activations = None
     try:
-        spilled = spilled_bytes(list(rp.numels), rp.kind_bytes(), where)
-        meta = {"model": cfg.to_dict()["model"], "compute_dtype": rp.compute_dtype}
-        dtypes = {k: host.dtype(k) for k in spilled}
-        nvme = (
-            nvme_tier(list(rp.numels), where, dtypes, host.streamed_kind, pin, scratch, meta)
-            if spilled
-            else None
-        )
-        streams = Streams(device)
-        clock = StallClock(streams)
-        activations = activation_store(rp, streams, clock, device, scratch)
-        staging, reader = (nvme.staging, nvme.reader) if nvme else (None, None)
-        n_experts = cfg.model.num_experts
-        parts = {u: p for u, lay in enumerate(layouts) if (p := unit_parts(lay, n_experts, rp.expert_groups))}
-        if parts and (ranks.size > 1 or rp.updated(Update.GPU, Update.GPU_SPECULATED, Update.RESIDENT)):
-            raise ValueError("blocks in parts (expert groups) run on one rank, updated on the host")
-        slots = WeightSlots(
-            layouts,
-            host,
-            device,
-            dtype,
-            streams,
-            clock,
-            reader=reader,
-            shards=shards,
-            ranks=ranks,
-            parts=parts,
-        )
-        state = State(units, layouts, shards, ranks, host, staging, where)
-        # one rank: a block with experts takes its norm by pieces, the same in parts as whole (model/parts.py)
-        pieces = (
-            {}
-            if ranks.size > 1
-            else {u: q for u, lay in enumerate(layouts) if (q := norm_pieces(lay, n_experts))}
-        )
-        grads = Accumulators(layouts, device, streams, clock, state.grad_sink, shards, ranks, parts, pieces)
-        opt = HostAdamW(host, shards, cfg.optim, staging)
-        updates = Updates(rp, opt, grads, streams, device, tc.overlap, staging, reader)
-        context = Context.build(cfg.model, tc.seq_len, dtype, device, rp.tile, rp.attention, rp.deterministic)
-        chunk = fixed(tc.loss_chunk_tokens)
-        step = Step(
-            units,
-            layouts,
-            slots,
-            grads,
-            activations,
-            updates,
-            clock,
-            context,
-            chunk,
-            cfg.optim.grad_clip,
-            rp.kept(),
-            ranks,
-            parts,
-        )
+        with ranks.together(UserError) as agreed:
+            host = HostStore(
+                shards, dtype, pin, compute_copy=rp.stream == "compute", where=where, device=device
+            )
+            host.add_copies(copied(rp, cfg.optim.grad_clip > 0))
+            spilled = spilled_bytes(list(rp.numels), rp.kind_bytes(), where)
+            meta = {"model": cfg.to_dict()["model"], "compute_dtype": rp.compute_dtype}
+            dtypes = {k: host.dtype(k) for k in spilled}
+            nvme = (
+                nvme_tier(list(rp.numels), where, dtypes, host.streamed_kind, pin, scratch, meta)
+                if spilled
+                else None
+            )
+            streams = Streams(device)
+            clock = StallClock(streams)
+            activations = activation_store(rp, streams, clock, device, scratch)
+            staging, reader = (nvme.staging, nvme.reader) if nvme else (None, None)
+            n_experts = cfg.model.num_experts
+            parts = {
+                u: p for u, lay in enumerate(layouts) if (p := unit_parts(lay, n_experts, rp.expert_groups))
+            }
+            if parts and (ranks.size > 1 or rp.updated(Update.GPU, Update.GPU_SPECULATED, Update.RESIDENT)):
+                raise ValueError("blocks in parts (expert groups) run on one rank, updated on the host")
+            slots = WeightSlots(
+                layouts,
+                host,
+                device,
+                dtype,
+                streams,
+                clock,
+                reader=reader,
+                shards=shards,
+                ranks=ranks,
+                parts=parts,
+            )
+            state = State(units, layouts, shards, ranks, host, staging, where)
+            # one rank: a block with experts takes its norm by pieces, the same in parts as whole (model/parts.py)
+            pieces = (
+                {}
+                if ranks.size > 1
+                else {u: q for u, lay in enumerate(layouts) if (q := norm_pieces(lay, n_experts))}
+            )
+            grads = Accumulators(
+                layouts, device, streams, clock, state.grad_sink, shards, ranks, parts, pieces
+            )
+            opt = HostAdamW(host, shards, cfg.optim, staging)
+            updates = Updates(rp, opt, grads, streams, device, tc.overlap, staging, reader)
+            context = Context.build(
+                cfg.model, tc.seq_len, dtype, device, rp.tile, rp.attention, rp.deterministic
+            )
+            chunk = fixed(tc.loss_chunk_tokens)
+            step = Step(
+                units,
+                layouts,
+                slots,
+                grads,
+                activations,
+                updates,
+                clock,
+                context,
+                chunk,
+                cfg.optim.grad_clip,
+                rp.kept(),
+                ranks,
+                parts,
+            )
+        agreed.raise_any(ranks.rank)
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes
         for part in (nvme, activations):
             if part is not None and part.store is not None:
