@@ -41,3 +41,38 @@ def test_every_model_tensor_has_a_slot():
         lay = SlabLayout.build([(t.name, t.shape) for t in u.tensors])
         assert {e.name for e in lay.entries} == {t.name for t in u.tensors}
         assert lay.numel >= u.numel
+
+
+def test_a_pinned_slab_is_unregistered_while_its_pages_are_still_mapped(monkeypatch):
+    """cudaHostUnregister before munmap: unmapped first, another thread may map the range again and fail to
+    register it (CUDA's "already registered": the GPU suite met it now and then). A fake cudart checks the
+    order on a CPU."""
+    import gc
+
+    calls = []
+
+    def mapped(ptr: int) -> bool:
+        with open("/proc/self/maps") as f:
+            spans = (line.split()[0].split("-") for line in f)
+            return any(int(a, 16) <= ptr < int(b, 16) for a, b in spans)
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, mapped(ptr)))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr, mapped(ptr)))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    flat = alloc_slab(3 * PAGE, torch.float32, pin=True)
+    ptr = flat.data_ptr()
+    view = flat[PAGE:].view(torch.int32)  # a view keeps the pages: nothing is unregistered while one lives
+    del flat
+    gc.collect()
+    assert calls == [("register", ptr, True)]
+    del view
+    gc.collect()
+    assert calls == [("register", ptr, True), ("unregister", ptr, True)]
+    assert not mapped(ptr)

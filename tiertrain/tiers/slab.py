@@ -86,7 +86,8 @@ def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     nbytes = numel * itemsize
     size = host_cost(nbytes)
     mm = mmap.mmap(-1, size)  # anonymous memory is zero-filled
-    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm` until the last view of it is gone
+    view = memoryview(mm)
+    raw = torch.frombuffer(view, dtype=torch.uint8)  # holds `view` until the last view of it is gone
     if pin:
         cudart = torch.cuda.cudart()
         err = cudart.cudaHostRegister(raw.data_ptr(), size, 0)
@@ -95,10 +96,18 @@ def alloc_slab(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
                 f"cudaHostRegister of {size} bytes failed (CUDA error {int(err)}): host memory "
                 "cannot be page-locked; lower --host-gb or raise the memlock limit (ulimit -l)"
             )
-        weakref.finalize(mm, cudart.cudaHostUnregister, raw.data_ptr())
+        # unregistered while still mapped: the finalizer holds `mm`, which unmaps only after it. A finalizer on
+        # `mm` runs after mmap's own dealloc has unmapped (and let go of the GIL), so another thread could map
+        # the range again and fail to register it: "part or all of the range was already registered"
+        weakref.finalize(view, _unpin, cudart, raw.data_ptr(), mm)
     flat = raw[:nbytes].view(dtype)
     assert flat.data_ptr() % PAGE == 0
     return flat
+
+
+def _unpin(cudart, ptr: int, mm) -> None:
+    """Unregister a pinned slab's pages; `mm`, its mapping, is unmapped when this returns (the last reference)."""
+    cudart.cudaHostUnregister(ptr)
 
 
 def shard_numel(numel: int, ranks: int) -> int:
