@@ -5,6 +5,8 @@ so each test builds what the kill left."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,14 +64,18 @@ def test_the_stores_killed_processes_left_go_whatever_their_run(tmp_path):
 
 
 def test_a_rename_probe_a_kill_left_goes(tmp_path):
+    """renames_between's trial file, left by a process killed between making and removing it, goes with the next
+    probe of either directory; another live process's stays (its probe is under way)."""
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    left = b / f"{paths.RENAME_PROBE}abc"
-    fresh = a / f"{paths.RENAME_PROBE}def"  # a probe under way in another process
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    left = b / f".{paths.RENAME_PROBE}.tmp-{int(dead.stdout)}-abc"
+    fresh = a / f".{paths.RENAME_PROBE}.tmp-{os.getppid()}-def"
     fresh.write_text("")
     left.write_text("")
-    _old(left)
     assert paths.renames_between(a, b)
     assert not left.exists() and fresh.exists() and not list(b.iterdir())
 

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import DEEP, STEPS, cli, least_budget, refused, stale_store, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
-from tiertrain import runclaim, rundir
+from tiertrain import paths, runclaim, rundir
 from tiertrain.durable import write_json
 from tiertrain.errors import UserError
 from tiertrain.metrics import read_metrics
@@ -587,7 +587,7 @@ def test_the_rename_credit_is_the_final_saves_and_only_where_a_rename_works(
     assert s.count == 1 and 0 < s.last < s.each
     s = full("checkpoint.final=false", "checkpoint.every=1")  # one periodic save: written whole
     assert s.count == 1 and s.last == s.each == s.need
-    monkeypatch.setattr(rundir, "renames_between", lambda a, b: False)
+    monkeypatch.setattr(paths, "renames_between", lambda a, b: False)
     s = full()
     assert s.count == 1 and s.last == s.each
 
@@ -598,7 +598,7 @@ def test_a_rename_between_two_mounts_of_one_filesystem_is_found_not_to_work(tmp_
     disk = tmp_path / "disk"
     prefix = _mounted_tmpfs(disk, 4)
     code = (
-        "import sys; from pathlib import Path; from tiertrain.rundir import renames_between as r; "
+        "import sys; from pathlib import Path; from tiertrain.paths import renames_between as r; "
         "d = Path(sys.argv[1]); print(r(d / 'a', d / 'b'), r(d / 'a', d / 'c'), sorted(p.name for p in d.rglob('*')))"
     )
     script = f'mkdir -p {disk}/a {disk}/b {disk}/c && mount --bind {disk}/b {disk}/c && exec "$@"'

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
-from . import rundir
+from . import paths, rundir
 from .config import Config
 from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
@@ -207,7 +207,7 @@ def _check_saves(
     )
     count = saves(start, cfg.train.steps, c.every, c.final)
     # the final save takes the store's chunks by rename, where one works between them (not across bind mounts)
-    moves = same and c.final and ranks.size == 1 and rundir.renames_between(Path(t.nvme_dir), where)
+    moves = same and c.final and ranks.size == 1 and paths.renames_between(Path(t.nvme_dir), where)
     by_state = {}
     for state, kinds in ckpt.SAVED.items():
         each = checkpoint_bytes(numels, state)

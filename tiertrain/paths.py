@@ -6,10 +6,10 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
 from pathlib import Path
 
-RENAME_PROBE = ".tiertrain-rename-"  # renames_between's file, removed at once
+# renames_between's trial file is a temporary of this name (temp_prefix), removed at once
+RENAME_PROBE = "tiertrain-rename"
 
 
 def existing(path: str | os.PathLike) -> Path:
@@ -23,17 +23,14 @@ def existing(path: str | os.PathLike) -> Path:
 def renames_between(a: Path, b: Path) -> bool:
     """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
     filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
-    Tried with a file of its own, removed at once (and those a process killed meanwhile left, a minute old)."""
+    Tried with a temporary of its own (temp_prefix), removed at once; those of processes killed meanwhile go."""
     src, dst = existing(a), existing(b)
     if os.stat(src).st_dev != os.stat(dst).st_dev:
         return False
     for d in {src, dst}:
-        for p in d.glob(f"{RENAME_PROBE}*"):
-            with contextlib.suppress(OSError):
-                if p.is_file() and not p.is_symlink() and time.time() - p.lstat().st_mtime > 60:
-                    p.unlink()
+        drop_killed_temps(d / RENAME_PROBE)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=RENAME_PROBE, dir=src)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(src / RENAME_PROBE), dir=src)
         os.close(fd)
     except OSError:
         return False

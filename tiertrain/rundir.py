@@ -26,7 +26,7 @@ from .checkpoint import FORMATS, STEP, CheckpointError, left_whole, read_meta, r
 from .durable import fsync, write_json, write_whole
 from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics
-from .paths import existing, renames_between  # noqa: F401 - renames_between: the run's question too
+from .paths import existing
 
 MARKER = "tiertrain-run.json"
 LOCK = "tiertrain-run.lock"

@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from . import checkpoint as ckpt
-from . import rundir
+from . import paths, rundir
 from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
@@ -209,7 +209,7 @@ class Trainer:
         """take() for a last save into `where`: the NVMe store's chunk file of a spilled slab, where the store and
         the checkpoints share a filesystem (None: the slab is written)."""
         nvme, where_ = self.run.nvme, self.run_plan.where()
-        if nvme is None or not rundir.renames_between(nvme.store.root, where):
+        if nvme is None or not paths.renames_between(nvme.store.root, where):
             return None
         return lambda u, k: nvme.store.path(k, u) if where_.get((u, k)) == Home.NVME else None
 
