@@ -41,7 +41,7 @@ def conversations(
 ) -> dict:
     """Writes n synthetic conversations (token file with sample starts and loss mask) and the same tokens as a
     stream; returns their counts."""
-    from tiertrain.data import TokenWriter
+    from tiertrain.tokenfile import TokenWriter
 
     rng = np.random.default_rng(seed)
     conv = TokenWriter(path, vocab, samples=True, masked=True)

@@ -37,6 +37,7 @@ FLOORS = [
             "tiertrain.parallel",
             "tiertrain.state",
             "tiertrain.data",
+            "tiertrain.tokenfile",
             "tiertrain.prepare",
             "tiertrain.chat",
             "tiertrain.rows",

@@ -109,7 +109,8 @@ def reference_train(
     """The same training in plain PyTorch: nn.Module, micro-batch accumulation, clip_grad_norm_,
     torch.optim.AdamW with decay on >=2-D tensors only, the same rows. Returns (losses, grad norms, model).
     `model`: a module whose forward(inputs, targets) is the summed token loss; default ReferenceLM(init)."""
-    from tiertrain.data import Loader, read_tokens
+    from tiertrain.data import Loader
+    from tiertrain.tokenfile import read_tokens
 
     tc = cfg.train
     ref = model

@@ -175,7 +175,7 @@ def test_chat_bench_data_is_conversations_and_the_same_tokens_as_text(tmp_path):
     import numpy as np
 
     from bench.chat import conversations
-    from tiertrain.data import open_tokens
+    from tiertrain.tokenfile import open_tokens
 
     n = conversations(tmp_path / "c.bin", tmp_path / "t.bin", 30, (200, 4000), 128256)
     c, t = open_tokens(tmp_path / "c.bin"), open_tokens(tmp_path / "t.bin")

@@ -19,11 +19,11 @@ import torch
 from conftest import ROOT, chat_example, chat_tokenizer_dir, cli, refused
 from tiertrain.chat import prepare_chat
 from tiertrain.config import load_config
-from tiertrain.data import open_tokens
 from tiertrain.errors import DataError
 from tiertrain.metrics import read_metrics
 from tiertrain.optim.adamw import lr_at
 from tiertrain.rows import Packed
+from tiertrain.tokenfile import open_tokens
 from tiertrain.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")

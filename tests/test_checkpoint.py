@@ -281,8 +281,8 @@ def test_a_resume_on_the_same_tokens_with_another_loss_mask_is_refused(tmp_path)
     file is refused by name on resume, and the file it trained on is not."""
     import numpy as np
 
-    from tiertrain.data import TokenWriter
     from tiertrain.errors import DataError
+    from tiertrain.tokenfile import TokenWriter
 
     rng = np.random.default_rng(0)
     tokens = [rng.integers(1, 97, 20) for _ in range(8)]

@@ -4,18 +4,18 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from tiertrain.data import (
+from tiertrain.data import Loader
+from tiertrain.errors import DataError
+from tiertrain.prepare import prepare
+from tiertrain.tokenfile import (
     BYTE_EOS,
     HEADER,
-    Loader,
     builtin_tokens,
     open_tokens,
     read_tokens,
     token_vocab,
     write_bin,
 )
-from tiertrain.errors import DataError
-from tiertrain.prepare import prepare
 
 
 def test_rows_in_order_without_shuffle(tmp_path):

@@ -11,11 +11,12 @@ import torch
 
 from conftest import DEEP, VARIANTS, budget_for, tiny_config
 from tiertrain.config import load_config
-from tiertrain.data import Loader, held_out, read_tokens
+from tiertrain.data import Loader, held_out
 from tiertrain.errors import ConfigError
 from tiertrain.loop import fit
 from tiertrain.model.reference import ReferenceLM
 from tiertrain.modes import Home
+from tiertrain.tokenfile import read_tokens
 from tiertrain.trainer import Trainer
 
 
@@ -198,9 +199,9 @@ def test_tensorboard_missing_is_refused_before_allocation(token_file, monkeypatc
 def test_held_out_rows_that_train_nothing_count_nothing(tmp_path):
     """A held-out batch of samples that train nothing adds nothing to the validation loss's count (it added 1:
     4.5614 against the true mean 4.6008); held-out rows that train nothing at all are refused in one line."""
-    from tiertrain.data import TokenWriter
     from tiertrain.errors import DataError
     from tiertrain.rows import IGNORE
+    from tiertrain.tokenfile import TokenWriter
 
     rng = np.random.default_rng(0)
     path = tmp_path / "s.bin"

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from conftest import cli, state_of, tiny, tiny_config
-from tiertrain.data import HEADER, MAGIC, Loader, TokenWriter, open_tokens, read_tokens
+from tiertrain.data import Loader
 from tiertrain.errors import DataError
 from tiertrain.metrics import read_metrics
 from tiertrain.model.reference import ReferenceLM
 from tiertrain.modes import Kind
 from tiertrain.rows import IGNORE, Packed, pack
+from tiertrain.tokenfile import HEADER, MAGIC, TokenWriter, open_tokens, read_tokens
 from tiertrain.trainer import Trainer
 
 LENGTHS = [9, 17, 5, 24, 12, 3, 22, 8, 33, 2]  # 125 positions: 4 rows of 32 (33 tokens: one row exactly)

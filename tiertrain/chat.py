@@ -22,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from .data import TokenWriter
 from .errors import DataError
 from .prepare import check_paths, check_vocabulary, records
+from .tokenfile import TokenWriter
 
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' test for the blocks
 BATCH = 256  # conversations per tokenizer call

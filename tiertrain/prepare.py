@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .data import BYTE_EOS, BYTE_VOCAB, MAGIC, TokenWriter
 from .errors import DataError
+from .tokenfile import BYTE_EOS, BYTE_VOCAB, MAGIC, TokenWriter
 
 KINDS = (".txt", ".jsonl", ".parquet")
 BATCH_CHARS = 1 << 23  # text per encode_batch call: enough to keep every core busy, little memory
