@@ -143,6 +143,14 @@ def test_a_run_plans_with_its_named_gpu_unless_a_probe_file_measured_it(tmp_path
     assert code == 0 and json.loads(out)["hardware"].startswith(
         "GH200 480GB (96 GB HBM3) (hardware.gpu = gh200)"
     )
+    # on a machine with a GPU, `plan` as `run`: a probe file wins over the config's [hardware] gpu, and says so
+    monkeypatch.setattr(hardware, "local_gpu", lambda: ("NVIDIA H100 80GB HBM3", 85.0))
+    monkeypatch.setattr(hardware, "PROBE_FILE", probe)
+    for extra in ([], ["--hardware", str(probe)]):
+        code, out = plan_cli(
+            "--config", "llama-3b", "--set", "hardware.gpu=gh200", *extra, "--format", "json"
+        )
+        assert code == 0 and "(hardware.gpu 'gh200' not used)" in json.loads(out)["hardware"]
     assert vars(gpu_spec("gh200", "x")) == {
         **vars(BY_KEY["gh200"].spec()),
         "source": gpu_spec("gh200", "x").source,

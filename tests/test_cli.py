@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tomllib
 
 import numpy as np
@@ -14,18 +15,20 @@ FAST = ["--set", "train.steps=12", "--set", "train.seq_len=64", "--set", "train.
 
 
 def test_run_writes_metrics_and_config(tmp_path):
-    # --batch-size and --seq-len as `plan` takes them (its nearest plans name them), over --set
-    r = cli("run", *FAST, "--batch-size", "8", "--seq-len", "96", "--out", str(tmp_path / "run"))
+    # --batch-size and --seq-len as `plan` takes them (its nearest plans name them), over --set: the debug
+    # config's micro-batch of 8 does not divide 12, the plan's does
+    r = cli("run", *FAST, "--batch-size", "12", "--seq-len", "96", "--out", str(tmp_path / "run"))
     assert r.returncode == 0, r.stderr
     recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [x["step"] for x in recs] == list(range(1, 13))
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "step_s", "tokens_per_s"):
         assert key in recs[0]
-    assert recs[-1]["tokens"] == 12 * 8 * 96
+    assert recs[-1]["tokens"] == 12 * 12 * 96
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0  # the debug model learns the built-in corpus fast
     saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert saved["train"]["steps"] == 12 and saved["model"]["hidden_size"] == 128
-    assert (saved["train"]["batch_size"], saved["train"]["seq_len"]) == (8, 96)
+    assert (saved["train"]["batch_size"], saved["train"]["seq_len"]) == (12, 96)
+    assert 12 % json.loads((tmp_path / "run" / "plan.json").read_text())["micro_batch"] == 0
     out = r.stdout
     log = (tmp_path / "run" / "train.log").read_text()  # the progress lines, as shown
     assert "step 12/12" in log and log.splitlines() == out.splitlines()
@@ -34,6 +37,10 @@ def test_run_writes_metrics_and_config(tmp_path):
     )
     again = cli("run", *FAST, "--out", str(tmp_path / "run"))  # never writes over a run
     assert again.returncode != 0 and "already holds a run" in again.stderr
+    fixed = ["--set", "train.micro_batch_size=4", "--set", "train.steps=1"]  # a --set names the micro-batch
+    r = cli("run", *FAST, "--batch-size", "12", *fixed, "--out", str(tmp_path / "fixed"))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "fixed" / "plan.json").read_text())["micro_batch"] == 4
 
 
 def test_prepare_then_train_on_it(tmp_path):

@@ -65,7 +65,10 @@ def main() -> None:
 @click.option("--nvme-dir", default=None, metavar="DIR", help="Directory of the NVMe tier (tiers.nvme_dir).")
 @click.option("--nvme-gb", type=GB, default=None, help="Most the NVMe tier may use (tiers.nvme_gb).")
 @click.option(
-    "--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size)."
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sequences per step (train.batch_size); the micro-batch is then the plan's unless a --set names it.",
 )
 @click.option(
     "--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len)."
@@ -168,7 +171,9 @@ def run(
         "train.init_from": init_from,
         "hardware.gpu": gpu,
     }
-    overrides += tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
+    # --batch-size as `plan` takes it (its nearest plans name it): the config's micro-batch may not divide it
+    auto = ('train.micro_batch_size="auto"',) if batch_size is not None else ()
+    overrides = auto + overrides + tuple(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)
     if (
         init_from and not config_path and not resume
     ):  # the model's own [model], a fine-tune's [train] and [optim]
@@ -294,7 +299,10 @@ main.add_command(prepare_command)
     "this machine's RAM); without a GPU, the reference.",
 )
 @click.option(
-    "--batch-size", type=click.IntRange(min=1), default=None, help="Sequences per step (train.batch_size)."
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Sequences per step (train.batch_size); the micro-batch is then the plan's unless a --set names it.",
 )
 @click.option(
     "--seq-len", type=click.IntRange(min=1), default=None, help="Tokens per sequence (train.seq_len)."

@@ -93,9 +93,12 @@ class PlanCommand:
 
     def figures(self, cfg):
         """The machine's figures: a probe file (--hardware FILE), the reference (--hardware reference), a named GPU
-        (--gpu, else the config's [hardware] gpu) on the reference machine's host, or by default this machine as
-        `run` plans for it (the probe's default file, else the entry of the GPU nvidia-smi names, else the
-        reference). A named GPU's plan reads nothing of this machine: the same on every machine."""
+        (--gpu) on the reference machine's host, or by default this machine as `run` plans for it (the probe's
+        default file, else the config's [hardware] gpu, else the entry of the GPU nvidia-smi names, else the
+        reference); without a GPU here, the config's [hardware] gpu as --gpu. A named GPU's plan reads nothing of
+        this machine: the same on every machine."""
+        from dataclasses import replace
+
         from .plan.gpus import gpu_spec, this_machine
         from .plan.hardware import REFERENCE, HardwareSpec, local_gpu
 
@@ -104,13 +107,16 @@ class PlanCommand:
                 f"--gpu {self.gpu} and --hardware {self.hardware}: pass one (--hardware: a probe's measured "
                 "figures or the reference machine; --gpu: a named GPU's published ones)"
             )
+        named = cfg.hardware.gpu
         if self.hardware:
-            return REFERENCE if self.hardware == "reference" else HardwareSpec.load(self.hardware)
-        if self.gpu or cfg.hardware.gpu:
-            how = f"--gpu {self.gpu}" if self.gpu else f"hardware.gpu = {cfg.hardware.gpu}"
-            return gpu_spec(self.gpu or cfg.hardware.gpu, how)
+            hw = REFERENCE if self.hardware == "reference" else HardwareSpec.load(self.hardware)
+            return replace(hw, source=f"{hw.source} (hardware.gpu {named!r} not used)") if named else hw
+        if self.gpu:
+            return gpu_spec(self.gpu, f"--gpu {self.gpu}")
         here = local_gpu()
-        return this_machine(here) if here else REFERENCE
+        if here:
+            return this_machine(here, name=named)
+        return gpu_spec(named, f"hardware.gpu = {named}") if named else REFERENCE
 
     def check(self, chart: str | None) -> None:
         if self.per_host is not None and self.per_host > self.gpus:
