@@ -339,7 +339,7 @@ class CheckpointConfig:
 
 @dataclass
 class HardwareConfig:
-    # a named GPU (`tiertrain plan --gpu` lists them: h100, a100-80gb, ...) whose published figures a run plans with
+    # a named GPU (`tiertrain plan --help` lists them: h100, a100-80gb, ...) whose published figures a run plans with
     # when no probe file measured the machine; "": the figures of the GPU the run finds (its name's entry)
     gpu: str = ""
 
