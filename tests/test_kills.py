@@ -5,14 +5,12 @@ so each test builds what the kill left."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 from conftest import cli, stale_store, tiny
-from tiertrain import paths, rundir
+from tiertrain import rundir
 from tiertrain.loop import _ending
 from tiertrain.tiers.nvme import discard_stale, new_scratch
 
@@ -61,23 +59,6 @@ def test_the_stores_killed_processes_left_go_whatever_their_run(tmp_path):
     _old(users)
     assert sorted(discard_stale(tmp_path)) == sorted([other, unmarked])
     assert mine.is_dir() and young.is_dir() and named.is_dir() and (users / "x").read_text() == "keep"
-
-
-def test_a_rename_probe_a_kill_left_goes(tmp_path):
-    """renames_between's trial file, left by a process killed between making and removing it, goes with the next
-    probe of either directory; another live process's stays (its probe is under way)."""
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir()
-    b.mkdir()
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    left = b / f".{paths.RENAME_PROBE}.tmp-{int(dead.stdout)}-abc"
-    fresh = a / f".{paths.RENAME_PROBE}.tmp-{os.getppid()}-def"
-    fresh.write_text("")
-    left.write_text("")
-    assert paths.renames_between(a, b)
-    assert not left.exists() and fresh.exists() and not list(b.iterdir())
 
 
 def test_an_export_a_kill_left_half_written_is_taken_back(token_file, tmp_path):

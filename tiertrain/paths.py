@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import re
 from pathlib import Path
-
-# renames_between's trial file is a temporary of this name (temp_prefix), removed at once
-RENAME_PROBE = "tiertrain-rename"
 
 
 def existing(path: str | os.PathLike) -> Path:
@@ -22,26 +19,30 @@ def existing(path: str | os.PathLike) -> Path:
 
 def renames_between(a: Path, b: Path) -> bool:
     """Whether a file renames from directory `a` into directory `b` (or their nearest existing parents): one
-    filesystem, and not two mounts of it (bind mounts share a device id, and rename refuses to cross them).
-    Tried with a temporary of its own (temp_prefix), removed at once; those of processes killed meanwhile go."""
+    mount of one filesystem (rename refuses to cross mounts, bind mounts of one filesystem among them, which
+    share a device id). Read from this process's mount table: nothing is written to find out."""
     src, dst = existing(a), existing(b)
     if os.stat(src).st_dev != os.stat(dst).st_dev:
         return False
-    for d in {src, dst}:
-        drop_killed_temps(d / RENAME_PROBE)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(src / RENAME_PROBE), dir=src)
-        os.close(fd)
-    except OSError:
-        return False
-    moved = dst / Path(tmp).name
-    try:
-        os.rename(tmp, moved)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
-        return False
-    moved.unlink(missing_ok=True)
-    return True
+        table = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:  # no mount table (not Linux): one device is the best answer there is
+        return True
+    return _mount(table, src) == _mount(table, dst)
+
+
+def _mount(table: list[str], path: Path) -> str:
+    """The id of the mount `path` is on: the last mounted (mount order) of those whose mount point is its
+    deepest ancestor."""
+    real, best, depth = os.path.realpath(path), "", -1
+    for line in table:
+        fields = line.split()
+        # mountinfo escapes a space, tab, newline and backslash in a path as \ and three octal digits
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= depth:
+            best, depth = fields[0], len(point)
+    return best
 
 
 def temp_prefix(target: Path) -> str:
