@@ -723,3 +723,30 @@ def test_a_resume_into_a_new_out_saves_where_its_config_says(token_file, tmp_pat
     r = cli("run", "--resume", str(fork), "--out", str(again), "--set", "train.steps=11")
     assert r.returncode == 0, r.stderr
     assert len(list(big.iterdir())) == 2 and _steps(again) == ["step_11"]
+
+
+def test_an_interrupt_while_a_run_is_claimed_gives_its_out_back(tmp_path, monkeypatch):
+    """A Ctrl-C while claim() writes the marker: the --out as it came (a new one gone) and its lock released, so
+    the next claim in this process takes it; release() unlocks where giving back failed (a full disk)."""
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(runclaim, "write_json", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            runclaim.claim(out)
+    assert not out.exists()
+    lock, made = runclaim.claim(out)
+    assert made == "dir"
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(runclaim, "write_json", full)
+        with pytest.raises(OSError):  # a new marker for a run that never stepped: the disk is full
+            runclaim.release(out, "reused", lock)
+    lock, _ = runclaim.claim(out)  # unlocked all the same
+    lock.release()

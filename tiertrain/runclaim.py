@@ -145,9 +145,9 @@ def claim(out: Path, ckpt_parent: str = "") -> tuple[RunLock, str]:
             if ckpt_parent:
                 marker["checkpoints"] = str(_new_checkpoint_dir(Path(ckpt_parent), out))
             write_json(out / MARKER, marker)
-    except (OSError, UserError) as e:  # what it made goes back: the --out as it came
+    except BaseException as e:  # what it made goes back: the --out as it came (a Ctrl-C here too)
         release(out, made, lock)
-        if isinstance(e, UserError):
+        if not isinstance(e, OSError):
             raise
         raise UserError(
             f"cannot write the run directory {out}: {why(e)}; pass an --out on a disk with room"
@@ -179,19 +179,22 @@ def _new_checkpoint_dir(parent: Path, out: Path) -> Path:
 
 
 def release(out: Path, made: str, lock: RunLock | None = None) -> None:
-    """Takes back what claim() made (`made`) for a run refused before its first step, then the lock."""
-    if made == "reused":  # a run that never took a step, left as it came: marked, and so reusable
-        _forget_checkpoint_dir(out)
-        write_json(out / MARKER, _marker())
-    # the marker and the lock file are tiertrain's: the --out left as it came (or as empty as it was)
-    elif made:
-        _forget_checkpoint_dir(out)
-        (out / MARKER).unlink(missing_ok=True)
-        (out / LOCK).unlink(missing_ok=True)
-    if made == "dir":
-        try:
-            out.rmdir()  # only if empty: anything else in it stays
-        except OSError:
-            pass
-    if lock is not None:
-        lock.release()
+    """Takes back what claim() made (`made`) for a run refused before its first step, then the lock (also where
+    taking back failed: a full disk)."""
+    try:
+        if made == "reused":  # a run that never took a step, left as it came: marked, and so reusable
+            _forget_checkpoint_dir(out)
+            write_json(out / MARKER, _marker())
+        # the marker and the lock file are tiertrain's: the --out left as it came (or as empty as it was)
+        elif made:
+            _forget_checkpoint_dir(out)
+            (out / MARKER).unlink(missing_ok=True)
+            (out / LOCK).unlink(missing_ok=True)
+        if made == "dir":
+            try:
+                out.rmdir()  # only if empty: anything else in it stays
+            except OSError:
+                pass
+    finally:
+        if lock is not None:
+            lock.release()
