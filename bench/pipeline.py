@@ -116,7 +116,6 @@ def run_tiertrain(a, system: str, sets: list[str]) -> list[dict]:
         **med,
     )
     tr.close()
-    tr.discard_scratch()  # the run's NVMe scratch stores: the next system needs the disk
     return [row]
 
 

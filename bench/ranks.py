@@ -74,7 +74,6 @@ def run_tiertrain(a) -> dict:
         },
     }
     tr.close()
-    tr.discard_scratch()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return out

@@ -20,6 +20,7 @@ FLOORS = [
             "tiertrain.sizes",
             "tiertrain.modes",
             "tiertrain.paths",
+            "tiertrain.signals",
             "tiertrain.model.ropes",
             "tiertrain.model.spec",
             "tiertrain.sections",

@@ -185,3 +185,31 @@ def test_an_empty_path_is_refused_not_taken_for_none(tmp_path):
             and r.stderr.strip() == f"error: {flag} is empty; pass a path, or leave {flag} out"
         )
     assert not list(tmp_path.iterdir())
+
+
+def test_prepare_and_export_give_sigterm_back_as_they_found_it(tmp_path):
+    """In-process use (a notebook, a script): `prepare` and `export` take SIGTERM as Ctrl-C while they write their
+    temporaries, and give the handler back after, done or refused."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from tiertrain.cli import main
+
+    def mine(signum, frame):
+        pass
+
+    was = signal.signal(signal.SIGTERM, mine)
+    try:
+        runner = CliRunner()
+        (tmp_path / "a.txt").write_text("some text\n")
+        for args in (
+            ["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "a.bin")],
+            ["prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "a.npy")],  # refused
+            ["export", str(tmp_path / "none"), "--to", str(tmp_path / "hf")],  # refused
+        ):
+            runner.invoke(main, args)
+            assert signal.getsignal(signal.SIGTERM) is mine, args
+        assert (tmp_path / "a.bin").is_file()
+    finally:
+        signal.signal(signal.SIGTERM, was)

@@ -524,3 +524,72 @@ def test_checkpoint_attributes_are_checked_and_checksummed(token_file, tmp_path,
     meta_file.write_text(json.dumps(meta))
     words = "fail their checksum" if edit == "edited-lr" else ("rng" if edit == "no-rng" else "kinds")
     refused(cli("run", "--resume", "latest", "--out", str(out), "--set", "train.steps=5"), "corrupt", words)
+
+
+EIO = r"""
+import errno, os, sys, threading
+from tiertrain.tiers import nvme
+from tiertrain.cli import main
+
+mode, after, where = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+piece, seen = nvme.PosixIO._piece, [0]
+
+def failing(fd, view, offset, write):  # the disk fails after `after` pieces of this kind into the store
+    if write == (mode == "write") and where in os.readlink(f"/proc/self/fd/{fd}"):
+        seen[0] += 1
+        if seen[0] > after:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return piece(fd, view, offset, write)
+
+nvme.PosixIO._piece = staticmethod(failing)
+sys.argv = ["tiertrain", *sys.argv[4:]]
+try:
+    main()
+finally:
+    left = [t.name for t in threading.enumerate() if t.name.startswith("tiertrain")]
+    print("threads left:", left, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("mode, after", [("write", 40), ("write", 150), ("read", 40)])
+def test_a_disk_error_on_the_nvme_tier_stops_the_run_in_one_line(token_file, tmp_path, mode, after):
+    """EIO from the NVMe tier mid-run: the run stops with that error in one line, every thread of the run ended and
+    its store deleted. Where a write-back failed the host update's later units waited forever for ring buffers
+    the failed one held, and the run hung with the error unsaid."""
+    nv = tmp_path / "nv"
+    sets = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file), "--set", "train.steps=6")
+    r = subprocess.run(
+        [sys.executable, "-c", EIO, mode, str(after), str(nv), "run", *sets, "--nvme-dir", str(nv), "--out"]
+        + [str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("error: the run stopped on a disk error: Input/output error"), r.stderr
+    assert lines[1:] == ["threads left: []"] and not list(nv.iterdir())
+
+
+def test_a_run_directory_file_that_cannot_open_leaves_no_file_open(token_file, tmp_path, monkeypatch):
+    """train.log refused (a full disk) after metrics.jsonl opened: one line, and metrics.jsonl closed with the
+    trainer (it stayed open in the process)."""
+    from conftest import tiny_config
+    from tiertrain import loop
+    from tiertrain.errors import UserError
+    from tiertrain.trainer import Trainer
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loop, "TrainLog", full)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match="the disk is full"):
+        loop.fit(Trainer(tiny_config(token_file)), out)
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # listdir's own
+            pass
+    assert not [p for p in opened if str(out) in p]

@@ -32,7 +32,6 @@ def _train(cfg, steps: int):
     recs = [tr.train_step() for _ in range(steps)]
     sd = tr.state_dict()
     tr.close()
-    tr.discard_scratch()
     return [r["loss"] for r in recs], sd, tr
 
 
@@ -137,7 +136,6 @@ def test_checkpoint_homes_give_the_same_bits(token_file, tmp_path, home, device,
         )
         assert recs[-1]["ck_disk_gb"] * 1e9 == per_step  # each written once and read back once
     tr.close()
-    tr.discard_scratch()
     assert [r["loss"] for r in recs] == base
     for k in base_sd:
         assert torch.equal(sd[k], base_sd[k]), k
@@ -311,5 +309,4 @@ def test_a_step_holds_no_more_checkpoints_than_the_room(token_file, tmp_path):
     for _ in range(2):
         tr.train_step()
     tr.close()
-    tr.discard_scratch()
     assert counts and max(counts) <= acts.room, counts

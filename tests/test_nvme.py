@@ -66,7 +66,7 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io, first):
         f'tiers.spill_first="{first}"',
     )
     _, want, want_sd = _train(base)
-    tr, got, sd = _train(spill)
+    tr, got, sd = _train(spill, close=False)
     on_nvme = [k for k, t in tr.run_plan.where().items() if t == Home.NVME]
     # the kinds on NVMe are the first of the order (the budget leaves two kinds' worth in RAM, and a bit less on a
     # GPU, whose process takes more beside the state)
@@ -87,6 +87,8 @@ def test_spilled_run_is_bit_identical(token_file, tmp_path, io, first):
     u, kind = on_nvme[0]
     arr = zarr.open_group(tr.run.nvme.store.root, mode="r")[kind.value]
     assert arr.shape[0] == len(sizes) and float(abs(arr[u, : sizes[u]]).max()) > 0
+    tr.close()  # the store goes with the trainer
+    assert not tr.run.nvme.store.root.exists()
 
 
 def test_the_spill_order_goes_back_to_the_moments_where_only_they_leave_the_checkpoints_room(
@@ -574,3 +576,75 @@ def test_a_store_deleted_midway_still_says_whose_it_is(tmp_path, monkeypatch):
     assert root.is_dir() and (root / nvme.SCRATCH_MARKER).is_file() and nvme._owner(root) is not None
     nvme.discard(root)
     assert not root.exists()
+
+
+def _fds_to(path: Path) -> list[int]:
+    import os
+
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                found.append(int(fd))
+        except OSError:
+            continue
+    return found
+
+
+def test_posix_io_closes_each_files_descriptor_once_after_its_last_piece(tmp_path, monkeypatch):
+    """Pieces end on several threads: the last closes the file, once (two closing it closed a descriptor another
+    thread had opened meanwhile, or failed with EBADF); a read the shut pool refuses leaves no descriptor."""
+    import os
+
+    from tiertrain.tiers import nvme
+    from tiertrain.tiers.slab import alloc_slab
+
+    monkeypatch.setattr(nvme, "TASK_BYTES", 4096)  # 64 pieces a read, finishing together
+    f = tmp_path / "chunk"
+    f.write_bytes(os.urandom(64 * 4096))
+    closed, close = [], os.close
+    monkeypatch.setattr(nvme.os, "close", lambda fd: (closed.append(fd), close(fd))[1])
+    io = PosixIO(8)
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can: the window the race needs
+    try:
+        bufs = [alloc_slab(64 * 1024, torch.float32, pin=False) for _ in range(100)]  # direct I/O: aligned
+        done = [io.read(f, b) for b in bufs]
+        assert [d.result() for d in done] == [64 * 4096] * 100
+    finally:
+        sys.setswitchinterval(was)
+    assert len(closed) == 100 and all(
+        torch.equal(b.view(torch.uint8), bufs[0].view(torch.uint8)) for b in bufs
+    )
+    io.close()
+    with pytest.raises(RuntimeError, match="shutdown"):
+        io.read(f, bufs[0])
+    assert _fds_to(f) == []
+
+
+@pytest.mark.parametrize("part", ["Staging", "StreamReader", "ActivationStore"])
+def test_a_part_refused_after_the_scratch_store_was_made_takes_it_along(
+    token_file, tmp_path, monkeypatch, part
+):
+    """The NVMe tier's staging or reader, or the activation store, refused once the store exists (their rings'
+    pinned memory, a signal): the store goes with the refusal, and no thread of it is left."""
+    import threading
+
+    from tiertrain import assemble
+
+    def refused(*a, **k):
+        raise MemoryError("injected: no pinned memory")
+
+    nv = tmp_path / "nv"
+    sets = {"StreamReader": ['tiers.stream="master"'], "ActivationStore": ['tiers.activations="nvme"']}.get(
+        part, []
+    )
+    cfg = tiny_config(token_file, *DEEP, f'tiers.nvme_dir="{nv}"', *sets)
+    if part != "ActivationStore":  # the state spilled: the staging's store (the checkpoints' store: its own)
+        cfg.tiers.host_gb = least_budget(cfg)
+    monkeypatch.setattr(assemble, part, refused)
+    with pytest.raises(MemoryError, match="injected"):
+        Trainer(cfg)
+    assert list(nv.iterdir()) == []
+    left = [t.name for t in threading.enumerate() if t.name.startswith("tiertrain-io")]
+    assert left == [], [t.name for t in threading.enumerate()]

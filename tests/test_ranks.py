@@ -520,7 +520,7 @@ def test_a_terminals_ctrl_c_passed_on_by_the_launcher_stops_a_rank_once():
     import signal
     import time
 
-    from tiertrain.loop import StopSignals
+    from tiertrain.signals import StopSignals
 
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGINT)

@@ -5,6 +5,7 @@ RunPlan; what builds them settles nothing: the plan has (plan_run, before anythi
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError, Everywhere, UserError
+from .errors import ConfigError, Everywhere, UserError, close_all
 from .model.llama import Context
 from .model.parts import norm_pieces, unit_parts
 from .model.spec import UnitSpec
@@ -58,9 +59,8 @@ class NvmeTier:
         return self.staging.ring_nbytes() + (self.reader.ring_nbytes() if self.reader else 0)
 
     def close(self) -> None:
-        """The staging's writes land and its thread shuts, then the store's I/O threads."""
-        self.staging.close()
-        self.store.close()
+        """The staging's writes land and its thread shuts, then the store's I/O threads (whatever the first raised)."""
+        close_all(self.staging.close, self.store.close)
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,8 @@ class Run:
 
     def close(self) -> None:
         """The optimizer's thread, then the NVMe tier's threads (their writes landed first), then the activation
-        store's."""
-        self.updates.close()
-        if self.nvme:
-            self.nvme.close()
-        self.activations.close()
+        store's: each, whatever an earlier one raised."""
+        close_all(self.updates.close, *([self.nvme.close] if self.nvme else []), self.activations.close)
 
     def discard_scratch(self) -> None:
         """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""
@@ -230,8 +227,9 @@ class Scratch:
     def make(self) -> Path:
         return new_scratch(self.parent, self.run_name)
 
-    def backend(self):
-        return make_io(self.io, self.threads)
+    def backend(self, root: Path):
+        """The I/O backend of a store at `root` (its trial read there)."""
+        return make_io(self.io, self.threads, root)
 
 
 def assemble(
@@ -249,7 +247,7 @@ def assemble(
     it would never join."""
     t, tc, pin, dtype = cfg.tiers, cfg.train, device.type == "cuda", DTYPES[rp.compute_dtype]
     scratch, where = Scratch(t.nvme_dir, run_name, t.io, t.io_threads), rp.where()
-    nvme = activations = None
+    nvme = activations = updates = None
     try:
         with ranks.together(UserError) as agreed:
             host = HostStore(
@@ -319,9 +317,10 @@ def assemble(
             )
         agreed.raise_any(ranks.rank)
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes
+        with contextlib.suppress(Exception):  # the refusal is what to say; the stores go all the same
+            close_all(*(p.close for p in (updates, nvme, activations) if p is not None))
         for part in (nvme, activations):
             if part is not None and part.store is not None:
-                part.close()
                 discard(part.store.root)
         raise
     return Run(host, nvme, activations, streams, clock, slots, grads, state, updates, step)
@@ -343,12 +342,22 @@ def nvme_tier(
     meta = {**meta, **({"weights": "bfloat16 bits, as uint16"} if Kind.WEIGHTS in kinds else {})}
     units = {k: [u for (u, kk), home in where.items() if kk == k and home == Home.NVME] for k in kinds}
     stored = {k: "uint16" if k == Kind.WEIGHTS else "float32" for k in kinds}
-    backend, root = scratch.backend(), scratch.make()
+    root = scratch.make()
     try:
-        store = NvmeStore(root, numels, stored, meta, backend, create=True, units=units)
+        store = NvmeStore(root, numels, stored, meta, scratch.backend(root), create=True, units=units)
     except BaseException:
         discard(root)
         raise
+    try:
+        return _staged(store, numels, where, dtypes, streamed, units, pin)
+    except BaseException:  # a ring's pinned memory refused, a signal: the store made goes
+        store.close()
+        discard(root)
+        raise
+
+
+def _staged(store, numels, where, dtypes, streamed, units, pin: bool) -> NvmeTier:
+    """nvme_tier's staging and reader of `store`."""
     widths, traffic = ring_widths(numels, where), Traffic()
     on_disk = set(units.get(streamed, []))
     reader = (
@@ -387,17 +396,23 @@ def activation_store(
         )
         root = scratch.make()
         try:
-            store = PieceStore(root, rows, pieces, scratch.backend())
+            store = PieceStore(root, rows, pieces, scratch.backend(root))
         except BaseException:
             discard(root)
             raise
-    return ActivationStore(
-        rp.checkpoints(),
-        streams,
-        clock,
-        device,
-        device.type == "cuda",
-        store,
-        getattr(torch, rp.activation_dtype),
-        rp.ck_pieces,
-    )
+    try:
+        return ActivationStore(
+            rp.checkpoints(),
+            streams,
+            clock,
+            device,
+            device.type == "cuda",
+            store,
+            getattr(torch, rp.activation_dtype),
+            rp.ck_pieces,
+        )
+    except BaseException:  # its ring's pinned memory refused, a signal: the store made goes
+        if store is not None:
+            store.close()
+            discard(store.root)
+        raise

@@ -10,7 +10,7 @@ import click
 
 from . import __version__
 from .cli_prepare import prepare as prepare_command
-from .cli_types import GB, SHARD_SIZE, OneLine, sigterm_as_interrupt
+from .cli_types import GB, SHARD_SIZE, OneLine
 from .errors import UserError, why
 
 
@@ -182,6 +182,15 @@ def run(
         start(config_path, overrides, out, resume, init_from, hardware, ranks, click.echo)
     except UserError as e:
         _fail(e, ranks)
+    except OSError as e:  # a disk failed mid-run (EIO; the checks before training foresee a full one)
+        where = f" ({e.filename})" if e.filename else ""
+        _fail(
+            UserError(
+                f"the run stopped on a disk error: {why(e)}{where}; its last checkpoint is whole: once the disk "
+                "is fixed, go on with --resume latest"
+            ),
+            ranks,
+        )
     except Exception as e:  # noqa: BLE001 - re-raised unless a peer's exit broke a collective
         if ranks.size > 1 and _peer_gone(e):
             sys.exit(2)  # the rank that failed says why
@@ -235,10 +244,11 @@ def export(source: str, to: str, dtype: str, max_shard_size: int) -> None:
     """Write a checkpoint as a Hugging Face model (config.json + safetensors, and the tokenizer and
     generation config of an --init-from model) that transformers loads."""
     from .export import export_hf
+    from .signals import TermInterrupts
 
-    sigterm_as_interrupt()  # the export's temporary directory goes
     try:
-        files = export_hf(source, to, dtype, max_shard_size)
+        with TermInterrupts():  # the export's temporary directory goes, as for Ctrl-C
+            files = export_hf(source, to, dtype, max_shard_size)
     except UserError as e:
         _fail(e)
     except OSError as e:  # the --to path's disk: full, read-only, or a file where a directory goes

@@ -69,13 +69,3 @@ class _ShardSize(click.ParamType):
 
 
 SHARD_SIZE = _ShardSize()
-
-
-def sigterm_as_interrupt() -> None:
-    """SIGTERM handled as Ctrl-C (KeyboardInterrupt), so a command's temporary output goes as it does for Ctrl-C."""
-    import signal
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupted)

@@ -23,6 +23,19 @@ class DataError(UserError):
     pass
 
 
+def close_all(*closers) -> None:
+    """Calls every closer in turn, whatever an earlier one raised (each owns threads or files the next does not
+    reach), then raises the first error."""
+    first = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as e:  # noqa: BLE001 - raised below, after the rest have closed
+            first = first or e
+    if first is not None:
+        raise first
+
+
 def why(e: OSError) -> str:
     """An OSError in a user's words: a full disk is the common case."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):

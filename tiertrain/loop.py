@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,9 +9,10 @@ from typing import Callable
 
 from . import rundir
 from .config import LIFTED
-from .errors import UserError, why
+from .errors import UserError, close_all, why
 from .metrics import MetricsLog, format_duration, progress_line, tensorboard_writer
 from .model.hf import carry_files
+from .signals import StopSignals
 from .trainer import Trainer
 
 
@@ -27,6 +27,7 @@ def fit(
     shown = echo
     if not tr.ranks.first:
         return _train(tr, out, lambda line: None, None)
+    log = None
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.toml").write_text(tr.cfg.to_toml())
@@ -54,17 +55,17 @@ def fit(
         log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)
         echo = TrainLog(out / "train.log", shown)
     except OSError as e:
-        _close(tr)
+        _close(tr, log, failing=True)
         raise UserError(
             f"cannot write the run directory {out}: {why(e)}; free space or pass another --out"
         ) from None
     except ValueError as e:
-        _close(tr)
+        _close(tr, log, failing=True)
         raise UserError(
             f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out"
         ) from None
     except BaseException:  # a signal (TermInterrupts) before the loop's own handler: the scratch stores go
-        _close(tr)
+        _close(tr, log, failing=True)
         raise
     if cut:
         echo(cut)
@@ -108,10 +109,10 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog 
             # a stop saves, the end as checkpoint.final says: the process's last save
             if (history or not rundir.checkpoints(out)) and (tr.step < tc.steps or tr.cfg.checkpoint.final):
                 _checkpoint(tr, out, echo, last=True)
-        finally:
-            if log:
-                log.close()
-            _close(tr)
+        except BaseException:
+            _close(tr, log, failing=True)
+            raise
+        _close(tr, log)
     echo(_ending(tr, out, stop.signal, history, clock.since_start()))
     return history
 
@@ -175,9 +176,15 @@ class Eta:
         return time.perf_counter() - self.t_run
 
 
-def _close(tr: Trainer) -> None:
-    tr.close()
-    tr.discard_scratch()  # the state is in the checkpoint now (or lost with the error): the scratch stores go
+def _close(tr: Trainer, log: MetricsLog | None = None, failing: bool = False) -> None:
+    """The metrics log and the run's threads and files closed, each whatever another raised, then its scratch
+    stores deleted (the state is in the checkpoint now, or lost with the error). `failing`: an error stops the run,
+    and it is the one to say: what closing meets (often the same failed write again) is not raised over it."""
+    try:
+        close_all(*([log.close] if log else []), tr.close)
+    except Exception:
+        if not failing:
+            raise
 
 
 def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None], last: bool = False) -> None:
@@ -210,51 +217,3 @@ class TrainLog:
             except OSError:
                 pass
             self.f = None
-
-
-class TermInterrupts:
-    """SIGTERM interrupts as SIGINT does (KeyboardInterrupt), where its default would end the process at once and
-    leave what the setup made (a scratch store); the training loop's StopSignals takes over inside."""
-
-    def __enter__(self) -> "TermInterrupts":
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt
-
-        try:
-            self._old = signal.signal(signal.SIGTERM, interrupt)
-        except ValueError:  # not the main thread
-            self._old = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-
-
-class StopSignals:
-    """SIGINT and SIGTERM set `signal` (the loop stops after its step); a second one interrupts at once, but for
-    one within a second of the first: a rank of `--gpus N` gets a terminal's Ctrl-C twice, from the terminal and
-    from the launcher that passes it on."""
-
-    def __init__(self):
-        self.signal: str | None = None
-        self._at = 0.0
-        self._old: dict = {}
-
-    def _on(self, signum, frame) -> None:
-        if self.signal:
-            if time.monotonic() - self._at < 1.0:
-                return
-            raise KeyboardInterrupt
-        self.signal, self._at = signal.Signals(signum).name, time.monotonic()
-
-    def __enter__(self) -> "StopSignals":
-        try:
-            self._old = {s: signal.signal(s, self._on) for s in (signal.SIGINT, signal.SIGTERM)}
-        except ValueError:  # not the main thread: signals stay as they were
-            self._old = {}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)

@@ -11,7 +11,8 @@ from . import checkpoint, runclaim, rundir
 from .checkpoint import read_meta, whole
 from .config import config_from_dict, load_config
 from .errors import UserError
-from .loop import TermInterrupts, fit
+from .loop import fit
+from .signals import TermInterrupts
 from .tiers.nvme import discard_stale
 from .trainer import Trainer
 
@@ -39,19 +40,21 @@ def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo
             out_dir, lock, made, ckpt = claim(
                 resume, Path(out) if out else None, config_path, overrides, fresh
             )
-    agreed.raise_any(ranks.rank)  # every rank stops together where any failed, with the lowest one's words
-    out_dir = Path(ranks.share(str(out_dir)))
-    ckpt = Path(ranks.share(str(ckpt))) if resume else None
     trainer = None
 
     def give_back() -> None:  # a run stopped before its loop: its scratch store, and its claim on --out
-        if trainer is not None:
-            trainer.close()
-            trainer.discard_scratch()
-        if ranks.first:
-            runclaim.release(out_dir, made, lock)
+        try:
+            if trainer is not None:
+                trainer.close()
+        finally:
+            if ranks.first:
+                runclaim.release(out_dir, made, lock)
 
     try:
+        # every rank stops together where any failed, with the lowest one's words (rank 0 gives --out back)
+        agreed.raise_any(ranks.rank)
+        out_dir = Path(ranks.share(str(out_dir)))
+        ckpt = Path(ranks.share(str(ckpt))) if resume else None
         with ranks.together(UserError) as agreed:
             cfg = _config(config_path, overrides, ckpt, out_dir, ranks, fresh)
         if not agreed.failed:

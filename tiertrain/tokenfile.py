@@ -135,14 +135,19 @@ class TokenWriter:
         self.itemsize = 2 if vocab_size <= 1 << 16 else 4
         drop_killed_temps(self.path)  # a writer of this file killed before its rename left its temporary
         fd, self.tmp = tempfile.mkstemp(prefix=temp_prefix(self.path), dir=self.path.parent)
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the token file from other users
         self.f = os.fdopen(fd, "wb")
-        # the starts and the mask follow the tokens: they wait in unnamed files, gone with their handles
-        self.starts = tempfile.TemporaryFile(dir=self.path.parent) if self.version == 2 else None
-        self.mask = tempfile.TemporaryFile(dir=self.path.parent) if masked else None
+        self.starts = self.mask = None
         self.count = self.samples = 0
         self.pending = False
-        self.f.write(self._header())
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep the token file from other users
+            # the starts and the mask follow the tokens: they wait in unnamed files, gone with their handles
+            self.starts = tempfile.TemporaryFile(dir=self.path.parent) if self.version == 2 else None
+            self.mask = tempfile.TemporaryFile(dir=self.path.parent) if masked else None
+            self.f.write(self._header())
+        except BaseException:  # a full disk: nothing of this writer stays
+            self.abort()
+            raise
 
     def _header(self) -> bytes:
         if self.version == 1:

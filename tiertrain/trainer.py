@@ -18,7 +18,7 @@ from . import paths, rundir
 from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, close_all
 from .metrics import human_bytes, human_count, tensorboard_writer
 from .model.docs import Docs
 from .model.families import unlike_family
@@ -378,10 +378,12 @@ class Trainer:
 
     def close(self) -> None:
         """The run's threads (Run.close), then the process group this trainer made (gloo's threads abort the process
-        at exit without it)."""
-        self.run.close()
-        if self.owns_ranks:
-            self.ranks.close()
+        at exit without it), each whatever the other raised; then the run's NVMe scratch stores deleted (what they
+        held is in a checkpoint, or lost)."""
+        try:
+            close_all(self.run.close, *([self.ranks.close] if self.owns_ranks else []))
+        finally:
+            self.run.discard_scratch()
 
     def _checkpoint_homes(self) -> str:
         """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
@@ -397,10 +399,6 @@ class Trainer:
             + (f" in {store.root}" if store else "")
             + (f", blocks in tiles of {self.run_plan.tile:,} tokens" if self.run_plan.tile else "")
         )
-
-    def discard_scratch(self) -> None:
-        """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""
-        self.run.discard_scratch()
 
     def describe(self) -> list[str]:
         spec, tc, pr = self.cfg.model, self.cfg.train, self.plan.prediction

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..errors import close_all
 from ..modes import Home
 from ..tiers.placement import CK_PIECE_BYTES, CK_RING_PIECES
 from ..tiers.ring import Ring
@@ -93,9 +94,9 @@ class ActivationStore:
 
     def close(self) -> None:
         if self.store is not None:
-            self._out.shutdown(wait=True)
-            self._in.shutdown(wait=True)
-            self.store.close()
+            close_all(
+                lambda: self._out.shutdown(wait=True), lambda: self._in.shutdown(wait=True), self.store.close
+            )
 
     def ring_nbytes(self) -> int:
         return self.ring.nbytes if self.store is not None else 0

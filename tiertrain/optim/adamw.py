@@ -156,10 +156,15 @@ class HostAdamW:
         speculative update, written into the host's copies of the unit's master and moments (the bf16 copy
         in place: nothing reads it before the update is kept or redone); it counts once the host swaps them in."""
         s = dict(self.host.slabs[unit])
-        if self.staging is not None:  # slabs on NVMe, read ahead into the staging ring
-            s.update(self.staging.acquire(unit))
-        out = self.host.copies[unit] if into_copies else None
-        self.apply(unit, s, step, lr, clip, out)
+        try:
+            if self.staging is not None:  # slabs on NVMe, read ahead into the staging ring
+                s.update(self.staging.acquire(unit))
+            out = self.host.copies[unit] if into_copies else None
+            self.apply(unit, s, step, lr, clip, out)
+        except BaseException:  # a read failed (EIO), or the update: its ring buffers go back unwritten
+            if self.staging is not None:
+                self.staging.drop(unit)
+            raise
         if self.staging is not None:
             self.staging.release(unit)
         if not into_copies:
@@ -207,6 +212,19 @@ class OptimizerThread:
         # (event, unit, time.perf_counter()): when each update waited, ran and finished, and the step's
         # marks (the trainer's too); what shows where the optimizer's time goes (bench.timeline)
         self.timeline: deque[tuple[str, int, float]] = deque(maxlen=1 << 14)
+        self.failed: BaseException | None = None  # the first update's error (worker only)
+        self.raised: BaseException | None = None  # the error wait() raised (main thread only)
+
+    def _update(self, *args) -> None:
+        """opt.update_unit, unless an earlier update failed: then that error at once. The run stops on it, and a
+        later unit's update would wait for the ring buffers of the failed one's read-ahead."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self.opt.update_unit(*args)
+        except BaseException as e:
+            self.failed = e
+            raise
 
     def mark(self, event: str, unit: int = -1, at: float | None = None) -> None:
         self.timeline.append((event, unit, time.perf_counter() if at is None else at))
@@ -239,7 +257,7 @@ class OptimizerThread:
         self.mark("spec job", unit, t0)
         self.mark("spec grad", unit)
         try:
-            self.opt.update_unit(unit, step, lr, 1.0, bool(self.opt.host.copies))
+            self._update(unit, step, lr, 1.0, bool(self.opt.host.copies))
         except BaseException as e:
             f.set_exception(e)
         else:
@@ -275,7 +293,7 @@ class OptimizerThread:
         if grad_event is not None:
             grad_event.synchronize()  # the gradient's D2H copy has landed in the host slab
             self.mark("grad", unit)
-        self.opt.update_unit(unit, step, lr, clip)
+        self._update(unit, step, lr, clip)
         self.mark("done", unit)
 
     def _keep(self, unit: int, speculated: Future) -> None:
@@ -286,7 +304,11 @@ class OptimizerThread:
         f = self.futures[unit]
         if f is not None:
             t0 = time.perf_counter()
-            f.result()
+            try:
+                f.result()
+            except BaseException as e:
+                self.raised = e
+                raise
             t1 = time.perf_counter()
             self.wait_s += t1 - t0
             if t1 - t0 > 1e-4:
@@ -298,6 +320,12 @@ class OptimizerThread:
             self.wait(u)
 
     def close(self) -> None:
+        """The worker shut, the updates done: an update's error raised unless wait() has raised it (the run
+        stopped on it; the updates after a failed one fail with its error at once)."""
         self.stop_speculating()  # a step stopped between its backward pass and its update
         self.pool.shutdown(wait=True)
-        self.wait_all()
+        try:
+            self.wait_all()
+        except BaseException as e:
+            if e is not self.raised:
+                raise

@@ -18,6 +18,7 @@ import re
 import shutil
 import stat
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,22 +60,34 @@ class PosixIO:
         self.pool.shutdown(wait=True)
 
     def _run(self, path: Path, buf: torch.Tensor, write: bool, at: int = 0) -> Future:
+        """The file's bytes from `at` read into (written from) `buf` in pieces on the pool. Its descriptor closes
+        once, after the last piece that ran: a piece the pool refused (shut meanwhile) counts as done."""
         view = memoryview(buf.view(torch.uint8).numpy())
+        offsets = range(0, len(view), TASK_BYTES)
         fd = _open(path, write)
-        parts = [
-            self.pool.submit(self._piece, fd, view[o : o + TASK_BYTES], at + o, write)
-            for o in range(0, len(view), TASK_BYTES)
-        ]
         done: Future = Future()
+        parts: list[Future] = []
+        lock, left = threading.Lock(), [len(offsets)]
 
-        def finish(_):
-            if all(p.done() for p in parts) and not done.done():
-                os.close(fd)
-                errs = [p.exception() for p in parts if p.exception()]
-                done.set_exception(errs[0]) if errs else done.set_result(len(view))
+        def finish(n: int) -> None:
+            with lock:  # the pieces end on several threads: one of them, the last, closes
+                left[0] -= n
+                if left[0]:
+                    return
+            os.close(fd)
+            errs = [p.exception() for p in parts if p.exception()]
+            done.set_exception(errs[0]) if errs else done.set_result(len(view))
 
-        for p in parts:
-            p.add_done_callback(finish)
+        if not offsets:
+            finish(0)
+        for i, o in enumerate(offsets):
+            try:
+                part = self.pool.submit(self._piece, fd, view[o : o + TASK_BYTES], at + o, write)
+            except BaseException:
+                finish(len(offsets) - i)  # these never run
+                raise
+            parts.append(part)
+            part.add_done_callback(lambda _: finish(1))
         return done
 
     @staticmethod
@@ -146,24 +159,17 @@ def check_backend(backend: str) -> None:
             ) from None
 
 
-def make_io(backend: str = "auto", threads: int = 16):
-    """`auto`: kvikio when it imports and can do I/O here, else POSIX."""
+def make_io(backend: str = "auto", threads: int = 16, where: Path | None = None):
+    """`auto`: kvikio when it imports and can do I/O here (a trial read in `where`, a directory of tiertrain's
+    own: the scratch store, the probe's; None: the temporary directory), else POSIX."""
     if backend in ("auto", "kvikio"):
         try:
             io = KvikioIO(threads)
-            probe = torch.zeros(4096, dtype=torch.uint8)
-            # a new file of its own: no link followed, nothing clobbered
-            fd, name = tempfile.mkstemp(prefix=".tiertrain-kvikio-")
-            tmp = Path(name)
-            with os.fdopen(fd, "wb") as f:
-                f.write(bytes(4096))
             try:
-                io.read(tmp, probe).result()
+                _trial_read(io, where)
             except BaseException:
                 io.close()
                 raise
-            finally:
-                tmp.unlink()
             return io
         except Exception as e:  # noqa: BLE001 - kvikio missing, or no CUDA driver (CI)
             if backend == "kvikio":
@@ -172,6 +178,17 @@ def make_io(backend: str = "auto", threads: int = 16):
                     'use --set tiers.io="posix"'
                 ) from None
     return PosixIO(threads)
+
+
+def _trial_read(io, where: Path | None) -> None:
+    # a new file of its own: no link followed, nothing clobbered; gone whatever fails
+    fd, name = tempfile.mkstemp(prefix=".tiertrain-kvikio-", dir=where)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(bytes(4096))
+        io.read(Path(name), torch.zeros(4096, dtype=torch.uint8)).result()
+    finally:
+        os.unlink(name)
 
 
 class ChunkStore:

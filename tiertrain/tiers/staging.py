@@ -186,10 +186,17 @@ class Staging:
         for ring in self.rings.values():
             ring.settle()
 
+    def drop(self, unit: int) -> None:
+        """The unit's buffers back to their rings unwritten (its update failed), each once its read is done."""
+        for k, (fut, buf) in self.loaded.pop(unit, {}).items():
+            self.rings[k].give(buf, after=fut)
+
     def close(self) -> None:
-        """Every write landed, then the drain writer's thread shut."""
-        self.flush()
-        self._writer.shutdown(wait=True)
+        """Every write landed, then the drain writer's thread shut (also where a write failed)."""
+        try:
+            self.flush()
+        finally:
+            self._writer.shutdown(wait=True)
 
 
 def _done() -> Future:
