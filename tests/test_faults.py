@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import (
+    DEEP,
     DEEP_ARGS,
     STEPS,
     cli,
@@ -558,6 +559,7 @@ def test_a_disk_error_on_the_nvme_tier_stops_the_run_in_one_line(token_file, tmp
     the failed one held, and the run hung with the error unsaid."""
     nv = tmp_path / "nv"
     sets = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file), "--set", "train.steps=6")
+    sets += ["--set", "checkpoint.every=2"]
     r = subprocess.run(
         [sys.executable, "-c", EIO, mode, str(after), str(nv), "run", *sets, "--nvme-dir", str(nv), "--out"]
         + [str(tmp_path / "r")],
@@ -567,8 +569,10 @@ def test_a_disk_error_on_the_nvme_tier_stops_the_run_in_one_line(token_file, tmp
     )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert lines[0].startswith("error: the run stopped on a disk error: Input/output error"), r.stderr
-    assert lines[1:] == ["threads left: []"] and not list(nv.iterdir())
+    saved = sorted((tmp_path / "r" / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
+    go = f"its last checkpoint, {saved[-1].name}, is whole" if saved else "it saved no checkpoint"
+    assert lines[0].startswith(f"error: the run stopped on a disk error: Input/output error ({nv}/"), r.stderr
+    assert go in lines[0] and lines[1:] == ["threads left: []"] and not list(nv.iterdir())
 
 
 def test_a_run_directory_file_that_cannot_open_leaves_no_file_open(token_file, tmp_path, monkeypatch):
@@ -593,3 +597,38 @@ def test_a_run_directory_file_that_cannot_open_leaves_no_file_open(token_file, t
         except OSError:  # listdir's own
             pass
     assert not [p for p in opened if str(out) in p]
+
+
+def test_what_closing_meets_after_a_run_ended_well_is_a_warning(token_file, tmp_path, monkeypatch):
+    """The run trained and saved its last checkpoint; closing then failed (a write-back the disk refused): a
+    warning, the run done; where a refusal stopped the trainer's setup, closing's failure is not said over it
+    and the stores go all the same."""
+    from conftest import tiny_config
+    from tiertrain import loop
+    from tiertrain.assemble import Run
+    from tiertrain.errors import UserError
+    from tiertrain.state import State
+    from tiertrain.trainer import Trainer
+
+    close = Run.close
+
+    def failing(self):
+        close(self)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(Run, "close", failing)
+    said = []
+    history = loop.fit(Trainer(tiny_config(token_file, "train.steps=2")), tmp_path / "run", echo=said.append)
+    assert len(history) == 2 and (tmp_path / "run" / "checkpoints" / "step_2").is_dir()
+    assert "warning: closing the run failed (Input/output error); its checkpoints are whole" in said
+    assert said[-1].startswith("done: 2 steps")
+
+    def refused(*a, **k):
+        raise UserError("injected refusal")
+
+    monkeypatch.setattr(State, "init_weights", refused)
+    nv = tmp_path / "nv"
+    cfg = tiny_config(token_file, *DEEP, f'tiers.nvme_dir="{nv}"', 'tiers.activations="nvme"')
+    with pytest.raises(UserError, match="injected refusal"):
+        Trainer(cfg)
+    assert list(nv.iterdir()) == []

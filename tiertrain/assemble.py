@@ -6,6 +6,7 @@ RunPlan; what builds them settles nothing: the plan has (plan_run, before anythi
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -84,10 +85,10 @@ class Run:
         close_all(self.updates.close, *([self.nvme.close] if self.nvme else []), self.activations.close)
 
     def discard_scratch(self) -> None:
-        """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close()."""
-        for store in (self.nvme.store if self.nvme else None, self.activations.store):
-            if store is not None:
-                discard(store.root)
+        """Deletes the run's NVMe scratch stores (the state's and the activation checkpoints'), after close(): each,
+        whatever deleting the other raised."""
+        stores = (self.nvme.store if self.nvme else None, self.activations.store)
+        close_all(*(functools.partial(discard, s.root) for s in stores if s is not None))
 
 
 def copied(rp: RunPlan, clipping: bool) -> frozenset[int]:
@@ -317,11 +318,10 @@ def assemble(
             )
         agreed.raise_any(ranks.rank)
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes
+        made = [p for p in (updates, nvme, activations) if p is not None]
+        stores = [p.store.root for p in (nvme, activations) if p is not None and p.store is not None]
         with contextlib.suppress(Exception):  # the refusal is what to say; the stores go all the same
-            close_all(*(p.close for p in (updates, nvme, activations) if p is not None))
-        for part in (nvme, activations):
-            if part is not None and part.store is not None:
-                discard(part.store.root)
+            close_all(*(p.close for p in made), *(functools.partial(discard, root) for root in stores))
         raise
     return Run(host, nvme, activations, streams, clock, slots, grads, state, updates, step)
 

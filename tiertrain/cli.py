@@ -182,13 +182,10 @@ def run(
         start(config_path, overrides, out, resume, init_from, hardware, ranks, click.echo)
     except UserError as e:
         _fail(e, ranks)
-    except OSError as e:  # a disk failed mid-run (EIO; the checks before training foresee a full one)
+    except OSError as e:  # a disk failed while the run was set up (EIO; the training loop says its own)
         where = f" ({e.filename})" if e.filename else ""
         _fail(
-            UserError(
-                f"the run stopped on a disk error: {why(e)}{where}; its last checkpoint is whole: once the disk "
-                "is fixed, go on with --resume latest"
-            ),
+            UserError(f"the run stopped on a disk error: {why(e)}{where}; once it is fixed, run it again"),
             ranks,
         )
     except Exception as e:  # noqa: BLE001 - re-raised unless a peer's exit broke a collective

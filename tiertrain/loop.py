@@ -55,17 +55,17 @@ def fit(
         log = MetricsLog(out / "metrics.jsonl", tensorboard_writer(out) if tr.cfg.train.tensorboard else None)
         echo = TrainLog(out / "train.log", shown)
     except OSError as e:
-        _close(tr, log, failing=True)
+        _close(tr, log)
         raise UserError(
             f"cannot write the run directory {out}: {why(e)}; free space or pass another --out"
         ) from None
     except ValueError as e:
-        _close(tr, log, failing=True)
+        _close(tr, log)
         raise UserError(
             f"{out / 'metrics.jsonl'}: {e}; was it edited? Restore it or start a new --out"
         ) from None
     except BaseException:  # a signal (TermInterrupts) before the loop's own handler: the scratch stores go
-        _close(tr, log, failing=True)
+        _close(tr, log)
         raise
     if cut:
         echo(cut)
@@ -109,10 +109,13 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog 
             # a stop saves, the end as checkpoint.final says: the process's last save
             if (history or not rundir.checkpoints(out)) and (tr.step < tc.steps or tr.cfg.checkpoint.final):
                 _checkpoint(tr, out, echo, last=True)
+        except OSError as e:  # a disk failed mid-run (EIO): one line, with what there is to go on from
+            _close(tr, log)
+            raise UserError(_disk_failed(e, out)) from None
         except BaseException:
-            _close(tr, log, failing=True)
+            _close(tr, log)
             raise
-        _close(tr, log)
+        _close(tr, log, echo)
     echo(_ending(tr, out, stop.signal, history, clock.since_start()))
     return history
 
@@ -176,15 +179,33 @@ class Eta:
         return time.perf_counter() - self.t_run
 
 
-def _close(tr: Trainer, log: MetricsLog | None = None, failing: bool = False) -> None:
+def _close(tr: Trainer, log: MetricsLog | None = None, warn: Callable[[str], None] | None = None) -> None:
     """The metrics log and the run's threads and files closed, each whatever another raised, then its scratch
-    stores deleted (the state is in the checkpoint now, or lost with the error). `failing`: an error stops the run,
-    and it is the one to say: what closing meets (often the same failed write again) is not raised over it."""
+    stores deleted (the state is in the checkpoint now, or lost with the error). What closing meets is a warning
+    (`warn`: the run ended well, its checkpoints whole) or nothing (None: an error stops the run, and it is the
+    one to say; often the same failed write again)."""
     try:
         close_all(*([log.close] if log else []), tr.close)
-    except Exception:
-        if not failing:
-            raise
+    except Exception as e:  # noqa: BLE001 - said or left to the error that stopped the run
+        if warn is not None:
+            warn(
+                f"warning: closing the run failed ({why(e) if isinstance(e, OSError) else e}); its checkpoints are whole"
+            )
+
+
+def _disk_failed(e: OSError, out: Path) -> str:
+    """A disk's failure mid-run in one line: what failed, and the checkpoint to go on from, if any."""
+    where = f" ({e.filename})" if e.filename else ""
+    try:
+        saved = rundir.checkpoints(out)
+    except OSError:  # the run directory's disk itself
+        saved = []
+    go = (
+        f"its last checkpoint, {saved[-1].name}, is whole: once the disk is fixed, go on with --resume latest"
+        if saved
+        else "it saved no checkpoint: once the disk is fixed, run it again"
+    )
+    return f"the run stopped on a disk error: {why(e)}{where}; {go}"
 
 
 def _checkpoint(tr: Trainer, out: Path, echo: Callable[[str], None], last: bool = False) -> None:

@@ -4,6 +4,7 @@ the run's parts (assemble.assemble) and the initial state (a checkpoint, a Huggi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import time
@@ -125,8 +126,8 @@ class Trainer:
             else:
                 self.run.state.init_weights(cfg.model.initializer_range, tc.seed, cfg.model.pad_token_id)
         except BaseException:  # a refusal after the stores were made (another model's checkpoint): they go
-            self.run.close()
-            self.run.discard_scratch()
+            with contextlib.suppress(Exception):  # the refusal is what to say (a failing disk fails twice)
+                close_all(self.run.close, self.run.discard_scratch)
             raise
         dtype = DTYPES[self.run_plan.compute_dtype]
         self.peak_tflops = bf16_peak_tflops(self.device) if dtype == torch.bfloat16 else None
@@ -380,10 +381,7 @@ class Trainer:
         """The run's threads (Run.close), then the process group this trainer made (gloo's threads abort the process
         at exit without it), each whatever the other raised; then the run's NVMe scratch stores deleted (what they
         held is in a checkpoint, or lost)."""
-        try:
-            close_all(self.run.close, *([self.ranks.close] if self.owns_ranks else []))
-        finally:
-            self.run.discard_scratch()
+        close_all(self.run.close, *([self.ranks.close] if self.owns_ranks else []), self.run.discard_scratch)
 
     def _checkpoint_homes(self) -> str:
         """Where the activation checkpoints live, for the run's description; the MLP's tiles."""

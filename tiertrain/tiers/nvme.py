@@ -76,7 +76,12 @@ class PosixIO:
                     return
             os.close(fd)
             errs = [p.exception() for p in parts if p.exception()]
-            done.set_exception(errs[0]) if errs else done.set_result(len(view))
+            if not errs:
+                return done.set_result(len(view))
+            e = errs[0]
+            if isinstance(e, OSError) and e.filename is None:  # pread/pwrite name no file: say which
+                e = OSError(e.errno, e.strerror, str(path))
+            done.set_exception(e)
 
         if not offsets:
             finish(0)
