@@ -166,7 +166,7 @@ def check_backend(backend: str) -> None:
 
 def make_io(backend: str = "auto", threads: int = 16, where: Path | None = None):
     """`auto`: kvikio when it imports and can do I/O here (a trial read in `where`, a directory of tiertrain's
-    own: the scratch store, the probe's; None: the temporary directory), else POSIX."""
+    own: a run's scratch store; None, as for the probe: the temporary directory), else POSIX."""
     if backend in ("auto", "kvikio"):
         try:
             io = KvikioIO(threads)
