@@ -60,7 +60,8 @@ class NvmeTier:
         return self.staging.ring_nbytes() + (self.reader.ring_nbytes() if self.reader else 0)
 
     def close(self) -> None:
-        """The staging's writes land and its thread shuts, then the store's I/O threads (whatever the first raised)."""
+        """The staging's writes land and its thread shuts, then the store's I/O threads (whatever the first
+        raised)."""
         close_all(self.staging.close, self.store.close)
 
 
@@ -342,10 +343,13 @@ def nvme_tier(
     meta = {**meta, **({"weights": "bfloat16 bits, as uint16"} if Kind.WEIGHTS in kinds else {})}
     units = {k: [u for (u, kk), home in where.items() if kk == k and home == Home.NVME] for k in kinds}
     stored = {k: "uint16" if k == Kind.WEIGHTS else "float32" for k in kinds}
-    root = scratch.make()
+    root, io = scratch.make(), None
     try:
-        store = NvmeStore(root, numels, stored, meta, scratch.backend(root), create=True, units=units)
-    except BaseException:
+        io = scratch.backend(root)
+        store = NvmeStore(root, numels, stored, meta, io, create=True, units=units)
+    except BaseException:  # the store refused (its disk): its I/O threads and directory go
+        if io is not None:
+            io.close()
         discard(root)
         raise
     try:
@@ -394,10 +398,13 @@ def activation_store(
         pieces = (
             ck_disk_bytes(rp.checkpoint_bytes(rp.micro_batch), rp.rows // rp.micro_batch) // CK_PIECE_BYTES
         )
-        root = scratch.make()
+        root, io = scratch.make(), None
         try:
-            store = PieceStore(root, rows, pieces, scratch.backend(root))
-        except BaseException:
+            io = scratch.backend(root)
+            store = PieceStore(root, rows, pieces, io)
+        except BaseException:  # the store refused (its disk): its I/O threads and directory go
+            if io is not None:
+                io.close()
             discard(root)
             raise
     try:
