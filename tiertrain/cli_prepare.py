@@ -101,91 +101,90 @@ def prepare(
     from .prepare import prepare as do_prepare
     from .signals import TermInterrupts
 
-    with TermInterrupts():  # the token file's temporary goes, as for Ctrl-C
-        try:
-            if not out.endswith(".bin"):
-                raise UserError(f"--out {out}: token files written by prepare end in .bin")
-            ctx = click.get_current_context()
+    try:
+        if not out.endswith(".bin"):
+            raise UserError(f"--out {out}: token files written by prepare end in .bin")
+        ctx = click.get_current_context()
 
-            def named(param: str) -> bool:  # given on the command line, even as its default
-                return ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
+        def named(param: str) -> bool:  # given on the command line, even as its default
+            return ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
 
-            given = [
-                f
-                for f, v in (
-                    ("--train-on-prompt", train_on_prompt),
-                    ("--seq-len", seq_len),
-                    ("--chat-template", chat_template),
-                    ("--messages-field", named("messages_field")),
-                )
-                if v
-            ]
-            if given and not chat:
-                raise UserError(
-                    f"{', '.join(given)}: only with --chat (conversations); add --chat or leave them out"
-                )
-            # documents' flags: a conversation ends where its template says, and its text is its messages
-            plain = [
-                f
-                for f, v in (
-                    ("--eot", eot is not None),
-                    ("--bos", bos is not None),
-                    ("--text-field", named("text_field")),
-                )
-                if v
-            ]
-            if plain and chat:
-                raise UserError(
-                    f"{', '.join(plain)}: only for documents, not with --chat (a conversation's text and end are its "
-                    "template's); leave them out"
-                )
-            if named("text_field") and all(i.endswith(".txt") for i in inputs):
-                raise UserError(
-                    f"--text-field {text_field}: a .txt file is one document, all text; it names the field of .jsonl "
-                    "or .parquet records; leave it out"
-                )
-            if named("too_long") and seq_len is None:
-                raise UserError(
-                    f"--too-long {too_long}: only with --seq-len S (the rows it cuts to); add --seq-len"
-                )
-            total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
-            bar = (
-                click.progressbar(length=total, label="tokenizing", file=sys.stderr)
-                if sys.stderr.isatty()  # a bar on a terminal; a log or a pipe gets only the result lines
-                else contextlib.nullcontext(None)
+        given = [
+            f
+            for f, v in (
+                ("--train-on-prompt", train_on_prompt),
+                ("--seq-len", seq_len),
+                ("--chat-template", chat_template),
+                ("--messages-field", named("messages_field")),
             )
-            with bar as b:
-                step = b.update if b is not None else (lambda n: None)
-                if chat:
-                    from .chat import prepare_chat
-
-                    lines = prepare_chat(
-                        list(inputs),
-                        out,
-                        tokenizer,
-                        messages_field,
-                        train_on_prompt,
-                        seq_len,
-                        too_long,
-                        chat_template,
-                        step,
-                    ).lines(out)
-                else:
-                    count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, step, bos)
-                    lines = [
-                        f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with "
-                        f'--set data.path="{out}"'
-                    ]
-        except UserError as e:
-            _fail(e)
-        except OSError as e:  # the disk: full, read-only, not ours
-            from .errors import why
-
-            _fail(
-                UserError(
-                    f"--out {out}: writing the token file failed ({why(e)}); pass a file on a writable disk "
-                    "with room"
-                )
+            if v
+        ]
+        if given and not chat:
+            raise UserError(
+                f"{', '.join(given)}: only with --chat (conversations); add --chat or leave them out"
             )
+        # documents' flags: a conversation ends where its template says, and its text is its messages
+        plain = [
+            f
+            for f, v in (
+                ("--eot", eot is not None),
+                ("--bos", bos is not None),
+                ("--text-field", named("text_field")),
+            )
+            if v
+        ]
+        if plain and chat:
+            raise UserError(
+                f"{', '.join(plain)}: only for documents, not with --chat (a conversation's text and end are its "
+                "template's); leave them out"
+            )
+        if named("text_field") and all(i.endswith(".txt") for i in inputs):
+            raise UserError(
+                f"--text-field {text_field}: a .txt file is one document, all text; it names the field of .jsonl "
+                "or .parquet records; leave it out"
+            )
+        if named("too_long") and seq_len is None:
+            raise UserError(
+                f"--too-long {too_long}: only with --seq-len S (the rows it cuts to); add --seq-len"
+            )
+        total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
+        bar = (
+            click.progressbar(length=total, label="tokenizing", file=sys.stderr)
+            if sys.stderr.isatty()  # a bar on a terminal; a log or a pipe gets only the result lines
+            else contextlib.nullcontext(None)
+        )
+        with TermInterrupts(), bar as b:  # SIGTERM as Ctrl-C: the token file's temporary goes
+            step = b.update if b is not None else (lambda n: None)
+            if chat:
+                from .chat import prepare_chat
+
+                lines = prepare_chat(
+                    list(inputs),
+                    out,
+                    tokenizer,
+                    messages_field,
+                    train_on_prompt,
+                    seq_len,
+                    too_long,
+                    chat_template,
+                    step,
+                ).lines(out)
+            else:
+                count, vocab = do_prepare(list(inputs), out, tokenizer, text_field, eot, step, bos)
+                lines = [
+                    f"wrote {count:,} tokens (vocabulary {vocab:,}) to {out}; train on it with "
+                    f'--set data.path="{out}"'
+                ]
+    except UserError as e:
+        _fail(e)
+    except OSError as e:  # the disk: full, read-only, not ours
+        from .errors import why
+
+        _fail(
+            UserError(
+                f"--out {out}: writing the token file failed ({why(e)}); pass a file on a writable disk "
+                "with room"
+            )
+        )
     for line in lines:
         click.echo(line)
