@@ -226,12 +226,25 @@ class Scratch:
     io: str  # tiers.io
     threads: int  # tiers.io_threads
 
-    def make(self) -> Path:
-        return new_scratch(self.parent, self.run_name)
+    def store(self, build):
+        """build(root, io): a store in a new scratch directory with an I/O backend of its own (its trial read
+        there). Where it is refused (its disk), the backend's threads and the directory go."""
+        root, io = new_scratch(self.parent, self.run_name), None
+        try:
+            io = make_io(self.io, self.threads, root)
+            return build(root, io)
+        except BaseException:
+            if io is not None:
+                io.close()
+            discard(root)
+            raise
 
-    def backend(self, root: Path):
-        """The I/O backend of a store at `root` (its trial read there)."""
-        return make_io(self.io, self.threads, root)
+
+def _dropped(store) -> None:
+    """A store made for a part that was then refused (a ring's pinned memory, a signal): its threads and its
+    scratch directory go."""
+    store.close()
+    discard(store.root)
 
 
 def assemble(
@@ -343,20 +356,13 @@ def nvme_tier(
     meta = {**meta, **({"weights": "bfloat16 bits, as uint16"} if Kind.WEIGHTS in kinds else {})}
     units = {k: [u for (u, kk), home in where.items() if kk == k and home == Home.NVME] for k in kinds}
     stored = {k: "uint16" if k == Kind.WEIGHTS else "float32" for k in kinds}
-    root, io = scratch.make(), None
-    try:
-        io = scratch.backend(root)
-        store = NvmeStore(root, numels, stored, meta, io, create=True, units=units)
-    except BaseException:  # the store refused (its disk): its I/O threads and directory go
-        if io is not None:
-            io.close()
-        discard(root)
-        raise
+    store = scratch.store(
+        lambda root, io: NvmeStore(root, numels, stored, meta, io, create=True, units=units)
+    )
     try:
         return _staged(store, numels, where, dtypes, streamed, units, pin)
-    except BaseException:  # a ring's pinned memory refused, a signal: the store made goes
-        store.close()
-        discard(root)
+    except BaseException:
+        _dropped(store)
         raise
 
 
@@ -398,15 +404,7 @@ def activation_store(
         pieces = (
             ck_disk_bytes(rp.checkpoint_bytes(rp.micro_batch), rp.rows // rp.micro_batch) // CK_PIECE_BYTES
         )
-        root, io = scratch.make(), None
-        try:
-            io = scratch.backend(root)
-            store = PieceStore(root, rows, pieces, io)
-        except BaseException:  # the store refused (its disk): its I/O threads and directory go
-            if io is not None:
-                io.close()
-            discard(root)
-            raise
+        store = scratch.store(lambda root, io: PieceStore(root, rows, pieces, io))
     try:
         return ActivationStore(
             rp.checkpoints(),
@@ -418,8 +416,7 @@ def activation_store(
             getattr(torch, rp.activation_dtype),
             rp.ck_pieces,
         )
-    except BaseException:  # its ring's pinned memory refused, a signal: the store made goes
+    except BaseException:
         if store is not None:
-            store.close()
-            discard(store.root)
+            _dropped(store)
         raise
