@@ -552,10 +552,10 @@ finally:
 """
 
 
-@pytest.mark.parametrize("mode, after", [("write", 40), ("write", 150), ("read", 40)])
+@pytest.mark.parametrize("mode, after", [("write", 3), ("write", 40), ("write", 150), ("read", 40)])
 def test_a_disk_error_on_the_nvme_tier_stops_the_run_in_one_line(token_file, tmp_path, mode, after):
-    """EIO from the NVMe tier mid-run: the run stops with that error in one line, every thread of the run ended and
-    its store deleted. Where a write-back failed the host update's later units waited forever for ring buffers
+    """EIO from the NVMe tier in the setup or mid-run: the run stops with that error in one line, every thread of
+    the run ended and its store deleted. Where a write-back failed the host update's later units waited forever for ring buffers
     the failed one held, and the run hung with the error unsaid."""
     nv = tmp_path / "nv"
     sets = tiny(token_file, *DEEP_ARGS, "--host-gb", least_gb(token_file), "--set", "train.steps=6")
@@ -572,7 +572,11 @@ def test_a_disk_error_on_the_nvme_tier_stops_the_run_in_one_line(token_file, tmp
     saved = sorted((tmp_path / "r" / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
     go = f"its last checkpoint, {saved[-1].name}, is whole" if saved else "it saved no checkpoint"
     assert lines[0].startswith(f"error: the run stopped on a disk error: Input/output error ({nv}/"), r.stderr
-    assert go in lines[0] and lines[1:] == ["threads left: []"] and not list(nv.iterdir())
+    if after < 10:  # in the setup, as the weights are written to the store: nothing of the run to go on from
+        assert lines[0].endswith("; once the disk is fixed, run it again") and "checkpoint" not in lines[0]
+    else:
+        assert go in lines[0]
+    assert lines[1:] == ["threads left: []"] and not list(nv.iterdir())
 
 
 def test_a_run_directory_file_that_cannot_open_leaves_no_file_open(token_file, tmp_path, monkeypatch):

@@ -183,11 +183,9 @@ def run(
     except UserError as e:
         _fail(e, ranks)
     except OSError as e:  # a disk failed while the run was set up (EIO; the training loop says its own)
-        where = f" ({e.filename})" if e.filename else ""
-        _fail(
-            UserError(f"the run stopped on a disk error: {why(e)}{where}; once it is fixed, run it again"),
-            ranks,
-        )
+        from .loop import disk_failed
+
+        _fail(UserError(disk_failed(e)), ranks)
     except Exception as e:  # noqa: BLE001 - re-raised unless a peer's exit broke a collective
         if ranks.size > 1 and _peer_gone(e):
             sys.exit(2)  # the rank that failed says why

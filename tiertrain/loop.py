@@ -111,7 +111,7 @@ def _train(tr: Trainer, out: Path, echo: Callable[[str], None], log: MetricsLog 
                 _checkpoint(tr, out, echo, last=True)
         except OSError as e:  # a disk failed mid-run (EIO): one line, with what there is to go on from
             _close(tr, log)
-            raise UserError(_disk_failed(e, out)) from None
+            raise UserError(disk_failed(e, out)) from None
         except BaseException:
             _close(tr, log)
             raise
@@ -188,22 +188,22 @@ def _close(tr: Trainer, log: MetricsLog | None = None, warn: Callable[[str], Non
         close_all(*([log.close] if log else []), tr.close)
     except Exception as e:  # noqa: BLE001 - said or left to the error that stopped the run
         if warn is not None:
-            warn(
-                f"warning: closing the run failed ({why(e) if isinstance(e, OSError) else e}); its checkpoints are whole"
-            )
+            what = why(e) if isinstance(e, OSError) else e
+            warn(f"warning: closing the run failed ({what}); its checkpoints are whole")
 
 
-def _disk_failed(e: OSError, out: Path) -> str:
-    """A disk's failure mid-run in one line: what failed, and the checkpoint to go on from, if any."""
+def disk_failed(e: OSError, out: Path | None = None) -> str:
+    """A disk's failure in one line: what failed, and, mid-run (`out`: the run directory), the checkpoint to go on
+    from, if any; in the setup (None) there is nothing of the run to go on from."""
     where = f" ({e.filename})" if e.filename else ""
     try:
-        saved = rundir.checkpoints(out)
+        saved = rundir.checkpoints(out) if out is not None else []
     except OSError:  # the run directory's disk itself
         saved = []
     go = (
         f"its last checkpoint, {saved[-1].name}, is whole: once the disk is fixed, go on with --resume latest"
         if saved
-        else "it saved no checkpoint: once the disk is fixed, run it again"
+        else f"{'it saved no checkpoint: ' if out is not None else ''}once the disk is fixed, run it again"
     )
     return f"the run stopped on a disk error: {why(e)}{where}; {go}"
 
