@@ -369,6 +369,35 @@ def test_two_ranks_gather_and_set_the_whole_state(token_file, tmp_path):
         assert torch.equal(two["half." + k], two[k] * 0.5), k
 
 
+REFUSED = """
+import sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from conftest import tiny_config
+from tiertrain.errors import UserError
+from tiertrain.trainer import Trainer
+
+cfg = tiny_config(sys.argv[2], *sys.argv[3:])
+try:
+    Trainer(cfg)
+except UserError:
+    sys.exit(3 if dist.is_initialized() else 0)
+sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("refusal", ["train.batch_size=6", 'data.val_path="/nonexistent/val.bin"'])
+def test_a_trainer_refused_under_a_job_ends_the_process_group_it_made(token_file, refusal):
+    """Trainer(cfg) as a rank of a job (API use under torchrun) makes the job's process group; refused after that
+    (a micro-batch that does not divide a rank's rows; a validation file that is not there), it ends the group, as close() does."""
+    from pathlib import Path
+
+    from tiertrain.launch import launch
+
+    tests = str(Path(__file__).parent)
+    assert launch(2, ["-c", REFUSED, tests, str(token_file), refusal], module=None) == 0
+
+
 def test_torchrun_runs_the_job_run_gpus_runs(token_file, tmp_path):
     """`torchrun --nproc-per-node 2 -m tiertrain run` is the job `tiertrain run --gpus 2` starts: the same bits."""
     import os

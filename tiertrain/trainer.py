@@ -91,9 +91,20 @@ class Trainer:
             # refused here, before anything is allocated, when the package is missing
             tensorboard_writer(None)
         cfg, hf_reader = _imported(cfg, resume)
-        self.cfg, self.run_name, self.out, tc, d = cfg, run_name, out, cfg.train, cfg.data
+        self.cfg, self.run_name, self.out = cfg, run_name, out
         # close() ends the group it made
         self.ranks, self.owns_ranks = (ranks or Ranks.from_env(), ranks is None)
+        self.run = None
+        try:
+            self._build(resume, updates, hardware, hf_reader)
+        except BaseException:  # a refusal after the group or the stores were made: they go
+            with contextlib.suppress(Exception):  # the refusal is what to say (a failing disk fails twice)
+                self.close()
+            raise
+
+    def _build(self, resume: Path | None, updates, hardware: Path | None, hf_reader: HFReader | None) -> None:
+        """__init__'s data, plan, parts and initial state."""
+        cfg, out, tc, d = self.cfg, self.out, self.cfg.train, self.cfg.data
         self.ranks.check_batch(tc.batch_size, fixed(tc.micro_batch_size))
         self.device = self.ranks.device(resolve_device(tc.device))
         self.units = cfg.model.units()
@@ -115,20 +126,15 @@ class Trainer:
         # on a CPU the plan settles the choices; its times are rough
         self.predicts = self.device.type == "cuda"
         self.run = assemble(
-            cfg, self.run_plan, self.units, self.layouts, self.shards, self.ranks, self.device, run_name
+            cfg, self.run_plan, self.units, self.layouts, self.shards, self.ranks, self.device, self.run_name
         )
         self.step = 0
-        try:
-            if resume is not None:
-                self.restore(resume)
-            elif hf_reader is not None:
-                self.run.state.load(hf_reader.get)
-            else:
-                self.run.state.init_weights(cfg.model.initializer_range, tc.seed, cfg.model.pad_token_id)
-        except BaseException:  # a refusal after the stores were made (another model's checkpoint): they go
-            with contextlib.suppress(Exception):  # the refusal is what to say (a failing disk fails twice)
-                close_all(self.run.close, self.run.discard_scratch)
-            raise
+        if resume is not None:
+            self.restore(resume)
+        elif hf_reader is not None:
+            self.run.state.load(hf_reader.get)
+        else:
+            self.run.state.init_weights(cfg.model.initializer_range, tc.seed, cfg.model.pad_token_id)
         dtype = DTYPES[self.run_plan.compute_dtype]
         self.peak_tflops = bf16_peak_tflops(self.device) if dtype == torch.bfloat16 else None
 
@@ -380,8 +386,9 @@ class Trainer:
     def close(self) -> None:
         """The run's threads (Run.close), then the process group this trainer made (gloo's threads abort the process
         at exit without it), each whatever the other raised; then the run's NVMe scratch stores deleted (what they
-        held is in a checkpoint, or lost)."""
-        close_all(self.run.close, *([self.ranks.close] if self.owns_ranks else []), self.run.discard_scratch)
+        held is in a checkpoint, or lost). Also what a refused __init__ made, whatever it had made."""
+        run = [self.run.close, self.run.discard_scratch] if self.run is not None else []
+        close_all(*run[:1], *([self.ranks.close] if self.owns_ranks else []), *run[1:])
 
     def _checkpoint_homes(self) -> str:
         """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
