@@ -54,7 +54,10 @@ FLOORS = [
             "tiertrain.export",
         ],
     ),
-    ("run", ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.loop", "tiertrain.start"]),
+    (
+        "run",
+        ["tiertrain.assemble", "tiertrain.trainer", "tiertrain.records", "tiertrain.loop", "tiertrain.start"],
+    ),
     (
         "cli",
         [

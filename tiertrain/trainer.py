@@ -8,31 +8,26 @@ import contextlib
 import copy
 import functools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
 from . import checkpoint as ckpt
-from . import paths, rundir
+from . import paths, records, rundir
 from .assemble import DTYPES, assemble, plan_run
 from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, UserError, close_all
-from .metrics import human_bytes, human_count, tensorboard_writer
+from .metrics import tensorboard_writer
 from .model.docs import Docs
-from .model.families import unlike_family
 from .model.hf import HFReader, open_weights, spec_from_hf
-from .modes import Home, Kind
+from .modes import Home
 from .optim.adamw import lr_at
 from .parallel import Ranks
 from .plan.gpus import from_smi
 from .rows import IGNORE
 from .sections import fixed
-from .sizes import num
 from .state import rng_state, set_rng_state
-from .tiers.placement import spilled_bytes
 from .tiers.slab import Shard, SlabLayout
 
 
@@ -301,7 +296,7 @@ class Trainer:
         each; `n_tokens`: the trained targets of the whole batch, None: all of them); the update itself finishes
         during the next step. The record's loss, norm, tokens and rates are the whole batch's; bytes and times
         this rank's."""
-        before = self._counters()  # ---- the counters before
+        before = records.counters(self)  # ---- the counters before
         t0 = time.perf_counter()  # ---- the step
         mb = self.run_plan.micro_batch
         lr = lr_at(self.step, self.cfg.optim, self.cfg.train.steps)
@@ -310,7 +305,7 @@ class Trainer:
         loss = float(loss)
         dt = time.perf_counter() - t0
         self.step += 1
-        return self._record(before, loss, grad_norm, lr, dt, tgt.shape)  # ---- the counters after
+        return records.record(self, before, loss, grad_norm, lr, dt, tgt.shape)  # ---- the counters after
 
     def _docs(self, pos) -> list | None:
         """Each micro-batch's segments (model.docs), from its rows' positions (None: a row is one segment)."""
@@ -319,69 +314,9 @@ class Trainer:
         mb = self.run_plan.micro_batch
         return [Docs.build(pos[a : a + mb], self.run.step.ctx) for a in range(0, len(pos), mb)]
 
-    def _counters(self) -> "Counters":
-        """What a step's record measures the step against: the counts so far, the last update's speculation."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        acts = self.run.activations
-        return Counters(self.bytes_moved(), acts.disk_bytes, acts.wait_s, self.run.updates.last_kept)
-
-    def _record(self, before: "Counters", loss: float, grad_norm: float, lr: float, dt: float, shape) -> dict:
-        """The step's metrics.jsonl record: its own, its time split, the bytes it moved on each link, the peaks,
-        and on a GPU the plan's prediction of it."""
-        tc, upd, nvme, acts = self.cfg.train, self.run.updates, self.run.nvme, self.run.activations
-        tokens = shape[0] * shape[1] * self.ranks.size
-        tflops = self.cfg.model.flops_per_token(shape[1]) * tokens / dt / 1e12
-        rec = {
-            "step": self.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": self.step * tokens,
-            "step_s": dt,
-            "tokens_per_s": tokens / dt,
-            "model_tflops": tflops,
-        }
-        rec.update({f"{k}_s": v for k, v in self.run.clock.read().items()})
-        rec["opt_wait_s"] = upd.host.wait_s
-        if upd.any_speculated:  # steps so far whose speculation was kept / redone (clipped)
-            rec["speculation_kept"], rec["speculation_redone"] = upd.kept, upd.redone
-        now = self.bytes_moved()
-        rec["h2d_gb"], rec["d2h_gb"] = (now[0] - before.moved[0]) / 1e9, (now[1] - before.moved[1]) / 1e9
-        if nvme:  # NVMe bytes of the last whole update (the previous step's, read ahead and written back)
-            rec["nvme_read_gb"], rec["nvme_write_gb"] = (b / 1e9 for b in nvme.traffic.last_pass)
-            rec["nvme_io_s"] = nvme.traffic.last_window_s
-        if acts.store is not None:  # activation checkpoints written to NVMe and read back this step
-            rec["ck_disk_gb"] = (acts.disk_bytes - before.ck_disk) / 1e9
-            rec["ck_wait_s"] = acts.wait_s - before.ck_wait  # the step's thread waiting on their disk I/O
-            rec["ck_write_gbs"] = (
-                acts.write_rate()
-            )  # the writes' rate while some were on their way (landed ones)
-        if self.peak_tflops:
-            rec["mfu"] = tflops / self.peak_tflops
-        if self.device.type == "cuda":
-            rec["gpu_peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
-        rec["host_rss_gb"] = psutil.Process().memory_info().rss / 1e9
-        if self.predicts and tuple(shape) == (tc.batch_size // self.ranks.size, tc.seq_len):
-            # its forward pass waited for the last update, speculated beside a backward pass unless a norm clipped
-            p = self.plan.prediction
-            pt, ps = (p.times, p.step_s) if before.speculation_kept else (p.clipped_times, p.clipped_step_s)
-            rec.update(
-                pred_step_s=ps,
-                pred_forward_s=pt["compute fwd"],
-                pred_backward_s=pt["compute bwd"],
-                pred_opt_wait_s=pt["exposed update"],
-            )
-        return rec
-
     def bytes_moved(self) -> tuple[int, int]:
         """(H2D, D2H) bytes so far: weights, gradients, GPU updates' state and activation checkpoints."""
-        r = self.run
-        ck, gpu = r.activations, r.updates.gpu
-        return (
-            r.slots.h2d_bytes + gpu.h2d_bytes + ck.h2d_bytes,
-            r.grads.d2h_bytes + gpu.d2h_bytes + ck.d2h_bytes,
-        )
+        return records.bytes_moved(self.run)
 
     def close(self) -> None:
         """The run's threads (Run.close), then the process group this trainer made (gloo's threads abort the process
@@ -390,90 +325,6 @@ class Trainer:
         run = [self.run.close, self.run.discard_scratch] if self.run is not None else []
         close_all(*run[:1], *([self.ranks.close] if self.owns_ranks else []), *run[1:])
 
-    def _checkpoint_homes(self) -> str:
-        """Where the activation checkpoints live, for the run's description; the MLP's tiles."""
-        homes = list(self.run_plan.checkpoints().values())
-        where = {Home.GPU: "on the device", Home.HOST: "in pinned host memory", Home.NVME: "on NVMe"}
-        text = (
-            ", ".join(f"{homes.count(h)} checkpoints {w}" for h, w in where.items() if h in homes)
-            or "no checkpoints"
-        )
-        store = self.run.activations.store
-        return (
-            text
-            + (f" in {store.root}" if store else "")
-            + (f", blocks in tiles of {self.run_plan.tile:,} tokens" if self.run_plan.tile else "")
-        )
-
     def describe(self) -> list[str]:
-        spec, tc, pr = self.cfg.model, self.cfg.train, self.plan.prediction
-        host, nvme = self.run.host.nbytes(), self.run.nvme
-        nv = spilled_bytes([sh.numel for sh in self.shards], self.kind_bytes(), self.run_plan.where())
-        # a GPU run whose plan puts state or checkpoints on a disk no probe measured says how to measure it
-        on_disk = sum(self.plan.memory.nvme.values()) or self.plan.memory.nvme_checkpoints
-        disk = self.hw.disk_note() if self.predicts and on_disk else ""
-        r = self.ranks
-        return [
-            *(
-                [
-                    f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of every batch "
-                    f"and holding 1/{r.size} of every slab; the tiers below are rank 0's"
-                ]
-                if r.size > 1
-                else []
-            ),
-            f"model: {human_count(spec.n_params)} parameters"
-            + (f" ({human_count(spec.n_active_params)} active)" if spec.is_moe else "")
-            + f", {len(self.units)} units "
-            f"({spec.num_hidden_layers} blocks), {spec.flops_per_token(tc.seq_len) / 1e9:.3g} GFLOP/token",
-            *(
-                f"note: {u}; this model trains, but `tiertrain export` refuses it"
-                for u in unlike_family(spec)
-            ),
-            f"batch: {tc.batch_size} x {tc.seq_len} tokens in micro-batches of {self.run_plan.micro_batch}, "
-            f"compute {tc.compute_dtype} on {self.device}, data: {self.loader.describe()}",
-            f"host tier: {human_bytes(sum(host.values()))} ("
-            + ", ".join(f"{getattr(k, 'value', k)} {human_bytes(v)}" for k, v in host.items())
-            + ")",
-            *(
-                [
-                    f"NVMe tier: {human_bytes(sum(nv.values()))} ("
-                    + ", ".join(f"{k.value} {human_bytes(v)}" for k, v in nv.items())
-                    + f") in {nvme.store.root} via {nvme.store.io.name}, staging ring "
-                    + human_bytes(nvme.ring_nbytes())
-                ]
-                if nvme
-                else []
-            ),
-            *(
-                [
-                    f"plan: step {num(pr.step_s)} s"
-                    + (
-                        f" ({num(pr.clipped_step_s)} s while the global norm clips: then nothing speculates)"
-                        if pr.clipped_step_s > pr.step_s * 1.005
-                        else ""
-                    )
-                    + f", {num(pr.tokens_per_s)} tok/s, bottleneck "
-                    f"{pr.bottleneck}, GPU {self.plan.memory.gpu.total / 1e9:.1f} GB ({self.plan.hardware})"
-                ]
-                if self.predicts
-                else []
-            ),
-            *([disk] if disk else []),
-            f"device: {human_bytes(self.device_nbytes())} in weight slots, gradient accumulators and "
-            f"GPU updates' state, "
-            f"plus activations ({self._checkpoint_homes()}); "
-            f"weights stream as "
-            f"{'the compute-dtype copy' if Kind.WEIGHTS in self.run.host.kinds else 'fp32 master'}"
-            + (f" ({', '.join(self.chosen)}: the plan)" if self.chosen else ""),
-        ]
-
-
-@dataclass(frozen=True)
-class Counters:
-    """The counts a step's record is measured against, taken before the step."""
-
-    moved: tuple[int, int]  # (H2D, D2H) bytes so far
-    ck_disk: int  # activation checkpoints' disk bytes so far
-    ck_wait: float  # seconds the step's thread waited on their disk I/O so far
-    speculation_kept: bool  # the last update's speculation was kept: this forward pass waited for it
+        """The run's description, a line a part (records.describe)."""
+        return records.describe(self)
