@@ -43,6 +43,7 @@ FLOORS = [
             "tiertrain.chat",
             "tiertrain.rows",
             "tiertrain.checkpoint",
+            "tiertrain.checkpoint_load",
             "tiertrain.checksum",
             "tiertrain.durable",
             "tiertrain.metrics",

@@ -12,7 +12,9 @@ import pytest
 
 from conftest import DEEP, VARIANTS, budget_for, cli, least_budget, same_run, tiny_config
 from tiertrain import checkpoint as ckpt
+from tiertrain import checkpoint_load as ckpt_load
 from tiertrain import rundir
+from tiertrain.checkpoint_load import read_meta
 from tiertrain.loop import fit
 from tiertrain.metrics import read_metrics
 from tiertrain.trainer import Trainer
@@ -239,7 +241,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(token_file, tmp
         _fit(cfg, out)
     assert [p.name for p in rundir.checkpoints(out)] == ["step_2"]
     assert not list((out / "checkpoints").glob(".*"))  # the partial write is gone
-    ckpt.read_meta(out / "checkpoints" / "step_2")
+    read_meta(out / "checkpoints" / "step_2")
     monkeypatch.setattr(ckpt, "_fsync_tree", real)
     _fit(
         tiny_config(token_file, "train.steps=6", "checkpoint.every=2"),
@@ -351,13 +353,13 @@ def test_a_checkpoint_pruned_while_it_is_read_is_one_line(token_file, tmp_path, 
     tr.save_checkpoint(tmp_path / "run")
     tr.close()
     path = rundir.checkpoints(tmp_path / "run")[-1]
-    n = ckpt.read_meta(path)["numels"][1]
-    body = ckpt._body
+    n = read_meta(path)["numels"][1]
+    body = ckpt_load._body
 
     def pruned(*a, **k):  # the run's rmtree lands as the reader opens its first chunk
         shutil.rmtree(path, ignore_errors=True)
         return body(*a, **k)
 
-    monkeypatch.setattr(ckpt, "_body", pruned)
+    monkeypatch.setattr(ckpt_load, "_body", pruned)
     with pytest.raises(ckpt.CheckpointError, match="was deleted while it was read"):
-        ckpt.load(path, Kind.MASTER, 1, torch.empty(n))
+        ckpt_load.load(path, Kind.MASTER, 1, torch.empty(n))

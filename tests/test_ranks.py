@@ -685,7 +685,7 @@ def test_a_refusal_one_rank_meets_in_a_resume_stops_every_rank(plain, tmp_path, 
     _, _, two, _ = plain
     rank = (
         "import dataclasses, os, sys\n"
-        "from tiertrain import assemble, checkpoint\n"
+        "from tiertrain import assemble, checkpoint_load\n"
         "from tiertrain.tiers.nvme import StoreError\n"
         "planned = assemble._planned\n"
         "def other(*a, **k):  # this rank's plan: another writer's ring\n"
@@ -694,7 +694,7 @@ def test_a_refusal_one_rank_meets_in_a_resume_stops_every_rank(plain, tmp_path, 
         "    return dataclasses.replace(p, run_plan=rp), chosen\n"
         "def broken(*a, **k):\n"
         "    raise OSError(5, 'Input/output error') if sys.argv[1] == 'checkpoint' else StoreError('no room')\n"
-        "patch = {'checkpoint': (checkpoint, '_check_size', broken), 'store': (assemble, 'activation_store', broken),\n"
+        "patch = {'checkpoint': (checkpoint_load, '_check_size', broken), 'store': (assemble, 'activation_store', broken),\n"
         "         'plan': (assemble, '_planned', other)}\n"
         "if os.environ['RANK'] == '1':\n"
         "    setattr(*patch[sys.argv[1]])\n"

@@ -15,6 +15,7 @@ import pytest
 from conftest import DEEP, STEPS, cli, least_budget, refused, stale_store, tiny, tree_hash
 from tiertrain import checkpoint as ckpt
 from tiertrain import paths, runclaim, rundir
+from tiertrain.checkpoint_load import read_meta
 from tiertrain.durable import write_json
 from tiertrain.errors import UserError
 from tiertrain.metrics import read_metrics
@@ -125,7 +126,7 @@ def test_a_weights_checkpoint_exports_and_starts_a_new_run(token_file, tmp_path)
         cli("run", *tiny(token_file), "--set", 'checkpoint.state="weights"', "--out", str(a)).returncode == 0
     )
     (last,) = rundir.checkpoints(a)
-    meta = ckpt.read_meta(last)
+    meta = read_meta(last)
     assert meta["kinds"] == ["master"] and not (last / "exp_avg").exists()
     refused(cli("run", "--resume", "latest", "--out", str(a)), "weights only", "--out")
     b = tmp_path / "b"
@@ -492,7 +493,7 @@ def test_an_export_that_cannot_fit_its_disk_is_refused_first(token_file, tmp_pat
 
     run = tmp_path / "a"
     assert cli("run", *tiny(token_file), "--set", "train.steps=1", "--out", str(run)).returncode == 0
-    n = config_from_dict(ckpt.read_meta(rundir.checkpoints(run)[-1])["config"]).model.n_params
+    n = config_from_dict(read_meta(rundir.checkpoints(run)[-1])["config"]).model.n_params
     free = {"bytes": 4 * n - 1}
     monkeypatch.setattr(export, "disk_free", lambda p: (free["bytes"], 0))
     with pytest.raises(UserError, match=r"weights need .* GB in float32 .*, or --dtype bfloat16"):

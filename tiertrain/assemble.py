@@ -15,6 +15,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import paths, rundir
+from .checkpoint_load import read_meta
 from .config import Config
 from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
@@ -115,7 +116,7 @@ def plan_run(
     tc = cfg.train
     with ranks.together(UserError) as agreed:  # this rank's figures and checkpoint, before the barrier
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
-        micro = ckpt.read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
+        micro = read_meta(resume).get("plan", {}).get("micro_batch") if resume is not None else None
         if micro and (tc.batch_size // ranks.size) % micro:  # resumed on more ranks: a rank's rows are fewer
             micro = None
         hw = run_hardware(
@@ -193,7 +194,7 @@ def _check_saves(
     (plan.saves): refused before anything is allocated, naming the settings that would fit."""
     c, t, rp = cfg.checkpoint, cfg.tiers, p.run_plan
     where = rundir.checkpoint_dir(out)
-    meta = ckpt.read_meta(resume) if resume is not None else None
+    meta = read_meta(resume) if resume is not None else None
     start = meta["step"] if meta and ckpt.whole(meta) else 0
     existing = len([q for q in rundir.checkpoints(out) if int(q.name[5:]) <= start]) if start else 0
     free, dev = rundir.disk_free(where)

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from . import checkpoint as ckpt
+from .checkpoint_load import load, read_meta
 from .config import config_from_dict
 from .errors import UserError
 from .model.hf import write_hf
@@ -20,7 +20,7 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
     """`source`: a checkpoint, or a run directory (its newest checkpoint). Reads a unit at a time. The files a
     run kept from its --init-from model (<run>/hf: tokenizer, generation config) go along."""
     path = resolve(source, None, what="export")
-    meta = ckpt.read_meta(path)
+    meta = read_meta(path)
     spec = config_from_dict(meta["config"], [], str(path), legacy=True).model
     need, (free, _) = spec.n_params * (4 if dtype == "float32" else 2), disk_free(Path(to))
     if need > free:  # before a byte is written: a full disk midway costs the minutes the shards took
@@ -35,7 +35,7 @@ def export_hf(source: str, to: str, dtype: str = "float32", shard_bytes: int = 5
         for unit in units:
             lay = SlabLayout.build([(t.name, t.shape) for t in unit.tensors])
             flat = torch.empty(lay.numel, dtype=torch.float32)
-            ckpt.load(path, Kind.MASTER, unit.index, flat)
+            load(path, Kind.MASTER, unit.index, flat)
             views = lay.views(flat)
             for t in unit.tensors:
                 yield t.hf_name, views[t.name]

@@ -22,7 +22,8 @@ import shutil
 import time
 from pathlib import Path
 
-from .checkpoint import FORMATS, STEP, CheckpointError, left_whole, read_meta, recover, whole
+from .checkpoint import FORMATS, STEP, CheckpointError, left_whole, recover, whole
+from .checkpoint_load import read_meta
 from .durable import fsync, write_json, write_whole
 from .errors import DataError, UserError
 from .metrics import read_metrics, truncate_metrics

@@ -8,8 +8,9 @@ import contextlib
 import time
 from pathlib import Path
 
-from . import checkpoint, runclaim, rundir
-from .checkpoint import read_meta, whole
+from . import runclaim, rundir
+from .checkpoint import whole
+from .checkpoint_load import read_meta
 from .config import config_from_dict, load_config
 from .errors import UserError, close_all
 from .loop import fit
@@ -90,7 +91,7 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
     stores killed processes left discarded (the first rank of each host; the others wait for it, before they make
     any)."""
     if ckpt is not None:
-        meta = checkpoint.read_meta(ckpt)
+        meta = read_meta(ckpt)
         cfg = _resumed(config_path, overrides, ckpt, meta)
         cfg.train.init_from = ""  # the checkpoint holds the weights
         cfg.check_model()  # its [model] is the imported one now: a --set train.seq_len meets its positions

@@ -15,6 +15,7 @@ import torch
 from . import checkpoint as ckpt
 from . import paths, records, rundir
 from .assemble import DTYPES, assemble, plan_run
+from .checkpoint_load import load_all
 from .config import Config, absolute_paths
 from .data import loaders
 from .errors import ConfigError, UserError, close_all
@@ -241,9 +242,7 @@ class Trainer:
         numels, whole = [lay.numel for lay in self.layouts], ckpt.whole(meta)
         self._quiesce()
         t0 = time.perf_counter()
-        ckpt.load_all(
-            path, numels, lambda u, k: self.run.state.part(u, k, read=False), self.ranks, kinds=kinds
-        )
+        load_all(path, numels, lambda u, k: self.run.state.part(u, k, read=False), self.ranks, kinds=kinds)
         if whole:
             self.step = meta["step"]
             self.run.updates.opt.step_count = meta["optimizer"]["step_count"]
