@@ -37,9 +37,8 @@ class Routed:
 
     @classmethod
     def of(cls, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int) -> "Routed":
-        order = moe.sort_pairs(chosen, n_experts)
-        pos = moe.positions(order, chosen.shape[1])
-        per = moe._counts(chosen, n_experts).tolist()  # one sync a micro-batch: the groups' rows are sliced
+        order, pos, _, per, _ = moe.pairs(kernels.on(h), chosen, n_experts)
+        per = per.tolist()  # one sync a micro-batch: the groups' rows are sliced
         return cls(h.detach(), chosen, weights.detach(), order, pos, [0, *accumulate(per)])
 
 
@@ -87,7 +86,8 @@ def share(w: dict[str, torch.Tensor], r: Routed, acc: torch.Tensor, ctx: Context
         return acc
     on = kernels.on(r.h)
     ws = r.weights.reshape(-1).index_select(0, sel)[:, None]
-    y = moe._rows(w, r.h.index_select(0, sel // k), ws, _experts(s, r, sel, first), ends, counts, on, s)
+    xs = moe.gather(on, r.h, sel // k, r.h.dtype)
+    y = moe._rows(w, xs, ws, _experts(s, r, sel, first), ends, counts, on, s)
     return moe.add_slots(on, acc, y, r.pos, lo, torch.float32)
 
 
@@ -102,7 +102,7 @@ def share_backward(
     if not sel.numel():
         return None
     on, src = kernels.on(r.h), sel // k
-    xs = r.h.index_select(0, src).requires_grad_()
+    xs = moe.gather(on, r.h, src, r.h.dtype).requires_grad_()
     wl = r.weights.detach().requires_grad_()
     experts = _experts(s, r, sel, first)
     with torch.enable_grad():
@@ -110,7 +110,7 @@ def share_backward(
         y = moe._rows(leaves, xs, ws, experts, ends, counts, on, s)
     # each pair row's gradient is its token's, in the rows' dtype (moe._Combine's backward)
     d = torch.autograd.grad(
-        [y], [xs, wl, *leaves.values()], [g.to(y.dtype).index_select(0, src)], allow_unused=True
+        [y], [xs, wl, *leaves.values()], [moe.gather(on, g, src, y.dtype)], allow_unused=True
     )
     sums.dh = moe.add_slots(on, sums.dh, d[0], r.pos, lo, torch.float32)
     sums.dws += d[1]

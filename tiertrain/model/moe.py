@@ -6,8 +6,9 @@ router's bias) and a softmax over those. The experts' compute grows with the rou
 pairs are sorted by expert, each projection is one grouped GEMM over the sorted rows (torch's grouped matmul on a
 Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
 its routing weight before the down projection, and the rows go back to their tokens, each token's k summed in
-fp32. On a GPU the activation and that sum are Triton kernels (model/glu.py, model/slot_sum.py). An expert that
-received no token takes no part in the graph, so its gradient is exactly zero.
+fp32. On a GPU the activation and that sum are Triton kernels (model/glu.py, model/slot_sum.py), and so are the
+router's top k, the sort, the places and the gathers (model/route_kernels.py). An expert that received no token
+takes no part in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
     aux = E * sum_e (c_e / N) * (P_e / N)
@@ -26,7 +27,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from . import glu, kernels, slot_sum
+from . import glu, kernels, route_kernels, slot_sum
 
 ROUTER, GPT_OSS_ROUTER = "mlp.gate.weight", "mlp.router.weight"  # a block with experts has one of them
 # torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
@@ -99,20 +100,26 @@ def route(
     """(the chosen experts (T, k), their routing weights (T, k) fp32) of tokens h (T, H); the router log observes
     the `valid` ones (experts())."""
     s = ctx.spec
-    k = s.num_experts_per_tok
+    k, on = s.num_experts_per_tok, kernels.on(h) and s.num_experts <= route_kernels.MAX_EXPERTS
     probs = None  # the softmax over every expert: qwen's and mixtral's routing, and the aux loss's statistics
     if s.model_type == "gpt_oss":
         logits = F.linear(h, w[GPT_OSS_ROUTER], w["mlp.router.bias"]).float()
-        top, chosen = torch.topk(logits, k, dim=-1)
+        top, chosen = kernels.run(on, _topk, route_kernels.topk, logits, k)
         weights = torch.softmax(top, dim=-1)
     else:
         probs = torch.softmax(F.linear(h, w[ROUTER]).float(), dim=-1)
-        weights, chosen = torch.topk(probs, k, dim=-1)
+        weights, chosen = kernels.run(on, _topk, route_kernels.topk, probs, k)
         if s.norm_topk_prob or s.model_type == "mixtral":
             weights = weights / weights.sum(-1, keepdim=True)
     if ctx.router is not None:
         ctx.router.observe(torch.softmax(logits, dim=-1) if probs is None else probs, chosen, valid)
     return chosen, weights
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of each row of x (T, E): (values, indices), the largest first. Equal values may come in any order
+    (torch's); the set is the same."""
+    return torch.topk(x, k, dim=-1)
 
 
 def _mm(
@@ -143,12 +150,21 @@ class _Spread(torch.autograd.Function):
     def forward(fn, h, src, pos, on):
         fn.save_for_backward(pos)
         fn.on = on
-        return h.index_select(0, src)
+        return gather(on, h, src, h.dtype)
 
     @staticmethod
     def backward(fn, g):
         (pos,) = fn.saved_tensors
         return add_slots(fn.on, None, g, pos, 0, g.dtype), None, None, None
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype).index_select(0, idx)
+
+
+def gather(on: bool, x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x's rows idx (x (N, D), idx (n,)) in `dtype`: model/route_kernels.py's kernel where `on`, else eager."""
+    return kernels.run(on, _gather, route_kernels.gather, x, idx, dtype)
 
 
 def positions(order: torch.Tensor, k: int) -> torch.Tensor:
@@ -188,13 +204,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(fn, acc, y, src, pos, on):
         fn.save_for_backward(src)
-        fn.dtype, fn.acc = y.dtype, acc is not None
+        fn.dtype, fn.acc, fn.on = y.dtype, acc is not None, on
         return add_slots(on, acc, y, pos, 0, torch.float32)
 
     @staticmethod
     def backward(fn, g):
         (src,) = fn.saved_tensors
-        return g if fn.acc else None, g.to(fn.dtype).index_select(0, src), None, None, None
+        return g if fn.acc else None, gather(fn.on, g, src, fn.dtype), None, None, None
 
 
 def _glu(y: torch.Tensor, ws: torch.Tensor, gpt_oss: bool, limit: float, alpha: float) -> torch.Tensor:
@@ -227,6 +243,22 @@ def sort_pairs(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
     if n_experts <= 1 << 15:
         key = key.to(torch.uint8 if n_experts <= 1 << 8 else torch.int16)
     return torch.argsort(key, stable=True)
+
+
+def _pairs(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, ...]:
+    order, per = sort_pairs(chosen, n_experts), _counts(chosen, n_experts)
+    k = chosen.shape[1]
+    return order, positions(order, k), order // k, per, per.cumsum(0).to(torch.int32)
+
+
+def pairs(on: bool, chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, ...]:
+    """The (token, slot) pairs of the chosen experts (T, k), as the experts take them: (order: the pairs sorted by
+    expert, stably (sort_pairs); pos: each token's places in order, in expert order (positions); src: each sorted
+    pair's token; per: the pairs of each expert, int64 (E,); ends: where each expert's pairs end in order, int32
+    (E,), the grouped matmul's offsets). model/route_kernels.py's kernels where `on` and they take the sizes (the
+    same bits), else torch's ops."""
+    gpu = on and route_kernels.sorts(chosen, n_experts)
+    return kernels.run(gpu, _pairs, route_kernels.pairs, chosen, n_experts)
 
 
 def _experts_of(s, chosen: torch.Tensor, sel: torch.Tensor) -> torch.Tensor | None:
@@ -306,7 +338,6 @@ def experts(
     returns what it added (None where `into` is None and it added nothing); each group then adds its experts'
     rows in the same order, so groups give the bits of the whole block."""
     s = ctx.spec
-    k = s.num_experts_per_tok
     chosen, weights = route(w, h, ctx, valid)
     base = None
     if s.model_type == "gpt_oss":  # kept whole in the attention part (model/parts.py)
@@ -318,12 +349,10 @@ def experts(
     if "mlp.experts.down_proj" not in w:
         ctx.routed.append((h, chosen, weights))
         return acc
-    order = sort_pairs(chosen, s.num_experts)
-    pos, src = positions(order, k), order // k  # src: each sorted pair's token
-    per = _counts(chosen, s.num_experts)
-    grouped = _grouped(h, w["mlp.experts.down_proj"])
-    ends, counts = (per.cumsum(0).to(torch.int32), None) if grouped else (None, per.tolist())
     on = kernels.on(h)
+    order, pos, src, per, ends = pairs(on, chosen, s.num_experts)
+    grouped = _grouped(h, w["mlp.experts.down_proj"])
+    ends, counts = (ends, None) if grouped else (None, per.tolist())
     xs = _Spread.apply(h, src, pos, on)
     ws = weights.reshape(-1).index_select(0, order)[:, None]  # fp32 (T k, 1)
     y = _rows(w, xs, ws, _experts_of(s, chosen, order), ends, counts, on, s)
