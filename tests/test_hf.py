@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shlex
@@ -45,9 +46,11 @@ def test_export_of_an_import_reproduces_transformers(case, token_file, tmp_path)
     hf = hf_dir(case, tmp_path / "hf", shard="20KB" if case == "qwen2" else None)
     assert (case == "qwen2") == (tmp_path / "hf" / "model.safetensors.index.json").exists()
     given = tiny_config(token_file, f'train.init_from="{tmp_path / "hf"}"', "model.hidden_size=32")
+    before = copy.deepcopy(given.model)
     tr = Trainer(given)
     assert tr.cfg.model.hidden_size == COMMON["hidden_size"]  # config.json overrides [model]
-    assert given.model.hidden_size == 32  # in the trainer's copy: the caller's Config is input only
+    # in the trainer's copy: the caller's Config is input only (its [model] the placeholder, its --set kept)
+    assert given.model == before and given.model_sets["hidden_size"] == 32
     tr.save_checkpoint(tmp_path / "run")
     tr.close()
     files = export_hf(str(tmp_path / "run"), str(tmp_path / "out"), shard_bytes=30_000)

@@ -491,3 +491,26 @@ def test_expert_groups_train_as_transformers(case, token_file, tmp_path):
     tr.close()
     assert sorted(parts) == [b + 1 for b in range(spec.num_hidden_layers) if spec.has_experts(b)]
     assert all(len(p) == groups + 1 and p[0].experts == 0 for p in parts.values())
+
+
+def test_set_model_keys_with_init_from_are_not_checked_against_the_placeholder(tmp_path):
+    """A new run importing a mixture of experts with --set model.num_experts (even the model's own value) and
+    another MoE key: config.json gives [model], so they go unused (recorded for the run's warning), where they
+    were laid over the placeholder dense [model] and refused as a dense llama's. LIFTED keys still apply, and a
+    config without init_from (or a checkpoint's, a resume's) still checks them."""
+    from tiertrain.config import config_from_dict, load_config
+    from tiertrain.errors import ConfigError
+    from tiertrain.model.hf import spec_from_hf
+
+    moe_model("qwen3_moe").save_pretrained(tmp_path / "hf")
+    sets = [f'train.init_from="{tmp_path / "hf"}"', "model.num_experts=6", "model.num_experts_per_tok=3"]
+    cfg = load_config("finetune", [*sets, "model.router_aux_loss_coef=0.5", "train.seq_len=32"])
+    assert cfg.model_sets == {"num_experts": 6, "num_experts_per_tok": 3, "router_aux_loss_coef": 0.5}
+    spec = spec_from_hf(tmp_path / "hf", cfg.train.seq_len)
+    got = cfg.imported(spec).model
+    assert (got.num_experts, got.num_experts_per_tok) == (spec.num_experts, spec.num_experts_per_tok)
+    assert got.router_aux_loss_coef == 0.5
+    with pytest.raises(ConfigError, match="model.num_experts = 6 is not allowed"):
+        load_config("debug", ["model.num_experts=6"])
+    with pytest.raises(ConfigError, match="model.num_experts = 6 is not allowed"):
+        config_from_dict(load_config("debug").to_dict(), sets, legacy=True)

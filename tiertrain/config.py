@@ -345,8 +345,15 @@ def config_from_dict(
             for sec, vals in data.items()
         }
     _apply(cfg, data, origin)
-    for o in overrides:
-        given = parse_override(o)
-        _apply(cfg, given, "--set")
-        cfg.model_sets.update(given.get("model", {}))
+    given = [parse_override(o) for o in overrides]
+    init_from = next(
+        (g["train"]["init_from"] for g in reversed(given) if "init_from" in g.get("train", {})), None
+    )
+    # a new run importing a model: its config.json gives [model], and the --set model.* values outside LIFTED go
+    # unused (the run says so); laid over the placeholder [model] they would be checked against another model
+    imports = not legacy and (cfg.train.init_from if init_from is None else init_from)
+    for g in given:
+        sets = g.get("model", {})
+        _apply(cfg, {**g, "model": {k: v for k, v in sets.items() if k in LIFTED}} if imports else g, "--set")
+        cfg.model_sets.update(sets)
     return cfg.validate()
