@@ -171,13 +171,15 @@ def test_a_torn_metrics_line_does_not_stop_a_resume(token_file, tmp_path):
 
 
 def test_a_full_disk_while_logging_leaves_whole_lines(token_file, tmp_path):
-    """The metrics file hits the size limit mid-run (checkpoints only at the end): one line, every line
-    left in metrics.jsonl whole."""
+    """The metrics file hits the size limit mid-run (checkpoints only at the end): one line, which says that
+    the run saved no checkpoint to go on from (it used to advise a --resume that is refused), every line left in
+    metrics.jsonl whole."""
     out = tmp_path / "run"
     out.mkdir()
     # config.toml, plan.json fit; 12 records do not
     r = cli("run", *tiny(token_file), "--out", str(out), fsize=4096)
-    refused(r, "metrics.jsonl", "file size limit")
+    line = refused(r, "metrics.jsonl", "file size limit", "it saved no checkpoint", "run it again")
+    assert "--resume" not in line
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     assert lines and all(line.endswith("\n") and json.loads(line) for line in lines)
 

@@ -58,7 +58,7 @@ def tensorboard_writer(out: Path | None):
 
 class MetricsLog:
     """Appends one JSON object per step, whole or not at all: a write that fails (a full disk) is cut back
-    to the last whole line and stops the run with one line. Flushed per line so a killed run keeps what
+    to the last whole line and stops the run with one line (loop.disk_failed's). Flushed per line so a killed run keeps what
     it logged. `tensorboard`: a SummaryWriter that gets every number of each record too (its own thread
     writes the event file; close() closes it)."""
 
@@ -68,8 +68,8 @@ class MetricsLog:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, rec: dict) -> None:
-        from .errors import UserError, why
-
+        """Appends rec's line; a failed write is cut back to the last whole line and raised (the loop says in one
+        line what there is to go on from: loop.disk_failed)."""
         data = (json.dumps(rec) + "\n").encode()
         end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
@@ -81,10 +81,8 @@ class MetricsLog:
                 os.ftruncate(self._fd, end)  # needs no space: the torn record goes
             except OSError:
                 pass
-            raise UserError(
-                f"writing {self.path} failed: {why(e)}; free space, then continue with "
-                f"tiertrain run --resume latest --out {self.path.parent}"
-            ) from None
+            e.filename = e.filename or str(self.path)
+            raise
         if self.tb is not None:
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
