@@ -322,6 +322,8 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6)),
+    # a window shorter than the rows (train.seq_len 32): each query sees itself and the 11 keys before it
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=1e6, sliding_window=12)),
     "qwen3-yarn": (  # YaRN scales cos and sin by its attention factor (1.139 at x4)
         "Qwen3Config",
         "Qwen3ForCausalLM",

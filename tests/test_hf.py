@@ -17,7 +17,7 @@ from tiertrain.export import export_hf
 from tiertrain.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
-IMPORTED = ["llama3-rope", "mistral", "qwen2", "qwen3", "llama-bias", "qwen3-bias"]
+IMPORTED = ["llama3-rope", "mistral", "mistral-window", "qwen2", "qwen3", "llama-bias", "qwen3-bias"]
 
 
 def _load(path):
