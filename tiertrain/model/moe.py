@@ -7,7 +7,7 @@ pairs are sorted by expert, each projection is one grouped GEMM over the sorted 
 Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
 its routing weight before the down projection, and the rows go back to their tokens, each token's k summed in
 fp32. On a GPU the activation and that sum are Triton kernels (model/glu.py, model/slot_sum.py), and so are the
-router's top k, the sort, the places and the gathers (model/route_kernels.py). An expert that received no token
+router (model/router_kernel.py), the sort, the places and the gathers (model/route_kernels.py). An expert that received no token
 takes no part in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
@@ -27,7 +27,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from . import glu, kernels, route_kernels, slot_sum
+from . import glu, kernels, route_kernels, router_kernel, slot_sum
 
 ROUTER, GPT_OSS_ROUTER = "mlp.gate.weight", "mlp.router.weight"  # a block with experts has one of them
 # torch's grouped matmul (torch 2.8+: torch._grouped_mm; later also F.grouped_mm): bf16 on sm90+
@@ -100,26 +100,30 @@ def route(
     """(the chosen experts (T, k), their routing weights (T, k) fp32) of tokens h (T, H); the router log observes
     the `valid` ones (experts())."""
     s = ctx.spec
-    k, on = s.num_experts_per_tok, kernels.on(h) and s.num_experts <= route_kernels.MAX_EXPERTS
-    probs = None  # the softmax over every expert: qwen's and mixtral's routing, and the aux loss's statistics
-    if s.model_type == "gpt_oss":
-        logits = F.linear(h, w[GPT_OSS_ROUTER], w["mlp.router.bias"]).float()
-        top, chosen = kernels.run(on, _topk, route_kernels.topk, logits, k)
-        weights = torch.softmax(top, dim=-1)
-    else:
-        probs = torch.softmax(F.linear(h, w[ROUTER]).float(), dim=-1)
-        weights, chosen = kernels.run(on, _topk, route_kernels.topk, probs, k)
-        if s.norm_topk_prob or s.model_type == "mixtral":
-            weights = weights / weights.sum(-1, keepdim=True)
+    gpt_oss, on = s.model_type == "gpt_oss", kernels.on(h) and s.num_experts <= route_kernels.MAX_EXPERTS
+    logits = F.linear(h, w[GPT_OSS_ROUTER], w["mlp.router.bias"]) if gpt_oss else F.linear(h, w[ROUTER])
+    norm = s.norm_topk_prob or s.model_type == "mixtral"
+    args = (logits, s.num_experts_per_tok, gpt_oss, norm, ctx.router is not None)
+    weights, chosen, probs = kernels.run(on, _route, router_kernel.route, *args)
     if ctx.router is not None:
-        ctx.router.observe(torch.softmax(logits, dim=-1) if probs is None else probs, chosen, valid)
+        ctx.router.observe(probs, chosen, valid)
     return chosen, weights
 
 
-def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top k of each row of x (T, E): (values, indices), the largest first. Equal values may come in any order
-    (torch's); the set is the same."""
-    return torch.topk(x, k, dim=-1)
+def _route(logits: torch.Tensor, k: int, gpt_oss: bool, norm: bool, probs: bool):
+    """(routing weights (T, k) fp32, chosen experts (T, k), the softmax over every expert (T, E) fp32 where `probs`
+    asks, else None) of router logits (T, E): qwen and mixtral take the top k of the softmax, rescaled to sum to one
+    where `norm`; gpt-oss the top k logits and a softmax over those. Equal values may come in any order (torch's
+    top k); the set is the same. model/router_kernel.py on a GPU."""
+    if gpt_oss:
+        x = logits.float()
+        top, chosen = torch.topk(x, k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen, torch.softmax(x, dim=-1) if probs else None
+    p = torch.softmax(logits.float(), dim=-1)  # the aux loss's statistics too
+    weights, chosen = torch.topk(p, k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, chosen, p if probs else None
 
 
 def _mm(

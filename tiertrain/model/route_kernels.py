@@ -1,12 +1,10 @@
-"""The routed pairs' bookkeeping (model/moe.py) as Triton kernels on a GPU: the router's top k, the pairs sorted
-by expert with each token's places and each expert's count, and the rows gathered to their pairs.
+"""The routed pairs' bookkeeping (model/moe.py) as Triton kernels on a GPU: the pairs sorted by expert with each
+token's places and each expert's count, and the rows gathered to their pairs (the router itself:
+model/router_kernel.py).
 
-At 8k tokens of Qwen3-30B-A3B's experts on an H100 torch's ops for these took about 0.45 ms of the experts' 4.7 ms
-forward and backward pass, in some thirty small kernels: its top k (a radix select, then a sort of the k), a radix
-sort of the pairs and a sort of each token's places, and row gathers at about 1.8 TB/s. Here:
-- topk: a program takes R rows and picks each row's largest k one after another; values are the input's, ties go
-  to the lower index, as a stable sort's (torch's own order among equal values is not fixed). Its backward is
-  torch's (the gradients scattered to the chosen columns).
+At 8k tokens of Qwen3-30B-A3B's experts on an H100 torch's ops for these took about 0.35 ms of the experts' 4.7 ms
+forward and backward pass: a radix sort of the pairs, a sort of each token's places, counts and a cumsum (some 25
+small kernels) and row gathers at about 1.8 TB/s. Here:
 - pairs: a counting sort, stable like the argsort it replaces, so its outputs are that argsort's bits. Each block
   of pairs counts its experts, one program turns the counts into each (block, expert)'s first place, and each
   block sorts its pairs by (expert, place in block) and writes them there. A last kernel sorts each token's k
@@ -22,8 +20,9 @@ import functools
 import torch
 
 GATHER_ROWS, GATHER_BLOCK = 4, 256  # rows and columns a gather program copies
-TOPK_ROWS = 16  # router rows a top-k program takes
-MAX_EXPERTS = 256  # more and moe.py keeps torch's ops (the counts' table and the top k's rows grow with them)
+MAX_EXPERTS = (
+    256  # more and moe.py keeps torch's ops (the counts' table and the router's rows grow with them)
+)
 MAX_BLOCKS = 64  # the counting sort's blocks of pairs: one program scans their counts
 MAX_BLOCK = 8192  # pairs a block sorts; more pairs than MAX_BLOCKS x this and moe.py keeps torch's ops
 
@@ -46,19 +45,6 @@ def _kernels():
         m = live[:, None] & (cols < width)[None, :]
         v = tl.load(x + src[:, None] * width + cols[None, :], mask=m, other=0.0)
         tl.store(out + rows.to(tl.int64)[:, None] * width + cols[None, :], v.to(out.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def topk(x, values, indices, t, e, K: tl.constexpr, EP: tl.constexpr, R: tl.constexpr):
-        rows = tl.program_id(0) * R + tl.arange(0, R)
-        cols = tl.arange(0, EP)
-        live = rows < t
-        m = live[:, None] & (cols < e)[None, :]
-        v = tl.load(x + rows.to(tl.int64)[:, None] * e + cols[None, :], mask=m, other=float("-inf"))
-        for j in tl.static_range(K):
-            top, at = tl.max(v, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            tl.store(values + rows * K + j, top, mask=live)
-            tl.store(indices + rows * K + j, at.to(tl.int64), mask=live)
-            v = tl.where(cols[None, :] == at[:, None], float("-inf"), v)
 
     @triton.jit
     def count(keys, counts, n, EP: tl.constexpr, BLOCK: tl.constexpr):
@@ -107,7 +93,7 @@ def _kernels():
         v = tl.load(inv + rows[:, None] * K + c[None, :], mask=m, other=2147483647)
         tl.store(pos + rows[:, None] * K + c[None, :], tl.sort(v, dim=1).to(tl.int64), mask=m)
 
-    return dict(gather=gather, topk=topk, count=count, scan=scan, place=place, positions=positions)
+    return dict(gather=gather, count=count, scan=scan, place=place, positions=positions)
 
 
 def gather(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,34 +107,6 @@ def gather(x: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tens
             x, idx, out, n, width, R=GATHER_ROWS, BLOCK=GATHER_BLOCK, num_warps=4
         )  # fmt: skip
     return out
-
-
-class TopK(torch.autograd.Function):
-    """torch.topk(x, k, dim=-1) of x (T, E) fp32, sorted, equal values in the order of their indices."""
-
-    @staticmethod
-    def forward(fn, x, k: int):
-        x = x.contiguous()
-        t, e = x.shape
-        values = x.new_empty(t, k)
-        indices = torch.empty(t, k, dtype=torch.int64, device=x.device)
-        if values.numel():
-            grid = (-(-t // TOPK_ROWS),)
-            _kernels()["topk"][grid](x, values, indices, t, e, K=k, EP=_pow2(e), R=TOPK_ROWS, num_warps=4)
-        fn.save_for_backward(indices)
-        fn.mark_non_differentiable(indices)
-        fn.shape = x.shape
-        return values, indices
-
-    @staticmethod
-    def backward(fn, dv, _):
-        (indices,) = fn.saved_tensors
-        return dv.new_zeros(fn.shape).scatter_(1, indices, dv), None
-
-
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """model/moe.py's top k on a GPU: (values, indices), as TopK."""
-    return TopK.apply(x, k)
 
 
 def sorts(chosen: torch.Tensor, n_experts: int) -> bool:
