@@ -25,7 +25,7 @@ def test_the_gather_gives_index_selects_bits(dtype, n, width):
 
 @pytest.mark.parametrize("mode", ["norm", "plain", "gpt_oss"])
 @pytest.mark.parametrize(
-    "tokens,experts,k,probs", [(8192, 128, 8, True), (333, 60, 4, False), (0, 32, 4, True)]
+    "tokens,experts,k,probs", [(8192, 128, 8, True), (333, 60, 4, False), (77, 8, 1, True), (0, 32, 4, True)]
 )
 def test_the_router_kernel_routes_as_torchs_ops(mode, tokens, experts, k, probs):
     """model/router_kernel.py against moe._route under autograd, from bf16 logits with many equal values: the
@@ -67,11 +67,13 @@ def test_the_router_kernel_routes_as_torchs_ops(mode, tokens, experts, k, probs)
 
 
 @pytest.mark.parametrize(
-    "tokens,experts,k", [(8192, 128, 8), (16_384, 128, 8), (333, 60, 4), (5, 8, 2), (0, 8, 2), (64, 256, 1)]
+    "tokens,experts,k",
+    [(8192, 128, 8), (16_384, 128, 8), (65_536, 128, 8), (333, 60, 4), (5, 8, 2), (0, 8, 2), (64, 256, 1)],
 )
 def test_the_pairs_sort_gives_the_argsorts_bits(tokens, experts, k):
     """The counting sort of the pairs by expert, each token's places and each expert's count: the bits of moe's
-    torch ops (a stable argsort), in one block of pairs and in many; again on a rerun."""
+    torch ops (a stable argsort), in one block of pairs and in many, up to the largest blocks it takes (8,192
+    pairs at 65,536 tokens of 8); again on a rerun."""
     from tiertrain.model import moe, route_kernels
 
     g = torch.Generator(device="cuda").manual_seed(0)

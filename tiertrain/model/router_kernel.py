@@ -132,7 +132,7 @@ class Route(torch.autograd.Function):
         weights = torch.empty(t, k, dtype=torch.float32, device=logits.device)
         chosen = torch.empty(t, k, dtype=torch.int64, device=logits.device)
         p = torch.empty(t if probs else 0, e, dtype=torch.float32, device=logits.device)
-        fn.args = dict(K=k, KP=_pow2(k), EP=_pow2(e), R=ROWS, GPT_OSS=gpt_oss, NORM=norm)
+        fn.args = dict(K=k, KP=max(2, _pow2(k)), EP=max(2, _pow2(e)), R=ROWS, GPT_OSS=gpt_oss, NORM=norm)
         if t:
             _kernels()[0][(-(-t // ROWS),)](logits, weights, chosen, p, t, e, PROBS=probs, **fn.args)
         fn.save_for_backward(logits, chosen)
