@@ -35,6 +35,7 @@ def _pair(case: str):
         qk_norm=family == "qwen3",
         pad_token_id=extra.get("pad_token_id"),
         head_dim=extra.get("head_dim"),
+        sliding_window=extra.get("sliding_window"),
     )
     spec.validate()
     return hf, spec
@@ -52,7 +53,7 @@ def template_logits(spec: ModelSpec, sd: dict[str, torch.Tensor], tokens: torch.
 
     x = llama.embed(weights(units[0]), tokens, ctx)
     for u in units[1:-1]:
-        x = llama.block(weights(u), x, ctx)
+        x = llama.block(weights(u), x, ctx.of(u.window))
     return llama.logits(weights(units[-1]), llama.final_norm(weights(units[-1]), x, ctx), ctx)
 
 
@@ -70,9 +71,11 @@ def test_templates_equal_transformers(case):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if "sliding_window" not in CASES[c][2]))
 def test_reference_module_equals_transformers(case):
-    """The parity tests' oracle is itself the transformers math, gradients included."""
+    """The parity tests' oracle is itself the transformers math, gradients included (of the models without a
+    window shorter than their rows: the oracle attends to the whole prefix; test_hf checks a windowed import
+    against transformers itself)."""
     hf, spec = _pair(case)
     ref = ReferenceLM(spec)
     ref.load_state_dict(hf.state_dict(), strict=not spec.tie_word_embeddings)

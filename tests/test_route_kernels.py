@@ -25,7 +25,8 @@ def test_the_gather_gives_index_selects_bits(dtype, n, width):
 
 @pytest.mark.parametrize("mode", ["norm", "plain", "gpt_oss"])
 @pytest.mark.parametrize(
-    "tokens,experts,k,probs", [(8192, 128, 8, True), (333, 60, 4, False), (77, 8, 1, True), (0, 32, 4, True)]
+    "tokens,experts,k,probs",
+    [(8192, 128, 8, True), (333, 60, 4, False), (77, 8, 1, True), (100, 60, 3, True), (0, 32, 4, True)],
 )
 def test_the_router_kernel_routes_as_torchs_ops(mode, tokens, experts, k, probs):
     """model/router_kernel.py against moe._route under autograd, from bf16 logits with many equal values: the
@@ -36,7 +37,8 @@ def test_the_router_kernel_routes_as_torchs_ops(mode, tokens, experts, k, probs)
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(tokens, experts, generator=g, device="cuda") * 2).bfloat16()
     dw = torch.randn(tokens, k, generator=g, device="cuda")
-    dp = torch.randn(tokens, experts, generator=g, device="cuda") * 0.1
+    # the load-balancing loss's gradient of the softmax comes as its column sums' gradient, expanded
+    dp = (torch.randn(experts, generator=g, device="cuda") * 0.1).expand(tokens, experts)
     args = (k, mode == "gpt_oss", mode == "norm", probs)
 
     def run(fn, by=None):
@@ -64,11 +66,39 @@ def test_the_router_kernel_routes_as_torchs_ops(mode, tokens, experts, k, probs)
     torch.testing.assert_close(g1.float(), g0.float(), rtol=1e-2, atol=1e-4)
     again = run(router_kernel.route)
     assert all(torch.equal(a, b) for a, b in zip((w1, c1, g1), (again[0], again[1], again[3])))
+    assert not probs or torch.equal(p1, again[2])
+
+
+def test_a_nan_logit_routes_to_distinct_experts_that_exist():
+    """A router row with a NaN (a diverging run): torch's top k takes NaN as the largest value, so the kernel's k
+    picks stay distinct experts below E (60: the softmax's padding columns must never be picked), and the weights
+    are NaN as torch's, so the run's loss says it diverged rather than an index out of range."""
+    from tiertrain.model import moe, router_kernel
+
+    logits = torch.randn(64, 60, device="cuda").bfloat16()
+    logits[5, 7] = float("nan")
+    for gpt_oss in (False, True):
+        w, c, _ = router_kernel.route(logits, 4, gpt_oss, True, False)
+        assert ((c >= 0) & (c < 60)).all() and all(len(set(r.tolist())) == 4 for r in c)
+        ref = moe._route(logits, 4, gpt_oss, True, False)
+        assert torch.equal(w[5].isnan(), ref[0][5].isnan()) and w[5].isnan().all()
+        assert torch.equal(
+            c[torch.arange(64) != 5].sort(1).values, ref[1][torch.arange(64) != 5].sort(1).values
+        )
 
 
 @pytest.mark.parametrize(
     "tokens,experts,k",
-    [(8192, 128, 8), (16_384, 128, 8), (65_536, 128, 8), (333, 60, 4), (5, 8, 2), (0, 8, 2), (64, 256, 1)],
+    [
+        (8192, 128, 8),
+        (16_384, 128, 8),
+        (65_536, 128, 8),
+        (16_385, 100, 4),
+        (333, 60, 4),
+        (5, 8, 2),
+        (0, 8, 2),
+        (64, 256, 1),
+    ],
 )
 def test_the_pairs_sort_gives_the_argsorts_bits(tokens, experts, k):
     """The counting sort of the pairs by expert, each token's places and each expert's count: the bits of moe's
@@ -78,11 +108,15 @@ def test_the_pairs_sort_gives_the_argsorts_bits(tokens, experts, k):
 
     g = torch.Generator(device="cuda").manual_seed(0)
     chosen = torch.rand(tokens, experts, generator=g, device="cuda").topk(k, dim=-1).indices
-    assert route_kernels.sorts(chosen, experts)
-    got, want = route_kernels.pairs(chosen, experts), moe._pairs(chosen, experts)
-    for name, x, y in zip(("order", "pos", "src", "per", "ends"), got, want, strict=True):
-        assert x.dtype == y.dtype and torch.equal(x, y), name
-    assert all(torch.equal(x, y) for x, y in zip(route_kernels.pairs(chosen, experts), got))
+    skewed = (
+        torch.arange(k, device="cuda").flip(0).expand(tokens, k)
+    )  # every token the same k, most experts idle
+    for c in (chosen, skewed):
+        assert route_kernels.sorts(c, experts)
+        got, want = route_kernels.pairs(c, experts), moe._pairs(c, experts)
+        for name, x, y in zip(("order", "pos", "src", "per", "ends"), got, want, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert all(torch.equal(x, y) for x, y in zip(route_kernels.pairs(c, experts), got))
 
 
 def test_what_the_pairs_sort_takes():

@@ -64,6 +64,9 @@ def _kernels():
         if PROBS:
             tl.store(probs + at, p, mask=m)
         v = x if GPT_OSS else p
+        # a NaN is the largest value, as torch's top k takes it, so the k picked stay distinct experts (a NaN
+        # loses every comparison, so the pick would depend on the reduction's order, padding included)
+        v = tl.where((cols < e)[None, :], tl.where(v != v, float("inf"), v), float("-inf"))
         top = tl.zeros([R, KP], dtype=tl.float32)
         for j in tl.static_range(K):
             best, idx = tl.max(v, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -137,6 +140,7 @@ class Route(torch.autograd.Function):
             _kernels()[0][(-(-t // ROWS),)](logits, weights, chosen, p, t, e, PROBS=probs, **fn.args)
         fn.save_for_backward(logits, chosen)
         fn.mark_non_differentiable(chosen)
+        fn.set_materialize_grads(False)  # no (T, E) of zeros for a softmax no loss reads
         return weights, chosen, p
 
     @staticmethod
