@@ -122,8 +122,8 @@ def describe(tr: Trainer) -> list[str]:
     return [
         *(
             [
-                f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of every batch "
-                f"and holding 1/{r.size} of every slab; the tiers below are rank 0's"
+                f"ranks: {r.size} ({r.local_size} on this host), each taking {tc.batch_size // r.size} rows of "
+                f"every batch and holding 1/{r.size} of every slab; the tiers below are rank 0's"
             ]
             if r.size > 1
             else []

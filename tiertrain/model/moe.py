@@ -7,8 +7,8 @@ pairs are sorted by expert, each projection is one grouped GEMM over the sorted 
 Hopper GPU in bf16; elsewhere a loop over the experts that received tokens), each pair's activation is weighted by
 its routing weight before the down projection, and the rows go back to their tokens, each token's k summed in
 fp32. On a GPU the activation and that sum are Triton kernels (model/glu.py, model/slot_sum.py), and so are the
-router (model/router_kernel.py), the sort, the places and the gathers (model/route_kernels.py). An expert that received no token
-takes no part in the graph, so its gradient is exactly zero.
+router (model/router_kernel.py), the sort, the places and the gathers (model/route_kernels.py). An expert that
+received no token takes no part in the graph, so its gradient is exactly zero.
 
 The load-balancing loss (transformers' load_balancing_loss_func, output_router_logits true) of a micro-batch is
     aux = E * sum_e (c_e / N) * (P_e / N)
