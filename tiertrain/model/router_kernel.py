@@ -40,6 +40,19 @@ def _kernels():
         return p / tl.sum(p, axis=1)[:, None]
 
     @triton.jit
+    def _rows(logits, t, e, R: tl.constexpr, EP: tl.constexpr):
+        """A program's R rows of logits: (their indices, the columns, which rows are live, the rows' offsets, the
+        mask of their columns, the logits in fp32 (padding -inf), their softmax); the forward's and the backward's
+        alike, so the backward recomputes the forward's softmax to the bit."""
+        rows = tl.program_id(0) * R + tl.arange(0, R)
+        cols = tl.arange(0, EP)
+        live = rows < t
+        at = rows.to(tl.int64)[:, None] * e + cols[None, :]
+        m = live[:, None] & (cols < e)[None, :]
+        x = tl.load(logits + at, mask=m, other=float("-inf")).to(tl.float32)
+        return rows, cols, live, at, m, x, _softmax(x)
+
+    @triton.jit
     def _weights(v, kcols, K: tl.constexpr, GPT_OSS: tl.constexpr, NORM: tl.constexpr):
         """The routing weights of the k values v (R, KP; padding 0 past K)."""
         if GPT_OSS:
@@ -54,13 +67,8 @@ def _kernels():
         K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, R: tl.constexpr,
         GPT_OSS: tl.constexpr, NORM: tl.constexpr, PROBS: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * R + tl.arange(0, R)
-        cols, kcols = tl.arange(0, EP), tl.arange(0, KP)
-        live = rows < t
-        at = rows.to(tl.int64)[:, None] * e + cols[None, :]
-        m = live[:, None] & (cols < e)[None, :]
-        x = tl.load(logits + at, mask=m, other=float("-inf")).to(tl.float32)
-        p = _softmax(x)
+        rows, cols, live, at, m, x, p = _rows(logits, t, e, R, EP)
+        kcols = tl.arange(0, KP)
         if PROBS:
             tl.store(probs + at, p, mask=m)
         v = x if GPT_OSS else p
@@ -82,13 +90,8 @@ def _kernels():
         K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, R: tl.constexpr,
         GPT_OSS: tl.constexpr, NORM: tl.constexpr, DP: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * R + tl.arange(0, R)
-        cols, kcols = tl.arange(0, EP), tl.arange(0, KP)
-        live = rows < t
-        at = rows.to(tl.int64)[:, None] * e + cols[None, :]
-        m = live[:, None] & (cols < e)[None, :]
-        x = tl.load(logits + at, mask=m, other=float("-inf")).to(tl.float32)
-        p = _softmax(x)
+        rows, cols, live, at, m, x, p = _rows(logits, t, e, R, EP)
+        kcols = tl.arange(0, KP)
         v = x if GPT_OSS else p
         km = live[:, None] & (kcols < K)[None, :]
         idx = tl.load(chosen + rows[:, None] * K + kcols[None, :], mask=km, other=-1)
