@@ -514,3 +514,5 @@ def test_set_model_keys_with_init_from_are_not_checked_against_the_placeholder(t
         load_config("debug", ["model.num_experts=6"])
     with pytest.raises(ConfigError, match="model.num_experts = 6 is not allowed"):
         config_from_dict(load_config("debug").to_dict(), sets, legacy=True)
+    with pytest.raises(ConfigError, match="model.num_experts = 6 is not allowed"):  # a resume with a --config
+        load_config("finetune", [*sets, "train.seq_len=32"], new=False)

@@ -293,7 +293,9 @@ def resolve_path(path: str | None) -> Path:
     )
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: list[str] = (), new: bool = True) -> Config:
+    """The config file (None: the debug one; a shipped name) with the `--set` overrides; `new`: False for a
+    resumed run's (config_from_dict)."""
     src = resolve_path(path)
     try:
         data = tomllib.loads(src.read_text(encoding="utf-8"))
@@ -305,7 +307,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
         ) from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {src}: {e.strerror}") from None
-    cfg = config_from_dict(data, overrides, str(src))
+    cfg = config_from_dict(data, overrides, str(src), new=new)
     # no [model] to train and none to import: the placeholder's 0.9 M parameters
     if "model" not in data and not cfg.model_sets and not cfg.train.init_from:
         raise ConfigError(
@@ -329,10 +331,11 @@ RENAMED = {("train", "mlp_chunk_tokens"): "tile_tokens", ("tiers", "checkpoint_d
 
 
 def config_from_dict(
-    data: dict, overrides: list[str] = (), origin: str = "the config", legacy: bool = False
+    data: dict, overrides: list[str] = (), origin: str = "the config", legacy: bool = False, new: bool = True
 ) -> Config:
     """A config from parsed TOML (or a checkpoint's config), then `--set` overrides. `legacy`: a checkpoint's,
-    whose older numbers for "auto" are read as it."""
+    whose older numbers for "auto" are read as it. `new`: a new run's, which imports train.init_from's model (a
+    resumed run keeps its checkpoint's)."""
     cfg = Config()
     if legacy:
         data = {
@@ -351,7 +354,7 @@ def config_from_dict(
     )
     # a new run importing a model: its config.json gives [model], and the --set model.* values outside LIFTED go
     # unused (the run says so); laid over the placeholder [model] they would be checked against another model
-    imports = not legacy and (cfg.train.init_from if init_from is None else init_from)
+    imports = new and not legacy and (cfg.train.init_from if init_from is None else init_from)
     for g in given:
         sets = g.get("model", {})
         _apply(cfg, {**g, "model": {k: v for k, v in sets.items() if k in LIFTED}} if imports else g, "--set")

@@ -123,8 +123,8 @@ def _config(config_path, overrides, ckpt: Path | None, out_dir: Path, ranks, fre
 def _resumed(config_path, overrides, ckpt: Path, meta: dict):
     """A resumed run's config: the file given, else the checkpoint's own, with the --set values."""
     if config_path:
-        return load_config(config_path, list(overrides))
-    return config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True)
+        return load_config(config_path, list(overrides), new=False)
+    return config_from_dict(meta["config"], list(overrides), str(ckpt), legacy=True, new=False)
 
 
 def claim(resume: str | None, out: Path | None, config_path: str | None, overrides, fresh=None) -> tuple:
