@@ -388,8 +388,9 @@ sys.exit(4)
 
 @pytest.mark.parametrize("refusal", ["train.batch_size=6", 'data.val_path="/nonexistent/val.bin"'])
 def test_a_trainer_refused_under_a_job_ends_the_process_group_it_made(token_file, refusal):
-    """Trainer(cfg) as a rank of a job (API use under torchrun) makes the job's process group; refused after that
-    (a micro-batch that does not divide a rank's rows; a validation file that is not there), it ends the group, as close() does."""
+    """Trainer(cfg) as a rank of a job (API use under torchrun) makes the job's process group; refused after
+    that (a micro-batch that does not divide a rank's rows; a validation file that is not there), it ends the
+    group, as close() does."""
     from pathlib import Path
 
     from tiertrain.launch import launch

@@ -58,9 +58,9 @@ def tensorboard_writer(out: Path | None):
 
 class MetricsLog:
     """Appends one JSON object per step, whole or not at all: a write that fails (a full disk) is cut back
-    to the last whole line and stops the run with one line (loop.disk_failed's). Flushed per line so a killed run keeps what
-    it logged. `tensorboard`: a SummaryWriter that gets every number of each record too (its own thread
-    writes the event file; close() closes it)."""
+    to the last whole line and stops the run with one line (loop.disk_failed's). Flushed per line so a killed
+    run keeps what it logged. `tensorboard`: a SummaryWriter that gets every number of each record too (its
+    own thread writes the event file; close() closes it)."""
 
     def __init__(self, path: Path, tensorboard=None):
         self.path, self.tb = path, tensorboard
