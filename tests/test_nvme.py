@@ -622,15 +622,27 @@ def test_posix_io_closes_each_files_descriptor_once_after_its_last_piece(tmp_pat
     assert _fds_to(f) == []
 
 
+@pytest.mark.parametrize("closing", ["closes", "fails"])
 @pytest.mark.parametrize("part", ["Staging", "StreamReader", "ActivationStore"])
 def test_a_part_refused_after_the_scratch_store_was_made_takes_it_along(
-    token_file, tmp_path, monkeypatch, part
+    token_file, tmp_path, monkeypatch, part, closing
 ):
     """The NVMe tier's staging or reader, or the activation store, refused once the store exists (their rings'
-    pinned memory, a signal): the store goes with the refusal, and no thread of it is left."""
+    pinned memory, a signal): the store goes with the refusal, and no thread of it is left; where closing the
+    store fails too (its disk), the refusal is still what is raised, and the directory goes all the same."""
     import threading
 
     from tiertrain import assemble
+    from tiertrain.tiers.nvme import ChunkStore
+
+    if closing == "fails":
+        close = ChunkStore.close
+
+        def failing(self):
+            close(self)
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(ChunkStore, "close", failing)
 
     def refused(*a, **k):
         raise MemoryError("injected: no pinned memory")

@@ -5,7 +5,6 @@ RunPlan; what builds them settles nothing: the plan has (plan_run, before anythi
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import zlib
 from dataclasses import dataclass, replace
@@ -21,7 +20,7 @@ from .engine.activations import ActivationStore
 from .engine.buffers import Accumulators, WeightSlots
 from .engine.schedule import Step
 from .engine.streams import StallClock, Streams
-from .errors import ConfigError, Everywhere, UserError, close_all
+from .errors import ConfigError, Everywhere, UserError, close_all, close_quietly
 from .model.llama import Context
 from .model.parts import norm_pieces, unit_parts
 from .model.spec import UnitSpec
@@ -235,17 +234,14 @@ class Scratch:
             io = make_io(self.io, self.threads, root)
             return build(root, io)
         except BaseException:
-            if io is not None:
-                io.close()
-            discard(root)
+            close_quietly(*([io.close] if io is not None else []), functools.partial(discard, root))
             raise
 
 
 def _dropped(store) -> None:
     """A store made for a part that was then refused (a ring's pinned memory, a signal): its threads and its
-    scratch directory go."""
-    store.close()
-    discard(store.root)
+    scratch directory go, raising nothing over the refusal."""
+    close_quietly(store.close, functools.partial(discard, store.root))
 
 
 def assemble(
@@ -335,8 +331,8 @@ def assemble(
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes
         made = [p for p in (updates, nvme, activations) if p is not None]
         stores = [p.store.root for p in (nvme, activations) if p is not None and p.store is not None]
-        with contextlib.suppress(Exception):  # the refusal is what to say; the stores go all the same
-            close_all(*(p.close for p in made), *(functools.partial(discard, root) for root in stores))
+        # the refusal is what to say; the stores go all the same
+        close_quietly(*(p.close for p in made), *(functools.partial(discard, root) for root in stores))
         raise
     return Run(host, nvme, activations, streams, clock, slots, grads, state, updates, step)
 

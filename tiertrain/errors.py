@@ -1,5 +1,6 @@
 """Errors a user can fix. The CLI prints them as one line and exits non-zero, without a traceback."""
 
+import contextlib
 import errno
 
 
@@ -34,6 +35,13 @@ def close_all(*closers) -> None:
             first = first or e
     if first is not None:
         raise first
+
+
+def close_quietly(*closers) -> None:
+    """close_all where an error already stops the run: every closer called, and what they raise dropped (that
+    error is the one to say; a failing disk often fails the closing too)."""
+    with contextlib.suppress(Exception):
+        close_all(*closers)
 
 
 def why(e: OSError) -> str:

@@ -4,7 +4,6 @@ trainer built, then loop.fit; every refusal one line, before anything is allocat
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from . import runclaim, rundir
 from .checkpoint import whole
 from .checkpoint_load import read_meta
 from .config import config_from_dict, load_config
-from .errors import UserError, close_all
+from .errors import UserError, close_quietly
 from .loop import fit
 from .signals import TermInterrupts
 from .tiers.nvme import discard_stale
@@ -47,11 +46,10 @@ def _start(config_path, overrides, out, resume, init_from, hardware, ranks, echo
     def give_back() -> None:
         """A run stopped before its loop: its scratch store, and its claim on --out, each whatever the other
         raised; raising nothing over the refusal or interrupt that stopped it."""
-        with contextlib.suppress(Exception):
-            close_all(
-                *([trainer.close] if trainer is not None else []),
-                *([lambda: runclaim.release(out_dir, made, lock)] if ranks.first else []),
-            )
+        close_quietly(
+            *([trainer.close] if trainer is not None else []),
+            *([lambda: runclaim.release(out_dir, made, lock)] if ranks.first else []),
+        )
 
     try:
         # every rank stops together where any failed, with the lowest one's words (rank 0 gives --out back)

@@ -4,7 +4,6 @@ the run's parts (assemble.assemble) and the initial state (a checkpoint, a Huggi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import time
@@ -18,7 +17,7 @@ from .assemble import DTYPES, assemble, plan_run
 from .checkpoint_load import load_all
 from .config import Config, absolute_paths
 from .data import loaders
-from .errors import ConfigError, UserError, close_all
+from .errors import ConfigError, UserError, close_all, close_quietly
 from .metrics import tensorboard_writer
 from .model.docs import Docs
 from .model.hf import HFReader, open_weights, spec_from_hf
@@ -94,8 +93,7 @@ class Trainer:
         try:
             self._build(resume, updates, hardware, hf_reader)
         except BaseException:  # a refusal after the group or the stores were made: they go
-            with contextlib.suppress(Exception):  # the refusal is what to say (a failing disk fails twice)
-                self.close()
+            close_quietly(self.close)  # the refusal is what to say (a failing disk fails twice)
             raise
 
     def _build(self, resume: Path | None, updates, hardware: Path | None, hf_reader: HFReader | None) -> None:
