@@ -319,8 +319,8 @@ class Trainer:
         """The run's threads (Run.close), then the process group this trainer made (gloo's threads abort the process
         at exit without it), each whatever the other raised; then the run's NVMe scratch stores deleted (what they
         held is in a checkpoint, or lost). Also what a refused __init__ made, whatever it had made."""
-        run = [self.run.close, self.run.discard_scratch] if self.run is not None else []
-        close_all(*run[:1], *([self.ranks.close] if self.owns_ranks else []), *run[1:])
+        run, group = self.run is not None, [self.ranks.close] if self.owns_ranks else []
+        close_all(*([self.run.close] if run else []), *group, *([self.run.discard_scratch] if run else []))
 
     def describe(self) -> list[str]:
         """The run's description, a line a part (records.describe)."""
