@@ -328,7 +328,7 @@ def test_a_forced_keep_under_tiling_pays_the_kept_blocks_untiled_backward():
     holds its fp32 output. llama-1b at 512k with one kept block planned 138.4 of 142.6 GB and needs about 145."""
     import json
 
-    from tiertrain.plan.memory import KEPT_WORK_H
+    from tiertrain.plan.kept import KEPT_WORK_H
 
     args = ["--config", "llama-1b", "--gpu", "h200", "--host-gb", "400", "--batch-size", "1"]
     args += ["--seq-len", "524288", "--set", "model.max_position_embeddings=524288", "--format", "json"]

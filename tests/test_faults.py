@@ -176,8 +176,8 @@ def test_a_full_disk_while_logging_leaves_whole_lines(token_file, tmp_path):
     metrics.jsonl whole."""
     out = tmp_path / "run"
     out.mkdir()
-    # config.toml, plan.json fit; 12 records do not
-    r = cli("run", *tiny(token_file), "--out", str(out), fsize=4096)
+    # config.toml, plan.json (4.2 kB) fit; 12 records (5.2 kB) do not
+    r = cli("run", *tiny(token_file), "--out", str(out), fsize=4608)
     line = refused(r, "metrics.jsonl", "file size limit", "it saved no checkpoint", "run it again")
     assert "--resume" not in line
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)

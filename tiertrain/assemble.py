@@ -107,11 +107,13 @@ def plan_run(
     hardware: Path | None,
     out: Path | None,
     data_bytes: int = 0,
+    segmented: bool = False,
 ):
     """(the figures the run plans with, its Plan with the RunPlan it obeys, the settings the plan chose): what the
     config leaves "auto" settled for this machine and this rank, and what cannot run here refused, before anything
     is allocated, naming the setting to change: the GPU's memory (the plan), the host's RAM, the checkpoints' disk
-    (`out`: the run directory; None: no checkpoints planned); `data_bytes`: what the data loader will add."""
+    (`out`: the run directory; None: no checkpoints planned); `data_bytes`: what the data loader will add;
+    `segmented`: its rows hold several segments (the loader's)."""
     tc = cfg.train
     with ranks.together(UserError) as agreed:  # this rank's figures and checkpoint, before the barrier
         # a resume keeps the micro-batch it ran with (it sets the order of the gradients' sums: the bits)
@@ -135,7 +137,9 @@ def plan_run(
     # each rank plans and checks its own host (its RAM, its GPU; rank 0 the checkpoints' disk): a refusal on one
     # stops them all together, before any goes on to the next collective
     with ranks.together(UserError) as agreed:
-        p, chosen = _planned(cfg, hw, micro, avail, ranks, layouts, resume, updates, out, data_bytes)
+        p, chosen = _planned(
+            cfg, hw, micro, avail, ranks, layouts, resume, updates, out, data_bytes, segmented
+        )
     agreed.raise_any(ranks.rank)
     # the ranks' collectives follow their plans: plans that differ (hosts of other RAM or GPUs) would mismatch them
     if len({d for (d,) in ranks.host_ints([zlib.crc32(repr(p.run_plan).encode())])}) > 1:
@@ -147,11 +151,21 @@ def plan_run(
 
 
 def _planned(
-    cfg: Config, hw, micro, avail: int, ranks: Ranks, layouts, resume, updates, out, data_bytes: int
+    cfg: Config,
+    hw,
+    micro,
+    avail: int,
+    ranks: Ranks,
+    layouts,
+    resume,
+    updates,
+    out,
+    data_bytes: int,
+    segmented,
 ):
     """plan_run's plan and checks on this rank, any of which may refuse: (its Plan, the settings it chose)."""
     ram = None if hw.unified else avail * 0.9 / 1e9  # the host's, for its ranks
-    p, rp, chosen = resolve(cfg, hw, micro, ram, ranks.size, ranks.local_size)
+    p, rp, chosen = resolve(cfg, hw, micro, ram, ranks.size, ranks.local_size, segmented)
     if (
         out is not None
         and ranks.size == 1
@@ -165,7 +179,7 @@ def _planned(
             _check_saves(cfg, p, [lay.numel for lay in layouts], ranks, resume, out)
         except ConfigError:
             moments = replace(cfg, tiers=replace(cfg.tiers, spill_first="moments"))
-            p, rp, _ = resolve(moments, hw, micro, ram, ranks.size, ranks.local_size)
+            p, rp, _ = resolve(moments, hw, micro, ram, ranks.size, ranks.local_size, segmented)
     if updates:
         p = replace(p, run_plan=rp.with_updates(updates))
     rp = p.run_plan
@@ -326,6 +340,7 @@ def assemble(
                 rp.kept(),
                 ranks,
                 parts,
+                rp.attention_kept(),
             )
         agreed.raise_any(ranks.rank)
     except BaseException:  # a refusal after a store was made (a full disk): what was made goes

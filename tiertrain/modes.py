@@ -62,6 +62,9 @@ ATTENTION_KERNELS: tuple[str, ...] = get_args(Attention)
 # deterministic flag; math has no atomics); torch's cuDNN attention has none: torch refuses it in that mode
 DETERMINISTIC_KERNELS = frozenset({"flash", "efficient", "math", "flash_attn"})
 BF16_ONLY_KERNELS = frozenset({"cudnn", "flash", "flash_attn"})  # no fp32 kernel
+# those whose own forward returns the log-sum-exp its own backward takes: a block's attention output can be kept
+# from its forward pass for its recompute (model/attention.Kept); on a CPU, torch's choice (its flash kernel) too
+KEEPING_KERNELS = frozenset({"cudnn", "flash"})
 
 
 def by_value(members) -> list:

@@ -83,6 +83,10 @@ class TrainConfig:
     # the last N blocks keep their activations on the GPU for the backward pass instead of recomputing their
     # forward pass from a checkpoint; "auto": as many as the GPU memory the plan leaves holds (none on a CPU)
     keep_activations: int | Auto = "auto"
+    # the last recomputed blocks whose attention outputs (and log-sum-exps) stay on the GPU from the forward pass, so
+    # that their recompute runs no attention (those whose attention is causal over the whole row, with cuDNN's or
+    # flash's kernel, fp32 checkpoints and unsegmented rows); "auto": as many as the GPU memory the plan leaves holds
+    keep_attention: int | Auto = "auto"
     # tokens per tile of a block (model/tiled.py: norms, projections and MLP over tiles of the sequence, the
     # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled MLP's working
     # set would take over an eighth of the GPU memory); 0: off
@@ -119,6 +123,13 @@ class TrainConfig:
             "keep_activations",
             self,
             'must be "auto" (the plan chooses), 0 (recompute every block) or a number of blocks',
+        )
+        _need(
+            _auto_or(self.keep_attention, 0),
+            "train",
+            "keep_attention",
+            self,
+            'must be "auto" (the plan chooses), 0 (recompute every attention) or a number of blocks',
         )
         _need(
             _auto_or(self.tile_tokens, 0),

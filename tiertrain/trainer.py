@@ -114,7 +114,16 @@ class Trainer:
         agreed.raise_any(self.ranks.rank)
         # from here on the run obeys its RunPlan (written to <out>/plan.json): each unit's home and update
         self.hw, self.plan, self.chosen = plan_run(
-            cfg, self.device, self.ranks, self.layouts, resume, updates, hardware, out, self.loader.host_bytes
+            cfg,
+            self.device,
+            self.ranks,
+            self.layouts,
+            resume,
+            updates,
+            hardware,
+            out,
+            self.loader.host_bytes,
+            self.loader.segmented,
         )
         self.run_plan = self.plan.run_plan
         # on a CPU the plan settles the choices; its times are rough

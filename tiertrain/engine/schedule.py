@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import llama, tiled
+from ..model.attention import Kept
 from ..model.llama import Context
 from ..model.moe import RouterLog, grad_pairs
 from ..model.parts import Part
@@ -55,6 +56,7 @@ class Step:
         kept: frozenset[int] = frozenset(),
         ranks: Ranks | None = None,
         parts: dict[int, tuple[Part, ...]] | None = None,
+        attention_kept: frozenset[int] = frozenset(),
     ):
         self.units, self.layouts, self.slots, self.grads, self.ck, self.updates, self.clock, self.ctx = (
             units,
@@ -67,6 +69,8 @@ class Step:
             ctx,
         )
         self.kept = kept  # blocks whose activations stay on the GPU from forward to backward
+        self.attention_kept = attention_kept  # blocks whose recompute replays their kept attention outputs
+        self.outs: dict[int, list[Kept]] = {}  # such a block -> its outputs, a Kept per micro-batch
         self.parts = parts or {}  # blocks loaded in parts (expert groups): each one's parts
         self.graphs: dict[int, tuple] = {}  # kept block -> (inputs, outputs, leaves) per micro-batch
         self.weights_now: dict[int, torch.Tensor] = {}  # kept block -> its flat weights for the backward pass
@@ -112,6 +116,7 @@ class Step:
 
         updates.begin(lr)
         grads.zero_own()
+        self.outs.clear()  # a step that failed part way may have left some
         router = self.router_log(inputs)
         self.ctxs = self.contexts(router)
         xs = self.forward(inputs)  # ---- forward: the last block's outputs
@@ -209,12 +214,15 @@ class Step:
                 kept = train and i in self.kept
                 if train and not kept:
                     ck.save(i, xs)
+                outs = [Kept() for _ in xs] if train and i in self.attention_kept else [None] * len(xs)
                 with timed("forward"):
                     xs = (
                         self.forward_kept(i, w, xs)
                         if kept
-                        else [self.block(i, m, w, x) for m, x in enumerate(xs)]
+                        else [self.block(i, m, w, x, outs[m]) for m, x in enumerate(xs)]
                     )
+                if outs[0] is not None:
+                    self.outs[i] = outs
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
         return xs
@@ -282,9 +290,14 @@ class Step:
         docs = self.docs[micro] if micro < len(self.docs) else None
         return ctx if docs is None else dataclasses.replace(ctx, docs=docs)
 
-    def block(self, unit: int, micro: int, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it."""
+    def block(
+        self, unit: int, micro: int, w: dict[str, torch.Tensor], x: torch.Tensor, outs: Kept | None = None
+    ) -> torch.Tensor:
+        """A block's forward pass without gradients: over tiles of the sequence where the plan tiles it; its
+        attention outputs recorded into `outs` where given (the recompute replays them)."""
         ctx = self.at(unit, micro)
+        if outs is not None:
+            ctx = dataclasses.replace(ctx, kept=outs)
         return tiled.forward(w, x, ctx) if ctx.tiled(x) else llama.block(w, x, ctx)
 
     def block_backward(
@@ -294,8 +307,12 @@ class Step:
         term of its router included; weight gradients added into the accumulators. Returns the gradients of
         the block's inputs (a tiled block's in `grads`' memory)."""
         out_grads = []
+        outs = self.outs.pop(unit, None)
         for m, (x, g) in enumerate(zip(saved, grads)):
             ctx = self.at(unit, m)
+            if outs is not None:  # the recompute runs no attention: the forward pass's outputs stand in
+                ctx = dataclasses.replace(ctx, kept=outs[m].replay())
+                outs[m] = None  # its outputs go with the micro-batch's graph
             if ctx.tiled(x):
                 out_grads.append(tiled.backward(leaves, dict(zip(leaves, (a for _, a in pairs))), x, g, ctx))
                 continue

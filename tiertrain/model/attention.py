@@ -21,7 +21,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from ..modes import ATTENTION_KERNELS
+from ..modes import ATTENTION_KERNELS, KEEPING_KERNELS
 
 _SDPA_GQA = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 BACKENDS = {
@@ -34,10 +34,23 @@ NATIVE_GQA = ("", "cudnn", "flash")  # SDPA's choices that take fewer key/value 
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str = "", deterministic: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: str = "",
+    deterministic: bool = False,
+    kept: "Kept | None" = None,
 ):
     """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA). `kernel`: the RunPlan's
-    (""): torch's choice); `deterministic`: its backward pass deterministic (torch's choice then never cuDNN's)."""
+    (""): torch's choice); `deterministic`: its backward pass deterministic (torch's choice then never cuDNN's);
+    `kept`: the block's kept outputs (a forward pass records into it, the recompute replays it), where the kernel
+    keeps any (keeps)."""
+    if kept is not None and keeps(kernel, q, k, v):
+        return (
+            kept.replayed(q, k, v, kernel, deterministic)
+            if kept.replaying
+            else kept.recorded(q, k, v, kernel)
+        )
     if kernel == "flash_attn":
         return _flash_attn(q, k, v, deterministic)
     gqa, det = q.shape[1] != k.shape[1], deterministic and q.is_cuda
@@ -112,6 +125,125 @@ def _set_deterministic(mode: bool, warn_only: bool) -> None:
         torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
     else:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+def keeps(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a kept output can stand in for this call's recompute, bit for bit: the kernel's own forward returns
+    the log-sum-exp its own backward takes (modes.KEEPING_KERNELS: SDPA's cuDNN and flash on a GPU; on a CPU torch's
+    choice, its flash kernel, where SDPA takes that kernel for these inputs)."""
+    if q.is_cuda:
+        return kernel in KEEPING_KERNELS and q.shape[-1] % 8 == 0  # SDPA pads other head sizes first
+    if kernel:
+        return False
+    flash = int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    return int(torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])) == flash
+
+
+class Kept:
+    """A block's attention outputs of one micro-batch, kept from its forward pass for its backward pass (a unit's
+    RunPlan entry: attention_kept): each call's output, log-sum-exp and what the kernel's backward takes besides,
+    in the order of the calls. The forward pass records them; the recompute replays them in the same order through
+    the kernel's own backward, and runs no attention forward. The bits are the recompute's: the output is the
+    kernel's (the op SDPA runs, which computes the log-sum-exp whether or not it is asked for; measured on an H200:
+    bench/results/2026-11-29-H200-attention-calls.md), its backward the one SDPA's graph runs."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.replaying = False
+        self._next = 0
+
+    def replay(self) -> "Kept":
+        """The same outputs, for the recompute."""
+        self.replaying, self._next = True, 0
+        return self
+
+    def nbytes(self) -> int:
+        return sum(o.nbytes + lse.nbytes for o, lse, _ in self.calls)
+
+    def recorded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
+        o, lse, extra = _own_forward(kernel, q, k, v)
+        self.calls.append((o, lse, extra))
+        return o
+
+    def replayed(self, q, k, v, kernel: str, deterministic: bool) -> torch.Tensor:
+        if self._next == len(self.calls):  # the forward pass kept none (it ran no such call)
+            return attention(q, k, v, kernel, deterministic)
+        o, lse, extra = self.calls[self._next]
+        if o.shape != q.shape:
+            raise RuntimeError(
+                f"a kept attention output of shape {tuple(o.shape)} replayed for {tuple(q.shape)}"
+            )
+        self.calls[self._next] = None  # the graph holds it from here: it goes with the graph
+        self._next += 1
+        return _Replayed.apply(q, k, v, o, lse, (kernel, deterministic, extra))
+
+
+def _own_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """(output, log-sum-exp, the rest the backward takes) of the kernel's own forward op, as SDPA calls it."""
+    if not q.is_cuda:  # torch's choice on a CPU: its flash kernel (keeps)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return o, lse, ()
+    if kernel == "cudnn":
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
+    else:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
+    return (
+        r[0],
+        r[1],
+        tuple(r[2:8]),
+    )  # the sequences' offsets and lengths, the random state: dropout's, unused
+
+
+class _Replayed(torch.autograd.Function):
+    """A kept output in the recompute's graph: its backward is the kernel's own, from the kept log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, o, lse, how):
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.how = how
+        return o.detach()
+
+    @staticmethod
+    def backward(ctx, do):
+        kernel, deterministic, extra = ctx.how
+        q, k, v, o, lse = ctx.saved_tensors
+        if not q.is_cuda:
+            d = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, o, lse, 0.0, True
+            )
+        else:
+            with _deterministic(deterministic):
+                if kernel == "cudnn":
+                    cq, ck, mq, mk, seed, offset = extra
+                    d = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                        do, q, k, v, o, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True
+                    )
+                else:
+                    cq, ck, mq, mk, rng, unused = extra
+                    d = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                        do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, rng, unused
+                    )
+        return (*d, None, None, None)
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """Torch's deterministic mode around a kernel's backward where asked (as _deterministic_backward's hooks)."""
+    if not on:
+        yield
+        return
+    was = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    fill = torch.utils.deterministic
+    filled, fill.fill_uninitialized_memory = fill.fill_uninitialized_memory, False
+    _set_deterministic(True, False)
+    try:
+        yield
+    finally:
+        _set_deterministic(*was)
+        fill.fill_uninitialized_memory = filled
 
 
 def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: bool) -> torch.Tensor:

@@ -89,6 +89,9 @@ class Context:
     docs: object | None = None  # the micro-batch's segments (model.docs.Docs); None: each row is one
     # where an attention part alone (model/parts.py) hands over its (h, chosen experts, routing weights)
     routed: list | None = None
+    # the block's attention outputs of the micro-batch, kept from its forward pass for its recompute (model/
+    # attention.Kept: the forward pass records, the recompute replays); None: none kept
+    kept: object | None = None
 
     def of(self, window: int | None) -> "Context":
         """The context of a block with this attention window (the tables and the router log shared)."""
@@ -154,16 +157,17 @@ def attention(
     sinks: torch.Tensor | None = None,
     kernel: str = "",
     deterministic: bool = False,
+    kept=None,
 ) -> torch.Tensor:
     """Causal attention over (B, heads, T, head_dim); k and v may have fewer heads (GQA): through the plan's
-    kernel (model/attention.py). A window limits each query to itself and the window - 1 keys before it; sinks
-    (heads,) add a learned logit per head to the softmax's denominator (gpt-oss): those take SDPA's masked
-    kernels."""
+    kernel (model/attention.py), its output kept or replayed where `kept` is given (Context.kept). A window limits
+    each query to itself and the window - 1 keys before it; sinks (heads,) add a learned logit per head to the
+    softmax's denominator (gpt-oss): those take SDPA's masked kernels, and keep nothing."""
     t = q.shape[2]
     if sinks is not None:
         return _with_sinks(q, k, v, window, sinks)
     if window is None or window >= t:
-        return causal(q, k, v, kernel, deterministic)
+        return causal(q, k, v, kernel, deterministic, kept)
     return _windowed(q, k, v, window, lambda q, k, v, mask: _sdpa(q, k, v, attn_mask=mask))
 
 
@@ -288,9 +292,9 @@ def block_out(
 def attend(q, k, v, ctx: Context, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The block's attention over q, k, v of all its tokens, (B, heads, T, hd) (or a head group's, with its
     sinks): within each segment of the rows where the micro-batch has them, with the block's window and sinks."""
-    if ctx.docs is not None:
+    if ctx.docs is not None:  # rows of segments keep no output: the plan keeps none for them (Job.segmented)
         return ctx.docs.attention(q, k, v, ctx.window, sinks, ctx.attention, ctx.deterministic)
-    return attention(q, k, v, ctx.window, sinks, ctx.attention, ctx.deterministic)
+    return attention(q, k, v, ctx.window, sinks, ctx.attention, ctx.deterministic, ctx.kept)
 
 
 def block(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.Tensor:

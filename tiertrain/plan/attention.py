@@ -11,8 +11,9 @@ import math
 
 from ..errors import ConfigError
 from ..model.spec import ModelSpec
-from ..modes import DETERMINISTIC_KERNELS
+from ..modes import DETERMINISTIC_KERNELS, KEEPING_KERNELS
 from .hardware import HardwareSpec
+from .runplan import WIDTH
 
 
 def backward_tflops(figures: list[float], deterministic: bool) -> float:
@@ -66,6 +67,50 @@ def rates(
     near = min(hw.attention_head_scale, key=lambda k: abs(int(k) - head_dim))
     scale = hw.attention_head_scale[near] * hw.attention_efficiency * 1e12
     return r[0] * scale, backward_tflops(r, deterministic) * scale
+
+
+def check_kept(wanted: int | None, kernel: str, job, unified: bool) -> None:
+    """train.keep_attention, where the config names a number, against what can keep attention outputs bit for bit
+    (model/attention.Kept): said in one line before anything is allocated."""
+    if not wanted:
+        return
+    why = None
+    if not keeps_outputs(kernel, unified):
+        name = f'"{kernel}"' if kernel else "torch's own choice"
+        why = f'the attention kernel ({name}) has no ops that keep them; set train.attention = "cudnn" or "flash"'
+    elif not keeping_blocks(job.spec, job.seq_len):
+        why = "no block of this model attends causally over the whole row (sinks, or windows shorter than it)"
+    elif job.segmented:
+        why = "the rows hold several segments (data.document_mask, or packed samples), attended to apart"
+    elif job.activation_dtype != "float32":
+        why = (
+            "bf16 checkpoints make the recompute's inputs their rounding, and a kept output is the forward pass's; "
+            'set tiers.activation_dtype = "float32"'
+        )
+    if why:
+        raise ConfigError(
+            f'train.keep_attention = {wanted}: {why}; or set train.keep_attention to 0 or "auto"'
+        )
+
+
+def keeps_outputs(kernel: str, unified: bool) -> bool:
+    """Whether a run's attention can keep its outputs for the recompute (model/attention.Kept): SDPA's cuDNN or
+    flash kernel on a GPU, or torch's own choice on a CPU (its flash kernel; `unified`: the device is the host)."""
+    return kernel in KEEPING_KERNELS or (unified and not kernel)
+
+
+def keeping_blocks(spec: ModelSpec, seq_len: int) -> list[int]:
+    """The blocks (unit indices) whose attention may keep its outputs: causal over the whole row, no window shorter
+    than it, no sinks (model/llama.attention)."""
+    if spec.attention_sinks:
+        return []
+    return [b + 1 for b in range(spec.num_hidden_layers) if (spec.window(b) or seq_len) >= seq_len]
+
+
+def attention_out_bytes(spec: ModelSpec, dtype: str) -> int:
+    """GPU bytes a kept attention output takes per token: the output in the compute dtype and a log-sum-exp per
+    head in fp32."""
+    return spec.num_attention_heads * (spec.hd * WIDTH[dtype] + 4)
 
 
 def kv_graph(kernel: str, deterministic: bool, dtype: str, spec: ModelSpec) -> str:

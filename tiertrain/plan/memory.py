@@ -8,7 +8,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from ..model.parts import block_parts
-from ..modes import Home, Kind
+from ..modes import Home
 from ..sizes import budget, gb
 from ..tiers.placement import (
     ck_disk_bytes,
@@ -27,14 +27,12 @@ from ..tiers.placement import (
 from ..tiers.slab import SlabLayout, host_cost, shard_numel
 from .attention import choose, deterministic_workspace, kv_graph
 from .hardware import HardwareSpec
+from .kept import kept_attention, kept_blocks
 from .runplan import WIDTH, RunPlan
 from .values import Budgets, Choice, GpuMemory, Job, Memory, Miss, Short, frozen
-from .workset import KEPT_SLACK, MLP_SHARE, TILE, WORK_FF, kept_bytes_per_token, working_set
+from .workset import MLP_SHARE, TILE, WORK_FF, working_set
 
 GPU_RESERVE = 0.95  # plan within this fraction of the GPU memory (allocator fragmentation)
-# a kept block's backward pass above its graph, in H-wide bytes per token: 14.1-16.1 measured
-# (bench/results/2026-11-27-H200-kept-backward.md, dev/kept_workset.py)
-KEPT_WORK_H = 16.5
 
 
 # the budget a miss is short of, by name
@@ -210,7 +208,7 @@ def memory_fit(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) -> 
     if isinstance(got, Miss):
         return got
     mem, where = got
-    mem = _kept(s, mem, where)
+    mem = kept_attention(s, kept_blocks(s, mem, where), where)
     if mem.gpu.total > s.gpu_budget:
         return s.miss(
             Short.GPU,
@@ -380,50 +378,6 @@ def least_host_of(job: Job, choice: Choice, budgets: Budgets, hw: HardwareSpec) 
     mem, fit = got
     s = fit.shape
     return least_host(s.numels, s.kb, mem.host_checkpoints, host_cost) * job.ranks_per_host + s.beside
-
-
-def _kept(s: Shape, mem: Memory, where: dict) -> Memory:
-    """The last blocks that keep their activations (their graph on the GPU, no recompute): the choice's, else as
-    many as the GPU memory left holds, room for one GPU update's two state sets first."""
-    job, spec, choice = s.job, s.job.spec, s.choice
-    tiled = bool(s.run_plan.tile) and choice.micro * job.seq_len > s.run_plan.tile
-    # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
-    kv = kv_graph(s.run_plan.attention, s.run_plan.deterministic, job.dtype, spec)
-    per_token = kept_bytes_per_token(spec, job.dtype, kv, job.seq_len)
-    per_kept = KEPT_SLACK * per_token * s.tokens - (s.ck_unit if choice.activations == "gpu" else 0)
-    keep = choice.keep
-    if choice.activations == "split" and keep is None:
-        keep = 0  # split: memory is short, and a kept block's graph takes several checkpoints' room
-    if keep is None and tiled:
-        keep = 0  # a kept block runs untiled: its graph and working set grow with the MLP's width times the length
-    if keep is None and kv == "math":
-        keep = 0  # the math kernel's graph saves the attention weights: length squared
-    if keep is None:  # room for one GPU update's two sets first: they save more than a block's recompute
-        cands = gpu_candidates(
-            [u for u in update_candidates(where, s.kb, len(s.shards)) if u not in s.resident], s.kb
-        )
-        sets = 2 * 16 * max((s.numels[u] for u in cands), default=0) if choice.gpu_updates != 0 else 0
-        keep = int(max(0.0, s.gpu_budget - mem.gpu.total - sets) // per_kept)
-    kept = min(keep, spec.num_hidden_layers)
-    if not kept:
-        return mem
-    # shown gross: the blocks kept have no checkpoint
-    saved = kept * s.ck_unit if choice.activations == "gpu" else 0
-    graphs = kept * KEPT_SLACK * per_token * s.tokens
-    # a kept block runs untiled (Step.forward_kept), so a forced keep under tiling pays what the tiled plan does
-    # not: its backward pass's peak (a micro-batch's) where above the tiled working set, and the fp32 outputs its
-    # graphs hold (every micro-batch's)
-    if tiled:
-        H = spec.hidden_size
-        graphs += max(0.0, KEPT_WORK_H * H * choice.micro * job.seq_len - mem.gpu.working) + s.tokens * H * 4
-    gpu = replace(mem.gpu, kept=graphs, checkpoints=mem.gpu.checkpoints - saved)
-    return replace(mem, gpu=gpu, kept=kept, kept_checkpoints=saved)
-
-
-def gpu_candidates(in_ram: list[int], kb: dict) -> list[int]:
-    """The units that may be updated on the GPU: those in RAM, unless a compute-dtype copy streams (a GPU update
-    makes the weights from the fp32 master)."""
-    return in_ram if Kind.WEIGHTS not in kb else []
 
 
 def reloaded_units(n_units: int) -> range:

@@ -16,6 +16,7 @@ from .values import Miss, Near, Plan
 FIXED = (
     ("tiers", "gpu_resident_gb", "GPU-resident state"),
     ("train", "keep_activations", "kept activations"),
+    ("train", "keep_attention", "kept attention outputs"),
     ("tiers", "gpu_update_units", "GPU-updated units"),
     ("optim", "speculate_units", "speculated units"),
     ("train", "tile_tokens", "tile size"),

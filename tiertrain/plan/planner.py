@@ -30,8 +30,10 @@ from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, gpu_updated
 from ..tiers.slab import host_cost
+from .attention import keeping_blocks
 from .hardware import HardwareSpec
-from .memory import GPU_RESERVE, Fit, gpu_candidates, memory_fit
+from .kept import gpu_candidates
+from .memory import GPU_RESERVE, Fit, memory_fit
 from .runplan import unit_plans
 from .times import links, step_times, with_updates
 from .values import Budgets, Choice, Job, Memory, Miss, Plan, Prediction, Short, frozen
@@ -162,7 +164,7 @@ def in_parts(fixed: Choice, budgets: Budgets) -> tuple[Choice, Budgets]:
     """What a block in parts (expert groups) does without: GPU updates, resident units, kept blocks and tiles."""
     if (fixed.groups or 1) == 1:
         return fixed, budgets
-    fixed = replace(fixed, gpu_updates=0, speculate_gpu=False, keep=0, tile=0)
+    fixed = replace(fixed, gpu_updates=0, speculate_gpu=False, keep=0, tile=0, keep_attention=0)
     return fixed, replace(budgets, resident_gb=0.0)
 
 
@@ -192,6 +194,7 @@ def settled(fixed: Choice, budgets: Budgets, hw: HardwareSpec) -> tuple[Choice, 
         activations=fixed.activations or "gpu",
         speculate=0 if fixed.speculate is None else fixed.speculate,
         keep=0 if fixed.keep is None else fixed.keep,  # the device's memory is the host's
+        keep_attention=fixed.keep_attention or 0,
         gpu_updates=0 if fixed.gpu_updates is None else fixed.gpu_updates,
         speculate_gpu=bool(fixed.speculate_gpu),
     )
@@ -357,6 +360,7 @@ def planned(job: Job, mem: Memory, fit: Fit, best: Candidate) -> Plan:
     host = alternate_from_last([u for u in fit.in_ram if u not in set(gpu)], len(fit.in_ram))
     nl = spec.num_hidden_layers
     homes = checkpoint_homes(nl - mem.kept, mem.checkpoints)
+    outs = [b for b in keeping_blocks(spec, job.seq_len) if b <= nl - mem.kept][::-1][: mem.kept_attention]
     units = unit_plans(
         [u.name for u in spec.units()],
         fit.where,
@@ -366,6 +370,7 @@ def planned(job: Job, mem: Memory, fit: Fit, best: Candidate) -> Plan:
         host[: best.speculated],
         range(nl + 1 - mem.kept, nl + 1),
         homes,
+        outs,
     )
     return Plan(job, replace(s.run_plan, units=units), mem, prediction, s.source, job.ranks_per_host)
 
@@ -450,5 +455,5 @@ def spare_gb(mem: Memory, budgets: Budgets, hw: HardwareSpec) -> float:
     """GPU memory (GB) a plan of memory `mem` leaves unused or gives to what resident state can replace (kept
     activations, GPU updates' state sets), within the usable part of the budget."""
     g = mem.gpu
-    used = g.total - (g.kept or 0) - (g.sets or 0) + mem.kept_checkpoints
+    used = g.total - (g.kept or 0) - (g.sets or 0) - (g.kept_attention or 0) + mem.kept_checkpoints
     return (budgets.gpu_gb if budgets.gpu_gb is not None else hw.gpu_mem_gb) * GPU_RESERVE - used / 1e9

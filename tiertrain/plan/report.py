@@ -96,6 +96,7 @@ def plan_dict(p: Plan | Miss) -> dict:
         "resident_gb": rp.resident_gb,
         "kept": mem.kept,
         "kept_checkpoints": mem.kept_checkpoints,
+        "kept_attention": mem.kept_attention,
         "checkpoints": {h.value: n for h, n in mem.checkpoints.items()},
         "tile": rp.tile,
         "expert_groups": rp.expert_groups,
@@ -261,8 +262,14 @@ def to_markdown(p: Plan | Miss, one: Plan | Miss | None = None) -> str:
         f"{'a host bf16 copy' if rp.stream == 'compute' else 'fp32 master, cast on the GPU'}; "
         + _checkpoints(p)
         + (
-            f" ({mem.kept} last blocks keep their activations on the GPU instead: no recompute); "
+            f" ({mem.kept} last blocks keep their activations on the GPU instead: no recompute)"
             if mem.kept
+            else ""
+        )
+        + (
+            f" ({mem.kept_attention} blocks keep their attention outputs on the GPU: their recompute runs no "
+            "attention); "
+            if mem.kept_attention
             else "; "
         )
         + _updates(p),

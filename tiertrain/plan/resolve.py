@@ -30,8 +30,11 @@ from .runplan import RunPlan
 from .values import Budgets, Choice, Job, Miss, Plan, Short
 
 
-def job_of(cfg: Config, name: str, gpus: int = 1, per_host: int | None = None) -> Job:
-    """What `cfg` trains, as one of `gpus` ranks (`per_host` of them on each host; None: all on one)."""
+def job_of(
+    cfg: Config, name: str, gpus: int = 1, per_host: int | None = None, segmented: bool = False
+) -> Job:
+    """What `cfg` trains, as one of `gpus` ranks (`per_host` of them on each host; None: all on one); `segmented`:
+    its rows hold several segments (data.document_mask, or a file of packed samples: the loader's)."""
     tc = cfg.train
     return Job(
         cfg.model,
@@ -43,6 +46,7 @@ def job_of(cfg: Config, name: str, gpus: int = 1, per_host: int | None = None) -
         gpus,
         per_host or 0,
         name,
+        segmented or cfg.data.document_mask,
     )
 
 
@@ -71,6 +75,7 @@ def fixed_choice(cfg: Config, micro: int | None = None) -> Choice:
         tc.deterministic,
         fixed(t.expert_groups),
         fixed(t.spill_first),
+        fixed(tc.keep_attention),
     )
 
 
@@ -111,12 +116,16 @@ def search(
     advise: bool = True,
     gpus: int = 1,
     per_host: int | None = None,
+    segmented: bool = False,
 ) -> Plan | Miss:
     """The plan of `cfg` under these budgets (None: see Budgets; the host's and the disk's per host), with the
     report's findings where `advise`. `micro`: the micro-batch a resumed run ran with, kept where the config
-    leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one)."""
-    job, choice = job_of(cfg, name, gpus, per_host), fixed_choice(cfg, micro)
+    leaves it to the plan. `gpus`: of one of that many ranks, `per_host` on each host (default: all on one).
+    `segmented`: the rows hold several segments (job_of)."""
+    job, choice = job_of(cfg, name, gpus, per_host, segmented), fixed_choice(cfg, micro)
     attention.check(choice.attention, job.dtype, hw)
+    kernel = attention.choose(choice.attention, choice.deterministic, job.dtype, hw)
+    attention.check_kept(choice.keep_attention, kernel, job, hw.unified)
     check_groups(cfg, job, choice)
     budgets = Budgets(host_gb, gpu_gb, nvme_gb, cfg.tiers.gpu_resident_gb)
     p = plan(job, budgets, hw, choice)
@@ -147,6 +156,7 @@ def chosen(cfg: Config) -> tuple[str, ...]:
         "GPU updates' speculation": o.speculate_gpu_updates,
         "resident GB": t.gpu_resident_gb,
         "kept activations": tc.keep_activations,
+        "kept attention outputs": tc.keep_attention,
         "tile": tc.tile_tokens,
         "attention kernel": tc.attention,
         "expert groups": t.expert_groups,
@@ -162,13 +172,14 @@ def resolve(
     ram_gb: float | None = None,
     gpus: int = 1,
     per_host: int = 1,
+    segmented: bool = False,
 ) -> tuple[Plan, RunPlan, tuple[str, ...]]:
     """`tiertrain run`'s (plan of this exact run, the RunPlan it obeys, the settings the plan chose): the
     search on the device's figures `hw` settles what the config leaves "auto", and a run that cannot fit
     stops here, before anything is allocated, naming the setting to change. `micro`: the micro-batch a
     resumed run ran with, kept where the config leaves it to the plan. `ram_gb`: the host budget when
     --host-gb is not given (the RAM free here; None: unbounded, the RAM check after the plan refuses). `gpus`,
-    `per_host`: the ranks of the run, and of this host."""
+    `per_host`: the ranks of the run, and of this host; `segmented`: its rows hold several segments."""
     t = cfg.tiers
     if t.nvme_gb and not t.nvme_dir:  # a store in the working directory: outside --out, and unchecked
         raise ConfigError(
@@ -179,7 +190,7 @@ def resolve(
     # gone by now), the host's, as --nvme-dir budgets `plan`
     free = free_gb(t.nvme_dir) if t.nvme_dir else None
     nvme = t.nvme_gb or free
-    ranks = {"gpus": gpus, "per_host": per_host}
+    ranks = {"gpus": gpus, "per_host": per_host, "segmented": segmented}
     p = search(
         cfg, hw, t.host_gb or ram_gb or 1e9, hw.gpu_mem_gb, nvme, "run", micro=micro, advise=False, **ranks
     )
@@ -229,6 +240,7 @@ def _refusal(cfg: Config, p: Miss, micro: int | None) -> str:
                 if fixed(tc.keep_activations)
                 else []
             ),
+            *([f"lower train.keep_attention ({tc.keep_attention})"] if fixed(tc.keep_attention) else []),
             *(['set tiers.activations="auto"'] if t.activations == "gpu" else []),
             "lower train.seq_len",
         ]

@@ -13,6 +13,8 @@ Its `recompute` says how its backward pass gets its activations: true, by runnin
 its checkpoint (the block's input); false, kept on the GPU from the forward pass (a block only).
 Its `checkpoint` says where a recomputed block's checkpoint waits for the backward pass: gpu, host (pinned RAM)
 or nvme (the disk tier, through a ring of pinned buffers); "" for the embedding, the head and kept blocks.
+Its `attention_kept` says whether a recomputed block's attention outputs (and their log-sum-exps) stay on the GPU
+from the forward pass, so that the recompute runs no attention (model/attention.Kept).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class UnitPlan:
     homes: tuple[tuple[Kind, Home], ...]  # (kind, home) for every kind of slab the run keeps
     recompute: bool = True  # false: the block's activations are kept on the GPU for its backward pass
     checkpoint: Home | str = ""  # where the block's checkpoint lives; "": it has none
+    attention_kept: bool = False  # its attention outputs stay on the GPU for its recompute, which skips them
 
     def to_dict(self) -> dict:
         return {
@@ -43,6 +46,7 @@ class UnitPlan:
             "homes": {k.value: h.value for k, h in self.homes},
             "recompute": self.recompute,
             "checkpoint": self.checkpoint.value if self.checkpoint else "",
+            "attention_kept": self.attention_kept,
         }
 
     @classmethod
@@ -55,6 +59,7 @@ class UnitPlan:
             homes,
             d.get("recompute", True),
             Home(d["checkpoint"]) if d.get("checkpoint") else "",
+            d.get("attention_kept", False),
         )
 
 
@@ -114,6 +119,10 @@ class RunPlan:
     def kept(self) -> frozenset[int]:
         """The blocks whose activations stay on the GPU for the backward pass (not recomputed)."""
         return frozenset(u.index for u in self.units if not u.recompute)
+
+    def attention_kept(self) -> frozenset[int]:
+        """The blocks whose recompute replays the attention outputs kept from their forward pass."""
+        return frozenset(u.index for u in self.units if u.attention_kept)
 
     def count(self, *updates: Update) -> int:
         """How many units take one of `updates`."""
@@ -176,10 +185,12 @@ def unit_plans(
     host_speculated: Iterable[int],
     kept: Iterable[int] = (),
     checkpoints: dict[int, str] | None = None,
+    attention_kept: Iterable[int] = (),
 ) -> tuple[UnitPlan, ...]:
     """The entries of units `names` from a placement, the sets of units each update mode takes, the blocks
-    whose activations are kept and the home of each block's checkpoint."""
+    whose activations are kept, the home of each block's checkpoint and the blocks whose attention outputs are."""
     resident, gpu, early, kept = set(resident), set(gpu), set(host_speculated), set(kept)
+    outs = set(attention_kept)
     checkpoints = checkpoints or {}
     kinds_of: dict[int, list[str]] = {}  # by unit, in one pass: a search plans thousands of units many times
     for v, k in where:
@@ -198,5 +209,5 @@ def unit_plans(
             else Update.HOST
         )
         checkpoint = Home(checkpoints[u]) if u in checkpoints else ""
-        out.append(UnitPlan(u, name, update, homes, u not in kept, checkpoint))
+        out.append(UnitPlan(u, name, update, homes, u not in kept, checkpoint, u in outs))
     return tuple(out)

@@ -137,15 +137,21 @@ def with_updates(k: Links, speculated: int) -> tuple[dict[str, float], float, fl
     return t, bwd, max(fwd, update)
 
 
-def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) -> dict[str, float]:
+def compute_work(
+    job: Job, kept: int, rp, experts_speed: tuple[float, float], kept_attention: int = 0
+) -> dict[str, float]:
     """The GPU's work in one step's forward and backward pass, in FLOPs at each rate: "matmul fwd" / "matmul bwd"
     at the matmuls' (the routed experts' counted at `experts_speed` of it: their own), and causal attention's: its
-    forward kernel's in the forward pass and in the backward pass's recompute of the blocks not `kept`, its backward
-    kernel's. dev/compute_fit.py fits the rates' efficiencies on measured runs with it."""
+    forward kernel's in the forward pass and in the backward pass's recompute of the blocks not `kept` and not among
+    the `kept_attention` (whose outputs the forward pass kept: causal over the whole row), its backward kernel's.
+    dev/compute_fit.py fits the rates' efficiencies on measured runs with it."""
     spec = job.spec
     T, L = job.rows * job.seq_len, spec.num_hidden_layers
     A = spec.attention_flops_per_token(job.seq_len)  # its forward a third, its backward two
     M = spec.flops_per_token(job.seq_len) - A  # the matmuls'
+    whole = (
+        3 * 2 * 2 * spec.num_attention_heads * spec.hd * (job.seq_len + 1) / 2
+    )  # a whole row's block's, as A
     # a kept block's backward pass skips its forward pass again: a third of its share of the matmuls (the head's
     # aside), and its attention's forward
     matmuls = M - kept * (M - 6 * spec.vocab_size * spec.hidden_size) / L / 3
@@ -163,7 +169,7 @@ def compute_work(job: Job, kept: int, rp, experts_speed: tuple[float, float]) ->
         "matmul fwd": T * (M / 3 + ex_fwd),
         "matmul bwd": T * (matmuls + ex_fwd * (L - kept) / L + ex_bwd),  # a kept block recomputes no expert
         "attention fwd": T * A / 3,
-        "attention recompute": T * (A / 3 * (L - kept) / L + again),
+        "attention recompute": T * (A / 3 * (L - kept) / L + again - kept_attention * whole / 3),
         "attention bwd": T * 2 * A / 3,
     }
 
@@ -200,7 +206,7 @@ def _compute(job: Job, mem: Memory, fit: Fit) -> dict[str, float]:
     )
     fa, ba = attention.rates(rp.attention, job.spec.hd, rp.deterministic, rp.compute_dtype, hw)
     fa, ba = fa or rate, ba or rate
-    w = compute_work(job, mem.kept, rp, hw.experts_speed)
+    w = compute_work(job, mem.kept, rp, hw.experts_speed, mem.kept_attention)
     groups = group_seconds(job, rp)
     return {
         "compute fwd": w["matmul fwd"] / rate + w["attention fwd"] / fa + groups / 4,

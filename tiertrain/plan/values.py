@@ -40,6 +40,7 @@ class Job:
     gpus: int = 1  # ranks, one GPU each: each holds 1/gpus of the state and takes 1/gpus of the batch's rows
     per_host: int = 0  # of them on each host, sharing its RAM, cores, DRAM bandwidth and disk; 0: all on one
     name: str = "model"
+    segmented: bool = False  # rows of several segments (documents, packed samples), attended to apart
 
     @property
     def rows(self) -> int:
@@ -81,6 +82,8 @@ class Choice:
         None  # expert groups of a block with experts (model/parts.py); None: 1, or as few as fit
     )
     spill: str | None = None  # what spills first (modes.SpillFirst); None: moments, or gradients where faster
+    # blocks whose attention outputs stay on the GPU for their recompute; None: as many as the GPU memory left holds
+    keep_attention: int | None = None
 
 
 class Short(Enum):
@@ -109,6 +112,7 @@ class GpuMemory:
     )
     kept: float | None = None  # the kept blocks' activations (None: none kept)
     sets: float | None = None  # the GPU updates' two state sets (None: not placed yet)
+    kept_attention: float | None = None  # the attention outputs kept for the recompute (None: none kept)
 
     NAMES = {
         "resident": "resident units' state",
@@ -121,6 +125,7 @@ class GpuMemory:
         "checkpoints": "checkpoints",
         "kept": "kept activations",
         "sets": "GPU update sets",
+        "kept_attention": "kept attention outputs",
     }
 
     @property
@@ -146,6 +151,9 @@ class Memory:
     checkpoints: Mapping[Home, int] = _table()
     kept: int = 0  # the last blocks, whose activations stay on the GPU for the backward pass (no recompute)
     kept_checkpoints: int = 0  # GPU bytes of the checkpoints the kept blocks do without
+    # the last recomputed blocks (of those whose attention is causal over the whole row) whose attention outputs
+    # stay on the GPU for the backward pass: their recompute runs no attention
+    kept_attention: int = 0
     host: Mapping[Kind, int] = _table()  # kind -> bytes of state slabs in RAM (whole pages)
     nvme: Mapping[Kind, int] = _table()  # kind -> bytes of state slabs on NVMe
     placement: Mapping[Kind, Mapping[Home, int]] = _table()  # kind -> {Home.HOST: units, Home.NVME: units}
