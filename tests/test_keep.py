@@ -83,6 +83,7 @@ def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device, a
         ["train.keep_activations=2"],
         ["train.keep_activations=1", 'tiers.activations="host"'],
         ["train.keep_activations=3", 'train.compute_dtype="bfloat16"'],
+        ["train.keep_activations=2", 'tiers.activation_dtype="bfloat16"'],
         pytest.param(
             [
                 "train.keep_activations=2",
@@ -96,7 +97,7 @@ def test_the_plan_prices_a_kept_block_as_its_graph_saves(dtype, shape, device, a
             marks=pytest.mark.gpu,
         ),
     ],
-    ids=["all", "last-two", "host-checkpoints", "bf16", "cuda"],
+    ids=["all", "last-two", "host-checkpoints", "bf16", "bf16-checkpoints", "cuda"],
 )
 def test_kept_activations_give_the_bits_of_recompute(token_file, variant, sets):
     base = [*VARIANTS[variant], "train.steps=4", *[s for s in sets if "keep_activations" not in s]]

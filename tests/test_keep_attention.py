@@ -52,8 +52,9 @@ def _counted(monkeypatch) -> dict[str, int]:
         ["train.tile_tokens=16"],
         ['train.compute_dtype="bfloat16"', "train.tile_tokens=16"],
         ['tiers.activations="host"', "train.micro_batch_size=4"],
+        ['tiers.activation_dtype="bfloat16"', "train.tile_tokens=16"],
     ],
-    ids=["untiled", "tiled", "tiled-bf16", "host-checkpoints"],
+    ids=["untiled", "tiled", "tiled-bf16", "host-checkpoints", "bf16-checkpoints"],
 )
 def test_kept_outputs_give_the_bits_of_recompute(token_file, variant, sets, monkeypatch):
     """Every block keeps its outputs (3), or the last two, or none: the same losses and weights, bit for bit, and
@@ -162,7 +163,6 @@ def test_the_plan_keeps_the_last_blocks_it_can():
 @pytest.mark.parametrize(
     "sets, words",
     [
-        (['tiers.activation_dtype="bfloat16"'], "bf16 checkpoints"),
         (['train.compute_dtype="float32"'], "torch's own choice"),  # fp32: no fast kernel on a GPU
         (["data.document_mask=true"], "several segments"),
     ],

@@ -25,10 +25,11 @@ def forward(step, i: int, xs: list[torch.Tensor], train: bool, timed) -> list[to
     slots, parts = step.slots, step.parts[i]
     w = step.bind(i, 0)
     slots.load_part(i, 1, last=len(parts) == 2)  # into the other slot, beside the attention part's compute
+    xr = step.inputs(xs)  # what the block computes from: as its checkpoint holds it
     if train:
-        step.ck.save(i, xs)
+        step.ck.save(i, xr)
     with timed("forward"):
-        outs = [grouped.attention_part(w, x, step.at(i, m)) for m, x in enumerate(xs)]
+        outs = [grouped.attention_part(w, x, step.at(i, m)) for m, x in enumerate(xr)]
     step.release(i, 0)
     ys, routed = [y for y, _ in outs], [r for _, r in outs]
     del outs
@@ -43,7 +44,8 @@ def forward(step, i: int, xs: list[torch.Tensor], train: bool, timed) -> list[to
             slots.load_part(i, g + 1, last=g + 2 == len(parts))
         else:
             step.load(i + 1)
-    return ys
+    with timed("forward"):
+        return step.residual(ys, xr, xs)
 
 
 def backward(step, i: int, gx: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:

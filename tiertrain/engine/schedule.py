@@ -212,20 +212,39 @@ class Step:
                     continue
                 w = self.bind(i)
                 kept = train and i in self.kept
+                xr = self.inputs(xs)
                 if train and not kept:
-                    ck.save(i, xs)
+                    ck.save(i, xr)
                 outs = [Kept() for _ in xs] if train and i in self.attention_kept else [None] * len(xs)
                 with timed("forward"):
-                    xs = (
-                        self.forward_kept(i, w, xs)
+                    ys = (
+                        self.forward_kept(i, w, xr)
                         if kept
-                        else [self.block(i, m, w, x, outs[m]) for m, x in enumerate(xs)]
+                        else [self.block(i, m, w, x, outs[m]) for m, x in enumerate(xr)]
                     )
+                    xs = self.residual(ys, xr, xs, fresh=not kept)
                 if outs[0] is not None:
                     self.outs[i] = outs
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
         return xs
+
+    def inputs(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What a block computes from: its input as its checkpoint holds it, so that the recompute repeats the forward
+        pass exactly; with bf16 checkpoints (RunPlan.activation_dtype) the input rounded to bf16, else the input."""
+        return [x.to(self.ck.dtype) for x in xs]  # no copy in fp32
+
+    @staticmethod
+    def residual(
+        ys, xr: list[torch.Tensor], xs: list[torch.Tensor], fresh: bool = True
+    ) -> list[torch.Tensor]:
+        """The blocks' outputs `ys` from their inputs as computed from (`xr`: inputs) with the residual stream
+        kept whole: y - r(x) + x, fp32, where r rounded x; the outputs as they are where nothing was rounded. The
+        block's gradient is then its own at r(x): what its recompute from the checkpoint computes. `fresh`: ys
+        are the blocks' own (in place), not a kept graph's outputs."""
+        if all(r is x for r, x in zip(xr, xs)):
+            return ys
+        return [(y.sub_(r) if fresh else y - r).add_(x) for y, r, x in zip(ys, xr, xs)]
 
     def evaluate(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], docs=None, n_tokens=None
@@ -347,7 +366,9 @@ class Step:
             return p
 
         leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
-        ins = [x.detach().requires_grad_() for x in xs]
+        ins = [
+            x.detach().float().requires_grad_() for x in xs
+        ]  # as recomputed: the checkpoint comes back fp32
         outs, terms = [], []
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             for m, x in enumerate(ins):

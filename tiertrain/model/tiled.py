@@ -77,7 +77,7 @@ def forward(w: dict[str, torch.Tensor], x: torch.Tensor, ctx: Context) -> torch.
     for g in range(len(qs)):
         os.append(attend(qs[g], ks[g], vs[g], ctx, _sinks(w.get(SINKS), g, r)))
         qs[g] = ks[g] = vs[g] = None  # each group's inputs go as soon as its output exists
-    y = torch.empty_like(x)
+    y = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # x may come as its bf16 checkpoint
     for a, e in _spans(x, ctx):
         y[:, a:e] = block_out(w, x[:, a:e], _tile(os, a, e), ctx, a)
     return y

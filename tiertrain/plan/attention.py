@@ -82,11 +82,6 @@ def check_kept(wanted: int | None, kernel: str, job, unified: bool) -> None:
         why = "no block of this model attends causally over the whole row (sinks, or windows shorter than it)"
     elif job.segmented:
         why = "the rows hold several segments (data.document_mask, or packed samples), attended to apart"
-    elif job.activation_dtype != "float32":
-        why = (
-            "bf16 checkpoints make the recompute's inputs their rounding, and a kept output is the forward pass's; "
-            'set tiers.activation_dtype = "float32"'
-        )
     if why:
         raise ConfigError(
             f'train.keep_attention = {wanted}: {why}; or set train.keep_attention to 0 or "auto"'

@@ -69,14 +69,12 @@ def kept_attention(s, mem: Memory, where: dict) -> Memory:
     blocks (long rows, whose step is mostly attention), as many as the GPU memory left holds after one GPU update's
     two state sets (shorter rows keep none unless asked: a few percent of their step at best, in memory the plan
     gives to checkpoints, resident state and kept blocks as measured); none where nothing could keep them (a kernel
-    with no such ops, rows of segments, bf16 checkpoints: plan.attention.check_kept)."""
+    with no such ops, rows of segments: plan.attention.check_kept)."""
     job, spec, rp = s.job, s.job.spec, s.run_plan
     blocks = [b for b in keeping_blocks(spec, job.seq_len) if b <= spec.num_hidden_layers - mem.kept]
     per_block = KEPT_SLACK * s.tokens * attention_out_bytes(spec, job.dtype)
     keep = s.choice.keep_attention
     if not blocks or not keeps_outputs(rp.attention, s.hw.unified) or job.segmented:
-        keep = 0
-    elif job.activation_dtype != "float32":
         keep = 0
     elif keep is None and not (rp.tile and s.choice.micro * job.seq_len > rp.tile):
         keep = 0
