@@ -2,7 +2,8 @@
 # The long-context runs as command lines: issue 23's on one H200 (bench/results/2026-11-24-issue23-long-context.md)
 # and issue 34's llama3.1-8b on the machines' real RAM and disk (bench/results/2026-11-25-issue34-long-8b.md).
 # Usage (on the GPU machine, after ../shared/device/README.md's setup): [HW=probe.json] bash bench/long.sh OUT_DIR [RUN...]
-# RUN: 7b-256k 3b-512k 1b-1m 3b-32k baselines (H200), 8b-128k 8b-256k (H100), 8b-360k 8b-128k-keep (H200);
+# RUN: 7b-256k 3b-512k 1b-1m 3b-32k baselines (H200), 8b-128k 8b-256k (H100), 8b-360k 8b-128k-keep 8b-128k-bf16
+# (H200);
 # default: issue 23's.
 # HW: a `tiertrain probe --nvme-dir` file tiertrain plans with (and the all-in-GPU baseline takes its attention
 # kernel from); default: the reference figures. Issue 42's runs: 8b-128k and 8b-256k on an H100, 8b-360k on an H200,
@@ -41,6 +42,7 @@ for run in ${@:-7b-256k 3b-512k 1b-1m 3b-32k baselines}; do
         --define recompute "${budgets[@]}" train.keep_attention=0 --define kept "${budgets[@]}" \
         ${HW:+--hardware-file "$HW"} --batches 1 --micro 1 --warmup 1 --steps 2 --timeout 3600 --tag=-keep-131072 \
         --out "$out"; rm -rf /tmp/nvme ;;
+    8b-128k-bf16) long llama3.1-8b 131072 3 'tiers.activation_dtype="bfloat16"' ;;  # kept outputs beside bf16 ones
     baselines) for S in 65536 131072 262144; do mk llama-3b $S
       python3 -m bench.pipeline --config /tmp/llama-3b-$S.toml --systems gpu,deepspeed --batches 1 --micro 1 \
         --warmup 0 --steps 1 --tag=-$S-baselines --out "$out"; done ;;
