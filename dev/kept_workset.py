@@ -1,6 +1,6 @@
 """Measures what a kept block (train.keep_activations) holds on the GPU beside the planner's figures: its graph, as
-Step.forward_kept builds it (untiled, whatever the plan's tile), against kept_bytes_per_token; then its backward
-pass's peak above that graph, as Step.kept_backward runs it, in H-wide bytes per token (plan/memory.py's
+engine/keep.forward builds it (untiled, whatever the plan's tile), against kept_bytes_per_token; then its backward
+pass's peak above that graph, as engine/keep.backward runs it, in H-wide bytes per token (plan/kept.py's
 KEPT_WORK_H), beside the tiled working set the plan prices a recomputed block at. One line per (config, tokens).
     python dev/kept_workset.py configs/llama3.1-8b.toml TOKENS...      (bf16, the plan's tile: 8192)"""
 

@@ -2,14 +2,17 @@
 
 forward   unit 0..L-2, no autograd: each unit's weights are loaded once and applied to every micro-batch
           while the next unit's weights are copied in; each block's input is saved (the activation
-          checkpoint, on the GPU or sent to the host); a kept block (RunPlan: recompute false) runs with
-          autograd instead and keeps its graph on the GPU, its weights saved as references to its slot
+          checkpoint, on the GPU or sent to the host) and the block computes from it as saved (bf16
+          checkpoints: the input rounded, the residual kept whole); a kept block (RunPlan: recompute false)
+          runs with autograd instead and keeps its graph on the GPU, its weights saved as references to its
+          slot; a block whose attention outputs are kept (RunPlan: attention_kept) keeps them on the GPU
 head      per micro-batch: final norm, then logits and cross-entropy a chunk of tokens at a time, with
           gradients: the full logits of the batch never exist
 backward  unit L-2..1: recompute each micro-batch from its checkpoint with autograd on leaf views of the
-          loaded weights (a kept block: its graph, reading the weights loaded again), backprop, add the weight gradients into an fp32 accumulator; the accumulator
-          drains on the D2H stream while the next unit computes; the embedding's gradient is an fp32
-          scatter-add of the incoming gradients
+          loaded weights (a kept block: its graph, reading the weights loaded again; kept attention outputs
+          replayed, no attention forward), backprop, add the weight gradients into an fp32 accumulator;
+          the accumulator drains on the D2H stream while the next unit computes; the embedding's gradient
+          is an fp32 scatter-add of the incoming gradients
 A block in parts (expert groups, RunPlan.expert_groups) runs as engine/groups.py says, its parts' loads in turn.
 norm      the global gradient norm from the per-unit norms left on the device, summed over the ranks with the loss
           in one all-reduce: the step's one synchronization
@@ -34,7 +37,7 @@ from ..optim.adamw import clip_coefficient
 from ..optim.updates import Updates
 from ..parallel import Ranks
 from ..tiers.slab import SlabLayout
-from . import groups
+from . import groups, keep
 from .activations import ActivationStore
 from .buffers import Accumulators, WeightSlots
 from .streams import StallClock
@@ -148,7 +151,7 @@ class Step:
                 ck.prefetch(i - 1)
             if i in self.kept:
                 with clock.computing("backward"):
-                    gx = self.kept_backward(i, leaves, pairs, gx)
+                    gx = keep.backward(self, i, leaves, pairs, gx)
             else:
                 saved = ck.get(i)  # waits for its H2D outside the timed compute
                 with clock.computing("backward"):
@@ -218,7 +221,7 @@ class Step:
                 outs = [Kept() for _ in xs] if train and i in self.attention_kept else [None] * len(xs)
                 with timed("forward"):
                     ys = (
-                        self.forward_kept(i, w, xr)
+                        keep.forward(self, i, w, xr)
                         if kept
                         else [self.block(i, m, w, x, outs[m]) for m, x in enumerate(xr)]
                     )
@@ -343,62 +346,6 @@ class Step:
             out_grads.append(out[0])
             for (_, acc), gw in zip(pairs, out[1:]):
                 acc.add_(gw)
-        return out_grads
-
-    def forward_kept(
-        self, unit: int, w: dict[str, torch.Tensor], xs: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """The block's forward pass with autograd, its graph kept for the backward pass. What the graph saves
-        of the weights is saved as (offset, shape, stride) in the unit's flat slot: the slot is refilled by
-        other units in between, and the backward pass loads the unit's weights again (weights_now)."""
-        flat = self.slots.use(unit)
-        ptr, base = flat.untyped_storage().data_ptr(), flat.storage_offset()
-
-        def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() == ptr:
-                return t.storage_offset() - base, t.shape, t.stride()
-            return t
-
-        def unpack(p):  # on the autograd engine's thread: it reads weights_now, set before the backward pass
-            if isinstance(p, tuple):
-                now = self.weights_now[unit]
-                return now.as_strided(p[1], p[2], now.storage_offset() + p[0])
-            return p
-
-        leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
-        ins = [
-            x.detach().float().requires_grad_() for x in xs
-        ]  # as recomputed: the checkpoint comes back fp32
-        outs, terms = [], []
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            for m, x in enumerate(ins):
-                ctx = self.at(unit, m)
-                outs.append(llama.block(leaves, x, ctx))
-                terms.append(ctx.router.terms if ctx.router else [])  # its router's sums, weighed later
-                if ctx.router:
-                    ctx.router.terms = []
-        self.graphs[unit] = (ins, outs, leaves, terms)
-        return [y.detach() for y in outs]
-
-    def kept_backward(self, unit: int, leaves, pairs, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """block_backward through the graph the forward pass kept: the gradients reach its own leaves, and
-        its saved weights are read from the unit's weights as loaded for this pass."""
-        ins, outs, kept_leaves, terms = self.graphs.pop(unit)
-        self.weights_now[unit] = self.slots.use(unit)
-        by_id = {id(v): n for n, v in leaves.items()}
-        pairs = [(kept_leaves[by_id[id(p)]], acc) for p, acc in pairs]
-        out_grads = []
-        for m, g in enumerate(grads):
-            router = self.at(unit, m).router
-            if router is not None:
-                router.terms = terms[m]
-            ys, gs = grad_pairs(router, outs[m], g)
-            out = torch.autograd.grad(ys, [ins[m]] + [p for p, _ in pairs], gs)
-            outs[m] = ins[m] = terms[m] = None  # the micro-batch's graph goes with its last reference
-            out_grads.append(out[0])
-            for (_, acc), gw in zip(pairs, out[1:]):
-                acc.add_(gw)
-        del self.weights_now[unit]
         return out_grads
 
     def embedding_backward(self, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

@@ -42,7 +42,7 @@ def kept_blocks(s, mem: Memory, where: dict) -> Memory:
     # shown gross: the blocks kept have no checkpoint
     saved = kept * s.ck_unit if choice.activations == "gpu" else 0
     graphs = kept * KEPT_SLACK * per_token * s.tokens
-    # a kept block runs untiled (Step.forward_kept), so a forced keep under tiling pays what the tiled plan does
+    # a kept block runs untiled (engine/keep.forward), so a forced keep under tiling pays what the tiled plan does
     # not: its backward pass's peak (a micro-batch's) where above the tiled working set, and the fp32 outputs its
     # graphs hold (every micro-batch's)
     if tiled:
