@@ -237,8 +237,9 @@ class TiersConfig:
     # where activation checkpoints live: "gpu", "host" (pinned, copied on side streams) or "nvme" (the NVMe tier,
     # through a ring of pinned buffers); "auto": the plan's, split across the three when no one of them holds all
     activations: Places = "auto"
-    # the dtype activation checkpoints are kept in: "float32" (the residual stream's own: exact recompute) or
-    # "bfloat16" (half the bytes on every tier and link; the recompute starts from the rounded input)
+    # the dtype activation checkpoints are kept in: "float32" (the residual stream's own) or "bfloat16" (half the
+    # bytes on every tier and link; each block computes from its input rounded, the residual stream kept fp32);
+    # either way the recompute repeats the forward pass exactly
     activation_dtype: Dtype = "float32"
     host_gb: float = (
         0.0  # hard budget of host memory for the state and its buffers; 0: the RAM free (GPU runs)

@@ -10,6 +10,10 @@ workspace setting). There flash runs FlashAttention 2's deterministic backward (
 fp32 buffer per group of SMs: plan.attention.deterministic_workspace), efficient runs one key split. Math's backward
 is matmuls and a softmax, deterministic as it is. torch's cuDNN backward has no deterministic mode (its dQ differs
 run to run at length; torch refuses cuDNN in deterministic mode): the plan never takes it for a deterministic run.
+
+Kept outputs (Kept, train.keep_attention): a block's forward pass keeps each call's output and log-sum-exp from the
+kernel's own forward op (cuDNN's and flash's, SDPA's private ops; on a CPU its flash kernel's), and its recompute
+replays them through the kernel's own backward op instead of running the forward again.
 """
 
 from __future__ import annotations
@@ -143,9 +147,9 @@ class Kept:
     """A block's attention outputs of one micro-batch, kept from its forward pass for its backward pass (a unit's
     RunPlan entry: attention_kept): each call's output, log-sum-exp and what the kernel's backward takes besides,
     in the order of the calls. The forward pass records them; the recompute replays them in the same order through
-    the kernel's own backward, and runs no attention forward. The bits are the recompute's: the output is the
-    kernel's (the op SDPA runs, which computes the log-sum-exp whether or not it is asked for; measured on an H200:
-    bench/results/2026-11-29-H200-attention-calls.md), its backward the one SDPA's graph runs."""
+    the kernel's own backward, and runs no attention forward. The bits are the recompute's: the output is the op's
+    SDPA runs, the same bits whether it writes the log-sum-exp or not (cuDNN and flash on an H200:
+    bench/results/2026-11-29-issue42-kept-attention.md), and its backward is the one SDPA's graph runs."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
