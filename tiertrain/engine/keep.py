@@ -10,10 +10,14 @@ from ..model import llama
 from ..model.moe import grad_pairs
 
 
-def forward(step, unit: int, w: dict[str, torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The block's forward pass with autograd, its graph kept for the backward pass. What the graph saves
-    of the weights is saved as (offset, shape, stride) in the unit's flat slot: the slot is refilled by
-    other units in between, and the backward pass loads the unit's weights again (weights_now)."""
+def forward(
+    step, unit: int, w: dict[str, torch.Tensor], xr: list[torch.Tensor], xs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The block's forward pass with autograd from `xr`, its inputs as a recompute would take them (Step.inputs),
+    its graph kept for the backward pass; the outputs, the residual stream kept whole where `xr` rounded `xs`
+    (Step.residual), inside the graph: its roots are the next block's inputs, no copy beside them. What the
+    graph saves of the weights is saved as (offset, shape, stride) in the unit's flat slot: the slot is refilled
+    by other units in between, and the backward pass loads the unit's weights again (weights_now)."""
     flat = step.slots.use(unit)
     ptr, base = flat.untyped_storage().data_ptr(), flat.storage_offset()
 
@@ -29,12 +33,15 @@ def forward(step, unit: int, w: dict[str, torch.Tensor], xs: list[torch.Tensor])
         return p
 
     leaves = {n: v.detach().requires_grad_() for n, v in w.items()}
-    ins = [x.detach().float().requires_grad_() for x in xs]  # as recomputed: the checkpoint comes back fp32
+    ins = [x.detach().float().requires_grad_() for x in xr]  # as recomputed: the checkpoint comes back fp32
+    rounded = any(r is not x for r, x in zip(xr, xs))
     outs, terms = [], []
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         for m, x in enumerate(ins):
             ctx = step.at(unit, m)
-            outs.append(llama.block(leaves, x, ctx))
+            y = llama.block(leaves, x, ctx)
+            # Step.residual's arithmetic; the sub and the add pass the gradient on as it is and save nothing
+            outs.append(y - xr[m] + xs[m] if rounded else y)
             terms.append(ctx.router.terms if ctx.router else [])  # its router's sums, weighed later
             if ctx.router:
                 ctx.router.terms = []

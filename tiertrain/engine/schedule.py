@@ -119,7 +119,7 @@ class Step:
 
         updates.begin(lr)
         grads.zero_own()
-        self.outs.clear()  # a step that failed part way may have left some
+        self.forget()
         router = self.router_log(inputs)
         self.ctxs = self.contexts(router)
         xs = self.forward(inputs)  # ---- forward: the last block's outputs
@@ -220,17 +220,24 @@ class Step:
                     ck.save(i, xr)
                 outs = [Kept() for _ in xs] if train and i in self.attention_kept else [None] * len(xs)
                 with timed("forward"):
-                    ys = (
-                        keep.forward(self, i, w, xr)
-                        if kept
-                        else [self.block(i, m, w, x, outs[m]) for m, x in enumerate(xr)]
-                    )
-                    xs = self.residual(ys, xr, xs, fresh=not kept)
+                    if kept:
+                        xs = keep.forward(self, i, w, xr, xs)
+                    else:
+                        xs = self.residual(
+                            [self.block(i, m, w, x, outs[m]) for m, x in enumerate(xr)], xr, xs
+                        )
                 if outs[0] is not None:
                     self.outs[i] = outs
                 self.release(i)
                 load(i + 1)  # the next block, or the head after the last block
         return xs
+
+    def forget(self) -> None:
+        """Drops what a step keeps on the GPU from its forward pass for its backward pass (kept attention outputs,
+        kept blocks' graphs): a step that failed part way may have left some."""
+        self.outs.clear()
+        self.graphs.clear()
+        self.weights_now.clear()
 
     def inputs(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """What a block computes from: its input as its checkpoint holds it, so that the recompute repeats the forward
@@ -238,16 +245,14 @@ class Step:
         return [x.to(self.ck.dtype) for x in xs]  # no copy in fp32
 
     @staticmethod
-    def residual(
-        ys, xr: list[torch.Tensor], xs: list[torch.Tensor], fresh: bool = True
-    ) -> list[torch.Tensor]:
-        """The blocks' outputs `ys` from their inputs as computed from (`xr`: inputs) with the residual stream
-        kept whole: y - r(x) + x, fp32, where r rounded x; the outputs as they are where nothing was rounded. The
-        block's gradient is then its own at r(x): what its recompute from the checkpoint computes. `fresh`: ys
-        are the blocks' own (in place), not a kept graph's outputs."""
+    def residual(ys, xr: list[torch.Tensor], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The blocks' outputs `ys` (their own: changed in place) from their inputs as computed from (`xr`:
+        inputs) with the residual stream kept whole: y - r(x) + x, fp32, where r rounded x; the outputs as they
+        are where nothing was rounded. The block's gradient is then its own at r(x): what its recompute from the
+        checkpoint computes (a kept block's graph does the same: engine/keep.forward)."""
         if all(r is x for r, x in zip(xr, xs)):
             return ys
-        return [(y.sub_(r) if fresh else y - r).add_(x) for y, r, x in zip(ys, xr, xs)]
+        return [y.sub_(r).add_(x) for y, r, x in zip(ys, xr, xs)]
 
     def evaluate(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], docs=None, n_tokens=None
@@ -259,6 +264,7 @@ class Step:
         L = len(self.units)
         n_tokens = n_tokens or sum(t.numel() for t in targets) * self.ranks.size
         self.docs = docs or [None] * len(inputs)
+        self.forget()
         self.ctxs = self.contexts(None)  # the validation loss is the cross-entropy alone
         xs = self.forward(inputs, train=False)
         with torch.no_grad():
