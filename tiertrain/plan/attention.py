@@ -75,9 +75,13 @@ def check_kept(wanted: int | None, kernel: str, job, unified: bool) -> None:
     if not wanted:
         return
     why = None
-    if not keeps_outputs(kernel, unified):
+    if unified and kernel:
+        why = f'on a CPU only torch\'s own choice keeps them, not "{kernel}"; set train.attention = "auto"'
+    elif not unified and kernel not in KEEPING_KERNELS:
         name = f'"{kernel}"' if kernel else "torch's own choice"
         why = f'the attention kernel ({name}) has no ops that keep them; set train.attention = "cudnn" or "flash"'
+    elif not keeps_outputs(kernel, unified, job.spec.hd):
+        why = f"the head size ({job.spec.hd}) is not a multiple of 8, which SDPA pads first"
     elif not keeping_blocks(job.spec, job.seq_len):
         why = "no block of this model attends causally over the whole row (sinks, or windows shorter than it)"
     elif job.segmented:
@@ -88,10 +92,13 @@ def check_kept(wanted: int | None, kernel: str, job, unified: bool) -> None:
         )
 
 
-def keeps_outputs(kernel: str, unified: bool) -> bool:
-    """Whether a run's attention can keep its outputs for the recompute (model/attention.Kept): SDPA's cuDNN or
-    flash kernel on a GPU, or torch's own choice on a CPU (its flash kernel; `unified`: the device is the host)."""
-    return kernel in KEEPING_KERNELS or (unified and not kernel)
+def keeps_outputs(kernel: str, unified: bool, head_dim: int) -> bool:
+    """Whether a run's attention can keep its outputs for the recompute (model/attention.keeps): SDPA's cuDNN or
+    flash kernel on a GPU, at a head size SDPA passes as it is (a multiple of 8), or torch's own choice on a CPU
+    (its flash kernel; `unified`: the device is the host)."""
+    if unified:
+        return not kernel
+    return kernel in KEEPING_KERNELS and head_dim % 8 == 0
 
 
 def keeping_blocks(spec: ModelSpec, seq_len: int) -> list[int]:

@@ -25,7 +25,10 @@ def kept_blocks(s, mem: Memory, where: dict) -> Memory:
     tiled = bool(s.run_plan.tile) and choice.micro * job.seq_len > s.run_plan.tile
     # kept activations replace a block's checkpoint (where it is on the GPU) with its whole saved graph
     kv = kv_graph(s.run_plan.attention, s.run_plan.deterministic, job.dtype, spec)
-    per_token = kept_bytes_per_token(spec, job.dtype, kv, job.seq_len)
+    # a graph's input is the last one's output (counted there); from a bf16 checkpoint it is an fp32 copy of its
+    # rounding beside it (engine/keep.forward)
+    rounded = 4 * spec.hidden_size if job.activation_dtype != "float32" else 0
+    per_token = kept_bytes_per_token(spec, job.dtype, kv, job.seq_len) + rounded
     per_kept = KEPT_SLACK * per_token * s.tokens - (s.ck_unit if choice.activations == "gpu" else 0)
     keep = choice.keep
     if choice.activations == "split" and keep is None:
@@ -74,12 +77,12 @@ def kept_attention(s, mem: Memory, where: dict) -> Memory:
     blocks = [b for b in keeping_blocks(spec, job.seq_len) if b <= spec.num_hidden_layers - mem.kept]
     per_block = KEPT_SLACK * s.tokens * attention_out_bytes(spec, job.dtype)
     keep = s.choice.keep_attention
-    if not blocks or not keeps_outputs(rp.attention, s.hw.unified) or job.segmented:
+    if not blocks or not keeps_outputs(rp.attention, s.hw.unified, spec.hd) or job.segmented:
         keep = 0
     elif keep is None and not (rp.tile and s.choice.micro * job.seq_len > rp.tile):
         keep = 0
-    elif keep is None:
-        keep = int(max(0.0, s.gpu_budget - mem.gpu.total - _update_sets(s, where)) // per_block)
+    elif keep is None:  # no room kept for GPU updates: beside a tiled block's long passes the host's hides
+        keep = int(max(0.0, s.gpu_budget - mem.gpu.total) // per_block)
     kept = min(keep, len(blocks))
     if not kept:
         return mem

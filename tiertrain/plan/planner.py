@@ -154,6 +154,7 @@ def groupable(job: Job, fixed: Choice, budgets: Budgets) -> bool:
     asked = (
         fixed.tile,
         fixed.keep,
+        fixed.keep_attention,
         fixed.gpu_updates,
         budgets.resident_gb if budgets.resident_gb != "auto" else 0,
     )

@@ -95,6 +95,7 @@ def check_groups(cfg: Config, job: Job, choice: Choice) -> None:
         clash = {
             "train.tile_tokens": choice.tile,
             "train.keep_activations": choice.keep,
+            "train.keep_attention": choice.keep_attention,
             "tiers.gpu_update_units": choice.gpu_updates,
             "tiers.gpu_resident_gb": fixed(t.gpu_resident_gb),
         }
