@@ -130,6 +130,15 @@ class PlanCommand:
             check_target("--chart", chart)
 
 
+def _packed(path: str) -> bool:
+    """Whether data.path names a file of packed samples (as the run's loader finds: Job.segmented)."""
+    if not path.endswith(".bin"):
+        return False
+    from .tokenfile import masked  # numpy: only where a file is named
+
+    return masked(path)
+
+
 def plan_command(cmd: PlanCommand, chart: str | None = None):
     """(the plan of `cmd` with its report, with the nearest plans that fit where it misses; the plan of one GPU at
     the same batch, for several), every flag checked first: one line for what cannot be planned."""
@@ -153,6 +162,7 @@ def plan_command(cmd: PlanCommand, chart: str | None = None):
             advise=advise,
             gpus=gpus or c.gpus,
             per_host=per_host,
+            segmented=_packed(conf.data.path),
         )
 
     def near(args: list[str]):

@@ -116,6 +116,20 @@ def open_tokens(path: str | os.PathLike, key: str = "data.path") -> TokenFile:
     return TokenFile(tokens, starts, mask)
 
 
+def masked(path: str | os.PathLike) -> bool:
+    """Whether a token file holds samples with a loss mask (a version 2 .bin with the flag: rows of several
+    samples, attended to apart), from its header alone; False for any other file, or one that cannot be read
+    (opening it says why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER2.size)
+    except OSError:
+        return False
+    if len(head) < HEADER2.size or head[:8] != MAGIC or HEADER2.unpack(head)[1] != 2:
+        return False
+    return bool(HEADER2.unpack(head)[6] & MASKED)
+
+
 def token_vocab(path: str | os.PathLike) -> int:
     """The vocabulary size a .bin file records (0: none recorded, or a .npy file)."""
     if Path(path).suffix != ".bin":
