@@ -85,7 +85,8 @@ class TrainConfig:
     keep_activations: int | Auto = "auto"
     # the last recomputed blocks whose attention outputs (and log-sum-exps) stay on the GPU from the forward pass, so
     # that their recompute runs no attention (those whose attention is causal over the whole row, with cuDNN's or
-    # flash's kernel, fp32 checkpoints and unsegmented rows); "auto": as many as the GPU memory the plan leaves holds
+    # flash's kernel and rows of one sample); "auto": where the plan tiles the blocks, as many as the GPU memory it
+    # leaves holds
     keep_attention: int | Auto = "auto"
     # tokens per tile of a block (model/tiled.py: norms, projections and MLP over tiles of the sequence, the
     # attention a head group at a time); "auto": the plan's (tiles of 8192 tokens where the untiled MLP's working
