@@ -354,3 +354,20 @@ def test_a_kept_block_from_a_bf16_checkpoint_holds_one_copy_more_as_planned(toke
     tokens, H = 8 * 32, 64
     assert held["bfloat16"] - held["float32"] == 2 * tokens * H * 4
     assert held["bfloat16 plan"] - held["float32 plan"] == pytest.approx(3 * KEPT_SLACK * tokens * H * 4)
+
+
+def test_a_replayed_backward_holds_the_deterministic_mode_alone():
+    """The replay's deterministic backward (a GPU's) switches torch's mode as the hooks do: on inside, as it was
+    after, an error inside included."""
+    with attn._deterministic(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+    assert (
+        not torch.are_deterministic_algorithms_enabled()
+        and torch.utils.deterministic.fill_uninitialized_memory
+    )
+    with pytest.raises(ValueError), attn._deterministic(True):
+        raise ValueError
+    assert not torch.are_deterministic_algorithms_enabled()
+    with attn._deterministic(False):
+        assert not torch.are_deterministic_algorithms_enabled()

@@ -102,24 +102,26 @@ def _deterministic_backward(o: torch.Tensor, direct: bool = False) -> None:
     else:
         return
     before: list = []
+    node.register_prehook(lambda grad_outputs: before.append(_deterministic_on()))
+    node.register_hook(lambda grad_inputs, grad_outputs: _deterministic_off(before.pop()))
+
+
+def _deterministic_on() -> tuple:
+    """Torch's deterministic mode on for a kernel's backward; what it was, for _deterministic_off."""
     fill = torch.utils.deterministic
+    was = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        fill.fill_uninitialized_memory,
+    )
+    fill.fill_uninitialized_memory = False  # the kernel writes its outputs whole: no NaN fill first
+    _set_deterministic(True, False)
+    return was
 
-    def on(grad_outputs):
-        was = (
-            torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled(),
-        )
-        before.append((was, fill.fill_uninitialized_memory))
-        fill.fill_uninitialized_memory = False  # the kernel writes its outputs whole: no NaN fill first
-        _set_deterministic(True, False)
 
-    def off(grad_inputs, grad_outputs):
-        was, filled = before.pop()
-        _set_deterministic(*was)
-        fill.fill_uninitialized_memory = filled
-
-    node.register_prehook(on)
-    node.register_hook(off)
+def _deterministic_off(was: tuple) -> None:
+    _set_deterministic(*was[:2])
+    torch.utils.deterministic.fill_uninitialized_memory = was[2]
 
 
 def _set_deterministic(mode: bool, warn_only: bool) -> None:
@@ -191,11 +193,8 @@ def _own_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
     else:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
-    return (
-        r[0],
-        r[1],
-        tuple(r[2:8]),
-    )  # the sequences' offsets and lengths, the random state: dropout's, unused
+    # beside the output and log-sum-exp: the sequences' offsets and lengths, the random state (dropout's, unused)
+    return r[0], r[1], tuple(r[2:8])
 
 
 class _Replayed(torch.autograd.Function):
@@ -233,21 +232,12 @@ class _Replayed(torch.autograd.Function):
 @contextlib.contextmanager
 def _deterministic(on: bool):
     """Torch's deterministic mode around a kernel's backward where asked (as _deterministic_backward's hooks)."""
-    if not on:
-        yield
-        return
-    was = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    fill = torch.utils.deterministic
-    filled, fill.fill_uninitialized_memory = fill.fill_uninitialized_memory, False
-    _set_deterministic(True, False)
+    was = _deterministic_on() if on else None
     try:
         yield
     finally:
-        _set_deterministic(*was)
-        fill.fill_uninitialized_memory = filled
+        if was is not None:
+            _deterministic_off(was)
 
 
 def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, deterministic: bool) -> torch.Tensor:
