@@ -69,12 +69,12 @@ def _update_sets(s, where: dict) -> int:
 def kept_attention(s, mem: Memory, where: dict) -> Memory:
     """The last recomputed blocks whose attention outputs and log-sum-exps stay on the GPU from the forward pass
     (every micro-batch's), so that their recompute runs no attention: the choice's, else, where the plan tiles the
-    blocks (long rows, whose step is mostly attention), as many as the GPU memory left holds after one GPU update's
-    two state sets (shorter rows keep none unless asked: a few percent of their step at best, in memory the plan
-    gives to checkpoints, resident state and kept blocks as measured); none where nothing could keep them (a kernel
+    blocks (long rows, whose step is mostly attention), as many as the GPU memory left holds, none kept for GPU
+    updates (shorter rows keep none unless asked: a few percent of their step at best, in memory the plan gives
+    to checkpoints, resident state and kept blocks as measured); none where nothing could keep them (a kernel
     with no such ops, rows of segments: plan.attention.check_kept)."""
     job, spec, rp = s.job, s.job.spec, s.run_plan
-    blocks = [b for b in keeping_blocks(spec, job.seq_len) if b <= spec.num_hidden_layers - mem.kept]
+    blocks = attention_blocks(spec, job.seq_len, mem.kept)
     per_block = KEPT_SLACK * s.tokens * attention_out_bytes(spec, job.dtype)
     keep = s.choice.keep_attention
     if not blocks or not keeps_outputs(rp.attention, s.hw.unified, spec.hd) or job.segmented:
@@ -87,6 +87,13 @@ def kept_attention(s, mem: Memory, where: dict) -> Memory:
     if not kept:
         return mem
     return replace(mem, gpu=replace(mem.gpu, kept_attention=kept * per_block), kept_attention=kept)
+
+
+def attention_blocks(spec, seq_len: int, kept: int) -> list[int]:
+    """The blocks that may keep their attention outputs, in the order the plan takes them (the last first):
+    recomputed ones (below the `kept` last blocks) whose attention is causal over the whole row."""
+    nl = spec.num_hidden_layers
+    return [b for b in keeping_blocks(spec, seq_len) if b <= nl - kept][::-1]
 
 
 def gpu_candidates(in_ram: list[int], kb: dict) -> list[int]:

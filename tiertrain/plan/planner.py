@@ -30,9 +30,8 @@ from ..modes import Home, Kind
 from ..sizes import budget, gb
 from ..tiers.placement import alternate_from_last, copy_bytes, gpu_updated
 from ..tiers.slab import host_cost
-from .attention import keeping_blocks
 from .hardware import HardwareSpec
-from .kept import gpu_candidates
+from .kept import attention_blocks, gpu_candidates
 from .memory import GPU_RESERVE, Fit, memory_fit
 from .runplan import unit_plans
 from .times import links, step_times, with_updates
@@ -361,7 +360,7 @@ def planned(job: Job, mem: Memory, fit: Fit, best: Candidate) -> Plan:
     host = alternate_from_last([u for u in fit.in_ram if u not in set(gpu)], len(fit.in_ram))
     nl = spec.num_hidden_layers
     homes = checkpoint_homes(nl - mem.kept, mem.checkpoints)
-    outs = [b for b in keeping_blocks(spec, job.seq_len) if b <= nl - mem.kept][::-1][: mem.kept_attention]
+    outs = attention_blocks(spec, job.seq_len, mem.kept)[: mem.kept_attention]
     units = unit_plans(
         [u.name for u in spec.units()],
         fit.where,
